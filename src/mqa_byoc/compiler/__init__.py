@@ -1,0 +1,1 @@
+"""Compile time: canonicalization, patterns, partition, codegen. Needs the full apache-tvm wheel."""

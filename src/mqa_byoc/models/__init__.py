@@ -1,0 +1,1 @@
+"""Model builders used by the demo, the GPU tests and the benchmarks."""
