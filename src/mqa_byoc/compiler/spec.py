@@ -23,6 +23,12 @@ class AttentionSpec:
     causal: bool  # FA2 causal: bottom-right aligned
     window_left: int = -1  # -1: unbounded
     window_right: int = -1
+    # Memory layout of each composite parameter / of the output: "BSNH" (FA2's own) or "BNSH".
+    # A BNSH tensor reaches FA2 as strides, so no transpose kernel copies K/V.
+    q_layout: str = "BSNH"
+    k_layout: str = "BSNH"
+    v_layout: str = "BSNH"
+    out_layout: str = "BSNH"
 
     @property
     def group_size(self) -> int:
@@ -34,21 +40,47 @@ class AttentionSpec:
 
 
 def spec_from_composite(func) -> AttentionSpec:
-    """Read an :class:`AttentionSpec` off a ``flash_attn.*`` composite (see docs/design.md)."""
+    """Read an :class:`AttentionSpec` off a ``flash_attn.*`` composite (see docs/design.md).
+
+    The composite body is ``R.nn.attention`` on BSNH operands; an operand may be
+    ``permute_dims(param, [0, 2, 1, 3])`` (a BNSH parameter) and the result may be permuted
+    the same way (a BNSH output).
+    """
     from tvm import relax  # compile time only
 
-    call = func.body.blocks[0].bindings[-1].value if func.body.blocks else func.body.body
-    if not (isinstance(call, relax.Call) and call.op.name == "relax.nn.attention"):
-        # the composite body is `R.nn.attention(...)`, possibly returned directly
-        call = func.body.body
-    if isinstance(call, relax.Var):
-        call = _binding_of(func, call)
-    if not (isinstance(call, relax.Call) and getattr(call.op, "name", "") == "relax.nn.attention"):
+    bindings = {b.var: b.value for block in func.body.blocks for b in block.bindings}
+
+    def value_of(e):
+        while isinstance(e, relax.Var) and e in bindings:
+            e = bindings[e]
+        return e
+
+    def op_name(e):
+        return e.op.name if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) else ""
+
+    import tvm
+
+    out_layout = "BSNH"
+    call = value_of(func.body.body)
+    if op_name(call) == "relax.permute_dims":
+        _require_swap_13(call)
+        out_layout = "BNSH"
+        call = value_of(call.args[0])
+    if op_name(call) != "relax.nn.attention":
         raise ValueError(f"composite body is not a single R.nn.attention call:\n{func}")
+
+    layouts = []
+    for arg in call.args[:3]:
+        a = value_of(arg)
+        if op_name(a) == "relax.permute_dims":
+            _require_swap_13(a)
+            layouts.append("BNSH")
+        else:
+            layouts.append("BSNH")
     q, k, v = (a.ty for a in call.args[:3])
-    _, _, h, d = (int(x) for x in _static(q.shape.values, "q"))
-    _, _, hkv, dk = (int(x) for x in _static(k.shape.values, "k"))
-    dv = int(v.shape.values[3])
+    _, _, h, d = _static(q.shape.values, "q")
+    _, _, hkv, dk = _static(k.shape.values, "k")
+    _, _, _, dv = _static(v.shape.values, "v")
     if dk != d:
         raise ValueError(f"q head dim {d} != k head dim {dk}")
     attrs = call.attrs
@@ -56,7 +88,13 @@ def spec_from_composite(func) -> AttentionSpec:
     causal = attrs.causal_mask is not None
     window = attrs.window_size
     wl, wr = (-1, -1) if window is None else (int(window) - 1, 0)
-    return AttentionSpec(h, hkv, d, dv, str(q.dtype), scale, causal, wl, wr)
+    return AttentionSpec(h, hkv, d, dv, str(q.dtype), scale, causal, wl, wr, *layouts, out_layout)
+
+
+def _require_swap_13(call):
+    axes = [int(a) for a in call.attrs.axes] if call.attrs.axes is not None else None
+    if axes != [0, 2, 1, 3]:
+        raise ValueError(f"composite permutes with axes {axes}; only [0, 2, 1, 3] is a layout change")
 
 
 def _static(values, what):
@@ -66,12 +104,4 @@ def _static(values, what):
     for i in (2, 3):
         if not isinstance(out[i], tirx.IntImm):
             raise ValueError(f"{what}: heads and head dim must be static, got shape {out}")
-    return [int(x) if isinstance(x, tirx.IntImm) else 0 for x in out]
-
-
-def _binding_of(func, var):
-    for block in func.body.blocks:
-        for b in block.bindings:
-            if b.var.same_as(var):
-                return b.value
-    return None
+    return [int(x) if isinstance(x, tirx.IntImm) else None for x in out]
