@@ -1,0 +1,402 @@
+"""Find every attention in a Relax function and decide whether FA2 computes it exactly.
+
+Two kinds of roots are recognized:
+- ``R.nn.attention`` / ``R.nn.attention_bias`` calls (BSNH operands);
+- explicit chains ``matmul(softmax(mask/scale(matmul(Q, K^T))), V)`` in 4-D (B, N, S, D) or in
+  3-D batched-matmul form (B*N, S, D), as emitted by TVM's own rewrite, mlc-llm and TVM's PyTorch
+  frontend.
+Operands are traced back with :mod:`.trace` to their pre-expansion sources; everything FA2 would
+compute differently becomes a readable ``reason``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tvm import relax, tirx
+
+from . import masks
+from .spec import MAX_HEAD_DIM, SUPPORTED_DTYPES
+from .trace import BROADCAST, TILE, Bindings, Traced, as_int, op_name, prove_equal, shape_of, trace
+
+_ELEMENTWISE_BETWEEN = (
+    "relax.astype", "relax.multiply", "relax.divide", "relax.add", "relax.maximum", "relax.minimum",
+    "relax.where", "relax.reshape", "relax.broadcast_to",
+)
+
+
+@dataclass
+class AttentionSite:
+    function: str
+    root: relax.Var
+    form: str  # "R.nn.attention" | "matmul-softmax chain"
+    q: Traced | None = None
+    k: Traced | None = None
+    v: Traced | None = None
+    num_q_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    dtype: str | None = None
+    scale: float | None = None  # None: 1/sqrt(D)
+    mask: masks.MaskKind = masks.NO_MASK
+    causal_attr: str | None = None  # causal_mask attribute of an R.nn.attention root
+    out_labels: list = field(default_factory=list)
+    reason: str | None = None
+    note: str | None = None
+    # chain pieces kept for the rewrite
+    mask_ops: list = field(default_factory=list)
+
+    @property
+    def expansion_ops(self):
+        return [op for t in (self.k, self.v) if t is not None for op in t.expansion_ops]
+
+    @property
+    def expansion(self):
+        return self.k.expansion if self.k is not None else None
+
+    def reject(self, reason):
+        if self.reason is None:
+            self.reason = reason
+        return self
+
+
+def find_sites(func_name: str, func: relax.Function, evaluator: masks.MaskEvaluator,
+               allow_kv_expansion: bool = True) -> list[AttentionSite]:
+    """Every attention root in ``func``; with ``allow_kv_expansion`` K/V are traced through
+    expansions to their pre-expansion sources, else an expansion is where the trace stops."""
+    bindings = Bindings(func)
+    sites = []
+    for var, value in bindings.value.items():
+        name = op_name(value)
+        if name in ("relax.nn.attention", "relax.nn.attention_bias"):
+            sites.append(_attention_call_site(func_name, var, value, bindings, evaluator,
+                                              allow_kv_expansion))
+        elif name == "relax.matmul":
+            site = _chain_site(func_name, var, value, bindings, evaluator, allow_kv_expansion)
+            if site is not None:
+                sites.append(site)
+    return sites
+
+
+# ----------------------------------------------------------------------------- R.nn.attention roots
+def _attention_call_site(func_name, var, call, bindings, evaluator, allow_kv_expansion=True):
+    site = AttentionSite(func_name, var, "R.nn.attention", out_labels=["B", "S", "H", "D"])
+    bsnh = ["B", "S", "H", "D"]
+    site.q = trace(call.args[0], bsnh, bindings, allow_expansion=False, fold_scale=True)
+    site.k = trace(call.args[1], bsnh, bindings, allow_expansion=allow_kv_expansion)
+    site.v = trace(call.args[2], bsnh, bindings, allow_expansion=allow_kv_expansion)
+    attrs = call.attrs
+    site.scale = float(attrs.scale.value) if attrs.scale is not None else None
+    site.causal_attr = attrs.causal_mask
+    _common_checks(site)
+    if site.reason:
+        return site
+    if site.q.scale != 1.0:  # a constant multiplied into the query scales the logits
+        site.scale = (site.scale if site.scale is not None else 1.0 / site.head_dim ** 0.5) * site.q.scale
+    if len(call.args) > 3 and call.args[3] is not None:
+        if attrs.causal_mask is not None or attrs.window_size is not None:
+            return site.reject("a bias together with a causal mask or window")
+        site.mask_ops = [("add", call.args[3])]
+        _prove_masks(site, bindings, evaluator, post_scale=1.0)
+        return site
+    return _attention_attr_checks(site, attrs)
+
+
+def _attention_attr_checks(site, attrs):
+    s_q, s_kv = _seq_len(site.q), _seq_len(site.k)
+    window = int(attrs.window_size) if attrs.window_size is not None else None
+    if attrs.causal_mask == "TopLeft" and not prove_equal(s_q, s_kv):
+        return site.reject("TopLeft causal mask with S_q != S_kv (FA2's causal is bottom-right aligned)")
+    if attrs.causal_mask == "BottomRight" and not (prove_equal(s_q, s_kv) or _analyzer_le(s_q, s_kv)):
+        return site.reject("BottomRight causal mask where S_q <= S_kv is not provable")
+    if window is not None and window < 1:
+        return site.reject(f"window_size {window} < 1")
+    site.mask = masks.MaskKind(attrs.causal_mask is not None or window is not None, window)
+    return site
+
+
+def check_attention_call(call, operand_values) -> AttentionSite:
+    """The partition's verdict on an ``R.nn.attention`` call whose operands are either plain
+    tensors or ``permute_dims(x, [0, 2, 1, 3])`` of BNSH tensors (``operand_values`` maps an
+    operand var to its bound value). Used as the pattern check, so that it agrees with the
+    analysis on every call the canonicalization did not touch."""
+    site = AttentionSite("", None, "R.nn.attention", out_labels=["B", "S", "H", "D"])
+    traced = []
+    for arg in call.args[:3]:
+        value = operand_values.get(arg)
+        if op_name(value) == "relax.permute_dims" and [int(a) for a in value.attrs.axes] == [0, 2, 1, 3]:
+            traced.append(Traced(value.args[0], ["B", "H", "S", "D"]))
+        else:
+            traced.append(Traced(arg, ["B", "S", "H", "D"]))
+    site.q, site.k, site.v = traced
+    site.scale = float(call.attrs.scale.value) if call.attrs.scale is not None else None
+    site.causal_attr = call.attrs.causal_mask
+    if op_name(call) != "relax.nn.attention":
+        return site.reject("attention with a bias")
+    _common_checks(site)
+    if site.reason:
+        return site
+    return _attention_attr_checks(site, call.attrs)
+
+
+def _analyzer_le(a, b):
+    """a <= b, knowing that shape variables are non-negative."""
+    import tvm
+    from tvm.sym import Analyzer
+
+    ana = Analyzer()
+    for var in tirx.analysis.undefined_vars(a - b, []):
+        ana.bind(var, tvm.ir.Range.from_min_extent(0, 1 << 40))
+    return ana.can_prove(tirx.LE(a, b))
+
+
+# ----------------------------------------------------------------------------- explicit chains
+def _is_batch_view(value) -> bool:
+    """astype, a no-op broadcast_to, or a reshape that only merges/splits the leading (batch, head)
+    axes: the frontend's 3-D batched-matmul plumbing around attention probabilities and scores."""
+    name = op_name(value)
+    if name == "relax.astype":
+        return True
+    if name not in ("relax.reshape", "relax.broadcast_to"):
+        return False
+    a, b = shape_of(value.args[0]), shape_of(value)
+    if a is None or b is None or len(a) < 2 or len(b) < 2:
+        return False
+    if name == "relax.broadcast_to":
+        return len(a) == len(b) and all(prove_equal(x, y) for x, y in zip(a, b))
+    return prove_equal(a[-1], b[-1]) and prove_equal(a[-2], b[-2]) and prove_equal(
+        _prod(a[:-2]), _prod(b[:-2]))
+
+
+def _prod(xs):
+    out = 1
+    for x in xs:
+        out = out * x
+    return out
+
+
+def _strip_views(expr, bindings):
+    while _is_batch_view(bindings.get(expr)):
+        expr = bindings.get(expr).args[0]
+    return expr
+
+
+def _reaches_matmul(expr, bindings, depth=8):
+    for _ in range(depth):
+        value = bindings.get(expr)
+        name = op_name(value)
+        if name == "relax.matmul":
+            return True
+        if name not in _ELEMENTWISE_BETWEEN:
+            return False
+        # follow the operand that is not a constant
+        nxt = [a for a in value.args if isinstance(a, relax.Var) and bindings.resolve_scalar(a) is None]
+        if name == "relax.where":
+            nxt = [a for a in value.args[1:] if isinstance(a, relax.Var)]
+        if not nxt:
+            return False
+        if len(nxt) > 1:
+            return any(_reaches_matmul(n, bindings, depth - 1) for n in nxt)
+        expr = nxt[0]
+    return False
+
+
+def _chain_site(func_name, var, value, bindings, evaluator, allow_kv_expansion=True):
+    probs = _strip_views(value.args[0], bindings)
+    softmax = bindings.get(probs)
+    if op_name(softmax) != "relax.nn.softmax":
+        return None
+    ndim = len(shape_of(softmax) or [])
+    if int(softmax.attrs.axis) not in (-1, ndim - 1):
+        return None
+    x = softmax.args[0]
+    post_scale = 1.0
+    mask_ops = []
+    problem = None
+    qk = None
+    for _ in range(16):
+        xv = bindings.get(x)
+        name = op_name(xv)
+        if name == "relax.matmul":
+            qk = xv
+            break
+        if _is_batch_view(xv):
+            x = xv.args[0]
+        elif name in ("relax.multiply", "relax.divide"):
+            c = bindings.resolve_scalar(xv.args[1])
+            other = xv.args[0]
+            if c is None and name == "relax.multiply":
+                c, other = bindings.resolve_scalar(xv.args[0]), xv.args[1]
+            if c is None:
+                problem = f"scores are scaled by a non-constant ({name.split('.')[-1]})"
+                break
+            if name == "relax.divide":
+                if c == 0:
+                    problem = "scores divided by zero"
+                    break
+                c = 1.0 / c
+            post_scale *= c
+            x = other
+        elif name in ("relax.add", "relax.minimum", "relax.maximum"):
+            a, b = xv.args
+            scores, mask = (a, b) if _reaches_matmul(a, bindings) else (b, a)
+            if name == "relax.maximum":
+                c = bindings.resolve_scalar(mask)
+                if c is None or c * post_scale > masks.MASKED_LOGIT_BOUND or post_scale <= 0:
+                    problem = "scores clamped by maximum() with something other than a large negative constant"
+                    break
+            else:
+                if name == "relax.minimum" and post_scale <= 0:
+                    problem = "a minimum() mask followed by a negative scale"
+                    break
+                mask_ops.append(("add" if name == "relax.add" else "min", mask, post_scale))
+            x = scores
+        elif name == "relax.where":
+            cond, a, b = xv.args
+            if _reaches_matmul(a, bindings):
+                kind, fill, scores = "where-keep", b, a
+            else:
+                kind, fill, scores = "where-drop", a, b
+            c = bindings.resolve_scalar(fill)
+            if c is None or c * post_scale > masks.MASKED_LOGIT_BOUND:
+                problem = "where() fills masked scores with something other than a large negative constant"
+                break
+            mask_ops.append((kind, cond, post_scale))
+            x = scores
+        else:
+            problem = f"unsupported op '{name or type(xv).__name__}' between Q@K^T and softmax"
+            break
+    if qk is None and problem is None:
+        return None
+    site = AttentionSite(func_name, var, "matmul-softmax chain")
+    if problem:
+        return site.reject(problem)
+    q_expr, kt_expr, v_expr = qk.args[0], qk.args[1], value.args[1]
+    nd = len(shape_of(q_expr) or [])
+    if nd == 4:
+        q_lab, kt_lab, v_lab = ["B", "H", "S", "D"], ["B", "H", "D", "S"], ["B", "H", "S", "D"]
+    elif nd == 3:
+        q_lab, kt_lab, v_lab = ["BH", "S", "D"], ["BH", "D", "S"], ["BH", "S", "D"]
+    else:
+        return site.reject(f"{nd}-D attention matmuls")
+    site.out_labels = list(q_lab)
+    site.q = trace(q_expr, q_lab, bindings, allow_expansion=False, fold_scale=True)
+    site.k = trace(kt_expr, kt_lab, bindings, allow_expansion=allow_kv_expansion)
+    site.v = trace(v_expr, v_lab, bindings, allow_expansion=allow_kv_expansion)
+    site.scale = post_scale * site.q.scale
+    site.mask_ops = [(kind, m) for kind, m, _ in mask_ops]
+    _common_checks(site)
+    if site.reason:
+        return site
+    _prove_masks(site, bindings, evaluator, scales=[s for *_, s in mask_ops])
+    return site
+
+
+# ----------------------------------------------------------------------------- checks
+def _seq_len(t: Traced):
+    return shape_of(t.source)[t.labels.index("S")]
+
+
+def _heads(t: Traced):
+    return shape_of(t.source)[t.labels.index("Hkv" if "Hkv" in t.labels else "H")]
+
+
+def _common_checks(site: AttentionSite):
+    q, k, v = site.q, site.k, site.v
+    for name, t in (("K", k), ("V", v)):
+        if t.problem:
+            return site.reject(f"{name}: {t.problem}")
+    for name, t in (("Q", q), ("K", k), ("V", v)):
+        if t.layout() is None:
+            return site.reject(f"{name} reaches attention through an unsupported layout {t.labels}")
+        if shape_of(t.source) is None:
+            return site.reject(f"{name} has an unknown shape")
+    if "Hkv" in q.labels:
+        return site.reject("the query is expanded")
+    if (k.expansion, k.factor) != (v.expansion, v.factor):
+        return site.reject(f"K and V are expanded differently ({k.expansion} x{k.factor} vs {v.expansion} x{v.factor})")
+    qs, ks, vs = shape_of(q.source), shape_of(k.source), shape_of(v.source)
+    dtypes = {str(t.source.ty.dtype) for t in (q, k, v)}
+    site.dtype = str(q.source.ty.dtype)
+    h = as_int(_heads(q))
+    hkv = as_int(_heads(k))
+    d = as_int(qs[q.labels.index("D")])
+    dk = as_int(ks[k.labels.index("D")])
+    dv = as_int(vs[v.labels.index("D")])
+    site.num_q_heads, site.head_dim = h, d
+    if k.expansion is None and h is not None and hkv == 1 and h != 1 and site.form != "R.nn.attention":
+        k.expansion = v.expansion = BROADCAST  # MQA through matmul broadcasting
+        k.factor = v.factor = h
+    site.num_kv_heads = hkv
+    if None in (h, hkv, d, dk, dv):
+        return site.reject("the head count or head dim is symbolic")
+    if len(dtypes) != 1:
+        return site.reject(f"Q, K and V have different dtypes {sorted(dtypes)}")
+    if site.dtype not in SUPPORTED_DTYPES:
+        return site.reject(f"dtype {site.dtype}: FA2 supports float16 and bfloat16 "
+                           "(run relax.transform.ToMixedPrecision first for float32 graphs)")
+    if not (dk == d == dv):
+        return site.reject(f"head dims differ (q {d}, k {dk}, v {dv})")
+    if d > MAX_HEAD_DIM or d % 8:
+        return site.reject(f"head dim {d}: FA2 needs a multiple of 8 up to {MAX_HEAD_DIM}")
+    if k.expansion is None:
+        if hkv != h and site.form != "R.nn.attention":
+            return site.reject(f"{h} query heads against {hkv} K/V heads without an expansion")
+    else:
+        if hkv * k.factor != h:
+            return site.reject(f"K/V expanded {hkv} x {k.factor} heads, but the query has {h}")
+        if k.expansion == TILE and hkv != 1:
+            return site.reject("K/V expanded with tile: query head h would use K/V head h % H_kv, "
+                               "FA2 uses h // (H / H_kv)")
+    if h % hkv:
+        return site.reject(f"{h} query heads are not a multiple of {hkv} K/V heads")
+    b_q, b_k, b_v = (shape_of(t.source)[t.labels.index("B")] for t in (q, k, v))
+    if not (prove_equal(b_q, b_k) and prove_equal(b_q, b_v)):
+        return site.reject("Q, K and V batch sizes differ")
+    if not prove_equal(_seq_len(k), _seq_len(v)):
+        return site.reject("K and V sequence lengths differ")
+    return site
+
+
+def _prove_masks(site, bindings, evaluator, post_scale=None, scales=None):
+    if not site.mask_ops:
+        site.mask = masks.NO_MASK
+        return
+    scales = scales or [post_scale] * len(site.mask_ops)
+    s_q, s_kv = _seq_len(site.q), _seq_len(site.k)
+    sym = set()
+    for e in (s_q, s_kv):
+        if not isinstance(e, tirx.IntImm):
+            sym.update(tirx.analysis.undefined_vars(e, []))
+    kinds = set()
+    try:
+        for values in masks.sample_bindings([s_q, s_kv], sym):
+            sq, skv = (_substitute(e, values) for e in (s_q, s_kv))
+            if sq is None or skv is None or sq > skv:
+                continue  # lengths a decode/prefill graph never has (more queries than keys)
+            allowed = None
+            for (kind, mask_expr), scale in zip(site.mask_ops, scales):
+                value = evaluator.evaluate(mask_expr, bindings, values)
+                a = masks.allowed_from_mask(kind, value, sq, skv, scale)
+                allowed = a if allowed is None else allowed & a
+            kinds.add(masks.classify_allowed(allowed))
+    except masks.MaskError as err:
+        site.reject(str(err))
+        return
+    if len(kinds) != 1:
+        site.reject("the mask is not the same causal/window mask at every sequence length")
+        return
+    if not kinds:
+        site.reject("no sample sequence lengths with S_q <= S_kv to check the mask at")
+        return
+    site.mask = kinds.pop()
+
+
+def _substitute(expr, values):
+    from tvm.sym import Analyzer
+
+    ana = Analyzer()
+    for var, value in values.items():
+        ana.bind(var, value)
+    out = ana.simplify(expr)
+    return int(out) if isinstance(out, tirx.IntImm) else None

@@ -1,0 +1,179 @@
+"""Prove that a mask in an explicit attention chain is a causal (or sliding-window) mask.
+
+FA2 computes only position masks: none, causal (bottom-right aligned) and a sliding window. A mask
+tensor in the graph is offloaded only when it is built from shapes alone (constants, arange,
+comparisons, call_tir of shape-only PrimFuncs, ...): we evaluate its sub-graph on the CPU at compile
+time and compare it element by element with FA2's mask. With symbolic lengths the sub-graph is
+evaluated at several sample lengths. A mask that depends on a runtime input (a padding mask, a
+bias) is rejected.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+from tvm import relax, tirx
+from tvm.ir.expr import Constant
+
+from .trace import Bindings, op_name
+
+# A masked logit must vanish after softmax. FA2 masks to exactly zero weight; a graph's mask gives
+# exp(masked - rowmax) which is 0 in float32 below about -104 and in every case below this bound.
+MASKED_LOGIT_BOUND = -1.0e4
+_SAMPLE_LENGTHS = (1, 2, 5, 16, 37)
+
+
+class MaskError(Exception):
+    """The mask is not something FA2 computes; the message is the user-facing reason."""
+
+
+@dataclass(frozen=True)
+class MaskKind:
+    causal: bool
+    window: int | None  # w keys including the diagonal, bottom-right aligned
+
+
+NO_MASK = MaskKind(False, None)
+
+
+def classify_allowed(allowed: np.ndarray) -> MaskKind:
+    """Classify a boolean (S_q, S_kv) visibility matrix as FA2 mask parameters."""
+    s_q, s_kv = allowed.shape
+    if allowed.all():
+        return NO_MASK
+    i = np.arange(s_q)[:, None]
+    j = np.arange(s_kv)[None, :]
+    diag = i + (s_kv - s_q)  # FA2: query i sees keys j <= i + S_kv - S_q
+    causal = j <= diag
+    if not allowed.any(axis=1).all():
+        raise MaskError("the mask hides every key from some query row (FA2 returns zeros there)")
+    if np.array_equal(allowed, causal):
+        return MaskKind(True, None)
+    if np.array_equal(allowed, j <= i) and s_q != s_kv:
+        raise MaskError("top-left aligned causal mask with S_q != S_kv (FA2's causal is bottom-right)")
+    for w in range(1, s_kv + 1):
+        if np.array_equal(allowed, causal & (j > diag - w)):
+            return MaskKind(True, w)
+    raise MaskError("the mask is not a causal or sliding-window mask")
+
+
+class MaskEvaluator:
+    """Evaluates shape-only sub-graphs of one module, with a cache per mask variable."""
+
+    def __init__(self, mod: tvm.IRModule):
+        self.mod = mod
+        self._cache = {}
+
+    def evaluate(self, expr, bindings: Bindings, sym_values: dict) -> np.ndarray:
+        """Value of ``expr`` with symbolic variables bound to ``sym_values``."""
+        if isinstance(expr, Constant):
+            return expr.value.numpy()
+        key = (expr, tuple(sorted((v.name, int(x)) for v, x in sym_values.items())))
+        if key not in self._cache:
+            self._cache[key] = self._run(expr, bindings, sym_values)
+        return self._cache[key]
+
+    def _run(self, expr, bindings: Bindings, sym_values):
+        needed, order = set(), []
+
+        def visit(e):
+            if isinstance(e, relax.Var):
+                if e in bindings.params:
+                    raise MaskError(f"the mask depends on the runtime input '{e.name}'")
+                value = bindings.get(e)
+                if value is None:
+                    raise MaskError(f"the mask comes from '{e.name}', which is not a binding")
+                if e in needed:
+                    return
+                needed.add(e)
+                for sub in _children(value):
+                    visit(sub)
+                order.append(e)
+            elif isinstance(e, relax.Tuple):
+                for f in e.fields:
+                    visit(f)
+
+        visit(expr)
+        if len(order) > 200:
+            raise MaskError("the mask sub-graph is too large to evaluate at compile time")
+        block_bindings = [relax.VarBinding(v, bindings.value[v]) for v in order]
+        out = relax.Var("mask_value", expr.ty)
+        block_bindings.append(relax.VarBinding(out, expr))
+        if any(isinstance(v, relax.DataflowVar) for v in order):
+            blocks = [relax.DataflowBlock(block_bindings)]
+        else:
+            blocks = [relax.BindingBlock(block_bindings)]
+        func = relax.Function([], relax.SeqExpr(blocks, out), ret_ty=expr.ty)
+        free = relax.analysis.free_symbolic_vars(func)
+        missing = [v for v in free if v not in sym_values]
+        if missing:
+            raise MaskError(f"the mask shape depends on {missing}, unrelated to the attention shapes")
+        func = func.bind_symbolic_vars({v: sym_values[v] for v in free})
+        mod = tvm.IRModule({"mask_main": func.with_attr("global_symbol", "mask_main")})
+        for gv, f in self.mod.functions.items():
+            if isinstance(f, tirx.PrimFunc):
+                mod[gv] = f
+        try:
+            ex = relax.build(mod, target="llvm")
+            vm = relax.VirtualMachine(ex, tvm.cpu())
+            return vm["mask_main"]().numpy()
+        except Exception as err:  # noqa: BLE001 - any failure means "cannot prove"
+            raise MaskError(f"the mask could not be evaluated at compile time ({type(err).__name__})")
+
+
+def _children(value):
+    if isinstance(value, relax.Call):
+        return list(value.args)
+    if isinstance(value, relax.Tuple):
+        return list(value.fields)
+    if isinstance(value, relax.TupleGetItem):
+        return [value.tuple_value]
+    return []
+
+
+def sample_bindings(exprs, sym_vars) -> list[dict]:
+    """Concrete values for the symbolic variables, a handful of combinations."""
+    sym_vars = sorted(set(sym_vars), key=lambda v: v.name)
+    if not sym_vars:
+        return [{}]
+    combos = itertools.product(_SAMPLE_LENGTHS, repeat=len(sym_vars))
+    picked = list(itertools.islice(combos, 0, None, max(1, len(_SAMPLE_LENGTHS) ** len(sym_vars) // 8)))
+    return [dict(zip(sym_vars, c)) for c in picked]
+
+
+def allowed_from_mask(kind: str, value: np.ndarray, s_q: int, s_kv: int, post_scale: float) -> np.ndarray:
+    """Visibility matrix of a mask operand, one (S_q, S_kv) slice shared by every batch and head.
+
+    kind: "add" (additive mask), "min" (minimum(scores, mask): a large value keeps the score),
+    "where-keep" (where(cond, scores, fill): True keeps), "where-drop" (where(cond, fill, scores)).
+    """
+    value = np.asarray(value)
+    if value.ndim > 4:
+        raise MaskError("the mask has more than 4 dimensions")
+    v4 = value.reshape((1,) * (4 - value.ndim) + value.shape)
+    try:
+        full = np.broadcast_to(v4, v4.shape[:2] + (s_q, s_kv))
+    except ValueError:
+        raise MaskError(f"the mask of shape {value.shape} does not broadcast to ({s_q}, {s_kv})") from None
+    first = full[0, 0]
+    if not all(np.array_equal(full[b, h], first) for b in range(full.shape[0]) for h in range(full.shape[1])):
+        raise MaskError("the mask differs between batches or heads (a padding mask or a bias)")
+    if kind in ("where-keep", "where-drop"):
+        allowed = first.astype(bool)
+        return allowed if kind == "where-keep" else ~allowed
+    first = first.astype("float64")
+    if kind == "add":
+        visible = first == 0
+        hidden = first * post_scale <= MASKED_LOGIT_BOUND
+    elif kind == "min":
+        big = np.finfo(np.float16).max
+        visible = first >= big
+        hidden = first * post_scale <= MASKED_LOGIT_BOUND
+    else:
+        raise AssertionError(kind)
+    if not (visible | hidden).all():
+        raise MaskError("the mask holds values that are neither 0 nor a large negative number (a bias)")
+    return visible

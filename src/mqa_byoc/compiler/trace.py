@@ -1,0 +1,243 @@
+"""Trace an attention operand back through layout and K/V-expansion ops to its source tensor.
+
+Real graphs reach attention through many equivalent op sequences (permute, 3-D batched-matmul
+reshapes, no-op broadcast_to/astype, repeat, HF's expand_dims -> broadcast_to -> reshape, tile).
+Instead of one dataflow pattern per sequence, we walk backwards and keep a *label* per axis:
+"B" batch, "H" query-head count, "Hkv" K/V heads, "R" the repeat factor axis, "S"/"D" sequence and
+head dim, "BH" a merged batch*head axis. Any sequence of ops whose labels end as a permutation of
+(B, S, Hkv|H, D) on a source tensor is a K/V expansion we can remove, whatever its spelling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import tvm
+from tvm import relax, tirx
+from tvm.ir.expr import Constant
+from tvm.sym import Analyzer
+
+_ANALYZER = Analyzer()
+
+# Expansion kinds. "repeat" and "broadcast" give query head h the K/V head h // r (what FA2 computes);
+# "tile" gives h % H_kv, which is only the same when H_kv == 1.
+REPEAT, BROADCAST, TILE = "repeat", "broadcast", "tile"
+
+
+def op_name(expr) -> str:
+    return expr.op.name if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) else ""
+
+
+def shape_of(expr):
+    ty = expr.ty
+    if not isinstance(ty, relax.TensorType) or ty.shape is None:
+        return None
+    shape = ty.shape
+    return list(shape.values) if isinstance(shape, relax.ShapeExpr) else None
+
+
+def prove_equal(a, b) -> bool:
+    return _ANALYZER.can_prove_equal(tirx.const(a, "int64") if isinstance(a, int) else a,
+                                     tirx.const(b, "int64") if isinstance(b, int) else b)
+
+
+def as_int(x):
+    return int(x) if isinstance(x, (int, tirx.IntImm)) else None
+
+
+@dataclass
+class Traced:
+    """Result of tracing one operand."""
+
+    source: relax.Expr  # the tensor before any layout/expansion op
+    labels: list  # labels of the source axes
+    expansion: str | None = None  # REPEAT / BROADCAST / TILE / None
+    factor: int = 1  # heads after expansion / heads before
+    expansion_ops: list = field(default_factory=list)  # bound vars of the expansion ops passed
+    ops: list = field(default_factory=list)  # every bound var passed (layout ops included)
+    upcast_from: str | None = None  # dtype before an astype to float32 that we looked through
+    scale: float = 1.0  # constant factors multiplied into the operand (query side)
+    problem: str | None = None  # why the trace is unusable
+
+    def layout(self) -> str | None:
+        core = [lab for lab in self.labels]
+        head = "Hkv" if "Hkv" in core else "H"
+        if core == ["B", "S", head, "D"]:
+            return "BSNH"
+        if core == ["B", head, "S", "D"]:
+            return "BNSH"
+        return None
+
+
+class Bindings:
+    """Var -> bound value for a whole function, plus use counts."""
+
+    def __init__(self, func: relax.Function):
+        self.value = {}
+        self.block_of = {}
+        for i, block in enumerate(func.body.blocks):
+            for b in block.bindings:
+                if isinstance(b, relax.VarBinding):
+                    self.value[b.var] = b.value
+                    self.block_of[b.var] = i
+        self.params = set(func.params)
+
+    def get(self, expr):
+        return self.value.get(expr) if isinstance(expr, relax.Var) else None
+
+    def resolve_scalar(self, expr):
+        """A constant scalar (possibly astype'd / reshaped), as a Python float, else None."""
+        while True:
+            if isinstance(expr, Constant):
+                arr = expr.value.numpy()
+                if arr.size == 0:
+                    return None
+                flat = arr.reshape(-1).astype("float64")
+                return float(flat[0]) if (flat == flat[0]).all() else None
+            v = self.get(expr)
+            if v is None or op_name(v) not in ("relax.astype", "relax.reshape", "relax.broadcast_to"):
+                return None
+            expr = v.args[0]
+
+
+def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: bool = False) -> Traced:
+    """Walk back from ``expr`` whose axes carry ``labels`` (see module docstring).
+
+    ``allow_expansion``: pass through K/V head expansions (else stop before them);
+    ``fold_scale``: pass through multiplication by a constant (the query side), kept in ``scale``.
+    """
+    t = Traced(source=expr, labels=list(labels))
+    while True:
+        value = bindings.get(expr)
+        name = op_name(value)
+        out_shape = shape_of(expr)
+        if value is None or out_shape is None:
+            break
+        arg = value.args[0] if name else None
+        in_shape = shape_of(arg) if arg is not None else None
+        labels = t.labels
+        new_labels = None
+        expansion = None
+
+        if name == "relax.astype":
+            src_dtype, dst_dtype = str(arg.ty.dtype), str(expr.ty.dtype)
+            if src_dtype == dst_dtype:
+                new_labels = labels
+            elif dst_dtype == "float32" and src_dtype in ("float16", "bfloat16"):
+                # an exact up-cast: FA2 accumulates in float32 anyway
+                t.upcast_from = src_dtype
+                new_labels = labels
+        elif name == "relax.permute_dims":
+            axes = value.attrs.axes
+            axes = list(range(len(labels)))[::-1] if axes is None else [int(a) for a in axes]
+            new_labels = [None] * len(labels)
+            for i, a in enumerate(axes):
+                new_labels[a] = labels[i]
+        elif name in ("relax.reshape", "relax.broadcast_to") and in_shape is not None and \
+                len(in_shape) == len(out_shape) and all(prove_equal(a, b) for a, b in zip(in_shape, out_shape)):
+            new_labels = labels  # a no-op
+        elif name == "relax.reshape" and in_shape is not None:
+            new_labels = _unreshape(labels, in_shape, out_shape)
+            if new_labels is not None and "H0" in new_labels:
+                expansion = "split"
+        elif name == "relax.broadcast_to" and in_shape is not None and len(in_shape) == len(out_shape):
+            new_labels, expansion = _unbroadcast(labels, in_shape, out_shape)
+        elif name == "relax.expand_dims" and in_shape is not None:
+            axes = [int(a) % len(out_shape) for a in value.attrs.axis]
+            if all(labels[a] == "R" and as_int(out_shape[a]) == 1 for a in axes):
+                new_labels = [lab for i, lab in enumerate(labels) if i not in axes]
+                expansion = "expand_dims"
+        elif name == "relax.repeat":
+            axis = int(value.attrs.axis) % len(labels) if value.attrs.axis is not None else None
+            if axis is not None and labels[axis] == "H":
+                new_labels = list(labels)
+                new_labels[axis] = "Hkv"
+                expansion = REPEAT
+                t.factor = int(value.attrs.repeats)
+        elif name == "relax.tile":
+            reps = [int(r) for r in value.attrs.repeats]
+            reps = [1] * (len(labels) - len(reps)) + reps
+            moved = [i for i, r in enumerate(reps) if r != 1]
+            if len(moved) == 1 and labels[moved[0]] == "H":
+                new_labels = list(labels)
+                new_labels[moved[0]] = "Hkv"
+                expansion = TILE
+                t.factor = reps[moved[0]]
+        elif name == "relax.multiply" and fold_scale:
+            # a constant scale folded into the query
+            for a, b in ((value.args[0], value.args[1]), (value.args[1], value.args[0])):
+                c = bindings.resolve_scalar(b)
+                if c is not None and shape_of(a) is not None and len(shape_of(a)) == len(out_shape):
+                    t.scale *= c
+                    arg = a
+                    new_labels = labels
+                    break
+
+        if new_labels is None or any(lab is None for lab in new_labels):
+            break
+        if expansion is not None:
+            if not allow_expansion:
+                break
+            t.expansion_ops.append(expr)
+            if expansion in (REPEAT, TILE, BROADCAST):
+                if t.expansion is not None:
+                    t.problem = "K/V heads expanded twice"
+                t.expansion = expansion
+                if expansion == BROADCAST:
+                    t.factor = as_int(out_shape[labels.index("H")])
+            elif expansion in ("broadcast-r", "broadcast-r-outer"):
+                # HF repeat_kv: (B, Hkv, 1, S, D) -> (B, Hkv, r, S, D) -> (B, Hkv*r, S, D) groups
+                # query head h with K/V head h // r; broadcasting the outer factor groups h % Hkv.
+                if t.expansion is not None:
+                    t.problem = "K/V heads expanded twice"
+                t.expansion = REPEAT if expansion == "broadcast-r" else TILE
+                t.factor = as_int(out_shape[new_labels.index("R")])
+        t.ops.append(expr)
+        t.labels = new_labels
+        expr = arg
+        t.source = expr
+
+    if any(lab in ("H0", "H1", "R") for lab in t.labels):
+        t.problem = "K/V head axis reshaped without a recognized expansion"
+    return t
+
+
+def _unreshape(labels, in_shape, out_shape):
+    """Labels of a reshape's input, when it only splits/merges labelled axes we understand."""
+    # merge: (B, H, a, b) -> (B*H, a, b)
+    if len(in_shape) == len(out_shape) + 1 and labels[0] == "BH":
+        if prove_equal(in_shape[0] * in_shape[1], out_shape[0]) and all(
+            prove_equal(x, y) for x, y in zip(in_shape[2:], out_shape[1:])
+        ):
+            return ["B", "H"] + list(labels[1:])
+    # split of the head axis: (.., H, ..) <- (.., Hkv, R, ..)  (HF repeat_kv)
+    if len(in_shape) == len(out_shape) + 1 and "H" in labels:
+        p = labels.index("H")
+        if all(prove_equal(x, y) for x, y in zip(in_shape[:p], out_shape[:p])) and all(
+            prove_equal(x, y) for x, y in zip(in_shape[p + 2:], out_shape[p + 1:])
+        ) and prove_equal(in_shape[p] * in_shape[p + 1], out_shape[p]):
+            return list(labels[:p]) + ["H0", "H1"] + list(labels[p + 1:])
+    # merged batch*head on the output side: (B*H, a, b) <- (B, H, a, b) handled above; the reverse
+    # (a 4-D view of a 3-D batched matmul): (B, H, a, b) <- (B*H, a, b)
+    if len(in_shape) + 1 == len(out_shape) and labels[:2] == ["B", "H"]:
+        if prove_equal(out_shape[0] * out_shape[1], in_shape[0]) and all(
+            prove_equal(x, y) for x, y in zip(in_shape[1:], out_shape[2:])
+        ):
+            return ["BH"] + list(labels[2:])
+    return None
+
+
+def _unbroadcast(labels, in_shape, out_shape):
+    grown = [i for i, (a, b) in enumerate(zip(in_shape, out_shape)) if not prove_equal(a, b)]
+    if len(grown) != 1 or as_int(in_shape[grown[0]]) != 1:
+        return None, None
+    axis = grown[0]
+    if labels[axis] in ("H0", "H1"):  # the broadcast half of a split head axis is the repeat factor
+        inner = labels[axis] == "H1"
+        renamed = {"H0": "Hkv", "H1": "R"} if inner else {"H0": "R", "H1": "Hkv"}
+        return [renamed.get(lab, lab) for lab in labels], "broadcast-r" if inner else "broadcast-r-outer"
+    if labels[axis] == "H":  # MQA: a single K/V head broadcast to all query heads
+        new = list(labels)
+        new[axis] = "Hkv"
+        return new, BROADCAST
+    return None, None

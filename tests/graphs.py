@@ -1,0 +1,239 @@
+"""Relax graphs of K/V-expanded attention in the forms real compile scripts and frontends emit.
+
+Each builder returns an IRModule with one function ``main``; shapes are small but head counts and
+head dims are real. ``s`` / ``s_kv`` may be ints or names of symbolic variables.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from tvm import relax, tirx
+from tvm.relax import op as R
+
+F16 = "float16"
+
+
+def _dim(x, cache):
+    if isinstance(x, str):
+        if x not in cache:
+            cache[x] = tirx.Var(x, "int64")
+        return cache[x]
+    return x
+
+
+def _tensor(shape, dtype):
+    return relax.TensorType(shape, dtype)
+
+
+def _finish(bb):
+    return bb.get()
+
+
+def attention_repeat_bsnh(h=8, hkv=2, d=64, s="n", s_kv=None, b=1, dtype=F16, causal="BottomRight",
+                          scale=None, window=None, expand="repeat"):
+    """Form 1: ``R.nn.attention(q, R.repeat(k, r, axis=2), R.repeat(v, r, axis=2))`` in BSNH.
+    ``expand`` = "repeat" | "tile" | "broadcast" (the last for h_kv == 1) | "none" (form 6)."""
+    syms = {}
+    s_, skv_ = _dim(s, syms), _dim(s_kv if s_kv is not None else s, syms)
+    b_ = _dim(b, syms)
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", _tensor([b_, s_, h, d], dtype))
+    k = relax.Var("k", _tensor([b_, skv_, hkv, d], dtype))
+    v = relax.Var("v", _tensor([b_, skv_, hkv, d], dtype))
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            kk, vv = k, v
+            r = h // hkv
+            if expand == "repeat":
+                kk = bb.emit(R.repeat(k, r, axis=2))
+                vv = bb.emit(R.repeat(v, r, axis=2))
+            elif expand == "tile":
+                kk = bb.emit(R.tile(k, [1, 1, r, 1]))
+                vv = bb.emit(R.tile(v, [1, 1, r, 1]))
+            elif expand == "broadcast":
+                kk = bb.emit(R.broadcast_to(k, [b_, skv_, h, d]))
+                vv = bb.emit(R.broadcast_to(v, [b_, skv_, h, d]))
+            o = bb.emit_output(R.nn.attention(q, kk, vv, scale=scale, causal_mask=causal, window_size=window))
+        bb.emit_func_output(o)
+    return _finish(bb)
+
+
+def attention_repeat_bnsh(h=8, hkv=2, d=64, s="n", b=1, dtype=F16, causal="BottomRight"):
+    """Form 5: ``relax.repeat`` on axis 1 in BNSH, permuted to BSNH for ``R.nn.attention``."""
+    syms = {}
+    s_ = _dim(s, syms)
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", _tensor([b, h, s_, d], dtype))
+    k = relax.Var("k", _tensor([b, hkv, s_, d], dtype))
+    v = relax.Var("v", _tensor([b, hkv, s_, d], dtype))
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            r = h // hkv
+            kk = bb.emit(R.repeat(k, r, axis=1))
+            vv = bb.emit(R.repeat(v, r, axis=1))
+            qt, kt, vt = (bb.emit(R.permute_dims(x, [0, 2, 1, 3])) for x in (q, kk, vv))
+            o = bb.emit(R.nn.attention(qt, kt, vt, causal_mask=causal))
+            o = bb.emit_output(R.permute_dims(o, [0, 2, 1, 3]))
+        bb.emit_func_output(o)
+    return _finish(bb)
+
+
+def upstream_3d_chain(h=8, hkv=2, d=64, s=16, b=1, dtype=F16, scale=None, cast_scale=True):
+    """Form 2: TVM upstream's explicit chain (``make_attention_rewrite_pattern(with_kv_repeat=True)``):
+    repeat -> permute [0,2,1,3] -> reshape (B*N, S, D); K also permuted [0,2,1]; matmul; multiply by
+    a constant (astype'd); astype float32; softmax; astype; matmul; reshape 4-D; permute back."""
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", _tensor([b, s, h, d], dtype))
+    k = relax.Var("k", _tensor([b, s, hkv, d], dtype))
+    v = relax.Var("v", _tensor([b, s, hkv, d], dtype))
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            r = h // hkv
+            q3 = bb.emit(R.reshape(bb.emit(R.permute_dims(q, [0, 2, 1, 3])), [b * h, s, d]))
+            k3 = bb.emit(R.reshape(bb.emit(R.permute_dims(bb.emit(R.repeat(k, r, axis=2)), [0, 2, 1, 3])), [b * h, s, d]))
+            v3 = bb.emit(R.reshape(bb.emit(R.permute_dims(bb.emit(R.repeat(v, r, axis=2)), [0, 2, 1, 3])), [b * h, s, d]))
+            kt = bb.emit(R.permute_dims(k3, [0, 2, 1]))
+            sc = bb.emit(R.matmul(q3, kt))
+            c = relax.const(scale, "float32")
+            c = bb.emit(R.astype(c, dtype)) if cast_scale else relax.const(scale, dtype)
+            sc = bb.emit(R.multiply(sc, c))
+            p = bb.emit(R.astype(R.nn.softmax(bb.emit(R.astype(sc, "float32")), axis=-1), dtype))
+            o = bb.emit(R.matmul(p, v3))
+            o = bb.emit(R.reshape(o, [b, h, s, d]))
+            o = bb.emit_output(R.permute_dims(o, [0, 2, 1, 3]))
+        bb.emit_func_output(o)
+    return _finish(bb)
+
+
+def causal_mask_np(s_q, s_kv, visible, hidden, dtype):
+    i = np.arange(s_q)[:, None]
+    j = np.arange(s_kv)[None, :]
+    return np.where(j <= i + s_kv - s_q, visible, hidden).astype(dtype)[None, None]
+
+
+def mlc_4d_chain(h=8, hkv=2, d=64, s=16, s_kv=None, b=1, dtype=F16, divide=True, mask="minimum",
+                 mask_const=None):
+    """Form 3: mlc-llm 2023 Llama: repeat axis 2 (BSNH), permute to BNSH, matmul with K permuted
+    [0,1,3,2], divide (or multiply) by a constant sqrt(d), mask (maximum/minimum, add or where),
+    astype float32 around softmax, matmul, permute back, reshape (B, S, H*D).
+    ``mask``: "minimum" | "add" | "where" | "none" | "runtime" (a mask function parameter).
+    ``mask_const``: override the mask constant (numpy) to build a non-causal bias."""
+    s_kv = s if s_kv is None else s_kv
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", _tensor([b, s, h, d], dtype))
+    k = relax.Var("k", _tensor([b, s_kv, hkv, d], dtype))
+    v = relax.Var("v", _tensor([b, s_kv, hkv, d], dtype))
+    params = [q, k, v]
+    m_param = None
+    if mask == "runtime":
+        m_param = relax.Var("mask", _tensor([b, 1, s, s_kv], dtype))
+        params.append(m_param)
+    fmin = float(np.finfo(np.float16).min)
+    fmax = float(np.finfo(np.float16).max)
+    with bb.function("main", params):
+        with bb.dataflow():
+            r = h // hkv
+            kk = bb.emit(R.repeat(k, r, axis=2))
+            vv = bb.emit(R.repeat(v, r, axis=2))
+            qt, kt, vt = (bb.emit(R.permute_dims(x, [0, 2, 1, 3])) for x in (q, kk, vv))
+            sc = bb.emit(R.matmul(qt, bb.emit(R.permute_dims(kt, [0, 1, 3, 2]))))
+            if divide:
+                sc = bb.emit(R.divide(sc, relax.const(math.sqrt(d), dtype)))
+            else:
+                sc = bb.emit(R.multiply(sc, relax.const(1.0 / math.sqrt(d), dtype)))
+            if mask == "minimum":
+                sc = bb.emit(R.maximum(sc, relax.const(fmin, dtype)))
+                m = mask_const if mask_const is not None else causal_mask_np(s, s_kv, fmax, fmin, dtype)
+                sc = bb.emit(R.minimum(sc, relax.const(m)))
+            elif mask == "add":
+                m = mask_const if mask_const is not None else causal_mask_np(s, s_kv, 0, fmin, dtype)
+                sc = bb.emit(R.add(sc, relax.const(m)))
+            elif mask == "where":
+                m = mask_const if mask_const is not None else causal_mask_np(s, s_kv, True, False, "bool")
+                sc = bb.emit(R.where(relax.const(m), sc, relax.const(fmin, dtype)))
+            elif mask == "runtime":
+                sc = bb.emit(R.add(sc, m_param))
+            p = bb.emit(R.astype(R.nn.softmax(bb.emit(R.astype(sc, "float32")), axis=-1), dtype))
+            o = bb.emit(R.matmul(p, vt))
+            o = bb.emit(R.permute_dims(o, [0, 2, 1, 3]))
+            o = bb.emit_output(R.reshape(o, [b, s, h * d]))
+        bb.emit_func_output(o)
+    return _finish(bb)
+
+
+def hf_repeat_kv_chain(h=8, hkv=2, d=64, s=16, b=1, dtype=F16, compute_dtype="float32", outer=False,
+                       mqa_broadcast=False):
+    """Form 4 (as TVM's PyTorch frontend emits HF ``repeat_kv`` + eager attention, after
+    ToMixedPrecision keeps softmax in float32): BNSH; ``expand_dims(axis=2)`` -> 5-D
+    ``broadcast_to`` (B, H_kv, r, S, D) -> ``reshape`` (B, H, S, D); 3-D batched matmuls with no-op
+    broadcast_to / reshape around them; multiply by the scale; add a causal mask built from arange
+    and comparisons; softmax; astype; matmul. ``outer``: expand on axis 1 instead (h % H_kv)."""
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", _tensor([b, h, s, d], dtype))
+    k = relax.Var("k", _tensor([b, hkv, s, d], dtype))
+    v = relax.Var("v", _tensor([b, hkv, s, d], dtype))
+    r = h // hkv
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            def repeat_kv(x):
+                if mqa_broadcast:
+                    return bb.emit(R.broadcast_to(x, [b, h, s, d]))
+                if outer:
+                    e = bb.emit(R.expand_dims(x, axis=[1]))
+                    e = bb.emit(R.broadcast_to(e, [b, r, hkv, s, d]))
+                else:
+                    e = bb.emit(R.expand_dims(x, axis=[2]))
+                    e = bb.emit(R.broadcast_to(e, [b, hkv, r, s, d]))
+                return bb.emit(R.reshape(e, [b, h, s, d]))
+
+            kk, vv = repeat_kv(k), repeat_kv(v)
+            kt = bb.emit(R.permute_dims(kk, [0, 1, 3, 2]))
+            q_b = bb.emit(R.broadcast_to(q, [b, h, s, d]))  # the frontend's no-op broadcast
+            q3 = bb.emit(R.reshape(q_b, [b * h, s, d]))
+            k3 = bb.emit(R.reshape(bb.emit(R.broadcast_to(kt, [b, h, d, s])), [b * h, d, s]))
+            sc = bb.emit(R.reshape(bb.emit(R.matmul(q3, k3)), [b, h, s, s]))
+            sc = bb.emit(R.multiply(sc, relax.const(1.0 / math.sqrt(d), dtype)))
+            # HF's causal mask, from positions: min where key > query, else 0
+            pos = bb.emit(R.arange(0, s, 1, "int64"))
+            rows = bb.emit(R.reshape(pos, [s, 1]))
+            future = bb.emit(R.greater(pos, rows))
+            fmin = float(np.finfo(np.float16).min)
+            mask = bb.emit(R.where(future, relax.const(fmin, dtype), relax.const(0.0, dtype)))
+            mask = bb.emit(R.reshape(mask, [1, 1, s, s]))
+            sc = bb.emit(R.add(sc, mask))
+            p = bb.emit(R.astype(R.nn.softmax(bb.emit(R.astype(sc, compute_dtype)), axis=-1), dtype))
+            p3 = bb.emit(R.reshape(bb.emit(R.broadcast_to(p, [b, h, s, s])), [b * h, s, s]))
+            v3 = bb.emit(R.reshape(bb.emit(R.broadcast_to(vv, [b, h, s, d])), [b * h, s, d]))
+            o = bb.emit(R.reshape(bb.emit(R.matmul(p3, v3)), [b, h, s, d]))
+            o = bb.emit(R.permute_dims(o, [0, 2, 1, 3]))
+            o = bb.emit_output(R.reshape(o, [b, s, h * d]))
+        bb.emit_func_output(o)
+    return _finish(bb)
+
+
+def count_ops(mod, name, function="main"):
+    """Number of calls to the op ``name`` in ``function`` (not counting composite bodies)."""
+    func = mod[function]
+    n = 0
+
+    def visit(e):
+        nonlocal n
+        if isinstance(e, relax.Call) and getattr(e.op, "name", None) == name:
+            n += 1
+
+    relax.analysis.post_order_visit(func.body, visit)
+    return n
+
+
+def composites(mod):
+    out = []
+    for gv, f in mod.functions.items():
+        if isinstance(f, relax.Function) and f.attrs is not None and "Codegen" in f.attrs:
+            def visit(e):
+                if isinstance(e, relax.Function) and e.attrs is not None and "Composite" in e.attrs:
+                    out.append(str(e.attrs["Composite"]))
+            relax.analysis.post_order_visit(f.body, visit)
+    return sorted(out)
