@@ -46,8 +46,11 @@ def spec_from_composite(func) -> AttentionSpec:
     ``permute_dims(param, [0, 2, 1, 3])`` (a BNSH parameter) and the result may be permuted
     the same way (a BNSH output).
     """
-    from tvm import relax  # compile time only
+    import tvm  # compile time only
+    from tvm import relax
 
+    if not isinstance(func, relax.Function):
+        raise ValueError(f"expected a flash_attn.* composite relax.Function, got {type(func).__name__}")
     bindings = {b.var: b.value for block in func.body.blocks for b in block.bindings}
 
     def value_of(e):
@@ -57,8 +60,6 @@ def spec_from_composite(func) -> AttentionSpec:
 
     def op_name(e):
         return e.op.name if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) else ""
-
-    import tvm
 
     out_layout = "BSNH"
     call = value_of(func.body.body)
@@ -78,17 +79,31 @@ def spec_from_composite(func) -> AttentionSpec:
         else:
             layouts.append("BSNH")
     q, k, v = (a.ty for a in call.args[:3])
-    _, _, h, d = _static(q.shape.values, "q")
-    _, _, hkv, dk = _static(k.shape.values, "k")
-    _, _, _, dv = _static(v.shape.values, "v")
-    if dk != d:
-        raise ValueError(f"q head dim {d} != k head dim {dk}")
+    _, _, h, d = _static(q, "q")
+    _, _, hkv, dk = _static(k, "k")
+    _, _, hv, dv = _static(v, "v")
+    dtypes = [str(t.dtype) for t in (q, k, v)]
+    if len(set(dtypes)) != 1:
+        raise ValueError(f"q, k, v dtypes differ: {dtypes}; FA2 needs one dtype")
+    dtype = dtypes[0]
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {dtype} is not supported by FA2 (supported: {', '.join(SUPPORTED_DTYPES)})")
+    if dk != d or dv != d:
+        raise ValueError(f"head dims differ: q {d}, k {dk}, v {dv}; FA2 needs one head dim")
+    if d > MAX_HEAD_DIM or d % 8 != 0:
+        raise ValueError(f"head dim {d} is not supported by FA2 (needs D <= {MAX_HEAD_DIM} and D % 8 == 0)")
+    if hv != hkv:
+        raise ValueError(f"k has {hkv} heads but v has {hv}")
+    if hkv < 1 or hkv > h or h % hkv != 0:
+        raise ValueError(f"{h} query heads cannot share {hkv} K/V heads (need H % H_kv == 0, H_kv <= H)")
     attrs = call.attrs
     scale = float(attrs.scale.value) if attrs.scale is not None else AttentionSpec.default_scale(d)
     causal = attrs.causal_mask is not None
     window = attrs.window_size
+    if window is not None and int(window) < 1:
+        raise ValueError(f"window_size must be >= 1, got {int(window)}")
     wl, wr = (-1, -1) if window is None else (int(window) - 1, 0)
-    return AttentionSpec(h, hkv, d, dv, str(q.dtype), scale, causal, wl, wr, *layouts, out_layout)
+    return AttentionSpec(h, hkv, d, dv, dtype, scale, causal, wl, wr, *layouts, out_layout)
 
 
 def _require_swap_13(call):
@@ -97,10 +112,14 @@ def _require_swap_13(call):
         raise ValueError(f"composite permutes with axes {axes}; only [0, 2, 1, 3] is a layout change")
 
 
-def _static(values, what):
-    from tvm import tirx
+def _static(ty, what):
+    from tvm import relax, tirx
 
-    out = list(values)
+    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+        raise ValueError(f"{what}: needs a tensor type with a known shape, got {ty}")
+    out = list(ty.shape.values)
+    if len(out) != 4:
+        raise ValueError(f"{what}: must be 4-D BSNH, got shape {out}")
     for i in (2, 3):
         if not isinstance(out[i], tirx.IntImm):
             raise ValueError(f"{what}: heads and head dim must be static, got shape {out}")
