@@ -1,0 +1,393 @@
+// mqa_byoc FA2 forward dispatcher: fills flash-attn's Flash_fwd_params from raw pointers, shapes
+// and strides, picks split-KV or not, allocates the small workspaces and calls one of the kernel
+// entry points compiled from fa2_kernel_entry.cu. Host code only; no torch, no Python.
+//
+// The kernel entries are referenced weakly, so this object links with whatever subset was built;
+// a call that needs a missing one fails with a message saying how to build it.
+
+#include "fa2_dispatch.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "flash.h"  // flash-attn's Flash_fwd_params (from the fetched sources)
+
+namespace {
+
+using Params = FLASH_NAMESPACE::Flash_fwd_params;
+using EntryFn = void (*)(Params*, cudaStream_t);
+
+}  // namespace
+
+// ---- weak references to every kernel entry fa2_kernel_entry.cu can produce -------------------
+
+#define MQA_BYOC_DT_CAUSAL(X, hd) X(hd, fp16, ) X(hd, fp16, _causal) X(hd, bf16, ) X(hd, bf16, _causal)
+#define MQA_BYOC_ALL(X)                                                                     \
+  MQA_BYOC_DT_CAUSAL(X, 32) MQA_BYOC_DT_CAUSAL(X, 64) MQA_BYOC_DT_CAUSAL(X, 96)             \
+  MQA_BYOC_DT_CAUSAL(X, 128) MQA_BYOC_DT_CAUSAL(X, 192) MQA_BYOC_DT_CAUSAL(X, 256)
+
+#define MQA_BYOC_DECL(hd, dt, c)                                                             \
+  extern "C" __attribute__((weak, visibility("hidden"))) void                               \
+      mqa_byoc_fa2_fwd_hdim##hd##_##dt##c(Params*, cudaStream_t);                            \
+  extern "C" __attribute__((weak, visibility("hidden"))) void                               \
+      mqa_byoc_fa2_fwd_split_hdim##hd##_##dt##c(Params*, cudaStream_t);
+MQA_BYOC_ALL(MQA_BYOC_DECL)
+
+namespace {
+
+struct Entry {
+  int hdim;
+  int is_bf16;
+  int causal;
+  EntryFn fwd;
+  EntryFn split;
+};
+
+#define MQA_BYOC_IS_BF16_fp16 0
+#define MQA_BYOC_IS_BF16_bf16 1
+#define MQA_BYOC_ROW(hd, dt, c)                                                             \
+  {hd, MQA_BYOC_IS_BF16_##dt, sizeof(#c) > 1, &mqa_byoc_fa2_fwd_hdim##hd##_##dt##c,          \
+   &mqa_byoc_fa2_fwd_split_hdim##hd##_##dt##c},
+const Entry kEntries[] = {MQA_BYOC_ALL(MQA_BYOC_ROW)};
+
+const Entry* find_entry(int hdim, int is_bf16, int causal) {
+  for (const Entry& e : kEntries) {
+    if (e.hdim == hdim && e.is_bf16 == (is_bf16 != 0) && e.causal == (causal != 0)) return &e;
+  }
+  return nullptr;
+}
+
+thread_local std::string g_last_error;
+
+int fail(const std::string& msg) {
+  g_last_error = msg;
+  return 1;
+}
+
+int kernel_hdim(int64_t d) {
+  static const int dims[] = {32, 64, 96, 128, 192, 256};
+  for (int x : dims)
+    if (d <= x) return x;
+  return -1;
+}
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Same rule as flash-attn's split heuristic: if the (batch x heads x m-blocks) grid nearly fills the
+// SMs, no split; else the smallest split count whose wave efficiency is >= 85% of the best one.
+int num_splits_heuristic(int batch_nheads_mblocks, int num_sms, int num_n_blocks, int max_splits) {
+  if (batch_nheads_mblocks >= 0.8f * num_sms) return 1;
+  max_splits = std::min({max_splits, num_sms, num_n_blocks});
+  if (max_splits < 1) return 1;
+  auto ceildiv = [](int a, int b) { return (a + b - 1) / b; };
+  // a split count is useless if it gives the same blocks per split as one fewer split
+  auto eligible = [&](int s) {
+    return s == 1 || ceildiv(num_n_blocks, s) != ceildiv(num_n_blocks, s - 1);
+  };
+  std::vector<float> eff(max_splits + 1, 0.f);
+  float best = 0.f;
+  for (int s = 1; s <= max_splits; ++s) {
+    if (!eligible(s)) continue;
+    float waves = float(batch_nheads_mblocks) * s / num_sms;
+    eff[s] = waves / std::ceil(waves);
+    best = std::max(best, eff[s]);
+  }
+  for (int s = 1; s <= max_splits; ++s) {
+    if (eligible(s) && eff[s] >= 0.85f * best) return s;
+  }
+  return 1;
+}
+
+std::mutex g_mu;
+std::vector<int> g_num_sms;              // per device, 0 = unknown
+std::vector<cudaMemPool_t> g_pools;      // per device, nullptr = not created
+std::vector<char> g_pool_failed;         // per device
+
+int num_sms(int device) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (device >= static_cast<int>(g_num_sms.size())) g_num_sms.resize(device + 1, 0);
+  if (g_num_sms[device] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) {
+      cudaGetLastError();
+      return 0;
+    }
+    g_num_sms[device] = n;
+  }
+  return g_num_sms[device];
+}
+
+// A private stream-ordered pool per device that keeps its memory (the workspaces are small and
+// needed on every call); falls back to the device's default pool.
+cudaMemPool_t workspace_pool(int device) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (device >= static_cast<int>(g_pools.size())) {
+    g_pools.resize(device + 1, nullptr);
+    g_pool_failed.resize(device + 1, 0);
+  }
+  if (g_pools[device] == nullptr && !g_pool_failed[device]) {
+    cudaMemPoolProps props;
+    std::memset(&props, 0, sizeof(props));
+    props.allocType = cudaMemAllocationTypePinned;
+    props.handleTypes = cudaMemHandleTypeNone;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    cudaMemPool_t pool = nullptr;
+    if (cudaMemPoolCreate(&pool, &props) == cudaSuccess) {
+      uint64_t keep = UINT64_MAX;
+      cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+      g_pools[device] = pool;
+    } else {
+      cudaGetLastError();
+      g_pool_failed[device] = 1;
+    }
+  }
+  return g_pools[device];
+}
+
+struct DeviceGuard {
+  int prev = -1;
+  bool changed = false;
+  cudaError_t set(int device) {
+    cudaError_t e = cudaGetDevice(&prev);
+    if (e != cudaSuccess) return e;
+    if (prev != device) {
+      e = cudaSetDevice(device);
+      if (e != cudaSuccess) return e;
+      changed = true;
+    }
+    return cudaSuccess;
+  }
+  ~DeviceGuard() {
+    if (changed) cudaSetDevice(prev);
+  }
+};
+
+std::string kernel_name(int hdim, int is_bf16, int causal) {
+  std::ostringstream os;
+  os << "hdim" << hdim << (is_bf16 ? " bf16" : " fp16") << (causal ? " causal" : "");
+  return os.str();
+}
+
+std::string arch_of(int device) {
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    cudaGetLastError();
+    return "";
+  }
+  return "sm_" + std::to_string(major * 10 + minor);
+}
+
+bool fits_int(int64_t x) { return x >= 0 && x <= INT_MAX; }
+
+}  // namespace
+
+extern "C" const char* mqa_byoc_fa2_last_error(void) { return g_last_error.c_str(); }
+
+extern "C" int mqa_byoc_fa2_kernel_available(int hdim, int is_bf16, int causal, int split) {
+  const Entry* e = find_entry(hdim, is_bf16, causal);
+  if (e == nullptr) return 0;
+  return (split ? e->split : e->fwd) != nullptr ? 1 : 0;
+}
+
+extern "C" int mqa_byoc_fa2_forward(const void* q, const void* k, const void* v, void* out,
+                                    int64_t batch, int64_t seqlen_q, int64_t seqlen_k,
+                                    int64_t num_heads, int64_t num_heads_k, int64_t head_dim,
+                                    const int64_t* q_stride, const int64_t* k_stride,
+                                    const int64_t* v_stride, const int64_t* o_stride, int is_bf16,
+                                    float softmax_scale, int causal, int window_left,
+                                    int window_right, int device_id, void* stream_handle) {
+  g_last_error.clear();
+  // ---- checks (the wrapper checks shapes against the compiled spec; these guard the C API) ----
+  if (!fits_int(batch) || !fits_int(seqlen_q) || !fits_int(seqlen_k) || num_heads <= 0 ||
+      num_heads_k <= 0 || !fits_int(num_heads) || !fits_int(num_heads_k)) {
+    return fail("bad sizes: B=" + std::to_string(batch) + " S_q=" + std::to_string(seqlen_q) +
+                " S_kv=" + std::to_string(seqlen_k) + " H=" + std::to_string(num_heads) +
+                " H_kv=" + std::to_string(num_heads_k));
+  }
+  if (head_dim <= 0 || head_dim > 256 || head_dim % 8 != 0) {
+    return fail("FA2 needs a head dim that is a multiple of 8 and at most 256, got " +
+                std::to_string(head_dim));
+  }
+  if (num_heads % num_heads_k != 0) {
+    return fail("H=" + std::to_string(num_heads) + " is not a multiple of H_kv=" +
+                std::to_string(num_heads_k));
+  }
+  if (q_stride == nullptr || k_stride == nullptr || v_stride == nullptr || o_stride == nullptr) {
+    return fail("null stride array");
+  }
+  if (q_stride[3] != 1 || k_stride[3] != 1 || v_stride[3] != 1 || o_stride[3] != 1) {
+    return fail("q, k, v and out must have a contiguous last (head dim) axis");
+  }
+  if (batch == 0 || seqlen_q == 0) return 0;
+  if (q == nullptr || k == nullptr || v == nullptr || out == nullptr) return fail("null data pointer");
+  if (!std::isfinite(softmax_scale)) return fail("softmax scale is not finite");
+
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
+  DeviceGuard guard;
+  cudaError_t err = guard.set(device_id);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return fail(std::string("cannot select CUDA device ") + std::to_string(device_id) + ": " +
+                cudaGetErrorString(err));
+  }
+  cudaGetLastError();  // clear a stale error of this runtime so it is not blamed on the launch
+
+  if (seqlen_k == 0) {  // no keys: FA2 defines the output as zeros
+    const int64_t compact[4] = {seqlen_q * num_heads * head_dim, num_heads * head_dim, head_dim, 1};
+    if (std::memcmp(o_stride, compact, sizeof(compact)) != 0) return fail("S_kv == 0 needs a compact out");
+    err = cudaMemsetAsync(out, 0, size_t(batch * seqlen_q * num_heads * head_dim) * 2, stream);
+    return err == cudaSuccess ? 0 : fail(std::string("cudaMemsetAsync: ") + cudaGetErrorString(err));
+  }
+
+  // ---- the same normalisation flash-attn's mha_fwd applies ----
+  int wl = window_left, wr = window_right;
+  if (wl >= seqlen_k) wl = -1;
+  if (wr >= seqlen_k) wr = -1;
+  bool is_causal = causal != 0;
+  if (seqlen_q == 1) is_causal = false;  // one query row: causal == full
+  if (is_causal) wr = 0;
+  // decode with grouped K/V: view q (B, 1, H, D) as (B, g, H_kv, D), i.e. g query rows per K/V head
+  const bool swap = seqlen_q == 1 && num_heads > num_heads_k && wl < 0 && wr < 0;
+
+  int64_t sq = seqlen_q, h = num_heads;
+  int64_t q_b = q_stride[0], q_r = q_stride[1], q_h = q_stride[2];
+  int64_t o_b = o_stride[0], o_r = o_stride[1], o_h = o_stride[2];
+  if (swap) {
+    const int64_t g = num_heads / num_heads_k;
+    sq = g;
+    h = num_heads_k;
+    q_r = q_stride[2];
+    q_h = q_stride[2] * g;
+    o_r = o_stride[2];
+    o_h = o_stride[2] * g;
+  }
+
+  const int hdim = kernel_hdim(head_dim);
+  const int64_t d_rounded = round_up(head_dim, head_dim <= 128 ? 32 : 64);
+
+  Params p{};
+  p.is_bf16 = is_bf16 != 0;
+  p.q_ptr = const_cast<void*>(q);
+  p.k_ptr = const_cast<void*>(k);
+  p.v_ptr = const_cast<void*>(v);
+  p.o_ptr = out;
+  p.q_batch_stride = q_b;
+  p.q_row_stride = q_r;
+  p.q_head_stride = q_h;
+  p.k_batch_stride = k_stride[0];
+  p.k_row_stride = k_stride[1];
+  p.k_head_stride = k_stride[2];
+  p.v_batch_stride = v_stride[0];
+  p.v_row_stride = v_stride[1];
+  p.v_head_stride = v_stride[2];
+  p.o_batch_stride = o_b;
+  p.o_row_stride = o_r;
+  p.o_head_stride = o_h;
+  p.b = int(batch);
+  p.h = int(h);
+  p.h_k = int(num_heads_k);
+  p.h_h_k_ratio = int(h / num_heads_k);
+  p.seqlen_q = int(sq);
+  p.seqlen_k = int(seqlen_k);
+  p.seqlen_q_rounded = int(round_up(sq, 128));
+  p.seqlen_k_rounded = int(round_up(seqlen_k, 128));
+  p.d = int(head_dim);
+  p.d_rounded = int(d_rounded);
+  p.softcap = 0.f;
+  p.scale_softmax = softmax_scale;
+  p.scale_softmax_log2 = float(double(softmax_scale) * 1.4426950408889634);  // log2(e)
+  p.p_dropout = 1.f;  // probability to keep
+  p.p_dropout_in_uint8_t = 255;
+  p.rp_dropout = 1.f;
+  p.scale_softmax_rp_dropout = softmax_scale;
+  p.is_causal = wl < 0 && wr == 0;
+  if (wl < 0 && wr >= 0) wl = int(seqlen_k);
+  if (wl >= 0 && wr < 0) wr = int(seqlen_k);
+  p.window_size_left = wl;
+  p.window_size_right = wr;
+  p.is_seqlens_k_cumulative = true;
+  p.alibi_slopes_ptr = nullptr;
+  p.rng_state = nullptr;
+  p.unpadded_lse = false;
+  p.seqlenq_ngroups_swapped = false;
+
+  // ---- split-KV decision (must match run_mha_fwd_splitkv_dispatch's kBlockN) ----
+  const int block_n = head_dim <= 64 ? 256 : (head_dim <= 128 ? 128 : 64);
+  const int n_blocks = int((seqlen_k + block_n - 1) / block_n);
+  const int m_blocks = int((sq + 64 - 1) / 64);
+  const int sms = num_sms(device_id);
+  int splits = 1;
+  if (sms > 0) {
+    const int64_t work = int64_t(batch) * h * m_blocks;
+    splits = num_splits_heuristic(int(std::min<int64_t>(work, INT_MAX)), sms * 2, n_blocks, 128);
+  }
+
+  const Entry* e = find_entry(hdim, is_bf16, p.is_causal);
+  EntryFn fn = nullptr;
+  if (e != nullptr) {
+    if (splits > 1 && e->split != nullptr) {
+      fn = e->split;
+    } else if (e->fwd != nullptr) {
+      fn = e->fwd;
+      splits = 1;
+    } else if (e->split != nullptr) {  // the split kernel with one split is a plain forward
+      fn = e->split;
+      splits = 1;
+    }
+  }
+  if (fn == nullptr) {
+    std::string arch = arch_of(device_id);
+    return fail("FA2 kernel " + kernel_name(hdim, is_bf16, p.is_causal) +
+                " not built: run `mqa-byoc build-kernels" + (arch.empty() ? "" : " --arch " + arch) +
+                " --head-dims " + std::to_string(hdim) + " --dtypes " + (is_bf16 ? "bf16" : "fp16") +
+                "` and export again");
+  }
+  p.num_splits = splits;
+
+  // ---- workspaces: softmax LSE (always written) and the split accumulators ----
+  const size_t rows = size_t(batch) * size_t(h) * size_t(sq);
+  auto align = [](size_t x) { return (x + 255) / 256 * 256; };
+  const size_t lse_bytes = align(rows * sizeof(float));
+  const size_t lse_acc_bytes = splits > 1 ? align(size_t(splits) * rows * sizeof(float)) : 0;
+  const size_t o_acc_bytes = splits > 1 ? align(size_t(splits) * rows * d_rounded * sizeof(float)) : 0;
+  const size_t total = lse_bytes + lse_acc_bytes + o_acc_bytes;
+  void* ws = nullptr;
+  cudaMemPool_t pool = workspace_pool(device_id);
+  err = pool != nullptr ? cudaMallocFromPoolAsync(&ws, total, pool, stream)
+                        : cudaMallocAsync(&ws, total, stream);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return fail("cannot allocate " + std::to_string(total) + " bytes of FA2 workspace: " +
+                cudaGetErrorString(err));
+  }
+  char* base = static_cast<char*>(ws);
+  p.softmax_lse_ptr = base;
+  if (splits > 1) {
+    p.softmax_lseaccum_ptr = base + lse_bytes;
+    p.oaccum_ptr = base + lse_bytes + lse_acc_bytes;
+  }
+
+  fn(&p, stream);
+  cudaError_t launch = cudaGetLastError();
+  err = cudaFreeAsync(ws, stream);
+  if (launch != cudaSuccess) {
+    return fail(std::string("FA2 ") + kernel_name(hdim, is_bf16, p.is_causal) +
+                (splits > 1 ? " split" : "") + " launch failed: " + cudaGetErrorString(launch));
+  }
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return fail(std::string("cudaFreeAsync: ") + cudaGetErrorString(err));
+  }
+  return 0;
+}

@@ -1,0 +1,34 @@
+// C API of the mqa_byoc FA2 forward dispatcher (fa2_dispatch.cc).
+//
+// The codegen's emitted wrappers repeat these declarations (TVM compiles them without our include
+// path); keep the two in sync (mqa_byoc/compiler/native_codegen.py).
+#pragma once
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Flash Attention 2 forward, BSNH layout, destination passing.
+//   q (B, S_q, H, D), k and v (B, S_kv, H_kv, D), out (B, S_q, H, D), all fp16 or all bf16.
+//   *_stride: 4 strides each (batch, seq, head, dim), in elements; the dim stride must be 1.
+//   Query head h reads K/V head h / (H / H_kv).
+//   causal: FA2 causal (bottom-right aligned). window_left / window_right: -1 = unbounded.
+//   stream: a cudaStream_t on device device_id (NULL = legacy default stream).
+// Returns 0 on success; otherwise nonzero and mqa_byoc_fa2_last_error() (this thread) says why.
+int mqa_byoc_fa2_forward(const void* q, const void* k, const void* v, void* out,
+                         int64_t batch, int64_t seqlen_q, int64_t seqlen_k, int64_t num_heads,
+                         int64_t num_heads_k, int64_t head_dim, const int64_t* q_stride,
+                         const int64_t* k_stride, const int64_t* v_stride, const int64_t* o_stride,
+                         int is_bf16, float softmax_scale, int causal, int window_left,
+                         int window_right, int device_id, void* stream);
+
+// The message of this thread's last failed mqa_byoc_fa2_forward ("" if none).
+const char* mqa_byoc_fa2_last_error(void);
+
+// 1 when the kernel family (hdim in {32,64,96,128,192,256}) was linked in, else 0.
+int mqa_byoc_fa2_kernel_available(int hdim, int is_bf16, int causal, int split);
+
+#ifdef __cplusplus
+}
+#endif
