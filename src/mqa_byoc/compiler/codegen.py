@@ -1,0 +1,498 @@
+"""The ``flash_attn`` BYOC codegen: ``relax.ext.flash_attn``.
+
+Importing this module registers ``relax.ext.flash_attn``, which ``relax.transform.RunCodegen()``
+calls with every function that carries ``Codegen = "flash_attn"`` (see docs/design.md, "The
+composite contract"). For each such function the codegen reads an
+:class:`~mqa_byoc.compiler.spec.AttentionSpec` off its inner ``Composite`` function and emits C++
+that exports a function named by the function's ``global_symbol`` taking ``(q, k, v, out)``
+(destination passing, the inputs in the order of the function's parameters). What that C++ does
+depends on the *provider*:
+
+``"native"``
+    source from :func:`mqa_byoc.compiler.native_codegen.emit_native_source`, which launches FA2
+    forward kernels compiled from flash-attn's sources; export with ``mqa_byoc.export_library``.
+``"python"``
+    a forwarder that calls the global function ``mqa_byoc.flash_attn_forward`` (registered by
+    ``import mqa_byoc.runtime.providers``; backed by the ``flash-attn`` package or by PyTorch's FA2)
+    with ``(q, k, v, out, scale, causal, window_left, window_right)``, all tensors viewed as BSNH.
+    Any C++ compiler builds it (``tvm.runtime.Module.export_library`` works).
+
+Provider selection, first match wins:
+
+1. the function attribute ``mqa_byoc.provider`` on the ``Codegen`` function (set by
+   ``partition_for_cutlass(..., provider=...)``): the most specific, explicit choice;
+2. the codegen option ``provider``: ``relax.transform.RunCodegen({"flash_attn": {"provider": "python"}})``;
+3. the process-wide setting: :func:`set_default_provider` or ``with use_provider("python"): ...``;
+4. the environment variable ``MQA_BYOC_PROVIDER``;
+5. the default rule (:func:`default_provider`): ``"native"`` when ``nvcc`` is found at compile time
+   and the target is CUDA (the target from the option ``target``, else ``Target.current()``; no
+   target known counts as CUDA since both providers run only there), else ``"python"``.
+
+The value ``"auto"`` at any level means "use the default rule". ``tvm.transform.PassContext``
+config keys cannot be registered from Python in TVM 0.27 (unknown keys are rejected), so there
+is no PassContext option; the codegen option and :func:`use_provider` play that role.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import tvm
+import tvm_ffi
+from tvm import relax
+
+from .spec import AttentionSpec, spec_from_composite
+
+__all__ = [
+    "CODEGEN_NAME",
+    "PROVIDERS",
+    "PROVIDER_ATTR",
+    "PY_FORWARD_FUNC",
+    "CodegenError",
+    "CodegenSite",
+    "default_provider",
+    "emit_python_forwarder",
+    "flash_attn_codegen",
+    "find_site",
+    "resolve_provider",
+    "set_default_provider",
+    "spec_of",
+    "use_provider",
+]
+
+logger = logging.getLogger(__name__)
+
+CODEGEN_NAME = "flash_attn"
+PROVIDERS = ("native", "python")
+PROVIDER_ATTR = "mqa_byoc.provider"
+PROVIDER_OPTION = "provider"
+PROVIDER_ENV = "MQA_BYOC_PROVIDER"
+PY_FORWARD_FUNC = "mqa_byoc.flash_attn_forward"
+COMPOSITES = ("flash_attn.attention_mqa", "flash_attn.attention")
+
+_default_provider: str | None = None
+
+
+class CodegenError(ValueError):
+    """A ``flash_attn`` function the codegen cannot turn into a kernel call."""
+
+
+# --------------------------------------------------------------------------- provider selection
+
+
+def _check_provider(provider: str, where: str) -> str:
+    provider = str(provider).strip().lower()
+    if provider not in PROVIDERS + ("auto",):
+        raise ValueError(f"{where}: unknown flash_attn provider {provider!r}; expected one of {PROVIDERS} or 'auto'")
+    return provider
+
+
+def set_default_provider(provider: str | None) -> None:
+    """Set the process-wide provider (``"native"``, ``"python"``, ``"auto"``; None resets)."""
+    global _default_provider
+    _default_provider = None if provider is None else _check_provider(provider, "set_default_provider")
+
+
+@contextlib.contextmanager
+def use_provider(provider: str | None) -> Iterator[None]:
+    """``with use_provider("python"): relax.transform.RunCodegen()(mod)`` (restores on exit)."""
+    global _default_provider
+    saved = _default_provider
+    set_default_provider(provider)
+    try:
+        yield
+    finally:
+        _default_provider = saved
+
+
+def _nvcc_available() -> bool:
+    if shutil.which("nvcc"):
+        return True
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and os.access(os.path.join(root, "bin", "nvcc"), os.X_OK):
+            return True
+    return False
+
+
+def _native_codegen_available() -> bool:
+    try:
+        from . import native_codegen  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _target_kind(target) -> str | None:
+    if target is None:
+        return None
+    if isinstance(target, (dict, str)):
+        target = tvm.target.Target(target)
+    return str(target.kind.name)
+
+
+def default_provider(target=None, *, nvcc: bool | None = None, native: bool | None = None) -> str:
+    """The default rule: ``"native"`` when nvcc is found and the target is CUDA, else ``"python"``.
+
+    ``target``: a Target (or its dict/str form); None means ``Target.current()``, and no target at
+    all counts as CUDA. ``nvcc`` / ``native`` override the detection of nvcc and of
+    ``mqa_byoc.compiler.native_codegen`` (for tests). While ``native_codegen`` is missing the rule
+    gives ``"python"`` and logs a warning.
+    """
+    if target is None:
+        target = tvm.target.Target.current(allow_none=True)
+    kind = _target_kind(target)
+    if kind not in (None, "cuda"):
+        return "python"
+    if not (_nvcc_available() if nvcc is None else nvcc):
+        return "python"
+    if not (_native_codegen_available() if native is None else native):
+        logger.warning(
+            "nvcc found but mqa_byoc.compiler.native_codegen is not importable; using the python provider"
+        )
+        return "python"
+    return "native"
+
+
+def _get(mapping, key):
+    if mapping is None:
+        return None
+    try:
+        return mapping[key] if key in mapping else None
+    except Exception:  # noqa: BLE001 - tvm Map / DictAttrs / dict all work with `in`; be lenient
+        return None
+
+
+def resolve_provider(func: relax.Function | None = None, options=None) -> str:
+    """The provider for one ``Codegen`` function (see the module docstring for the order)."""
+    choices = (
+        (_get(func.attrs if func is not None else None, PROVIDER_ATTR), f"function attribute {PROVIDER_ATTR!r}"),
+        (_get(options, PROVIDER_OPTION), f"codegen option {PROVIDER_OPTION!r}"),
+        (_default_provider, "set_default_provider/use_provider"),
+        (os.environ.get(PROVIDER_ENV) or None, f"environment variable {PROVIDER_ENV}"),
+    )
+    for value, where in choices:
+        if value is None:
+            continue
+        provider = _check_provider(str(value), where)
+        if provider != "auto":
+            return provider
+        break
+    return default_provider(_get(options, "target"))
+
+
+# --------------------------------------------------------------------------- reading the function
+
+
+@dataclass(frozen=True)
+class CodegenSite:
+    """One offloaded attention: the ``Codegen`` function and its composite."""
+
+    symbol: str
+    composite: relax.Function
+    composite_name: str
+    # composite parameter i (q, k, v) is Codegen-function parameter arg_map[i]
+    arg_map: tuple[int, int, int]
+    num_inputs: int
+
+
+def find_site(func: relax.Function) -> CodegenSite:
+    """Locate the single ``flash_attn.*`` composite call inside a ``Codegen`` function."""
+    if not isinstance(func, relax.Function):
+        raise CodegenError(f"flash_attn codegen: expected a relax.Function, got {type(func).__name__}")
+    attrs = func.attrs
+    symbol = _get(attrs, "global_symbol")
+    if symbol is None:
+        raise CodegenError(f"flash_attn codegen: function has no global_symbol attribute:\n{func}")
+    symbol = str(symbol)
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", symbol):
+        raise CodegenError(f"flash_attn codegen: global_symbol {symbol!r} is not a C identifier")
+    if _get(attrs, "Composite") is not None:
+        # a Codegen function that is itself the composite (no wrapper)
+        return CodegenSite(symbol, func, str(attrs["Composite"]), (0, 1, 2), len(func.params))
+
+    body = func.body
+    bindings = [b for block in body.blocks for b in block.bindings]
+    local_funcs = {b.var: b.value for b in bindings if isinstance(b.value, relax.Function)}
+    calls = []
+    for b in bindings:
+        value = b.value
+        if isinstance(value, relax.Function):
+            continue
+        if isinstance(value, relax.Call):
+            callee = local_funcs.get(value.op, value.op)
+            if isinstance(callee, relax.Function) and _get(callee.attrs, "Composite") is not None:
+                calls.append((b.var, value, callee))
+                continue
+            if isinstance(value.op, relax.GlobalVar):
+                raise CodegenError(
+                    f"flash_attn codegen ({symbol}): the composite is a global function "
+                    f"({value.op.name_hint}); partition with annotate_codegen=True so it is local"
+                )
+        raise CodegenError(
+            f"flash_attn codegen ({symbol}): the function must hold exactly one composite call "
+            f"and nothing else; found the binding `{b.var.name_hint} = {value}`"
+        )
+    if len(calls) != 1:
+        raise CodegenError(
+            f"flash_attn codegen ({symbol}): expected one flash_attn.* composite call, found {len(calls)}"
+        )
+    var, call, composite = calls[0]
+    if not (isinstance(body.body, relax.Var) and body.body.same_as(var)):
+        raise CodegenError(f"flash_attn codegen ({symbol}): the function must return the composite's result")
+    name = str(composite.attrs["Composite"])
+    if name not in COMPOSITES:
+        raise CodegenError(f"flash_attn codegen ({symbol}): unknown composite {name!r}; expected one of {COMPOSITES}")
+    params = list(func.params)
+    outer = []  # composite parameter j -> Codegen-function parameter outer[j]
+    for j, arg in enumerate(call.args):
+        idx = next((i for i, p in enumerate(params) if p.same_as(arg)), None)
+        if idx is None:
+            raise CodegenError(
+                f"flash_attn codegen ({symbol}): composite argument {j} is `{arg}`, not a parameter of "
+                "the function (constants and computed operands are not supported)"
+            )
+        outer.append(idx)
+    arg_map = tuple(outer[j] for j in _operand_params(composite, symbol))
+    return CodegenSite(symbol, composite, name, arg_map, len(params))
+
+
+def _operand_params(composite: relax.Function, symbol: str) -> list[int]:
+    """For q, k, v of the composite's ``R.nn.attention``: the index of the composite parameter each
+    one is (possibly through ``permute_dims``, a BNSH parameter). FuseOpsByPattern passes an operand
+    used twice (``attention(q, k, k)``) once, so this is not always (0, 1, 2)."""
+    bindings = {b.var: b.value for block in composite.body.blocks for b in block.bindings}
+
+    def value_of(e):
+        while isinstance(e, relax.Var) and e in bindings:
+            e = bindings[e]
+        return e
+
+    def is_op(e, name):
+        return isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == name
+
+    call = value_of(composite.body.body)
+    if is_op(call, "relax.permute_dims"):
+        call = value_of(call.args[0])
+    if not is_op(call, "relax.nn.attention"):
+        raise CodegenError(f"flash_attn codegen ({symbol}): composite body is not one R.nn.attention call")
+    params = list(composite.params)
+    out = []
+    for i, operand in enumerate(call.args[:3]):
+        e = value_of(operand)
+        if is_op(e, "relax.permute_dims"):
+            e = e.args[0]
+        idx = next((j for j, p in enumerate(params) if p.same_as(e)), None)
+        if idx is None:
+            raise CodegenError(
+                f"flash_attn codegen ({symbol}): attention operand {'qkv'[i]} is `{operand}`, not a composite "
+                "parameter (optionally through permute_dims)"
+            )
+        out.append(idx)
+    return out
+
+
+def spec_of(func: relax.Function) -> AttentionSpec:
+    """The :class:`AttentionSpec` of a ``Codegen`` function or of a composite; errors name the site."""
+    site = find_site(func) if _get(func.attrs, "Codegen") is not None else None
+    composite = site.composite if site else func
+    try:
+        spec = spec_from_composite(composite)
+    except (ValueError, TypeError, AttributeError) as err:
+        where = site.symbol if site else str(_get(func.attrs, "global_symbol") or "composite")
+        raise CodegenError(f"flash_attn codegen ({where}): cannot read the attention parameters: {err}") from err
+    if site is not None:
+        want = "flash_attn.attention_mqa" if spec.num_kv_heads < spec.num_q_heads else "flash_attn.attention"
+        if site.composite_name != want:
+            raise CodegenError(
+                f"flash_attn codegen ({site.symbol}): composite {site.composite_name} but the heads are "
+                f"{spec.num_q_heads} (q) / {spec.num_kv_heads} (k/v); expected {want}"
+            )
+    return spec
+
+
+# --------------------------------------------------------------------------- python provider
+
+_PY_PRELUDE = r"""// Generated by mqa_byoc.compiler.codegen (provider: python).
+// Each exported function forwards one FA2 forward call to the global function
+// "mqa_byoc.flash_attn_forward"(q, k, v, out, scale, causal, window_left, window_right),
+// registered by `import mqa_byoc.runtime.providers`, with every tensor viewed as BSNH.
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/function.h>
+
+#include <cstdint>
+#include <mutex>
+#include <optional>
+
+namespace {
+
+const tvm::ffi::Function& MqaByocPyForward() {
+  static std::mutex mu;
+  static std::optional<tvm::ffi::Function> fn;
+  std::lock_guard<std::mutex> lock(mu);
+  if (!fn.has_value()) {
+    fn = tvm::ffi::Function::GetGlobal("mqa_byoc.flash_attn_forward");
+    if (!fn.has_value()) {
+      TVM_FFI_THROW(RuntimeError)
+          << "mqa_byoc: the global function \"mqa_byoc.flash_attn_forward\" is not registered. "
+          << "This library was built with the python FA2 provider: run `import mqa_byoc.runtime.providers` "
+          << "in this process before calling it (needs torch with CUDA; flash-attn optional: "
+          << "pip install \"mqa-byoc[gpu]\"), or rebuild with provider=\"native\".";
+    }
+  }
+  return *fn;
+}
+
+// Check one operand against the baked spec; `heads_axis` is 2 for BSNH storage, 1 for BNSH.
+void MqaByocCheck(const tvm::ffi::Tensor& t, const char* symbol, const char* what, int heads_axis,
+                  int64_t heads, int64_t head_dim, DLDataType dtype, const char* dtype_name) {
+  if (t.ndim() != 4) {
+    TVM_FFI_THROW(ValueError) << symbol << ": " << what << " must be 4-D, got " << t.ndim() << "-D";
+  }
+  if (t.size(heads_axis) != heads || t.size(3) != head_dim) {
+    TVM_FFI_THROW(ValueError) << symbol << ": " << what << " has " << t.size(heads_axis)
+                              << " heads of dim " << t.size(3) << ", compiled for " << heads
+                              << " heads of dim " << head_dim;
+  }
+  DLDataType d = t.dtype();
+  if (d.code != dtype.code || d.bits != dtype.bits || d.lanes != dtype.lanes) {
+    TVM_FFI_THROW(TypeError) << symbol << ": " << what << " must be " << dtype_name;
+  }
+}
+
+// View a 4-D tensor with axes 1 and 2 swapped (BNSH storage as logical BSNH); no copy.
+tvm::ffi::Tensor MqaByocSwap12(const tvm::ffi::Tensor& t) {
+  int64_t shape[4] = {t.size(0), t.size(2), t.size(1), t.size(3)};
+  int64_t strides[4];
+  const DLTensor* dl = t.GetDLTensorPtr();
+  if (dl->strides != nullptr) {
+    for (int i = 0; i < 4; ++i) strides[i] = dl->strides[i];
+  } else {
+    strides[3] = 1;
+    for (int i = 2; i >= 0; --i) strides[i] = strides[i + 1] * t.size(i + 1);
+  }
+  int64_t s1 = strides[1];
+  strides[1] = strides[2];
+  strides[2] = s1;
+  return t.as_strided(tvm::ffi::ShapeView(shape, 4), tvm::ffi::ShapeView(strides, 4));
+}
+
+}  // namespace
+"""
+
+_DLTYPE = {"float16": "DLDataType{kDLFloat, 16, 1}", "bfloat16": "DLDataType{kDLBfloat, 16, 1}",
+           "float32": "DLDataType{kDLFloat, 32, 1}"}
+
+
+def emit_python_forwarder(symbol: str, spec: AttentionSpec, arg_map=(0, 1, 2), num_inputs: int | None = None,
+                          prelude: bool = True) -> str:
+    """C++ exporting ``symbol(inputs..., out)`` that calls ``mqa_byoc.flash_attn_forward``.
+
+    ``arg_map[i]`` is the input position of composite operand i (q, k, v); ``num_inputs`` the
+    number of inputs the exported function takes (default ``max(arg_map) + 1``).
+    """
+    if spec.dtype not in _DLTYPE:
+        raise CodegenError(f"flash_attn codegen ({symbol}): unsupported dtype {spec.dtype}")
+    n = max(arg_map) + 1 if num_inputs is None else int(num_inputs)
+    ins = ", ".join(f"tvm::ffi::Tensor in{i}" for i in range(n))
+    bnsh = {"q": spec.q_layout == "BNSH", "k": spec.k_layout == "BNSH", "v": spec.v_layout == "BNSH",
+            "out": spec.out_layout == "BNSH"}
+    operand = {"q": f"in{arg_map[0]}", "k": f"in{arg_map[1]}", "v": f"in{arg_map[2]}", "out": "out"}
+    heads = {"q": "kNumQHeads", "k": "kNumKVHeads", "v": "kNumKVHeads", "out": "kNumQHeads"}
+    dims = {"q": "kHeadDim", "k": "kHeadDim", "v": "kHeadDimV", "out": "kHeadDimV"}
+    checks = "\n".join(
+        f'  MqaByocCheck({operand[x]}, "{symbol}", "{x}", {1 if bnsh[x] else 2}, {heads[x]}, {dims[x]}, '
+        f'kDType, "{spec.dtype}");'
+        for x in ("q", "k", "v", "out")
+    )
+    views = "\n".join(
+        f"  tvm::ffi::Tensor {x}_bsnh = {'MqaByocSwap12(' + operand[x] + ')' if bnsh[x] else operand[x]};"
+        for x in ("q", "k", "v", "out")
+    )
+    body = f"""
+// ---- {symbol}: {spec.num_q_heads} query heads over {spec.num_kv_heads} K/V heads (group {spec.group_size}), head dim {spec.head_dim}, {spec.dtype}
+// layouts q={spec.q_layout} k={spec.k_layout} v={spec.v_layout} out={spec.out_layout}
+namespace {{
+namespace mqa_byoc_{symbol} {{
+constexpr int64_t kNumQHeads = {spec.num_q_heads};
+constexpr int64_t kNumKVHeads = {spec.num_kv_heads};
+constexpr int64_t kHeadDim = {spec.head_dim};
+constexpr int64_t kHeadDimV = {spec.head_dim_v};
+constexpr double kScale = {float(spec.scale)!r};
+constexpr bool kCausal = {"true" if spec.causal else "false"};
+constexpr int64_t kWindowLeft = {int(spec.window_left)};
+constexpr int64_t kWindowRight = {int(spec.window_right)};
+const DLDataType kDType = {_DLTYPE[spec.dtype]};
+
+void Run({ins}, tvm::ffi::Tensor out) {{
+{checks}
+{views}
+  MqaByocPyForward()(q_bsnh, k_bsnh, v_bsnh, out_bsnh, kScale, kCausal, kWindowLeft, kWindowRight);
+}}
+}}  // namespace mqa_byoc_{symbol}
+}}  // namespace
+TVM_FFI_DLL_EXPORT_TYPED_FUNC({symbol}, mqa_byoc_{symbol}::Run);
+"""
+    return (_PY_PRELUDE if prelude else "") + body
+
+
+# --------------------------------------------------------------------------- native provider
+
+
+def _native_module(site: CodegenSite, spec: AttentionSpec):
+    try:
+        from . import native_codegen
+    except ImportError as err:
+        raise CodegenError(
+            f"flash_attn codegen ({site.symbol}): provider 'native' needs mqa_byoc.compiler.native_codegen, "
+            f"which failed to import ({err}). Select the python provider instead: "
+            "partition_for_cutlass(..., provider='python') or "
+            "RunCodegen({'flash_attn': {'provider': 'python'}})"
+        ) from err
+    if site.arg_map != (0, 1, 2) or site.num_inputs != 3:
+        raise CodegenError(
+            f"flash_attn codegen ({site.symbol}): the native provider needs the function's parameters to be "
+            f"exactly (q, k, v); composite operands map to parameters {site.arg_map} of {site.num_inputs}"
+        )
+    # The source carries a marker line naming its FA2 kernel families (NativeSource.kernels);
+    # mqa_byoc.export_library reads it from the C source module and links those kernels.
+    source = native_codegen.emit_native_source(site.symbol, spec)
+    return _csource_module(source.code, [site.symbol])
+
+
+# --------------------------------------------------------------------------- the codegen
+
+
+def _csource_module(code: str, symbols: list[str]):
+    return tvm.get_global_func("runtime.CSourceModuleCreate")(code, "cc", symbols, [])
+
+
+def flash_attn_codegen(funcs, options=None, constant_names=None) -> list:
+    """``relax.ext.flash_attn``: one runtime module per native function, one for all python ones."""
+    python_parts: list[str] = []
+    python_symbols: list[str] = []
+    modules = []
+    for func in funcs:
+        site = find_site(func)
+        spec = spec_of(func)
+        provider = resolve_provider(func, options)
+        logger.debug("flash_attn codegen: %s -> %s provider (%s)", site.symbol, provider, spec)
+        if provider == "native":
+            modules.append(_native_module(site, spec))
+        else:
+            python_parts.append(
+                emit_python_forwarder(site.symbol, spec, site.arg_map, site.num_inputs, prelude=False)
+            )
+            python_symbols.append(site.symbol)
+    if python_parts:
+        modules.append(_csource_module(_PY_PRELUDE + "".join(python_parts), python_symbols))
+    return modules
+
+
+tvm_ffi.register_global_func("relax.ext." + CODEGEN_NAME, flash_attn_codegen, override=True)
