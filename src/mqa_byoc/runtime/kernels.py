@@ -661,14 +661,10 @@ def build_kernels(
     progress = progress or (lambda _msg: None)
     keys = list(dict.fromkeys(keys))  # keep the caller's order: it is the build order
     arch = normalize_arch(arch or detect_arch())
-    cfg = None
-    try:
-        cfg = build_config(arch, fa_src=fa_src, download=build, progress=progress)
-    except NativeKernelsUnavailable:
-        found = find_kernels(keys, arch)
-        if len(found) == len(keys):
-            return found
-        raise
+    found = find_kernels(keys, arch)  # prebuilt dirs need no toolchain and no sources
+    if len(found) == len(keys):
+        return found
+    cfg = build_config(arch, fa_src=fa_src, download=build, progress=progress)
     found = find_kernels(keys, arch, cfg)
     missing = [k for k in keys if k not in found]
     if not missing:
@@ -739,9 +735,19 @@ def build_dispatcher(
     return out
 
 
-def static_cudart(nvcc: str | None = None) -> list[str]:
-    """Linker inputs for the static CUDA runtime; put them after every object."""
-    return [str(_cuda_lib_dir(nvcc) / "libcudart_static.a"), "-ldl", "-lpthread", "-lrt"]
+def static_cudart(arch: str | None = None) -> list[str]:
+    """Linker inputs for the static CUDA runtime; put them after every object.
+
+    A ``libcudart_static.a`` in a prebuilt dir (MQA_BYOC_KERNEL_DIR) wins, so a machine with only
+    the driver can export; otherwise the one of the local CUDA toolkit.
+    """
+    lib = None
+    if arch is not None:
+        lib = next((d / "libcudart_static.a" for d in _prebuilt_dirs(normalize_arch(arch))
+                    if (d / "libcudart_static.a").is_file()), None)
+    if lib is None:
+        lib = _cuda_lib_dir() / "libcudart_static.a"
+    return [str(lib), "-ldl", "-lpthread", "-lrt"]
 
 
 def link_inputs(
@@ -767,11 +773,19 @@ def link_inputs(
     kernels = build_kernels(keys, arch, jobs=jobs, niceness=niceness, build=build, fa_src=fa_src, progress=progress)
     disp = build_dispatcher(build=build, fa_src=fa_src, progress=progress, arch=arch)
     objects = [str(disp)] + [str(kernels[k]) for k in sorted(keys)]
-    return objects, static_cudart()
+    return objects, static_cudart(arch)
 
 
-def copy_artifacts(dest: str | os.PathLike, keys: Iterable[KernelKey], arch: str, *, progress=print) -> Path:
-    """Copy dispatcher + kernel objects + manifest to ``dest/<arch>-<tag>/`` for MQA_BYOC_KERNEL_DIR."""
+def copy_artifacts(
+    dest: str | os.PathLike, keys: Iterable[KernelKey], arch: str, *, link_check_binary: bool = True, progress=print
+) -> Path:
+    """Copy dispatcher + kernel objects + static cudart + manifest to ``dest/<arch>-<tag>/``.
+
+    Point ``MQA_BYOC_KERNEL_DIR`` at ``dest`` on another machine: export then needs neither nvcc nor
+    flash-attn's sources there. With ``link_check_binary``, also ``fa2_link_check`` (static, needs only
+    the driver; ``fa2_link_check --run`` checks the kernels on GPU 0 against a CPU reference).
+    """
+    keys = list(keys)
     arch = normalize_arch(arch)
     cfg = build_config(arch, download=False, progress=progress)
     kernels = find_kernels(keys, arch, cfg)
@@ -781,12 +795,19 @@ def copy_artifacts(dest: str | os.PathLike, keys: Iterable[KernelKey], arch: str
     out = Path(dest).expanduser() / f"{arch}-{cfg.tag}"
     out.mkdir(parents=True, exist_ok=True)
     disp = build_dispatcher(build=False, arch=arch, progress=progress)
-    for p in [disp, *kernels.values()]:
+    cudart = _cuda_lib_dir(cfg.nvcc) / "libcudart_static.a"
+    for p in [disp, *kernels.values(), cudart]:
         shutil.copy2(p, out / p.name)
     manifest = json.loads((cfg.dir / "manifest.json").read_text()) if (cfg.dir / "manifest.json").is_file() else {}
-    manifest.update({"arch": arch, "tag": cfg.tag, "flash_attn": cfg.fa_version, "dispatcher": disp.name})
+    manifest.update({"arch": arch, "tag": cfg.tag, "flash_attn": cfg.fa_version, "dispatcher": disp.name,
+                     "cudart": cudart.name})
+    manifest["kernels"] = {k: v for k, v in manifest.get("kernels", {}).items() if KernelKey.parse(k) in kernels}
+    if link_check_binary:
+        link_check([str(out / disp.name)] + [str(out / p.name) for p in kernels.values()],
+                   out=out / "fa2_link_check", progress=progress)
+        manifest["link_check"] = "fa2_link_check"
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    progress(f"[mqa-byoc] copied {len(kernels) + 1} object(s) to {out}")
+    progress(f"[mqa-byoc] copied {len(kernels) + 1} object(s) and libcudart_static.a to {out}")
     return out
 
 
