@@ -196,7 +196,7 @@ class CodegenSite:
     symbol: str
     composite: relax.Function
     composite_name: str
-    # composite parameter i (q, k, v) is Codegen-function parameter arg_map[i]
+    # attention operand i (q, k, v) is the Codegen function's parameter arg_map[i]
     arg_map: tuple[int, int, int]
     num_inputs: int
 
@@ -214,7 +214,8 @@ def find_site(func: relax.Function) -> CodegenSite:
         raise CodegenError(f"flash_attn codegen: global_symbol {symbol!r} is not a C identifier")
     if _get(attrs, "Composite") is not None:
         # a Codegen function that is itself the composite (no wrapper)
-        return CodegenSite(symbol, func, str(attrs["Composite"]), (0, 1, 2), len(func.params))
+        return CodegenSite(symbol, func, str(attrs["Composite"]), tuple(_operand_params(func, symbol)),
+                           len(func.params))
 
     body = func.body
     bindings = [b for block in body.blocks for b in block.bindings]

@@ -136,9 +136,11 @@ class _TorchBackend(_Backend):
     name = "torch"
 
     def run(self, q, k, v, out, scale, causal, window_left, window_right):
+        kwargs = {"scale": scale}
+        if window_left != -1 or window_right != -1:  # torch < 2.5 lacks these; pass them only when used
+            kwargs.update(window_size_left=window_left, window_size_right=window_right)
         res = self.torch.ops.aten._flash_attention_forward(
-            q, k, v, None, None, q.shape[1], k.shape[1], 0.0, causal, False,
-            scale=scale, window_size_left=window_left, window_size_right=window_right,
+            q, k, v, None, None, q.shape[1], k.shape[1], 0.0, causal, False, **kwargs
         )
         # No out= overload exists for this op: copy the result (the output only) into `out`.
         out.copy_(res[0])
