@@ -140,13 +140,13 @@ def check_attention_call(call, operand_values) -> AttentionSite:
 
 
 def _analyzer_le(a, b):
-    """a <= b, knowing that shape variables are non-negative."""
+    """a <= b, knowing that shape variables (sequence lengths, batch) are at least 1."""
     import tvm
     from tvm.sym import Analyzer
 
     ana = Analyzer()
     for var in tirx.analysis.undefined_vars(a - b, []):
-        ana.bind(var, tvm.ir.Range.from_min_extent(0, 1 << 40))
+        ana.bind(var, tvm.ir.Range.from_min_extent(1, 1 << 40))  # lengths >= 1
     return ana.can_prove(tirx.LE(a, b))
 
 
