@@ -1,0 +1,149 @@
+"""Run an exported decoder library (prefill + decode steps) and summarize its GPU kernels.
+
+Run time only: needs ``tvm.runtime`` and torch (for random weights on the GPU, CUPTI through
+``torch.profiler`` and NVTX), never ``tvm.relax``. The library comes with a JSON sidecar
+(``<lib>.json``: functions, parameter shapes, cache shape) written when it was built.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class KernelStat:
+    name: str
+    times_us: list
+
+    @property
+    def total(self):
+        return sum(self.times_us)
+
+
+def write_sidecar(lib_path: str, config, param_spec, dtype: str, extra: dict | None = None) -> str:
+    """What the runner needs to feed the library, next to it."""
+    meta = {
+        "dtype": dtype,
+        "num_layers": config.num_layers,
+        "num_kv_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "vocab_size": config.vocab_size,
+        "params": [[p.name, list(p.shape), p.dtype] for p in param_spec],
+        **(extra or {}),
+    }
+    path = lib_path + ".json"
+    with open(path, "w") as f:
+        json.dump(meta, f)
+    return path
+
+
+def kernel_summary(stats: list[KernelStat]) -> str:
+    """Kernels in the layout of nsys's ``cuda_gpu_kern_sum`` report (times in ns)."""
+    total = sum(s.total for s in stats) or 1.0
+    header = ["Time (%)", "Total Time (ns)", "Instances", "Avg (ns)", "Med (ns)", "Min (ns)", "Max (ns)",
+              "StdDev (ns)", "Name"]
+    rows = []
+    for s in sorted(stats, key=lambda s: -s.total):
+        t = [x * 1e3 for x in s.times_us]
+        rows.append([f"{100 * s.total / total:.1f}", f"{sum(t):,.0f}", str(len(t)), f"{statistics.mean(t):,.1f}",
+                     f"{statistics.median(t):,.1f}", f"{min(t):,.0f}", f"{max(t):,.0f}",
+                     f"{statistics.pstdev(t):,.1f}", s.name[:120]])
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header) - 1)]
+    fmt = lambda r: "  ".join(c.rjust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1]  # noqa: E731
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths] + ["-" * 4])] + [fmt(r) for r in rows])
+
+
+def collect_kernels(prof) -> list[KernelStat]:
+    """Per-kernel device times from a finished ``torch.profiler.profile``."""
+    by_name = {}
+    for evt in prof.events():
+        if str(getattr(evt, "device_type", "")).endswith("CUDA") and evt.device_time > 0:
+            by_name.setdefault(evt.name, []).append(evt.device_time)
+    return [KernelStat(n, t) for n, t in by_name.items()]
+
+
+class DecoderRunner:
+    """Prefill + decode through the Relax VM, with random weights made on the GPU."""
+
+    def __init__(self, lib_path: str, device_id: int = 0, seed: int = 0):
+        import torch
+        import tvm
+
+        with open(lib_path + ".json") as f:
+            self.meta = json.load(f)
+        self.torch = torch
+        self.tvm = tvm
+        self.dev = tvm.cuda(device_id)
+        lib = tvm.runtime.load_module(lib_path)
+        self.vm = tvm.runtime.vm.VirtualMachine(lib, self.dev)
+        gen = torch.Generator(device=f"cuda:{device_id}").manual_seed(seed)
+        self.params = []
+        self._keep = []
+        for name, shape, dtype in self.meta["params"]:
+            t = torch.randn(shape, generator=gen, device=f"cuda:{device_id}", dtype=torch.float32) * 0.02
+            if name.endswith("norm.weight"):
+                t += 1.0
+            t = t.to(getattr(torch, {"float16": "float16", "bfloat16": "bfloat16"}.get(dtype, "float32")))
+            self._keep.append(t)
+            self.params.append(tvm.runtime.from_dlpack(t))
+
+    def _ids(self, batch, length):
+        ids = self.torch.randint(0, self.meta["vocab_size"], (batch, length), dtype=self.torch.int32,
+                                 device="cuda")
+        self._keep.append(ids)
+        return self.tvm.runtime.from_dlpack(ids)
+
+    def prefill(self, batch, length):
+        out = self.vm["prefill"](self._ids(batch, length), *self.params)
+        return out[0], out[1]
+
+    def decode(self, caches, batch=1):
+        out = self.vm["decode"](self._ids(batch, 1), caches, *self.params)
+        return out[0], out[1]
+
+    def run(self, prompt_len: int, steps: int, batch: int = 1, nvtx: bool = True):
+        """Prefill ``prompt_len`` tokens then ``steps`` decode steps; returns per-step seconds."""
+        torch = self.torch
+        rng = torch.cuda.nvtx.range if nvtx else None
+        times = {"prefill": [], "decode": []}
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if rng:
+            with rng(f"prefill[{prompt_len}]"):
+                logits, caches = self.prefill(batch, prompt_len)
+        else:
+            logits, caches = self.prefill(batch, prompt_len)
+        self.dev.sync()
+        times["prefill"].append(time.perf_counter() - t0)
+        for i in range(steps):
+            t0 = time.perf_counter()
+            if rng:
+                with rng(f"decode[{i}]"):
+                    logits, caches = self.decode(caches, batch)
+            else:
+                logits, caches = self.decode(caches, batch)
+            self.dev.sync()
+            times["decode"].append(time.perf_counter() - t0)
+        return times, logits
+
+    def profile(self, prompt_len: int, steps: int, batch: int = 1):
+        """Run once to warm up, then under CUPTI; returns (times, kernel stats)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        self.run(prompt_len, 1, batch)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            times, _ = self.run(prompt_len, steps, batch)
+        return times, collect_kernels(prof)
+
+
+def run_and_profile(lib_path, config, param_spec, args) -> None:
+    """The GPU half of ``mqa-byoc demo``."""
+    write_sidecar(lib_path, config, param_spec, args.dtype)
+    runner = DecoderRunner(lib_path)
+    times, stats = runner.profile(args.prompt_len, args.decode_steps)
+    print(f"\nprefill {args.prompt_len} tokens: {times['prefill'][0] * 1e3:.2f} ms; "
+          f"decode: {statistics.median(times['decode']) * 1e3:.3f} ms/token (median of {len(times['decode'])})")
+    print(kernel_summary(stats))
