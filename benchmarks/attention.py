@@ -109,6 +109,7 @@ def _time(fn, iters, warmup=3):
 def run(args):
     import torch
     import tvm
+    import tvm.runtime.vm  # noqa: F401 - not loaded by tvm.runtime itself
 
     try:
         import boot  # noqa: F401 - runtime-only TVM on the GPU machine (see ../shared/device)

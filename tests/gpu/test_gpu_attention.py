@@ -107,6 +107,7 @@ class _Runtime:
                 pytest.fail(f"runtime-only TVM without .devkit/boot.py on the path ({err}): "
                             "run `source .devkit/setup.sh` first (see tests/gpu/README.md)")
         import tvm
+        import tvm.runtime.vm  # noqa: F401 - not loaded by tvm.runtime itself
         import tvm_ffi
 
         import mqa_byoc.runtime.providers as providers

@@ -71,6 +71,7 @@ class DecoderRunner:
     def __init__(self, lib_path: str, device_id: int = 0, seed: int = 0):
         import torch
         import tvm
+        import tvm.runtime.vm  # noqa: F401 - not loaded by tvm.runtime itself
 
         with open(lib_path + ".json") as f:
             self.meta = json.load(f)
