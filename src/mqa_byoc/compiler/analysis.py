@@ -61,10 +61,10 @@ class AttentionSite:
 
 
 def find_sites(func_name: str, func: relax.Function, evaluator: masks.MaskEvaluator,
-               allow_kv_expansion: bool = True) -> list[AttentionSite]:
+               allow_kv_expansion: bool = True, bindings: Bindings | None = None) -> list[AttentionSite]:
     """Every attention root in ``func``; with ``allow_kv_expansion`` K/V are traced through
     expansions to their pre-expansion sources, else an expansion is where the trace stops."""
-    bindings = Bindings(func)
+    bindings = bindings or Bindings(func)
     sites = []
     for var, value in bindings.value.items():
         name = op_name(value)

@@ -58,22 +58,18 @@ def _analyze(mod: tvm.IRModule, mqa: bool):
     for gv, func in mod.functions.items():
         if not isinstance(func, relax.Function) or _is_offloaded(func):
             continue
-        if mqa:
-            sites = analysis.find_sites(gv.name_hint, func, evaluator, allow_kv_expansion=True)
-            retry = {s.root: s for s in analysis.find_sites(gv.name_hint, func, evaluator,
-                                                            allow_kv_expansion=False)}
-            merged = []
-            for s in sites:
+        bindings = analysis.Bindings(func)
+        sites = analysis.find_sites(gv.name_hint, func, evaluator, mqa, bindings)
+        if mqa and any(s.reason for s in sites):
+            retry = {s.root: s for s in analysis.find_sites(gv.name_hint, func, evaluator, False, bindings)}
+            for i, s in enumerate(sites):
                 alt = retry.get(s.root)
                 if s.reason and alt is not None and alt.reason is None:
                     # the expansion is not one FA2 reproduces, but plain MHA on the expanded K/V is exact
                     alt.note = f"K/V expansion kept: {s.reason}"
-                    s = alt
-                merged.append(s)
-            sites = merged
-        else:
-            sites = analysis.find_sites(gv.name_hint, func, evaluator, allow_kv_expansion=False)
-        result[gv] = sites
+                    sites[i] = alt
+        if sites:
+            result[gv] = sites
     return result
 
 
@@ -130,16 +126,10 @@ class _Canonicalize(PyExprMutator):
         self.mqa = mqa
         self.attention_vars = set()  # the R.nn.attention results we emitted
 
-    def transform(self):
-        for gv, func in self.mod_.functions.items():
-            if isinstance(func, relax.Function) and not _is_offloaded(func):
-                if any(True for _ in self._sites_in(func)):
-                    self.builder_.update_func(gv, self.visit_expr(func))
+    def transform(self, functions):
+        for gv in functions:
+            self.builder_.update_func(gv, self.visit_expr(self.mod_[gv]))
         return self.builder_.get()
-
-    def _sites_in(self, func):
-        bound = analysis.Bindings(func).value
-        return (v for v in bound if v in self.sites)
 
     def visit_var_binding_(self, binding):
         site = self.sites.get(binding.var)
@@ -202,11 +192,11 @@ class _FoldOutputLayout(PyExprMutator):
         self.attention_vars = attention_vars
         self.value = {}
 
-    def transform(self):
-        for gv, func in self.mod_.functions.items():
-            if isinstance(func, relax.Function) and not _is_offloaded(func):
-                self.value = analysis.Bindings(func).value
-                self.builder_.update_func(gv, self.visit_expr(func))
+    def transform(self, functions):
+        for gv in functions:
+            func = self.mod_[gv]
+            self.value = analysis.Bindings(func).value
+            self.builder_.update_func(gv, self.visit_expr(func))
         return self.builder_.get()
 
     def visit_var_binding_(self, binding):
@@ -223,24 +213,26 @@ class _FoldOutputLayout(PyExprMutator):
         super().visit_var_binding_(binding)
 
 
-def canonicalize_attention(mod: tvm.IRModule, mqa: bool = True) -> tvm.IRModule:
+def canonicalize_attention(mod: tvm.IRModule, mqa: bool = True, sites=None) -> tvm.IRModule:
     """Step 1 alone: rewrite offloadable attention sites to ``R.nn.attention`` (see module doc)."""
-    sites = [s for ss in _analyze(mod, mqa).values() for s in ss]
-    if not any(s.reason is None for s in sites):
+    by_func = _analyze(mod, mqa) if sites is None else sites
+    functions = [gv for gv, ss in by_func.items() if any(s.reason is None for s in ss)]
+    if not functions:
         return mod
-    canon = _Canonicalize(mod, sites, mqa)
-    mod = canon.transform()
-    mod = relax.transform.RemoveRedundantReshape()(mod)
-    mod = relax.transform.CanonicalizeBindings()(mod)
-    mod = _FoldOutputLayout(mod, set(canon.attention_vars)).transform()
-    mod = relax.transform.CanonicalizeBindings()(mod)
-    return _remove_unused(mod)
+    canon = _Canonicalize(mod, [s for gv in functions for s in by_func[gv]], mqa)
+    mod = canon.transform(functions)
+    if any(s.out_labels != ["B", "S", "H", "D"] for gv in functions for s in by_func[gv]):
+        # chains produced BNSH or 3-D outputs: fold our layout changes into the caller's
+        mod = relax.transform.RemoveRedundantReshape()(mod)
+        mod = relax.transform.CanonicalizeBindings()(mod)
+        mod = _FoldOutputLayout(mod, set(canon.attention_vars)).transform(functions)
+        mod = relax.transform.CanonicalizeBindings()(mod)
+    return _remove_unused(mod, functions)
 
 
-def _remove_unused(mod):
-    for gv, func in list(mod.functions.items()):
-        if isinstance(func, relax.Function) and not _is_offloaded(func):
-            mod[gv] = relax.analysis.remove_all_unused(func)
+def _remove_unused(mod, functions):
+    for gv in functions:
+        mod[gv] = relax.analysis.remove_all_unused(mod[gv])
     return mod
 
 
@@ -277,10 +269,17 @@ def partition_for_cutlass(
 
     if provider is not None and provider not in PROVIDERS:
         raise ValueError(f"provider must be one of {PROVIDERS} or None, got {provider!r}")
-    mod = canonicalize_attention(mod, mqa)
-    mod = relax.transform.FuseOpsByPattern(
-        flash_attn_patterns(), bind_constants=bind_constants, annotate_codegen=annotate_codegen
-    )(mod)
+    sites = _analyze(mod, mqa)
+    mod = canonicalize_attention(mod, mqa, sites)
+    accepted = [s for ss in sites.values() for s in ss if s.reason is None]
+    if accepted:
+        # Only the patterns this module can match: matching cost grows with the table.
+        want_mqa = {mqa and s.num_kv_heads != s.num_q_heads for s in accepted}
+        out_permute = any(s.out_labels != ["B", "S", "H", "D"] for s in accepted)
+        mod = relax.transform.FuseOpsByPattern(
+            flash_attn_patterns(mqa=want_mqa, output_permute=out_permute),
+            bind_constants=bind_constants, annotate_codegen=annotate_codegen,
+        )(mod)
     if provider is not None and annotate_codegen:
         for gv, func in list(mod.functions.items()):
             if isinstance(func, relax.Function) and func.attrs is not None and \

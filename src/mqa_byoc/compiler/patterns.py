@@ -61,11 +61,17 @@ def _check_mha(context: PatternCheckContext) -> bool:
     return _check(context, want_mqa=False)
 
 
-def flash_attn_patterns() -> list[FusionPattern]:
-    """Highest priority first: the larger pattern (with the output permute) wins."""
+def flash_attn_patterns(mqa=(True, False), output_permute: bool = True) -> list[FusionPattern]:
+    """The pattern table; highest priority first: the larger pattern (with the output permute) wins.
+
+    ``mqa``: which composites to include (True: ``attention_mqa``, False: ``attention``);
+    ``output_permute``: include the variants that also take a permute of the result.
+    """
     table = []
-    for with_out in (True, False):
+    for with_out in ((True, False) if output_permute else (False,)):
         pattern, annotations = make_attention_pattern(with_out)
-        table.append(FusionPattern(COMPOSITE_MQA, pattern, annotations, _check_mqa))
-        table.append(FusionPattern(COMPOSITE_MHA, pattern, annotations, _check_mha))
+        if True in mqa:
+            table.append(FusionPattern(COMPOSITE_MQA, pattern, annotations, _check_mqa))
+        if False in mqa:
+            table.append(FusionPattern(COMPOSITE_MHA, pattern, annotations, _check_mha))
     return table
