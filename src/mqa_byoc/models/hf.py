@@ -1,0 +1,497 @@
+"""Hugging Face decoders with random weights, exported with ``torch.export`` and imported into Relax.
+
+Nothing is downloaded: the model is built from a ``LlamaConfig`` / ``MistralConfig`` with random
+weights. Needs ``torch`` and ``transformers`` (the ``hf`` extra); tested with torch 2.13 and
+transformers 5.x.
+
+Pipeline (what :func:`import_hf` does; a user with a real checkpoint runs the same steps)::
+
+    model = LlamaForCausalLM.from_pretrained(..., torch_dtype=torch.float16,
+                                             attn_implementation="eager")   # or "sdpa"
+    ep = torch.export.export(Wrapper(model), (input_ids,), dynamic_shapes=...)
+    mod = from_exported_program(ep, keep_params_as_input=True, unwrap_unit_return_tuple=True,
+                                custom_convert_map=native_dtype_convert_map())
+    #   (native_dtype_convert_map() includes fixes_convert_map(): cat / cumsum frontend fixes)
+    mod, params = relax.frontend.detach_params(mod)
+    mod = mqa_byoc.partition_for_cutlass(mod, mqa=True)
+
+fp16: what the frontend emits, and how to get fp16 attention
+-------------------------------------------------------------
+``from_exported_program`` converts ``aten.mm`` / ``bmm`` / ``matmul`` / ``linear`` to
+``R.matmul(.., out_dtype="float32")`` whatever the input dtype. In an fp16 model every projection
+therefore returns float32, the frontend's dtype promotion inserts ``R.astype(.., "float32")`` on the
+other operands, and the whole attention chain (q, k, v, scores, softmax, p @ v, o_proj) runs in
+float32 until the next explicit ``.to(fp16)`` (the RMSNorm's ``to(input_dtype)``). FA2 needs
+fp16/bf16 inputs, so that graph cannot be offloaded as is. Two ways out:
+
+1. (recommended) ``custom_convert_map=native_dtype_convert_map()``: ``mm``/``bmm``/``matmul``/
+   ``linear`` keep their input dtype (``out_dtype=None``), so the Relax graph has exactly torch's
+   dtypes: q/k/v, RoPE, repeat_kv, ``q @ k^T``, scale, mask add in fp16, then
+   ``astype(f32) -> softmax -> astype(f16)`` (eager: HF's ``softmax(dtype=float32).to(q.dtype)``),
+   ``p @ v`` in fp16. Caveat: the non-attention matmuls are then fp16 in, fp16 out (the accumulator
+   precision is up to TVM's lowering / cuBLAS).
+2. Import as is and run ``relax.transform.ToMixedPrecision(out_dtype="float16")``: the matmuls
+   become fp16 in / fp16 out, but the elementwise ops only follow their inputs, so the RoPE (its
+   cos/sin tables are float32 in the float32-compute graph) keeps q and k in float32: K is
+   expanded (expand_dims / broadcast_to / reshape) in float32 while V is expanded in fp16, and
+   ``R.astype(.., "float16")`` appears right before each attention matmul; softmax stays float32
+   with an ``astype`` in front of ``p @ v``. It works numerically but the attention chain is
+   interleaved with casts, so the pattern canonicalizer would have to look through them.
+   See ``docs/hf_graph_forms.md`` for the printed IR.
+
+For ``attn_implementation="sdpa"`` the picture differs: ``run_decompositions`` (on by default in
+``from_exported_program``) lowers ``aten.scaled_dot_product_attention`` with a boolean mask into
+its math form and, for fp16 on CPU, that decomposition itself upcasts q/k/v to float32 (so even
+with the native-dtype map the sdpa chain is float32 between ``astype`` casts; exporting on a CUDA
+device may decompose differently — not checked here, no GPU used). With
+``run_ep_decomposition=False`` the import fails (``to.device``, and without a cache ``diff.default``,
+have no converter), and the frontend's own sdpa converter (which would emit ``R.nn.attention``
+with a bias) asserts on HF's boolean mask: it only takes float masks.
+
+The graph forms (one layer; B batch, S query length, S_kv = S_past + S, H heads, H_kv K/V heads,
+r = H / H_kv, D head dim, dt the model dtype with the native-dtype map; printed IR in
+docs/hf_graph_forms.md)
+----------------------------------------------------------------------------------------------
+
+Mask, built once per forward and shared by all layers (``masking_utils.create_causal_mask``), with
+the default ``use_cache=True`` (prefill through a fresh ``DynamicCache``, and decode)::
+
+    q_idx = expand_dims(arange(S_past, S_past + S) ...)       # (1, 1, S, 1) int64
+    kv_idx = expand_dims(arange(0, S_kv) ...)                 # (1, 1, 1, S_kv) int64
+    ok = R.less_equal(kv_idx, q_idx)                          # (1, 1, S, S_kv) bool
+    # Mistral (window w): ok = bitwise_and(bitwise_and(True, greater(kv_idx, q_idx - w)),
+    #                                      less_equal(kv_idx, q_idx))
+    ok = R.broadcast_to(ok, (B, 1, S, S_kv))
+    eager: mask = R.where(ok, R.full((), 0, dt), R.const(finfo(dt).min, dt))   # (B, 1, S, S_kv)
+    sdpa:  the bool ``ok`` goes into each layer's attention, which starts with
+           mask = R.where(ok, R.const(0, dt), R.const(-inf, dt))
+
+With ``use_cache=False`` HF also detects packed sequences from the position ids (``diff``,
+``cumsum``, ``index_tensor``, ``equal``, ``bitwise_and`` on top of the above). Either way the mask
+is an opaque tensor to the attention: proving it causal means matching this preamble (or
+trusting that the model is a causal decoder).
+
+repeat_kv (both implementations; q/k/v are BNSH after ``view -> transpose(1, 2)`` and RoPE)::
+
+    k = R.expand_dims(k, axis=[2])                      # (B, H_kv, 1, S_kv, D)
+    k = R.broadcast_to(k, R.shape([B, H_kv, r, S_kv, D]))
+    k = R.reshape(k, R.shape([B, H, S_kv, D]))          # same for v; absent when r == 1
+
+  In decode, ``R.concat((past_k, k_new), axis=-2)`` (BNSH caches) comes first.
+
+eager attention (``eager_attention_forward``)::
+
+    kt = R.permute_dims(k, axes=[0, 1, 3, 2])                            # (B, H, D, S_kv)
+    a  = R.reshape(R.broadcast_to(q, (B, H, S, D)), (B*H, S, D))        # aten.matmul -> bmm
+    b  = R.reshape(R.broadcast_to(kt, (B, H, D, S_kv)), (B*H, D, S_kv))
+    s  = R.reshape(R.matmul(a, b), (B, H, S, S_kv))
+    s  = R.multiply(s, R.const(D ** -0.5, dt))
+    s  = R.add(s, mask)                                                  # (B, 1, S, S_kv)
+    s  = R.astype(s, "float32")            # fp16 only
+    p  = R.nn.softmax(s, axis=-1)
+    p  = R.astype(p, dt)                   # fp16 only
+    a  = R.reshape(R.broadcast_to(p, (B, H, S, S_kv)), (B*H, S, S_kv))
+    b  = R.reshape(R.broadcast_to(v, (B, H, S_kv, D)), (B*H, S_kv, D))
+    o  = R.reshape(R.matmul(a, b), (B, H, S, D))
+    o  = R.permute_dims(o, axes=[0, 2, 1, 3])                            # transpose(1, 2)
+    o  = R.reshape(o, (B, S, H*D))                                       # -> o_proj
+
+  (dropout(p=0) vanishes; with the frontend's default float32 matmuls, dt is float32 from the q/k/v
+  projections on, the mask gets an ``astype(f32)``, and the softmax is followed by
+  ``astype(f16)`` then ``astype(f32)`` again before ``p @ v``.)
+
+sdpa attention (``aten.scaled_dot_product_attention(q, k, v, ok, scale=D**-0.5)`` decomposed by
+``run_decompositions``; the scale is applied as sqrt(scale) on each side)::
+
+    mask = R.where(ok, R.const(0, dt), R.const(-inf, dt))            # (B, 1, S, S_kv)
+    q = R.astype(q, "float32"); k = ...; v = ...       # fp16: the CPU math decomposition upcasts
+    qs = R.multiply(q, R.const(D ** -0.25, "float32"))
+    kt = R.multiply(R.permute_dims(k, [0, 1, 3, 2]), R.const(D ** -0.25, "float32"))
+    s  = bmm(qs, kt) as above -> (B, H, S, S_kv)
+    s  = R.add(s, R.astype(mask, "float32"))
+    p  = R.nn.softmax(s, axis=-1)
+    # fully-masked-row fix-up:
+    alive = R.astype(R.max(R.astype(R.logical_not(R.equal(s, -inf)), "int8"), axis=[-1],
+                           keepdims=True), "bool")
+    p  = R.where(R.logical_not(alive), R.full_like(p, 0), p)
+    o  = bmm(p, v) -> (B, H, S, D)
+    o  = R.astype(o, dt)                               # fp16 only
+    o  = R.permute_dims(o, [2, 0, 1, 3]); o = R.permute_dims(o, [1, 2, 0, 3])  # (identity)
+    o  = R.permute_dims(o, [0, 2, 1, 3]); o = R.reshape(o, (B, S, H*D))
+
+Decode step: exported with past K/V as explicit inputs, ``(B, H_kv, S_past, D)`` each (HF's
+BNSH cache layout), in the order ``k_0, v_0, k_1, v_1, ...``; the wrapper fills a fresh
+``DynamicCache`` with them and returns ``(logits, k_0', v_0', ...)``, S_past + 1 positions each
+(for Mistral, HF's sliding-window cache layers keep only the last w - 1 positions, so the
+returned caches are cropped).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+from .presets import DecoderConfig
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+class HFImport(NamedTuple):
+    """What :func:`import_hf` returns (unpacks as ``mod, params, reference``)."""
+
+    mod: object  # tvm.IRModule, function "main"; weights trail the inputs (attr num_input)
+    params: list  # numpy arrays, in the order of main's weight parameters
+    reference: Callable[..., np.ndarray]  # torch eager logits for the same inputs (numpy)
+
+
+def make_hf_config(
+    kind: str = "llama",
+    *,
+    hidden_size: int = 256,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int | None = None,
+    intermediate_size: int = 512,
+    vocab_size: int = 1000,
+    num_layers: int = 2,
+    rope_theta: float = 10000.0,
+    rms_eps: float = 1e-6,
+    sliding_window: int | None = None,
+    max_position_embeddings: int = 4096,
+    attn_implementation: str = "eager",
+):
+    """A ``LlamaConfig`` (``kind="llama"``) or ``MistralConfig`` (``kind="mistral"``)."""
+    from transformers import LlamaConfig, MistralConfig
+
+    common = dict(
+        hidden_size=hidden_size,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim if head_dim is not None else hidden_size // num_heads,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+        num_hidden_layers=num_layers,
+        rms_norm_eps=rms_eps,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+    )
+    if kind == "llama":
+        if sliding_window is not None:
+            raise ValueError("LlamaConfig has no sliding window; use kind='mistral'")
+        cfg = LlamaConfig(rope_theta=rope_theta, **common)
+    elif kind == "mistral":
+        cfg = MistralConfig(rope_theta=rope_theta, sliding_window=sliding_window, **common)
+    else:
+        raise ValueError(f"kind must be 'llama' or 'mistral', got {kind!r}")
+    # rope_theta moved into rope_parameters in transformers 5; set both spellings
+    rp = getattr(cfg, "rope_parameters", None)
+    if isinstance(rp, dict):
+        rp["rope_theta"] = rope_theta
+    cfg._attn_implementation = attn_implementation
+    return cfg
+
+
+def hf_config_from_decoder(config: DecoderConfig, *, attn_implementation: str = "eager"):
+    """The HF config with the shapes of a :class:`DecoderConfig` (Mistral when it has a window)."""
+    return make_hf_config(
+        "mistral" if config.sliding_window is not None else "llama",
+        hidden_size=config.hidden_size,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        num_layers=config.num_layers,
+        rope_theta=config.rope_theta,
+        rms_eps=config.rms_eps,
+        sliding_window=config.sliding_window,
+        attn_implementation=attn_implementation,
+    )
+
+
+def build_hf_model(hf_config, *, dtype: str = "float32", seed: int = 0, std: float = 0.02):
+    """``LlamaForCausalLM`` / ``MistralForCausalLM`` with seeded random weights, in eval mode."""
+    torch = _torch()
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(
+        hf_config, attn_implementation=hf_config._attn_implementation
+    )
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + std * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+    return model.eval().to(getattr(torch, dtype))
+
+
+def fixes_convert_map() -> dict:
+    """Converters that fix frontend bugs HF decoders hit (always used by :func:`import_hf`).
+
+    ``cat.default``: torch.cat skips 1-D empty tensors, the frontend's concat rejects them
+    ("Concat expects all input tensors to have same ndim"); ``DynamicCache.update`` on an empty
+    layer concatenates onto ``torch.tensor([])``, so any export that fills a fresh cache hits it.
+
+    ``cumsum.default``: torch sums bool / integer inputs in int64, the frontend keeps ``bool``
+    (``R.cumsum(bool)``), which then fails in LLVM codegen ("CreateAdd ... kDLFloat"). HF's mask
+    builder cumsums a bool tensor (packed-sequence detection), so every HF decoder hits it.
+    """
+    from tvm import relax, tirx
+
+    def cumsum(node, importer):
+        x = importer.env[node.args[0]]
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", None)
+        dtype = node.kwargs.get("dtype", None)
+        if dtype is not None:
+            dtype = importer._convert_data_type(str(dtype), importer.env)
+        elif str(x.ty.dtype) == "bool" or str(x.ty.dtype).startswith(("int", "uint")):
+            dtype = "int64"
+        return importer.block_builder.emit(relax.op.cumsum(x, dim, dtype))
+
+    def cat(node, importer):
+        # torch.cat skips 1-D empty tensors (legacy behaviour); DynamicCache relies on it: its
+        # first update() concatenates the new K/V onto torch.tensor([])
+        args = importer.retrieve_args(node)
+        dim = args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        parts = [
+            t
+            for t in args[0]
+            if not (
+                t.ty.ndim == 1
+                and t.ty.shape is not None
+                and isinstance(t.ty.shape.values[0], tirx.IntImm)
+                and int(t.ty.shape.values[0]) == 0
+            )
+        ]
+        if len(parts) == 1:
+            return parts[0]
+        return importer.block_builder.emit(relax.op.concat(parts, axis=dim))
+
+    return {"cumsum.default": cumsum, "cat.default": cat}
+
+
+def params_from_hf(model, param_spec) -> list[np.ndarray]:
+    """The weights of an HF Llama / Mistral model in :func:`mqa_byoc.models.llama.build_decoder`'s
+    ``param_spec`` order (its names are HF's without the ``model.`` prefix), as numpy arrays of
+    the spec's dtypes. Lets the Relax decoder run a real (or this module's random) checkpoint."""
+    from .llama import _np_dtype
+
+    sd = model.state_dict()
+    out = []
+    for p in param_spec:
+        key = p.name if p.name.startswith("lm_head.") else f"model.{p.name}"
+        t = sd[key]
+        if tuple(t.shape) != tuple(p.shape):
+            raise ValueError(f"{key}: HF shape {tuple(t.shape)} != spec shape {p.shape}")
+        out.append(t.detach().float().numpy().astype(_np_dtype(p.dtype)))
+    return out
+
+
+def native_dtype_convert_map() -> dict:
+    """``custom_convert_map`` for ``from_exported_program``: matmuls keep their input dtype.
+
+    Replaces the converters of ``mm``, ``bmm``, ``matmul`` and ``linear``, which otherwise emit
+    ``out_dtype="float32"`` (see the module docstring).
+    """
+    from tvm import relax
+
+    def matmul(node, importer):
+        a, b = importer.retrieve_args(node)[:2]
+        return importer.block_builder.emit(relax.op.matmul(a, b))
+
+    def linear(node, importer):
+        args = importer.retrieve_args(node)
+        bias = args[2] if len(args) > 2 else None
+        return importer.block_builder.emit(relax.op.linear(args[0], args[1], bias))
+
+    return {**fixes_convert_map(),
+        "mm.default": matmul,
+        "bmm.default": matmul,
+        "matmul.default": matmul,
+        "linear.default": linear,
+    }
+
+
+def _wrapper(model, mode: str, num_layers: int, use_cache: bool):
+    torch = _torch()
+    from transformers import DynamicCache
+
+    class Prefill(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids):
+            if not use_cache:
+                return self.model(input_ids=input_ids, use_cache=False).logits
+            cache = DynamicCache(config=self.model.config)
+            out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+            res = [out.logits]
+            for i in range(num_layers):
+                res += [cache.layers[i].keys, cache.layers[i].values]
+            return tuple(res)
+
+    class Decode(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, *past):
+            cache = DynamicCache(config=self.model.config)
+            for i in range(num_layers):
+                cache.update(past[2 * i], past[2 * i + 1], i)
+            past_len = past[0].shape[2]
+            pos = torch.arange(past_len, past_len + input_ids.shape[1]).unsqueeze(0)
+            out = self.model(
+                input_ids=input_ids, past_key_values=cache, position_ids=pos, use_cache=True
+            )
+            res = [out.logits]
+            for i in range(num_layers):
+                res += [cache.layers[i].keys, cache.layers[i].values]
+            return tuple(res)
+
+    return Prefill() if mode == "prefill" else Decode()
+
+
+def import_hf(
+    model,
+    *,
+    mode: str = "prefill",
+    batch: int = 1,
+    seq_len: int = 16,
+    past_len: int = 8,
+    dynamic: bool = False,
+    use_cache: bool = True,
+    max_batch: int = 8,
+    max_seq_len: int = 1024,
+    matmul_dtype: str = "native",
+    mixed_precision: bool = False,
+    seed: int = 0,
+) -> HFImport:
+    """Export ``model`` with ``torch.export`` and import it with ``from_exported_program``.
+
+    - ``mode="prefill"``: ``main(input_ids: (B, S) int64, *weights) -> logits (B, S, V)``.
+    - ``mode="decode"``: ``main(input_ids: (B, 1) int64, k_0, v_0, ..., *weights) ->
+      (logits (B, 1, V), k_0', v_0', ...)``, caches ``(B, H_kv, S_past, D)``.
+    - ``dynamic``: export with symbolic B and S (prefill) / S_past (decode) via
+      ``torch.export.Dim``; otherwise the example sizes are baked in. The frontend records the
+      Dims' ranges as ``tir_var_upper_bound`` and TVM's memory planning then allocates for the
+      upper bounds (B * S * S_kv masks and scores!), hence the small ``max_batch`` /
+      ``max_seq_len`` defaults.
+    - ``use_cache``: prefill through a fresh ``DynamicCache`` and return ``(logits, k_0, v_0,
+      ...)`` (default, what generation does). With False the model runs cache-less and returns
+      the logits only; HF then adds its packed-sequence detection to the mask
+      (``diff``/``cumsum``/``index_tensor``), whose shapes the frontend cannot infer with
+      ``dynamic=True`` ("non-symbolic shape is not supported" at build).
+    - ``matmul_dtype``: "native" (:func:`native_dtype_convert_map`) or "float32" (the frontend's
+      default); ``mixed_precision`` then applies ``ToMixedPrecision(out_dtype="float16")``.
+
+    Returns :class:`HFImport` ``(mod, params, reference)``; ``reference(*inputs)`` runs the torch
+    model eagerly on numpy inputs (the same ones ``main`` takes before the weights) and returns
+    the logits as a float32 numpy array. The module's weights are detached (``params``).
+    """
+    torch = _torch()
+    from tvm import relax
+    from tvm.relax.frontend import detach_params
+    from tvm.relax.frontend.torch import from_exported_program
+
+    if mode not in ("prefill", "decode"):
+        raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
+    if matmul_dtype not in ("native", "float32"):
+        raise ValueError(f"matmul_dtype must be 'native' or 'float32', got {matmul_dtype!r}")
+    cfg = model.config
+    n_layers = cfg.num_hidden_layers
+    hkv = cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    wrapper = _wrapper(model, mode, n_layers, use_cache).eval()
+    if dynamic:  # an example size of 1 would be specialized
+        batch, seq_len, past_len = max(batch, 2), max(seq_len, 2), max(past_len, 2)
+    gen = torch.Generator().manual_seed(seed)
+    n_tok = seq_len if mode == "prefill" else 1
+    ids = torch.randint(0, cfg.vocab_size, (batch, n_tok), generator=gen)
+    args = [ids]
+    dyn = None
+    if mode == "decode":
+        dtype = next(model.parameters()).dtype
+        args += [
+            torch.randn(batch, hkv, past_len, d, generator=gen).to(dtype) for _ in range(2 * n_layers)
+        ]
+    if dynamic:
+        bdim = torch.export.Dim("batch", min=1, max=max_batch)
+        if mode == "prefill":
+            dyn = ({0: bdim, 1: torch.export.Dim("seq_len", min=2, max=max_seq_len)},)
+        else:
+            pdim = torch.export.Dim.AUTO
+            dyn = ({0: bdim}, tuple({0: bdim, 2: pdim} for _ in range(2 * n_layers)))
+    with torch.no_grad():
+        ep = torch.export.export(wrapper, tuple(args), dynamic_shapes=dyn)
+    mod = from_exported_program(
+        ep,
+        keep_params_as_input=True,
+        unwrap_unit_return_tuple=True,
+        custom_convert_map=(
+            native_dtype_convert_map() if matmul_dtype == "native" else fixes_convert_map()
+        ),
+    )
+    mod, params = detach_params(mod)
+    if mixed_precision:
+        mod = relax.transform.ToMixedPrecision(out_dtype="float16")(mod)
+    np_params = [p.numpy() for p in params["main"]]
+
+    def reference(*inputs) -> np.ndarray:
+        t = [torch.from_numpy(np.ascontiguousarray(inputs[0])).long()]
+        dt = next(model.parameters()).dtype
+        t += [torch.from_numpy(np.asarray(x, dtype=np.float32)).to(dt) for x in inputs[1:]]
+        with torch.no_grad():
+            out = wrapper(*t)
+        logits = out[0] if isinstance(out, tuple) else out
+        return logits.float().numpy()
+
+    return HFImport(mod, np_params, reference)
+
+
+def example_inputs(
+    model, *, mode: str = "prefill", batch: int = 1, seq_len: int = 16, past_len: int = 8, seed: int = 0
+) -> list[np.ndarray]:
+    """Random numpy inputs for ``main`` of :func:`import_hf` (ids int64; caches in the model dtype)."""
+    rng = np.random.default_rng(seed)
+    cfg = model.config
+    n_tok = seq_len if mode == "prefill" else 1
+    out = [rng.integers(0, cfg.vocab_size, (batch, n_tok)).astype("int64")]
+    if mode == "decode":
+        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+        shape = (batch, cfg.num_key_value_heads, past_len, d)
+        out += [
+            rng.standard_normal(shape).astype(dtype) for _ in range(2 * cfg.num_hidden_layers)
+        ]
+    return out
+
+
+def attention_ir_snippet(mod, *, layer: int = 0, func: str = "main") -> tuple[str, str]:
+    """``(preamble, attention)``: printed Relax bindings for docs and debugging.
+
+    ``preamble``: everything before the first layer's RMSNorm input (embedding, the mask
+    builder, RoPE tables); ``attention``: the bindings of layer ``layer`` from its q projection
+    up to (excluding) its o projection.
+    """
+    lines = [ln.strip() for ln in mod[func].script(show_meta=False).splitlines()]
+    body = next(i for i, ln in enumerate(lines) if ln.startswith("with R.dataflow()")) + 1
+    tag = f"layers_{layer}_self_attn_"
+
+    def find(pred):
+        return next(i for i in range(body, len(lines)) if pred(lines[i]))
+
+    first = find(lambda ln: tag + "q_proj_weight" in ln)
+    last = find(lambda ln: tag + "o_proj_weight" in ln)
+    norm0 = find(lambda ln: "R.power(" in ln)
+    return "\n".join(lines[body:norm0]), "\n".join(lines[first:last])

@@ -1,0 +1,681 @@
+"""A Llama-family decoder and a single attention block in Relax, with selectable K/V expansion.
+
+Built with the ``tvm.relax.frontend.nn`` Module API. The decoder is RMSNorm -> GQA attention with
+RoPE -> residual -> RMSNorm -> SwiGLU MLP -> residual, repeated, then RMSNorm and the LM head; its
+parameter names follow Hugging Face (``layers.0.self_attn.q_proj.weight``, ...).
+
+Functions of the module from :func:`build_decoder` (weights trail the inputs, ``num_input`` attr):
+
+- ``prefill(input_ids: (B, S) int32, *weights) -> (logits, caches)``
+- ``decode(input_id: (B, 1) int32, past: caches, *weights) -> (logits, caches)``
+- ``extend(input_ids: (B, S) int32, past: caches, *weights) -> (logits, caches)`` (only when asked:
+  a chunk of S tokens after S_past cached ones)
+
+``caches`` is a Relax tuple of 2 * num_layers tensors ``(k_0, v_0, k_1, v_1, ...)``, each
+``(B, S_kv, H_kv, D)`` (BSNH, native K/V heads, RoPE already applied to K); functional: a call
+returns new tensors with ``S_kv = S_past + S``. ``logits`` is float32, ``(B, S, V)`` with
+``logits="all"``, ``(B, 1, V)`` (last position) with ``logits="last"``. B is the symbolic
+``batch`` unless ``batch=`` is an int; S (``seq_len``) and S_past (``past_len``) are symbolic.
+
+K/V expansion forms (``kv_expand=``); r = H / H_kv, q ``(B, S, H, D)``, k/v ``(B, S_kv, H_kv, D)``
+after the cache concat (``R.concat((past_k, k), axis=1)``; in decode / extend the ``repeat`` and
+``native`` forms then bind ``k = R.match_cast(k, R.Tensor((B, kv_len, H_kv, D)))`` to a fresh
+symbolic ``kv_len``, see ``fresh_kv_len`` of :func:`build_decoder`); every form returns
+``(B, S, H, D)``, then the layer does ``R.reshape(o, (B, S, H * D))`` and the o projection. RoPE
+(HF's non-interleaved ``rotate_half``) is applied to q and k in BSNH before all of this, with
+cos/sin tables ``(1, S, 1, D)`` computed in float32 from ``R.arange(S_past, S_past + S)`` and cast
+to the model dtype.
+
+``"repeat"`` (K/V repeated to H heads in BSNH, then TVM's fused attention op)::
+
+    k = R.repeat(k, r, axis=2)                    # (B, S_kv, H, D), skipped when r == 1
+    v = R.repeat(v, r, axis=2)
+    o = R.nn.attention(q, k, v, scale=None, causal_mask="BottomRight", window_size=w)
+
+``"native"`` (the target of the rewrite; no expansion, R.nn.attention with H_kv K/V heads)::
+
+    o = R.nn.attention(q, k, v, scale=None, causal_mask="BottomRight", window_size=w)
+
+  TVM's stock legalization of a grouped ``R.nn.attention`` is wrong (it does not group h // r):
+  run ``mqa_byoc.LegalizeGroupedAttention()`` before building anything that is not offloaded.
+
+``"repeat-chain"`` (mlc-llm 2023 Llama)::
+
+    k = R.repeat(k, r, axis=2); v = R.repeat(v, r, axis=2)          # BSNH, skipped when r == 1
+    q = R.permute_dims(q, [0, 2, 1, 3]); k = ...; v = ...            # BNSH (B, H, S, D)
+    s = R.matmul(q, R.permute_dims(k, [0, 1, 3, 2]))                 # (B, H, S, S_kv)
+    s = R.divide(s, R.const(sqrt(D), dtype))
+    s = R.maximum(s, R.const(min_value(dtype), dtype))
+    s = R.minimum(s, mask)                                           # mask (B, 1, S, S_kv)
+    s = R.astype(s, "float32")                                       # only when dtype != f32
+    p = R.nn.softmax(s, axis=-1)
+    p = R.astype(p, dtype)                                           # only when dtype != f32
+    o = R.matmul(p, v)                                               # (B, H, S, D)
+    o = R.permute_dims(o, [0, 2, 1, 3])                              # (B, S, H, D)
+
+  ``mask`` is built once per function: ``m = R.call_tir(make_causal_mask, [], (S, S_kv),
+  tir_vars=...)`` with ``m[i, j] = min_value if j > i + S_kv - S (or, with a window w,
+  j <= i + S_kv - S - w) else max_value``, then ``R.reshape(m, (1, 1, S, S_kv))`` and
+  ``R.broadcast_to(.., (B, 1, S, S_kv))``.
+
+``"hf-broadcast"`` (Hugging Face eager attention with ``repeat_kv``, as TVM's torch frontend emits
+it, see :mod:`mqa_byoc.models.hf`)::
+
+    q = R.permute_dims(q, [0, 2, 1, 3]); k = ...; v = ...            # BNSH
+    k = R.expand_dims(k, axis=[2])                                   # (B, H_kv, 1, S_kv, D)
+    k = R.broadcast_to(k, (B, H_kv, r, S_kv, D))
+    k = R.reshape(k, (B, H, S_kv, D))                                # same for v; skipped r == 1
+    kt = R.permute_dims(k, [0, 1, 3, 2])                             # (B, H, D, S_kv)
+    a = R.reshape(R.broadcast_to(q, (B, H, S, D)), (B * H, S, D))    # aten.matmul -> bmm
+    b = R.reshape(R.broadcast_to(kt, (B, H, D, S_kv)), (B * H, D, S_kv))
+    s = R.reshape(R.matmul(a, b), (B, H, S, S_kv))
+    s = R.multiply(s, R.const(D ** -0.5, dtype))
+    s = R.add(s, mask)                                               # mask (1, 1, S, S_kv)
+    s = R.astype(s, "float32")                                       # only when dtype != f32
+    p = R.nn.softmax(s, axis=-1)
+    p = R.astype(p, dtype)                                           # only when dtype != f32
+    a = R.reshape(R.broadcast_to(p, (B, H, S, S_kv)), (B * H, S, S_kv))
+    b = R.reshape(R.broadcast_to(v, (B, H, S_kv, D)), (B * H, S_kv, D))
+    o = R.reshape(R.matmul(a, b), (B, H, S, D))
+    o = R.permute_dims(o, [0, 2, 1, 3])                              # (B, S, H, D)
+
+  ``mask`` is built once per function from ``R.arange`` positions: ``qp = arange(S_kv - S, S_kv)``,
+  ``kp = arange(0, S_kv)`` (int64), ``ok = less_equal(kp[None, :], qp[:, None])`` (and, with a
+  window, ``logical_and(ok, greater(kp[None, :], qp[:, None] - w))``), then
+  ``R.where(R.reshape(ok, (1, 1, S, S_kv)), R.const(0, dtype), R.const(min_value(dtype), dtype))``.
+
+All four forms compute the same function: causal attention aligned bottom-right (query i is
+position ``S_kv - S + i``), softmax scale 1/sqrt(D), query head h reads K/V head h // r, and with
+a sliding window w each query sees the w most recent keys including itself. ``window_size`` is
+only emitted when the model has a sliding window (mistral-7b); TVM cannot legalize a windowed
+``R.nn.attention`` on CPU (it asserts), so CPU runs of windowed models need an explicit-mask form
+or ``sliding_window=False``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .presets import DecoderConfig
+
+KV_EXPAND_FORMS = ("repeat", "repeat-chain", "hf-broadcast", "native")
+_MASK_FORMS = ("repeat-chain", "hf-broadcast")
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One weight of a built module: its name, shape and dtype (in the functions' argument order)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+# --------------------------------------------------------------------------------------------
+# attention forms (on nn.Tensors, inside an nn.Module method)
+# --------------------------------------------------------------------------------------------
+
+
+def _nn():
+    from tvm.relax.frontend import nn
+    from tvm.relax.frontend.nn import op
+
+    return nn, op
+
+
+def _min_value(dtype: str) -> float:
+    import tvm
+
+    return float(tvm.tirx.min_value(dtype).value)
+
+
+def _max_value(dtype: str) -> float:
+    import tvm
+
+    return float(tvm.tirx.max_value(dtype).value)
+
+
+def _simplify(x):
+    """Fold ``(s + 0) - s`` style index arithmetic so printed shapes stay readable."""
+    if isinstance(x, int):
+        return x
+    import tvm
+
+    from tvm.sym import Analyzer
+
+    y = Analyzer().simplify(x)
+    return int(y) if isinstance(y, tvm.tirx.IntImm) else y
+
+
+def _emit(expr, name):
+    from tvm.relax.frontend.nn.core import wrap_nested
+
+    return wrap_nested(expr, name)
+
+
+def build_mask(kv_expand: str, batch, seq_len, kv_len, dtype: str, causal_mask, window):
+    """The explicit mask the ``repeat-chain`` / ``hf-broadcast`` forms use (None for the others).
+
+    ``causal_mask``: "BottomRight" (query i is position kv_len - seq_len + i), "TopLeft"
+    (query i is position i) or None (no causal mask; then a window is not allowed).
+    """
+    if kv_expand not in _MASK_FORMS or (causal_mask is None and window is None):
+        return None
+    if causal_mask is None:
+        raise ValueError("a sliding window needs a causal mask")
+    nn, op = _nn()
+    from tvm import relax, te, tirx
+
+    offset = _simplify(kv_len - seq_len) if causal_mask == "BottomRight" else 0
+    if kv_expand == "repeat-chain":
+        lo, hi = _min_value(dtype), _max_value(dtype)
+
+        def make_causal_mask():
+            def body(i, j):
+                masked = j > i + offset
+                if window is not None:
+                    masked = tirx.Or(masked, j <= i + offset - window)
+                return tirx.Select(masked, tirx.const(lo, dtype), tirx.const(hi, dtype))
+
+            return te.compute((seq_len, kv_len), body, name="make_causal_mask_te")
+
+        m = op.tensor_expr_op(make_causal_mask, "make_causal_mask", args=[])
+        m = op.reshape(m, (1, 1, seq_len, kv_len))
+        return op.broadcast_to(m, (batch, 1, seq_len, kv_len))
+    # hf-broadcast: positions -> bool -> where(ok, 0, min)
+    qp = op.arange(offset, _simplify(offset + seq_len), dtype="int64")
+    kp = op.arange(0, kv_len, dtype="int64")
+    qcol = op.reshape(qp, (seq_len, 1))
+    krow = op.reshape(kp, (1, kv_len))
+    ok = op.less_equal(krow, qcol)
+    if window is not None:
+        lower = op.subtract(qcol, nn.Tensor.from_scalar(window, "int64"))
+        ok = _emit(relax.op.logical_and(ok._expr, op.greater(krow, lower)._expr), "and_window")
+    ok = op.reshape(ok, (1, 1, seq_len, kv_len))
+    zero = nn.Tensor.from_scalar(0.0, dtype)
+    neg = nn.Tensor.from_scalar(_min_value(dtype), dtype)
+    return op.where(ok, zero, neg)
+
+
+def attention(q, k, v, *, kv_expand: str, mask=None, causal_mask="BottomRight", window=None):
+    """Emit one attention in form ``kv_expand`` (see the module docstring).
+
+    q ``(B, S, H, D)``, k/v ``(B, S_kv, H_kv, D)`` nn.Tensors; ``mask`` from :func:`build_mask`
+    for the explicit-mask forms. Returns ``(B, S, H, D)``.
+    """
+    nn, op = _nn()
+    from tvm import relax
+
+    if kv_expand not in KV_EXPAND_FORMS:
+        raise ValueError(f"kv_expand must be one of {KV_EXPAND_FORMS}, got {kv_expand!r}")
+    b, s, h, d = q.shape
+    _, skv, hkv, _ = k.shape
+    h, hkv, d = int(h), int(hkv), int(d)
+    r = h // hkv
+    dtype = q.dtype
+
+    if kv_expand in ("repeat", "native"):
+        if kv_expand == "repeat" and r > 1:
+            k = op.repeat(k, r, axis=2)
+            v = op.repeat(v, r, axis=2)
+        call = relax.op.nn.attention(
+            q._expr, k._expr, v._expr, causal_mask=causal_mask, window_size=window
+        )
+        return _emit(call, "attention")
+
+    if mask is None and (causal_mask is not None or window is not None):
+        raise ValueError(f"{kv_expand}: the mask from build_mask() is required")
+
+    if kv_expand == "repeat-chain":
+        if r > 1:
+            k = op.repeat(k, r, axis=2)
+            v = op.repeat(v, r, axis=2)
+        q = op.permute_dims(q, [0, 2, 1, 3])
+        k = op.permute_dims(k, [0, 2, 1, 3])
+        v = op.permute_dims(v, [0, 2, 1, 3])
+        scores = op.matmul(q, op.permute_dims(k, [0, 1, 3, 2]))
+        scores = op.divide(scores, nn.Tensor.from_scalar(math.sqrt(d), dtype))
+        if mask is not None:
+            scores = op.maximum(scores, nn.Tensor.from_scalar(_min_value(dtype), dtype))
+            scores = op.minimum(scores, mask)
+        if dtype != "float32":
+            scores = op.astype(scores, "float32")
+        probs = op.softmax(scores, axis=-1)
+        if dtype != "float32":
+            probs = op.astype(probs, dtype)
+        out = op.matmul(probs, v)
+        return op.permute_dims(out, [0, 2, 1, 3])
+
+    # hf-broadcast
+    q = op.permute_dims(q, [0, 2, 1, 3])
+    k = op.permute_dims(k, [0, 2, 1, 3])
+    v = op.permute_dims(v, [0, 2, 1, 3])
+    if r > 1:
+        k = op.reshape(op.broadcast_to(op.unsqueeze(k, 2), (b, hkv, r, skv, d)), (b, h, skv, d))
+        v = op.reshape(op.broadcast_to(op.unsqueeze(v, 2), (b, hkv, r, skv, d)), (b, h, skv, d))
+    kt = op.permute_dims(k, [0, 1, 3, 2])
+
+    def bmm(x, y, xs, ys, out):
+        x3 = op.reshape(op.broadcast_to(x, xs), (b * h, xs[2], xs[3]))
+        y3 = op.reshape(op.broadcast_to(y, ys), (b * h, ys[2], ys[3]))
+        return op.reshape(op.matmul(x3, y3), out)
+
+    scores = bmm(q, kt, (b, h, s, d), (b, h, d, skv), (b, h, s, skv))
+    scores = op.multiply(scores, nn.Tensor.from_scalar(d**-0.5, dtype))
+    if mask is not None:
+        scores = op.add(scores, mask)
+    if dtype != "float32":
+        scores = op.astype(scores, "float32")
+    probs = op.softmax(scores, axis=-1)
+    if dtype != "float32":
+        probs = op.astype(probs, dtype)
+    out = bmm(probs, v, (b, h, s, skv), (b, h, skv, d), (b, h, s, d))
+    return op.permute_dims(out, [0, 2, 1, 3])
+
+
+# --------------------------------------------------------------------------------------------
+# the decoder
+# --------------------------------------------------------------------------------------------
+
+
+def _match_len(x, kv_len_var, name):
+    """``R.match_cast(x, R.Tensor((B, kv_len, H_kv, D)))``: give the concatenated cache a fresh length."""
+    nn, _ = _nn()
+    from tvm import relax
+    from tvm.relax.frontend.nn.core import BlockBuilder
+
+    b, _, n, d = x.shape
+    ty = relax.TensorType([b, kv_len_var, n, d], x.dtype)
+    return nn.Tensor(_expr=BlockBuilder.current().match_cast(x._expr, ty, name))
+
+
+def _rope_tables(positions_start, seq_len, head_dim: int, theta: float, dtype: str):
+    """cos / sin tables ``(1, S, 1, D)`` in ``dtype`` for positions start .. start + S - 1."""
+    nn, op = _nn()
+    from tvm import relax
+
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    pos = op.arange(positions_start, _simplify(positions_start + seq_len), dtype="float32")
+    freqs = op.multiply(
+        op.reshape(pos, (seq_len, 1)),
+        nn.Tensor.from_const(inv_freq.astype("float32").reshape(1, head_dim // 2)),
+    )
+    emb = op.concat([freqs, freqs], dim=-1)  # (S, D), HF's non-interleaved layout
+    cos = _emit(relax.op.cos(emb._expr), "rope_cos")
+    sin = _emit(relax.op.sin(emb._expr), "rope_sin")
+    if dtype != "float32":
+        cos, sin = op.astype(cos, dtype), op.astype(sin, dtype)
+    return op.reshape(cos, (1, seq_len, 1, head_dim)), op.reshape(sin, (1, seq_len, 1, head_dim))
+
+
+def _apply_rope(x, cos, sin):
+    """x * cos + rotate_half(x) * sin on ``(B, S, N, D)``; rotate_half = concat(-x2, x1)."""
+    _, op = _nn()
+    x1, x2 = op.split(x, 2, axis=-1)
+    rot = op.concat([op.negative(x2), x1], dim=-1)
+    return op.add(op.multiply(x, cos), op.multiply(rot, sin))
+
+
+def _make_module_classes():
+    nn, op = _nn()
+
+    class Attention(nn.Module):
+        def __init__(self, cfg: DecoderConfig, dtype: str):
+            self.cfg = cfg
+            self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=False, dtype=dtype)
+            self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=False, dtype=dtype)
+            self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=False, dtype=dtype)
+            self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False, dtype=dtype)
+
+        def forward(self, x, cos, sin, past_k, past_v, mask, kv_expand, window, kv_len_var):
+            cfg = self.cfg
+            b, s, _ = x.shape
+            q = op.reshape(self.q_proj(x), (b, s, cfg.num_heads, cfg.head_dim))
+            k = op.reshape(self.k_proj(x), (b, s, cfg.num_kv_heads, cfg.head_dim))
+            v = op.reshape(self.v_proj(x), (b, s, cfg.num_kv_heads, cfg.head_dim))
+            q = _apply_rope(q, cos, sin)
+            k = _apply_rope(k, cos, sin)
+            if past_k is not None:
+                k = op.concat([past_k, k], dim=1)
+                v = op.concat([past_v, v], dim=1)
+            k_cache, v_cache = k, v  # returned with the signature's length, past_len + S
+            if kv_len_var is not None:
+                k = _match_len(k, kv_len_var, "k_all")
+                v = _match_len(v, kv_len_var, "v_all")
+            o = attention(q, k, v, kv_expand=kv_expand, mask=mask, window=window)
+            o = op.reshape(o, (b, s, cfg.q_size))
+            return self.o_proj(o), k_cache, v_cache
+
+    class MLP(nn.Module):
+        def __init__(self, cfg: DecoderConfig, dtype: str):
+            self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False, dtype=dtype)
+            self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False, dtype=dtype)
+            self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype)
+
+        def forward(self, x):
+            return self.down_proj(op.multiply(op.silu(self.gate_proj(x)), self.up_proj(x)))
+
+    class Layer(nn.Module):
+        def __init__(self, cfg: DecoderConfig, dtype: str):
+            self.input_layernorm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_eps, bias=False, dtype=dtype)
+            self.self_attn = Attention(cfg, dtype)
+            self.post_attention_layernorm = nn.RMSNorm(
+                cfg.hidden_size, -1, cfg.rms_eps, bias=False, dtype=dtype
+            )
+            self.mlp = MLP(cfg, dtype)
+
+        def forward(self, x, cos, sin, past_k, past_v, mask, kv_expand, window, kv_len_var):
+            a, k, v = self.self_attn(
+                self.input_layernorm(x), cos, sin, past_k, past_v, mask, kv_expand, window, kv_len_var
+            )
+            x = op.add(x, a)
+            x = op.add(x, self.mlp(self.post_attention_layernorm(x)))
+            return x, k, v
+
+    class Decoder(nn.Module):
+        def __init__(
+            self, cfg: DecoderConfig, dtype: str, kv_expand: str, window, logits: str, fresh_kv_len
+        ):
+            self.cfg = cfg
+            self.fresh_kv_len = fresh_kv_len
+            self.dtype = dtype
+            self.kv_expand = kv_expand
+            self.window = window
+            self.logits_mode = logits
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+            self.layers = nn.ModuleList([Layer(cfg, dtype) for _ in range(cfg.num_layers)])
+            self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_eps, bias=False, dtype=dtype)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+
+        def _run(self, input_ids, past):
+            cfg = self.cfg
+            b, s = input_ids.shape
+            past_len = past[0].shape[1] if past is not None else 0
+            kv_len = _simplify(past_len + s)
+            kv_len_var = None
+            if past is not None and self.fresh_kv_len and self.kv_expand in ("repeat", "native"):
+                from tvm import tirx
+
+                kv_len_var = tirx.Var("kv_len", "int64")
+                kv_len = kv_len_var
+            x = self.embed_tokens(input_ids)
+            cos, sin = _rope_tables(past_len, s, cfg.head_dim, cfg.rope_theta, self.dtype)
+            mask = build_mask(
+                self.kv_expand, b, s, kv_len, self.dtype, "BottomRight", self.window
+            )
+            caches = []
+            for i, layer in enumerate(self.layers):
+                pk = past[2 * i] if past is not None else None
+                pv = past[2 * i + 1] if past is not None else None
+                x, k, v = layer(x, cos, sin, pk, pv, mask, self.kv_expand, self.window, kv_len_var)
+                caches += [k, v]
+            if self.logits_mode == "last":
+                from tvm import relax
+
+                x = _emit(
+                    relax.op.strided_slice(
+                        x._expr, axes=[1], begin=[s - 1], end=[s], assume_inbound=True
+                    ),
+                    "last_hidden",
+                )
+            logits = self.lm_head(self.norm(x))
+            if logits.dtype != "float32":
+                logits = op.astype(logits, "float32")
+            return logits, tuple(caches)
+
+        def prefill(self, input_ids):
+            return self._run(input_ids, None)
+
+        def decode(self, input_id, past):
+            return self._run(input_id, past)
+
+        def extend(self, input_ids, past):
+            return self._run(input_ids, past)
+
+    class AttentionBlock(nn.Module):
+        def __init__(self, kv_expand, causal_mask, window):
+            self.kv_expand = kv_expand
+            self.causal_mask = causal_mask
+            self.window = window
+
+        def forward(self, q, k, v):
+            b, s, _, _ = q.shape
+            mask = build_mask(
+                self.kv_expand, b, s, k.shape[1], q.dtype, self.causal_mask, self.window
+            )
+            return attention(
+                q,
+                k,
+                v,
+                kv_expand=self.kv_expand,
+                mask=mask,
+                causal_mask=self.causal_mask,
+                window=self.window,
+            )
+
+    return Decoder, AttentionBlock
+
+
+def _check_common(kv_expand: str, dtype: str):
+    if kv_expand not in KV_EXPAND_FORMS:
+        raise ValueError(f"kv_expand must be one of {KV_EXPAND_FORMS}, got {kv_expand!r}")
+    if dtype not in ("float16", "bfloat16", "float32"):
+        raise ValueError(f"dtype must be float16, bfloat16 or float32, got {dtype!r}")
+
+
+def build_decoder(
+    config: DecoderConfig,
+    *,
+    dtype: str = "float16",
+    kv_expand: str = "repeat",
+    batch: int | None = None,
+    num_layers: int | None = None,
+    sliding_window: bool | int | None = True,
+    logits: str = "last",
+    functions: Sequence[str] = ("prefill", "decode"),
+    fresh_kv_len: bool = True,
+):
+    """Build the decoder as an IRModule; returns ``(mod, param_spec)``.
+
+    ``param_spec`` is a list of :class:`ParamInfo` in the order the weights trail the inputs of
+    every function (see the module docstring for the functions and the graph forms).
+
+    - ``batch``: None for a symbolic batch, or a static int.
+    - ``num_layers``: overrides ``config.num_layers`` (e.g. ``config.max_layers_default``).
+    - ``sliding_window``: True uses the config's window, False/None drops it, an int sets one.
+    - ``logits``: "last" (prefill returns the last position only) or "all".
+    - ``functions``: any of "prefill", "decode", "extend".
+    - ``fresh_kv_len``: for the ``repeat`` / ``native`` forms in decode / extend, bind each
+      concatenated cache to a fresh symbolic length ``kv_len`` with
+      ``R.match_cast(R.concat((past, new), axis=1), R.Tensor((B, kv_len, H_kv, D)))`` (what a
+      KV-cache view gives in mlc-llm); the caches are still returned from the concat, with
+      length ``past_len + S``. Without it, S_kv is the expression ``past_len + S`` and
+      TVM's TE legalization of ``R.nn.attention`` (CPU, or any non-offloaded build) fails with
+      "shapes of x and y are inconsistent". The explicit-mask forms never need it.
+    """
+    _check_common(kv_expand, dtype)
+    if logits not in ("last", "all"):
+        raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
+    bad = set(functions) - {"prefill", "decode", "extend"}
+    if bad or not functions:
+        raise ValueError(f"unknown functions {sorted(bad)}; use prefill / decode / extend")
+    if num_layers is not None:
+        config = config.replace(num_layers=num_layers)
+    if sliding_window is True:
+        window = config.sliding_window
+    elif sliding_window is False or sliding_window is None:
+        window = None
+    else:
+        window = int(sliding_window)
+    nn, _ = _nn()
+    Decoder, _ = _make_module_classes()
+    model = Decoder(config, dtype, kv_expand, window, logits, fresh_kv_len)
+    bdim = "batch" if batch is None else int(batch)
+    cache = nn.spec.Tensor([bdim, "past_len", config.num_kv_heads, config.head_dim], dtype)
+    past = [cache] * (2 * config.num_layers)
+    specs = {
+        "prefill": {"input_ids": nn.spec.Tensor([bdim, "seq_len"], "int32")},
+        "decode": {"input_id": nn.spec.Tensor([bdim, 1], "int32"), "past": past},
+        "extend": {"input_ids": nn.spec.Tensor([bdim, "seq_len"], "int32"), "past": past},
+    }
+    mod, params = model.export_tvm(spec={f: specs[f] for f in functions})
+    spec = [ParamInfo(name, tuple(int(x) for x in p.shape), str(p.dtype)) for name, p in params]
+    return mod, spec
+
+
+def build_attention_block(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    kv_expand: str = "repeat",
+    dtype: str = "float16",
+    mode: str = "prefill",
+    batch: int | None = None,
+    seq_len: int | None = None,
+    kv_len: int | None = None,
+    causal_mask: str | None = "BottomRight",
+    sliding_window: int | None = None,
+    func_name: str = "main",
+):
+    """One attention in form ``kv_expand`` with q/k/v as inputs; returns an IRModule.
+
+    ``func_name(q: (B, S, H, D), k: (B, S_kv, H_kv, D), v: (B, S_kv, H_kv, D)) -> (B, S, H, D)``,
+    no weights. Shapes by ``mode``:
+
+    - ``"prefill"``: S_kv = S (one symbolic ``seq_len``, or ``seq_len=`` int);
+    - ``"decode"``: S = 1, S_kv symbolic ``kv_len`` (or ``kv_len=`` int);
+    - ``"extend"``: S (``seq_len``) and S_kv (``kv_len``) independent, S <= S_kv at run time.
+
+    ``causal_mask``: "BottomRight" (default), "TopLeft" or None; ``sliding_window``: None or w.
+    For the explicit-mask forms the mask is built inside the function (see the module docstring).
+    """
+    _check_common(kv_expand, dtype)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if causal_mask not in (None, "BottomRight", "TopLeft"):
+        raise ValueError(f"causal_mask must be None, 'BottomRight' or 'TopLeft', got {causal_mask!r}")
+    nn, _ = _nn()
+    _, AttentionBlock = _make_module_classes()
+    bdim = "batch" if batch is None else int(batch)
+    sdim = "seq_len" if seq_len is None else int(seq_len)
+    kdim = "kv_len" if kv_len is None else int(kv_len)
+    if mode == "prefill":
+        q_s, kv_s = sdim, sdim
+    elif mode == "decode":
+        q_s, kv_s = 1, kdim
+    elif mode == "extend":
+        q_s, kv_s = sdim, kdim
+    else:
+        raise ValueError(f"mode must be prefill, decode or extend, got {mode!r}")
+    block = AttentionBlock(kv_expand, causal_mask, sliding_window)
+    spec = {
+        "forward": {
+            "q": nn.spec.Tensor([bdim, q_s, num_heads, head_dim], dtype),
+            "k": nn.spec.Tensor([bdim, kv_s, num_kv_heads, head_dim], dtype),
+            "v": nn.spec.Tensor([bdim, kv_s, num_kv_heads, head_dim], dtype),
+        }
+    }
+    mod, _ = block.export_tvm(spec=spec)
+    if func_name != "forward":
+        import tvm
+
+        # keep the GlobalVar objects: the calls of the mask PrimFunc refer to them
+        funcs = {gv: f for gv, f in mod.functions.items() if gv.name_hint != "forward"}
+        funcs[tvm.ir.GlobalVar(func_name)] = mod["forward"].with_attr("global_symbol", func_name)
+        mod = tvm.IRModule(funcs, attrs=mod.attrs)
+    return mod
+
+
+# --------------------------------------------------------------------------------------------
+# weights, caches, a numpy reference
+# --------------------------------------------------------------------------------------------
+
+
+def _np_dtype(dtype: str):
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(dtype)
+
+
+def random_params(
+    param_spec: Sequence[ParamInfo], *, seed: int = 0, std: float = 0.02
+) -> list[np.ndarray]:
+    """Seeded random weights for ``param_spec``, in order, as numpy arrays of each weight's dtype.
+
+    Matrices ~ N(0, std^2) (std 0.02, the HF init: fp16 stays far from overflow even at real
+    widths); RMSNorm weights (names ending in ``norm.weight``) ~ 1 + N(0, std^2). bfloat16 arrays
+    use ``ml_dtypes.bfloat16``.
+    """
+    rng = np.random.default_rng(seed)
+    out = []
+    for p in param_spec:
+        x = rng.standard_normal(p.shape, dtype=np.float32)
+        x *= std
+        if p.name.endswith("norm.weight"):
+            x += 1.0
+        out.append(x.astype(_np_dtype(p.dtype)))
+    return out
+
+
+def random_caches(
+    config: DecoderConfig,
+    batch: int,
+    past_len: int,
+    *,
+    dtype: str = "float16",
+    seed: int = 0,
+    std: float = 1.0,
+    num_layers: int | None = None,
+) -> list[np.ndarray]:
+    """``2 * num_layers`` random cache tensors ``(batch, past_len, H_kv, D)`` for ``decode``."""
+    rng = np.random.default_rng(seed)
+    n = config.num_layers if num_layers is None else num_layers
+    shape = (batch, past_len, config.num_kv_heads, config.head_dim)
+    return [
+        (rng.standard_normal(shape, dtype=np.float32) * std).astype(_np_dtype(dtype))
+        for _ in range(2 * n)
+    ]
+
+
+def attention_reference(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    *,
+    causal_mask: str | None = "BottomRight",
+    window: int | None = None,
+    scale: float | None = None,
+) -> np.ndarray:
+    """Numpy (float64) attention with native K/V heads: q ``(B, S, H, D)``, k/v ``(B, S_kv, H_kv, D)``.
+
+    Query head h uses K/V head ``h // (H / H_kv)``; BottomRight: query i is position
+    ``S_kv - S + i`` and sees keys ``j <= that``; a window w also requires ``j > position - w``.
+    Returns ``(B, S, H, D)`` float32.
+    """
+    q64, k64, v64 = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    _, s, h, d = q64.shape
+    skv, hkv = k64.shape[1], k64.shape[2]
+    r = h // hkv
+    kh = k64[:, :, np.arange(h) // r, :]  # (B, S_kv, H, D)
+    vh = v64[:, :, np.arange(h) // r, :]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scores = np.einsum("bshd,bthd->bhst", q64, kh) * scale
+    if causal_mask is not None:
+        offset = skv - s if causal_mask == "BottomRight" else 0
+        pos = np.arange(s)[:, None] + offset
+        j = np.arange(skv)[None, :]
+        allowed = j <= pos
+        if window is not None:
+            allowed &= j > pos - window
+        scores = np.where(allowed[None, None], scores, -np.inf)
+    scores -= scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(axis=-1, keepdims=True)
+    return np.einsum("bhst,bthd->bshd", p, vh).astype(np.float32)
