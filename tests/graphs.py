@@ -229,11 +229,23 @@ def count_ops(mod, name, function="main"):
 
 
 def composites(mod):
-    out = []
+    """Composite names of the offloaded calls, one entry per call site (FuseOpsByPattern shares one
+    function between structurally equal sites)."""
+    names = {}
     for gv, f in mod.functions.items():
         if isinstance(f, relax.Function) and f.attrs is not None and "Codegen" in f.attrs:
-            def visit(e):
+            found = []
+
+            def visit(e, found=found):
                 if isinstance(e, relax.Function) and e.attrs is not None and "Composite" in e.attrs:
-                    out.append(str(e.attrs["Composite"]))
+                    found.append(str(e.attrs["Composite"]))
+            relax.analysis.post_order_visit(f.body, visit)
+            names[gv] = found[0]
+    out = []
+    for gv, f in mod.functions.items():
+        if isinstance(f, relax.Function) and gv not in names:
+            def visit(e):
+                if isinstance(e, relax.Call) and e.op in names:
+                    out.append(names[e.op])
             relax.analysis.post_order_visit(f.body, visit)
     return sorted(out)

@@ -181,6 +181,46 @@ def _strip_views(expr, bindings):
     return expr
 
 
+def _is_zero(expr, bindings) -> bool:
+    value = bindings.get(expr)
+    if op_name(value) == "relax.full_like":
+        return bindings.resolve_scalar(value.args[1]) == 0.0
+    return bindings.resolve_scalar(expr) == 0.0
+
+
+def _strip_probs(expr, bindings):
+    """Walk from the P operand of P@V to the softmax; returns (softmax var, dead-row conditions).
+
+    torch's SDPA decomposition zeroes rows whose scores are all -inf:
+    ``where(not(any(scores != -inf)), 0, softmax(scores))``. The condition is a function of the
+    scores alone; a proven causal/window mask never hides a whole row, so the where is a no-op."""
+    conds = []
+    while True:
+        expr = _strip_views(expr, bindings)
+        value = bindings.get(expr)
+        if op_name(value) == "relax.where" and _is_zero(value.args[1], bindings):
+            conds.append(value.args[0])
+            expr = value.args[2]
+            continue
+        return expr, conds
+
+
+def _depends_only_on(expr, allowed, bindings, limit=64) -> bool:
+    """True when ``expr`` is computed from the vars in ``allowed`` and constants only."""
+    stack, seen = [expr], set()
+    while stack:
+        e = stack.pop()
+        if isinstance(e, relax.Var):
+            if e in allowed or e in seen:
+                continue
+            seen.add(e)
+            value = bindings.get(e)
+            if value is None or len(seen) > limit:
+                return False
+            stack.extend(a for a in getattr(value, "args", []) if isinstance(a, relax.Expr))
+    return True
+
+
 def _reaches_matmul(expr, bindings, depth=8):
     for _ in range(depth):
         value = bindings.get(expr)
@@ -202,7 +242,7 @@ def _reaches_matmul(expr, bindings, depth=8):
 
 
 def _chain_site(func_name, var, value, bindings, evaluator, allow_kv_expansion=True):
-    probs = _strip_views(value.args[0], bindings)
+    probs, dead_row_conds = _strip_probs(value.args[0], bindings)
     softmax = bindings.get(probs)
     if op_name(softmax) != "relax.nn.softmax":
         return None
@@ -271,6 +311,8 @@ def _chain_site(func_name, var, value, bindings, evaluator, allow_kv_expansion=T
     site = AttentionSite(func_name, var, "matmul-softmax chain")
     if problem:
         return site.reject(problem)
+    if any(not _depends_only_on(c, {softmax.args[0]}, bindings) for c in dead_row_conds):
+        return site.reject("softmax probabilities zeroed by a condition that is not a function of the scores")
     q_expr, kt_expr, v_expr = qk.args[0], qk.args[1], value.args[1]
     nd = len(shape_of(q_expr) or [])
     if nd == 4:
@@ -281,9 +323,9 @@ def _chain_site(func_name, var, value, bindings, evaluator, allow_kv_expansion=T
         return site.reject(f"{nd}-D attention matmuls")
     site.out_labels = list(q_lab)
     site.q = trace(q_expr, q_lab, bindings, allow_expansion=False, fold_scale=True)
-    site.k = trace(kt_expr, kt_lab, bindings, allow_expansion=allow_kv_expansion)
+    site.k = trace(kt_expr, kt_lab, bindings, allow_expansion=allow_kv_expansion, fold_scale=True)
     site.v = trace(v_expr, v_lab, bindings, allow_expansion=allow_kv_expansion)
-    site.scale = post_scale * site.q.scale
+    site.scale = post_scale * site.q.scale * site.k.scale
     site.mask_ops = [(kind, m) for kind, m, _ in mask_ops]
     _common_checks(site)
     if site.reason:
@@ -316,8 +358,8 @@ def _common_checks(site: AttentionSite):
     if (k.expansion, k.factor) != (v.expansion, v.factor):
         return site.reject(f"K and V are expanded differently ({k.expansion} x{k.factor} vs {v.expansion} x{v.factor})")
     qs, ks, vs = shape_of(q.source), shape_of(k.source), shape_of(v.source)
-    dtypes = {str(t.source.ty.dtype) for t in (q, k, v)}
-    site.dtype = str(q.source.ty.dtype)
+    dtypes = {t.kernel_dtype() for t in (q, k, v)}
+    site.dtype = q.kernel_dtype() or str(q.entry_dtype)
     h = as_int(_heads(q))
     hkv = as_int(_heads(k))
     d = as_int(qs[q.labels.index("D")])
@@ -330,11 +372,11 @@ def _common_checks(site: AttentionSite):
     site.num_kv_heads = hkv
     if None in (h, hkv, d, dk, dv):
         return site.reject("the head count or head dim is symbolic")
-    if len(dtypes) != 1:
-        return site.reject(f"Q, K and V have different dtypes {sorted(dtypes)}")
-    if site.dtype not in SUPPORTED_DTYPES:
+    if None in dtypes or site.dtype not in SUPPORTED_DTYPES:
         return site.reject(f"dtype {site.dtype}: FA2 supports float16 and bfloat16 "
                            "(run relax.transform.ToMixedPrecision first for float32 graphs)")
+    if len(dtypes) != 1:
+        return site.reject(f"Q, K and V have different dtypes {sorted(dtypes)}")
     if not (dk == d == dv):
         return site.reject(f"head dims differ (q {d}, k {dk}, v {dv})")
     if d > MAX_HEAD_DIM or d % 8:

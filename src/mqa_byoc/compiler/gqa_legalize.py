@@ -111,9 +111,16 @@ class _FindGrouped(PyExprVisitor):
             super().visit_function_(op)
 
     def visit_call_(self, op: relax.Call) -> None:
-        if _attention_op_name(op) is not None and _group_size(op) > 1:
+        if _attention_op_name(op) is not None and (_group_size(op) > 1 or _half_with_scale(op)):
             self.found = True
         super().visit_call_(op)
+
+
+def _half_with_scale(call) -> bool:
+    """TVM 0.27 lowers a float16/bfloat16 attention with an explicit scale through a float32
+    multiply: the result is float32 where the graph declares half, and type checking then fails
+    downstream. Folding the scale into the query keeps the lowering in half precision."""
+    return call.attrs.scale is not None and str(call.args[0].ty.dtype) in ("float16", "bfloat16")
 
 
 @mutator
@@ -129,16 +136,24 @@ class _RepeatKV(PyExprMutator):
         if name is None:
             return call
         r = _group_size(call)
-        if r == 1:
+        if r == 1 and not _half_with_scale(call):
             return call
         q, k, v = call.args[:3]
-        k = self.builder_.emit(relax.op.repeat(k, r, axis=2), name_hint="k_grouped")
-        v = self.builder_.emit(relax.op.repeat(v, r, axis=2), name_hint="v_grouped")
+        if r > 1:
+            k = self.builder_.emit(relax.op.repeat(k, r, axis=2), name_hint="k_grouped")
+            v = self.builder_.emit(relax.op.repeat(v, r, axis=2), name_hint="v_grouped")
         attrs = call.attrs
+        scale = attrs.scale
+        if _half_with_scale(call):
+            # softmax(q k^T * s) == softmax((q * s * sqrt(D)) k^T / sqrt(D)), TVM's default scale
+            d = int(q.ty.shape.values[3])
+            factor = relax.const(float(scale.value) * d ** 0.5, str(q.ty.dtype))
+            q = self.builder_.emit(relax.op.multiply(q, factor), name_hint="q_scaled")
+            scale = None
         window = None if attrs.window_size is None else int(attrs.window_size)
         bias = call.args[3] if name == "relax.nn.attention_bias" else None
         return relax.op.nn.attention(
-            q, k, v, bias=bias, scale=attrs.scale, causal_mask=attrs.causal_mask, window_size=window
+            q, k, v, bias=bias, scale=scale, causal_mask=attrs.causal_mask, window_size=window
         )
 
 
@@ -156,6 +171,9 @@ def _rewrite_function(func: relax.Function, mod: tvm.IRModule | None) -> relax.F
 @tvm.transform.module_pass(opt_level=0, name="LegalizeGroupedAttention")
 class LegalizeGroupedAttention:
     """Module pass: give grouped ``R.nn.attention`` calls explicitly repeated K/V heads.
+
+    Half-precision calls with an explicit scale get the scale folded into the query (TVM 0.27's
+    lowering of those produces float32 where the graph says half; see ``_half_with_scale``).
 
     Every ``R.nn.attention`` / ``attention_bias`` call whose K/V have fewer heads than Q, and that is
     not inside a ``Codegen`` or ``Composite`` function, becomes

@@ -71,7 +71,7 @@ class MaskEvaluator:
         """Value of ``expr`` with symbolic variables bound to ``sym_values``."""
         if isinstance(expr, Constant):
             return expr.value.numpy()
-        key = (expr, tuple(sorted((v.name, int(x)) for v, x in sym_values.items())))
+        key = (expr, tuple(sorted((str(v), int(x)) for v, x in sym_values.items())))
         if key not in self._cache:
             self._cache[key] = self._run(expr, bindings, sym_values)
         return self._cache[key]
@@ -110,7 +110,9 @@ class MaskEvaluator:
         free = relax.analysis.free_symbolic_vars(func)
         missing = [v for v in free if v not in sym_values]
         if missing:
-            raise MaskError(f"the mask shape depends on {missing}, unrelated to the attention shapes")
+            # e.g. the batch size: a mask must not depend on it, so any value will do; a mask that
+            # differs per batch row is caught when the slices are compared
+            sym_values = {**sym_values, **{v: 2 for v in missing}}
         func = func.bind_symbolic_vars({v: sym_values[v] for v in free})
         mod = tvm.IRModule({"mask_main": func.with_attr("global_symbol", "mask_main")})
         for gv, f in self.mod.functions.items():

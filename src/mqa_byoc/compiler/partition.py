@@ -137,8 +137,11 @@ class _Canonicalize(PyExprMutator):
             return super().visit_var_binding_(binding)
         self._emit_site(binding.var, site)
 
-    def _operand(self, traced, heads_target=None):
+    def _operand(self, traced, dtype, heads_target=None):
         x = self.visit_expr(traced.source)
+        if str(traced.source.ty.dtype) != dtype:
+            # the graph cast the expanded tensor; casting the un-expanded one gives the same values
+            x = self.builder_.emit(relax.op.astype(x, dtype))
         if traced.layout() == "BNSH":
             x = self.builder_.emit(relax.op.permute_dims(x, [0, 2, 1, 3]))
         if heads_target is not None:
@@ -150,9 +153,9 @@ class _Canonicalize(PyExprMutator):
         rep = None
         if not self.mqa and site.num_kv_heads != site.num_q_heads:
             rep = site.num_q_heads // site.num_kv_heads
-        q = self._operand(site.q)
-        k = self._operand(site.k, rep)
-        v = self._operand(site.v, rep)
+        q = self._operand(site.q, site.dtype)
+        k = self._operand(site.k, site.dtype, rep)
+        v = self._operand(site.v, site.dtype, rep)
         causal = None
         if site.form == "R.nn.attention" and site.causal_attr is not None:
             causal = str(site.causal_attr)

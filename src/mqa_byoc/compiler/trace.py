@@ -55,9 +55,24 @@ class Traced:
     factor: int = 1  # heads after expansion / heads before
     expansion_ops: list = field(default_factory=list)  # bound vars of the expansion ops passed
     ops: list = field(default_factory=list)  # every bound var passed (layout ops included)
-    upcast_from: str | None = None  # dtype before an astype to float32 that we looked through
+    entry_dtype: str | None = None  # dtype of the operand as attention consumes it
     scale: float = 1.0  # constant factors multiplied into the operand (query side)
     problem: str | None = None  # why the trace is unusable
+
+    def __post_init__(self):
+        if self.entry_dtype is None and isinstance(self.source.ty, relax.TensorType):
+            self.entry_dtype = str(self.source.ty.dtype)
+
+    def kernel_dtype(self) -> str | None:
+        """The half-precision type FA2 runs in for this operand: the type attention consumes, or,
+        when that is float32, the half type it was exactly up-cast from; None when neither."""
+        half = ("float16", "bfloat16")
+        if self.entry_dtype in half:
+            return self.entry_dtype
+        src = str(self.source.ty.dtype)
+        if self.entry_dtype == "float32" and src in half:
+            return src  # an exact up-cast: FA2 accumulates in float32 anyway
+        return None
 
     def layout(self) -> str | None:
         core = [lab for lab in self.labels]
@@ -106,7 +121,7 @@ def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: b
     ``allow_expansion``: pass through K/V head expansions (else stop before them);
     ``fold_scale``: pass through multiplication by a constant (the query side), kept in ``scale``.
     """
-    t = Traced(source=expr, labels=list(labels))
+    t = Traced(source=expr, labels=list(labels), entry_dtype=str(expr.ty.dtype))
     while True:
         value = bindings.get(expr)
         name = op_name(value)
@@ -120,12 +135,9 @@ def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: b
         expansion = None
 
         if name == "relax.astype":
-            src_dtype, dst_dtype = str(arg.ty.dtype), str(expr.ty.dtype)
-            if src_dtype == dst_dtype:
-                new_labels = labels
-            elif dst_dtype == "float32" and src_dtype in ("float16", "bfloat16"):
-                # an exact up-cast: FA2 accumulates in float32 anyway
-                t.upcast_from = src_dtype
+            # Casts between float types commute with the layout/expansion ops we pass; kernel_dtype()
+            # decides which precision FA2 runs in and the rewrite casts the source if needed.
+            if str(arg.ty.dtype).startswith(("float", "bfloat")) and str(expr.ty.dtype).startswith(("float", "bfloat")):
                 new_labels = labels
         elif name == "relax.permute_dims":
             axes = value.attrs.axes
@@ -164,7 +176,7 @@ def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: b
                 expansion = TILE
                 t.factor = reps[moved[0]]
         elif name == "relax.multiply" and fold_scale:
-            # a constant scale folded into the query
+            # a constant scale folded into Q or K (torch's SDPA decomposition scales both by sqrt)
             for a, b in ((value.args[0], value.args[1]), (value.args[1], value.args[0])):
                 c = bindings.resolve_scalar(b)
                 if c is not None and shape_of(a) is not None and len(shape_of(a)) == len(out_shape):
