@@ -584,6 +584,10 @@ def _update_manifest(cfg: BuildConfig, entries: dict) -> None:
         os.replace(tmp, path)
 
 
+class _Killed(RuntimeError):
+    """A compiler process was killed (usually by the OOM killer)."""
+
+
 def _compile(cmd: list[str], out: Path, log: Path, niceness: int = 0) -> float:
     """Run one compile to a temp name, then rename; returns seconds. Raises with the log tail."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -600,6 +604,8 @@ def _compile(cmd: list[str], out: Path, log: Path, niceness: int = 0) -> float:
     if rc != 0 or not tmp.is_file():
         tmp.unlink(missing_ok=True)
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        if rc in (137, -9):
+            raise _Killed(f"compiling {out.name} was killed (exit {rc}; out of memory? use fewer --jobs); log {log}")
         raise RuntimeError(f"compiling {out.name} failed (exit {rc}); log {log}:\n{tail}")
     os.replace(tmp, out)
     return dt
@@ -688,7 +694,12 @@ def build_kernels(
         nonlocal done
         out = cfg.dir / f"{key.stem}.o"
         try:
-            dt = _compile(_kernel_cmd(cfg, key), out, cfg.dir / f"{key.stem}.log", niceness)
+            try:
+                dt = _compile(_kernel_cmd(cfg, key), out, cfg.dir / f"{key.stem}.log", niceness)
+            except _Killed as e:  # one retry: memory pressure is often transient
+                progress(f"[mqa-byoc] {arch} {key.label}: {e}; retrying once")
+                time.sleep(30)
+                dt = _compile(_kernel_cmd(cfg, key), out, cfg.dir / f"{key.stem}.log", niceness)
         except Exception as e:  # noqa: BLE001 - reported below
             with lock:
                 done += 1
