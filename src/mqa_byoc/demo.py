@@ -60,6 +60,7 @@ def run_demo(args) -> int:
 
     from . import offload_report, partition_for_cutlass
     from .compiler import codegen
+    from .compiler.pipeline import cuda_decoder_pipeline
     from .models.llama import build_decoder
     from .models.presets import get_preset, scaled
 
@@ -70,7 +71,7 @@ def run_demo(args) -> int:
           f"hidden {config.hidden_size}, vocab {config.vocab_size}, {args.dtype}, K/V expanded by "
           f"'{args.kv_expand}'")
     with step("building the Relax decoder (prefill + decode with a KV cache)"):
-        mod, param_spec = build_decoder(config, dtype=args.dtype, kv_expand=args.kv_expand)
+        mod, param_spec = build_decoder(config, dtype=args.dtype, kv_expand=args.kv_expand, batch=1, logits="all")
     with step("partition_for_cutlass(mod, mqa=True)"):
         report = offload_report(mod, mqa=True)
         part = partition_for_cutlass(mod, mqa=True, provider=None if args.provider == "auto" else args.provider)
@@ -86,7 +87,7 @@ def run_demo(args) -> int:
     with step(f"RunCodegen + relax.build for {args.arch}"):
         with target, codegen.use_provider(provider):
             part = relax.transform.RunCodegen()(part)
-            ex = relax.build(part, target=target)
+            ex = relax.build(part, target=target, relax_pipeline=cuda_decoder_pipeline(target))
     out_dir = args.out or tempfile.mkdtemp(prefix="mqa-byoc-demo-")
     os.makedirs(out_dir, exist_ok=True)
     lib_path = os.path.join(out_dir, f"{preset.name}-mqa.so")
