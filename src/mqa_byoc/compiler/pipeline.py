@@ -4,7 +4,8 @@ TVM 0.27's default CUDA pipeline schedules every PrimFunc with dlight; its ``gpu
 segfaults on the prefill projections of our decoders (a (1, seq_len, K) x (K, N) matmul with a
 symbolic seq_len; seen on this wheel, decode's GEMVs are fine). This pipeline is TVM's own, minus
 that one rule: prefill matmuls get dlight's fallback schedule (slower, correct); decode, the phase
-the benchmarks measure, is unchanged (GEMV). Attention is offloaded either way.
+the benchmarks measure, is unchanged (GEMV). Attention is offloaded either way. It also fuses each
+weight transpose into its matmul (FuseTransposeMatmul), which TVM's default leaves out.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ def cuda_decoder_pipeline(target: tvm.target.Target):
     from tvm.s_tir import dlight as dl
 
     legalize = [
+        # nn.Linear is permute_dims(W) + matmul: without this the weights are transposed on every
+        # step (a copy of every weight matrix per token)
+        relax.transform.FuseTransposeMatmul(),
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
