@@ -788,7 +788,7 @@ def link_inputs(
 
 
 def copy_artifacts(
-    dest: str | os.PathLike, keys: Iterable[KernelKey], arch: str, *, link_check_binary: bool = True, progress=print
+    dest: str | os.PathLike, keys: Iterable[KernelKey], arch: str, *, link_check_binary: bool = False, progress=print
 ) -> Path:
     """Copy dispatcher + kernel objects + static cudart + manifest to ``dest/<arch>-<tag>/``.
 
@@ -868,7 +868,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--nice", type=int, default=0, help="run nvcc under `nice -n N`")
     ap.add_argument("--flash-attn-src", default=None, help="extracted flash-attn tree or sdist (else $MQA_BYOC_FLASH_ATTN_SRC / download)")
     ap.add_argument("--out", default=None, help="also copy dispatcher + objects to DIR (use with MQA_BYOC_KERNEL_DIR=DIR)")
-    ap.add_argument("--link-check", action="store_true", help="link a small test program against the objects")
+    ap.add_argument("--link-check", action="store_true",
+                    help="link fa2_link_check (a Python-free test program; `fa2_link_check --run` needs a GPU) "
+                    "against the objects; into --out DIR when given")
     ap.add_argument("--print-dir", action="store_true", help="print the cache directory and exit")
     args = ap.parse_args(argv)
 
@@ -889,10 +891,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         objs, libs = link_inputs(keys, arch, jobs=args.jobs, niceness=args.nice, fa_src=args.flash_attn_src, progress=_print)
         cfg = build_config(arch, fa_src=args.flash_attn_src, download=False)
         print(f"[mqa-byoc] done in {time.monotonic() - t0:.0f}s; objects in {cfg.dir}", flush=True)
-        if args.link_check:
-            link_check(objs, progress=_print)
         if args.out:
-            copy_artifacts(args.out, keys, arch, progress=_print)
+            copy_artifacts(args.out, keys, arch, link_check_binary=args.link_check, progress=_print)
+        elif args.link_check:
+            link_check(objs, progress=_print)
     except (NativeKernelsUnavailable, ValueError, RuntimeError) as e:
         print(f"mqa-byoc build-kernels: error: {e}", file=sys.stderr)
         return 1
