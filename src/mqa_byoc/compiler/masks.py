@@ -83,7 +83,8 @@ class MaskEvaluator:
             if isinstance(e, relax.Var):
                 if e in bindings.params:
                     raise MaskError(f"the mask depends on the runtime input '{e.name}'")
-                value = bindings.get(e)
+                b = bindings.binding.get(e)
+                value = b.value if b is not None else None
                 if value is None:
                     raise MaskError(f"the mask comes from '{e.name}', which is not a binding")
                 if e in needed:
@@ -99,31 +100,34 @@ class MaskEvaluator:
         visit(expr)
         if len(order) > 200:
             raise MaskError("the mask sub-graph is too large to evaluate at compile time")
-        block_bindings = [relax.VarBinding(v, bindings.value[v]) for v in order]
+        block_bindings = [bindings.binding[v] for v in order]
         out = relax.Var("mask_value", expr.ty)
         block_bindings.append(relax.VarBinding(out, expr))
         if any(isinstance(v, relax.DataflowVar) for v in order):
             blocks = [relax.DataflowBlock(block_bindings)]
         else:
             blocks = [relax.BindingBlock(block_bindings)]
-        func = relax.Function([], relax.SeqExpr(blocks, out), ret_ty=expr.ty)
-        free = relax.analysis.free_symbolic_vars(func)
-        missing = [v for v in free if v not in sym_values]
-        if missing:
-            # e.g. the batch size: a mask must not depend on it, so any value will do; a mask that
-            # differs per batch row is caught when the slices are compared
-            sym_values = {**sym_values, **{v: 2 for v in missing}}
-        func = func.bind_symbolic_vars({v: sym_values[v] for v in free})
-        mod = tvm.IRModule({"mask_main": func.with_attr("global_symbol", "mask_main")})
-        for gv, f in self.mod.functions.items():
-            if isinstance(f, tirx.PrimFunc):
-                mod[gv] = f
+        body = relax.SeqExpr(blocks, out)
+        free = sorted(relax.analysis.free_symbolic_vars(relax.Function([], body, ret_ty=expr.ty)), key=str)
+        # the symbolic variables enter through one shape parameter, so one build serves every sample
+        shape_param = relax.Var("lengths", relax.ShapeType(free))
+        func = relax.Function([shape_param], body, ret_ty=expr.ty).with_attr("global_symbol", "mask_main")
+        values = [int(sym_values.get(v, 2)) for v in free]  # unrelated vars (e.g. batch): any value
+        key = (expr, "vm")
+        if key not in self._cache:
+            mod = tvm.IRModule({"mask_main": func})
+            for gv, f in self.mod.functions.items():
+                if isinstance(f, tirx.PrimFunc):
+                    mod[gv] = f
+            try:
+                ex = relax.build(mod, target="llvm")
+                self._cache[key] = relax.VirtualMachine(ex, tvm.cpu())
+            except Exception as err:  # noqa: BLE001 - any failure means "cannot prove"
+                raise MaskError(f"the mask could not be evaluated at compile time ({type(err).__name__})") from None
         try:
-            ex = relax.build(mod, target="llvm")
-            vm = relax.VirtualMachine(ex, tvm.cpu())
-            return vm["mask_main"]().numpy()
-        except Exception as err:  # noqa: BLE001 - any failure means "cannot prove"
-            raise MaskError(f"the mask could not be evaluated at compile time ({type(err).__name__})")
+            return self._cache[key]["mask_main"](tvm.runtime.ShapeTuple(values)).numpy()
+        except Exception as err:  # noqa: BLE001
+            raise MaskError(f"the mask could not be evaluated at compile time ({type(err).__name__})") from None
 
 
 def _children(value):
@@ -133,6 +137,8 @@ def _children(value):
         return list(value.fields)
     if isinstance(value, relax.TupleGetItem):
         return [value.tuple_value]
+    if isinstance(value, relax.Var):
+        return [value]
     return []
 
 

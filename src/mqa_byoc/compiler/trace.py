@@ -89,12 +89,14 @@ class Bindings:
 
     def __init__(self, func: relax.Function):
         self.value = {}
+        self.binding = {}  # var -> its binding (VarBinding, or MatchCast, which defines shape vars)
         self.block_of = {}
         for i, block in enumerate(func.body.blocks):
             for b in block.bindings:
+                self.binding[b.var] = b
+                self.block_of[b.var] = i
                 if isinstance(b, relax.VarBinding):
                     self.value[b.var] = b.value
-                    self.block_of[b.var] = i
         self.params = set(func.params)
 
     def get(self, expr):
