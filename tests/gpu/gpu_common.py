@@ -1,0 +1,292 @@
+"""Shared by the GPU tests: the TVM runtime set-up (boot, libraries, VMs), inputs as torch tensors,
+the fp32 PyTorch reference. torch is imported lazily (the module is importable without it)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+import gpu_inputs as gi
+
+ROOT = gi.ROOT
+ARTIFACTS = gi.ARTIFACTS
+if str(ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(ROOT / "src"))
+
+MANIFESTS = gi.load_manifests()
+TIMING_ITERS = 10
+
+
+def full_tvm() -> bool:
+    """Is the TVM compiler here (tvm.relax importable)? Decided without importing tvm."""
+    if os.environ.get("TVM_USE_RUNTIME_LIB") == "1":
+        return False
+    spec = importlib.util.find_spec("tvm")
+    if spec is None or not spec.origin:
+        return False
+    pkg = Path(spec.origin).parent
+    return (pkg / "relax").is_dir() and any((pkg / "lib").glob("libtvm_compiler*"))
+
+
+def skip_reason() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed (the GPU test needs torch with CUDA)"
+    if not torch.cuda.is_available():
+        where = " (full TVM with tvm.relax: this looks like the build machine)" if full_tvm() else ""
+        return f"no CUDA GPU: torch {torch.__version__}, torch.cuda.is_available() is False{where}"
+    return None
+
+
+def no_artifacts_reason() -> str:
+    return (f"no artifacts in {ARTIFACTS}: run `python tests/gpu/build_artifacts.py [--native]` on the build "
+            "machine and carry .gpu-artifacts/tests")
+
+
+def providers_of(m: dict) -> tuple[list[str], dict[str, str]]:
+    """Providers with built variants, and {provider: why not built} for the others."""
+    built = sorted(k.split("_", 1)[1] for k in m["modules"] if k.startswith("mqa_"))
+    skipped = {}
+    for key, why in m.get("skipped", {}).items():
+        provider = key.split("_", 1)[1] if "_" in key else key  # "mqa_native" (format 1) or "native"
+        if provider not in built:
+            skipped.setdefault(provider, why)
+    return built, skipped
+
+
+# ---------------------------------------------------------------------------------------------
+# the fp32 reference
+
+
+def to_bsnh(x, layout: str):
+    if layout == "BSNH":
+        return x
+    if layout == "BNSH":
+        return x.permute(0, 2, 1, 3)
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def attention_mask(torch, sq: int, sk: int, causal: str | None, window: int | None, device=None):
+    """keep[i, j]: query i may see key j. BottomRight causal: j <= i + S_kv - S_q (FA2's); TopLeft:
+    j <= i; window w (bottom-right aligned, diagonal included): i + S_kv - S_q - w < j <= i + S_kv - S_q."""
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None, :]
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    diag = i + (sk - sq)
+    if causal == "TopLeft":
+        keep &= j <= i
+    elif causal == "BottomRight":
+        keep &= j <= diag
+    elif causal is not None:
+        raise ValueError(f"causal mask {causal!r}")
+    if window is not None:
+        keep &= (j <= diag) & (j > diag - int(window))
+    return keep
+
+
+def torch_reference(torch, m: dict, tensors):
+    """fp32 attention of case ``m`` on its inputs ``tensors`` (in the manifest's order and layouts).
+
+    Inputs are turned to BSNH by their layout; query head h uses K/V head h // (H / H_kv) (R.repeat,
+    FA2, HF repeat_kv); the mask is :func:`attention_mask`; the result is put back into the output's
+    layout (BSNH or BNSH) and shape ((B, S, H*D) when heads are merged)."""
+    att, out = m["attention"], m["output"]
+    by_name = {spec["name"]: to_bsnh(t.float(), spec["layout"]) for spec, t in zip(m["inputs"], tensors)}
+    q, k, v = by_name["q"], by_name["k"], by_name["v"]
+    h, hkv = q.shape[2], k.shape[2]
+    assert (h, hkv) == (att["num_q_heads"], att["num_kv_heads"]) and h % hkv == 0, (q.shape, k.shape, att)
+    r = h // hkv
+    k, v = k.repeat_interleave(r, dim=2), v.repeat_interleave(r, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * float(att["scale"])
+    keep = attention_mask(torch, s.shape[-2], s.shape[-1], att["causal"], att["window"], device=s.device)
+    s = s.masked_fill(~keep, float("-inf"))
+    o = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
+    if out["layout"] == "BNSH":
+        o = o.permute(0, 2, 1, 3)
+    elif out["layout"] != "BSNH":
+        raise ValueError(f"unknown output layout {out['layout']!r}")
+    return o.reshape(out["shape"])
+
+
+def torch_inputs(torch, m: dict, device):
+    """The case's inputs (gpu_inputs.make_inputs) as torch tensors of the case dtype on ``device``."""
+    out = []
+    for spec, arr in zip(m["inputs"], gi.make_inputs(m)):
+        if spec["dtype"] == "bfloat16":
+            t = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+        else:
+            t = torch.from_numpy(arr)
+        out.append(t.to(device, copy=True))  # a fresh, aligned buffer (TVM's from_dlpack wants 64 bytes)
+    return out
+
+
+def max_err(a, b) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+# ---------------------------------------------------------------------------------------------
+# standalone native runs (test_native_standalone.py)
+
+CHILD = Path(__file__).with_name("native_standalone_child.py")
+CHILD_TIMEOUT_S = int(os.environ.get("MQA_BYOC_STANDALONE_TIMEOUT", "300"))
+
+
+def native_libraries() -> dict[str, list[tuple[dict, str]]]:
+    """Native library path -> [(manifest, variant key)] of the case functions it holds."""
+    libs: dict[str, list[tuple[dict, str]]] = {}
+    for m in MANIFESTS:
+        for key in ("mqa_native", "nomqa_native"):
+            if key in m["modules"]:
+                libs.setdefault(gi.module_path(m, key), []).append((m, key))
+    return libs
+
+
+class StandaloneRuns:
+    """One ``native_standalone_child.py`` process per native library, started at once (they run while
+    this process loads its own libraries); :meth:`result` waits for one."""
+
+    def __init__(self, libraries: dict[str, list[tuple[dict, str]]], device: str = "cuda"):
+        self.tmp = Path(tempfile.mkdtemp(prefix="mqa-byoc-standalone-"))
+        env = {k: v for k, v in os.environ.items() if k != "MQA_BYOC_PROVIDER"}
+        self.procs, self.done = {}, {}
+        for i, (path, entries) in enumerate(sorted(libraries.items())):
+            job = {"library": path, "result": str(self.tmp / f"result{i}.json"), "calls": [], "device": device}
+            for m, key in entries:
+                fn = gi.function_name(m, key)
+                job["calls"].append({"manifest": os.path.join(m["dir"], "manifest.json"), "function": fn,
+                                     "out": str(self.tmp / f"{i}-{fn}.npy")})
+            (self.tmp / f"job{i}.json").write_text(json.dumps(job, indent=2))
+            proc = subprocess.Popen([sys.executable, str(CHILD), str(self.tmp / f"job{i}.json")], env=env,
+                                    cwd=str(self.tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            self.procs[path] = (proc, job, time.time())
+
+    def result(self, path: str):
+        """(result dict or None, log, seconds, exit code) of the child that ran ``path``."""
+        if path not in self.done:
+            proc, job, t0 = self.procs[path]
+            try:
+                log, _ = proc.communicate(timeout=CHILD_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                log, _ = proc.communicate()
+                log += f"\n(killed after {CHILD_TIMEOUT_S}s)"
+            res = Path(job["result"])
+            self.done[path] = (json.loads(res.read_text()) if res.exists() else None, log, time.time() - t0,
+                               proc.returncode)
+        return self.done[path]
+
+    def close(self):
+        for proc, _job, _t0 in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+# ---------------------------------------------------------------------------------------------
+# runtime
+
+
+class Runtime:
+    """TVM runtime + python providers + caches, set up once per session."""
+
+    def __init__(self, fail):
+        import torch
+
+        if not full_tvm():
+            try:
+                import boot  # noqa: F401 - .devkit/boot.py: loads libtvm_runtime_cuda, nvcc hook
+            except ImportError as err:
+                fail(f"runtime-only TVM without .devkit/boot.py on the path ({err}): "
+                     "run `source .devkit/setup.sh` first (see tests/gpu/README.md)")
+        import tvm
+        import tvm.runtime.vm  # noqa: F401 - not loaded by tvm.runtime itself
+        import tvm_ffi
+
+        import mqa_byoc.runtime.providers as providers
+
+        self.torch, self.tvm, self.providers = torch, tvm, providers
+        self._cache_cuda_compile(tvm_ffi)
+        self.libs, self.vms, self.inputs, self.results = {}, {}, {}, {}
+        self.load_seconds = 0.0
+        self.standalone: StandaloneRuns | None = None
+        jobs = int(os.environ.get("MQA_BYOC_GPU_LOAD_JOBS", "8"))
+        if jobs > 1:  # loading compiles the libraries' CUDA kernels (nvcc): do it in parallel up front
+            from concurrent.futures import ThreadPoolExecutor
+
+            t0 = time.time()
+            paths = sorted({gi.module_path(m, k) for m in MANIFESTS for k in m["modules"]})
+            with ThreadPoolExecutor(jobs) as pool:
+                for path, lib in zip(paths, pool.map(tvm.runtime.load_module, paths)):
+                    self.libs[path] = lib
+            self.load_seconds = time.time() - t0
+
+    @staticmethod
+    def _cache_cuda_compile(tvm_ffi):
+        """Kernels are compiled when a library loads; identical kernels across libraries compile once."""
+        compile_fn = tvm_ffi.get_global_func("tvm_callback_cuda_compile", allow_missing=True)
+        if compile_fn is None:
+            return
+        cache = {}
+
+        def cached(code, *rest):
+            key = hashlib.sha256(code.encode()).hexdigest()
+            if key not in cache:
+                cache[key] = bytes(compile_fn(code, *rest))
+            return bytearray(cache[key])
+
+        tvm_ffi.register_global_func("tvm_callback_cuda_compile", cached, override=True)
+
+    def vm(self, m, key):
+        path = gi.module_path(m, key)
+        if path not in self.vms:
+            lib = self.libs.get(path) or self.tvm.runtime.load_module(path)
+            self.libs[path] = lib
+            self.vms[path] = self.tvm.runtime.vm.VirtualMachine(lib, self.tvm.cuda(0))
+        return self.vms[path][gi.function_name(m, key)]
+
+    def case_inputs(self, m):
+        name = m["case"]["name"]
+        if name not in self.inputs:
+            self.inputs[name] = torch_inputs(self.torch, m, "cuda")
+        return self.inputs[name]
+
+    def run(self, m, key):
+        fn = self.vm(m, key)
+        args = [self.tvm.runtime.from_dlpack(t) for t in self.case_inputs(m)]
+        out = fn(*args)
+        return self.torch.from_dlpack(out).clone()
+
+    def kernels(self, m, key):
+        """CUDA kernel / memcpy names launched by one call (after a warm-up call)."""
+        torch = self.torch
+        from torch.profiler import ProfilerActivity, profile
+
+        self.run(m, key)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            self.run(m, key)
+            torch.cuda.synchronize()
+        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+    def time_us(self, m, key):
+        torch = self.torch
+        self.run(m, key)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(TIMING_ITERS):
+            self.run(m, key)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / TIMING_ITERS * 1e6
+
+    def record(self, m, provider) -> dict:
+        return self.results.setdefault(f"{m['case']['name']}-{provider}", {})

@@ -1,0 +1,78 @@
+"""Issue 5: a native-provider library runs with TVM's runtime only: no Python provider, no torch.
+
+For each native library in the artifacts (``build_artifacts.py --native``), a fresh subprocess
+(``native_standalone_child.py``) in which ``torch`` and ``mqa_byoc`` cannot be imported (a
+``sys.meta_path`` finder installed before anything else is imported makes them ModuleNotFoundError) loads it with
+``tvm.runtime.load_module`` + ``tvm.runtime.vm.VirtualMachine`` (after ``boot`` from ``.devkit``),
+feeds every case function in it the manifest's inputs (numpy, from the seed; copied to the GPU with
+``tvm.runtime.tensor``) and writes the outputs as ``.npy``. This test then compares each with the
+python provider's output of the same case variant in this process (both FA2: nearly equal) and with
+the fp32 PyTorch reference. The subprocesses are started with the session's runtime (``rt`` in
+conftest.py), in parallel, while this process loads its own libraries.
+
+Skips, with the reason shown, without a CUDA GPU or without native artifacts.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import gpu_common as gc
+import gpu_inputs as gi
+
+pytestmark = pytest.mark.gpu
+
+# Both sides run FA2 (ours, compiled from flash-attn 2.8.3, vs the python provider's backend): only
+# accumulation order / split-KV choices may differ.
+SAME_KERNEL = {"float16": dict(atol=5e-3, rtol=5e-3), "bfloat16": dict(atol=2e-2, rtol=2e-2)}
+TIGHT = {"float16": dict(atol=1e-2, rtol=1e-2), "bfloat16": dict(atol=3e-2, rtol=3e-2)}
+LIBRARIES = gc.native_libraries()
+
+
+def _params():
+    if LIBRARIES:
+        root = str(gi.ARTIFACTS)
+        return [pytest.param(path, id=os.path.relpath(path, root)) for path in sorted(LIBRARIES)]
+    if not gc.MANIFESTS:
+        reason = gc.no_artifacts_reason()
+    else:
+        whys = sorted({why for m in gc.MANIFESTS for why in gc.providers_of(m)[1].values()})
+        reason = "no native libraries in the artifacts (build with `build_artifacts.py --native`)" + (
+            f": {whys[0]}" if whys else "")
+    return [pytest.param(None, id="no-native-artifacts", marks=pytest.mark.skip(reason=reason))]
+
+
+@pytest.mark.parametrize("library", _params())
+def test_native_library_runs_without_torch_or_mqa_byoc(rt, library):
+    if rt.standalone is None:  # the session did not expect this test (e.g. selected by -k later)
+        rt.standalone = gc.StandaloneRuns(LIBRARIES)
+    result, log, seconds, rc = rt.standalone.result(library)
+    assert result is not None, f"child wrote no result (exit {rc}):\n{log[-4000:]}"
+    assert result["error"] is None, f"child failed (exit {rc}): {result['error']}\n{log[-4000:]}"
+    assert rc == 0, log[-4000:]
+    assert not result["imported_blocked"], f"child imported {result['imported_blocked']}"
+    assert "torch" not in result["modules"] and "mqa_byoc" not in result["modules"]
+    record = rt.results.setdefault(f"standalone:{os.path.relpath(library, gi.ARTIFACTS)}", {})
+    record.update(seconds=seconds, load_seconds=result.get("load_seconds"),
+                  blocked_import_attempts=sorted(set(result["blocked_import_attempts"])), max_abs_err={})
+
+    torch = rt.torch
+    failures = []
+    for m, key in LIBRARIES[library]:
+        fn = gi.function_name(m, key)
+        dtype = m["output"]["dtype"]
+        native = torch.from_numpy(np.load(result["outputs"][fn]["out"]))
+        python = rt.run(m, key.replace("_native", "_python")).float().cpu()
+        fp32 = gc.torch_reference(torch, m, rt.case_inputs(m)).cpu()
+        errs = {"vs_python_provider": gc.max_err(native, python), "vs_fp32": gc.max_err(native, fp32)}
+        record["max_abs_err"][fn] = errs
+        for name, want, tol in (("python provider", python, SAME_KERNEL[dtype]), ("fp32 torch", fp32, TIGHT[dtype])):
+            if native.shape != want.shape:
+                failures.append(f"{fn}: shape {tuple(native.shape)} vs {name} {tuple(want.shape)}")
+            elif not torch.allclose(native, want, **tol):
+                failures.append(f"{fn}: differs from the {name} output by up to {gc.max_err(native, want):.3g} "
+                                f"(tolerance {tol})")
+    assert not failures, "\n".join(failures)
