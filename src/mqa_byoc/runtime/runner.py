@@ -7,6 +7,7 @@ Run time only: needs ``tvm.runtime`` and torch (for random weights on the GPU, C
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -108,23 +109,18 @@ class DecoderRunner:
     def run(self, prompt_len: int, steps: int, batch: int = 1, nvtx: bool = True):
         """Prefill ``prompt_len`` tokens then ``steps`` decode steps; returns per-step seconds."""
         torch = self.torch
-        rng = torch.cuda.nvtx.range if nvtx else None
+        # NVTX ranges make the model steps visible in an nsys timeline
+        rng = torch.cuda.nvtx.range if nvtx else (lambda _name: contextlib.nullcontext())
         times = {"prefill": [], "decode": []}
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        if rng:
-            with rng(f"prefill[{prompt_len}]"):
-                logits, caches = self.prefill(batch, prompt_len)
-        else:
+        with rng(f"prefill[{prompt_len}]"):
             logits, caches = self.prefill(batch, prompt_len)
         self.dev.sync()
         times["prefill"].append(time.perf_counter() - t0)
         for i in range(steps):
             t0 = time.perf_counter()
-            if rng:
-                with rng(f"decode[{i}]"):
-                    logits, caches = self.decode(caches, batch)
-            else:
+            with rng(f"decode[{i}]"):
                 logits, caches = self.decode(caches, batch)
             self.dev.sync()
             times["decode"].append(time.perf_counter() - t0)
