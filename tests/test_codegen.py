@@ -103,6 +103,9 @@ def numpy_forward():
     yield calls
     if previous is not None:
         tvm_ffi.register_global_func(codegen.PY_FORWARD_FUNC, previous, override=True)
+    else:
+        # a Python closure left in TVM's registry is destroyed after the interpreter: segfault at exit
+        tvm_ffi.remove_global_func(codegen.PY_FORWARD_FUNC)
 
 
 # --------------------------------------------------------------------------- registration / RunCodegen
