@@ -23,6 +23,12 @@ def _dim(x, cache):
     return x
 
 
+def dim_maker():
+    """``dim(x)``: ints pass through, a str names a symbolic int64 variable (one per name)."""
+    cache = {}
+    return lambda x: _dim(x, cache)
+
+
 def _tensor(shape, dtype):
     return relax.TensorType(shape, dtype)
 

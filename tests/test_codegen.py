@@ -18,6 +18,7 @@ import textwrap
 import numpy as np
 import pytest
 import tvm
+from graphs import dim_maker
 import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.dpl import is_op, wildcard
@@ -31,13 +32,7 @@ ATT = "relax.nn.attention"
 def attention_module(h=8, hkv=2, d=64, sq=4, skv=4, dtype="float16", scale=None, causal=None, window=None,
                      q_bnsh=False, out_bnsh=False, kv_same=False, b=1):
     """main(q, k[, v]) -> R.nn.attention(...) + 1 (so that main does more than the offloaded call)."""
-    syms = {}
-
-    def dim(x):
-        if isinstance(x, str):
-            syms.setdefault(x, tirx.Var(x, "int64"))
-            return syms[x]
-        return x
+    dim = dim_maker()
 
     B, SQ, SKV = dim(b), dim(sq), dim(skv)
     bb = relax.BlockBuilder()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
+from graphs import dim_maker
 import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.dpl import is_op, wildcard
@@ -56,13 +57,7 @@ def rand(*shape, seed=0):
 
 def gqa_module(b, sq, skv, h, hkv, d, causal=None, scale=None, with_bias=False):
     """BlockBuilder graph: one R.nn.attention with fewer K/V heads; ints or str (symbolic) dims."""
-    syms = {}
-
-    def dim(x):
-        if isinstance(x, str):
-            syms.setdefault(x, tirx.Var(x, "int64"))
-            return syms[x]
-        return x
+    dim = dim_maker()
 
     bb = relax.BlockBuilder()
     q = relax.Var("q", relax.TensorType([dim(b), dim(sq), h, d], "float32"))
