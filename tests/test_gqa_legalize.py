@@ -11,7 +11,7 @@ import pytest
 import tvm
 from graphs import dim_maker
 import tvm_ffi
-from tvm import relax, tirx
+from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
 from tvm.script import relax as R
 
