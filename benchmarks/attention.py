@@ -5,9 +5,11 @@ side in one run.
 
 Three steps, on two machines (the GPU machine has only TVM's runtime):
 
-    python benchmarks/attention.py build --out .bench-artifacts --suite issue6        # here
-    python3 -m boot benchmarks/attention.py run --artifacts .bench-artifacts --json r.json   # on the GPU
-    python benchmarks/attention.py report r.json                                      # here: .md + .png
+    python benchmarks/attention.py build --suite issue6 --out .bench-artifacts/issue6             # here
+    source .devkit/setup.sh && python3 -m boot benchmarks/attention.py run \
+        --artifacts .bench-artifacts/issue6 --json $OUT/attention-issue6.json    # on the GPU (carry .devkit and
+                                                                                # .bench-artifacts/issue6)
+    python benchmarks/attention.py report attention-issue6.json [rerun.json ...]   # here: benchmarks/results/
 
 ``build`` writes the libraries plus ``cases.json``. Suites ``issue4`` / ``full`` build one library per
 (case, variant) with static shapes. Suite ``issue6`` (every distinct (H, H_kv, D) of the model
@@ -21,8 +23,11 @@ compiled to fatbins here (``cuda-cache/``) so the GPU does not JIT-compile TVM's
 directly, times each with CUDA events over back-to-back calls (the steady state a decode loop sees:
 CPU overhead per call counts when it exceeds the kernel time; iterations are sized to a time budget
 per variant) and writes JSON records; each variant runs in its own try/except, a failure is recorded
-and the run goes on. ``report`` turns the JSON into a markdown table and plots (needs matplotlib;
-``run`` does not).
+and the run goes on; the JSON is rewritten after every case. ``report`` turns the JSON into
+``benchmarks/results/<date>-attention-<suite>.{json,md}`` and ``-fp16.png`` / ``-bf16.png`` (needs
+matplotlib; ``run`` does not); given several run JSONs, later ones replace earlier (case, variant)
+records (reruns with ``--cases`` / ``--skip-variants``). ``check-llm`` repeats the build's CPU check of
+the TVM kernels' calling convention.
 """
 
 from __future__ import annotations
@@ -1222,14 +1227,33 @@ def render_plots(data, prefix):
     return paths
 
 
+def merge_runs(runs):
+    """One run's JSON from several: the first one's metadata; records keyed by (case, variant), a later
+    run replacing an earlier one's (e.g. a rerun of some cases or variants with ``--cases`` /
+    ``--skip-variants``); the commands of all runs are kept."""
+    data = dict(runs[0])
+    recs = {}
+    for r in runs:
+        for rec in r.get("records", []):
+            recs[(rec.get("case"), rec.get("variant"))] = rec
+    data["records"] = list(recs.values())
+    if len(runs) > 1:
+        data["command"] = " ; ".join(str(r.get("command")) for r in runs)
+        data["merged_runs"] = [{k: r.get(k) for k in ("command", "date", "gpu")} for r in runs]
+    return data
+
+
 def report(args):
-    with open(args.json) as f:
-        data = json.load(f)
+    runs = []
+    for path in args.json:
+        with open(path) as f:
+            runs.append(json.load(f))
+    data = merge_runs(runs)
     date = (data.get("date") or datetime.date.today().isoformat())[:10]
     name = args.name or f"{date}-attention-{data.get('suite') or 'run'}"
     os.makedirs(args.out_dir, exist_ok=True)
     prefix = os.path.join(args.out_dir, name)
-    if os.path.abspath(args.json) != os.path.abspath(prefix + ".json"):
+    if len(args.json) > 1 or os.path.abspath(args.json[0]) != os.path.abspath(prefix + ".json"):
         with open(prefix + ".json", "w") as f:
             json.dump(data, f, indent=1)
     plots = [] if args.no_plots else render_plots(data, prefix)
@@ -1259,7 +1283,7 @@ def main(argv=None):
     r.add_argument("--skip-variants", default=None, help="comma list of glob patterns, e.g. 'tvm-llm-*,stock-tvm'")
     r.add_argument("--verbose", action="store_true")
     c = sub.add_parser("report", help="markdown table + plots from a run's JSON (here)")
-    c.add_argument("json")
+    c.add_argument("json", nargs="+", help="run JSON(s); later ones replace earlier (case, variant) records")
     c.add_argument("--out-dir", default=os.path.join(_HERE, "results"))
     c.add_argument("--name", default=None, help="file name prefix (default <date>-attention-<suite>)")
     c.add_argument("--no-plots", action="store_true")

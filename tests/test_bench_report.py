@@ -216,6 +216,18 @@ def test_report_files(bench, tmp_path):
     assert json.loads((out / "2026-12-01-attention-issue6.json").read_text())["gpu"] == "NVIDIA H200"
 
 
+def test_merge_runs(bench):
+    first = _synthetic()
+    rerun = {"command": "run --cases d16k", "date": "2026-12-01T11:00:00+00:00", "gpu": "NVIDIA H200",
+             "records": [_rec("d16k", "stock-tvm", 7000.0, ratio_vs_fa2_direct=210.0, hbm_fraction=0.001)]}
+    merged = bench.merge_runs([first, rerun])
+    assert len(merged["records"]) == len(first["records"])
+    stock = [r for r in merged["records"] if r["case"] == "d16k" and r["variant"] == "stock-tvm"]
+    assert stock[0]["us"] == 7000.0 and "error" not in stock[0]
+    assert merged["suite"] == "issue6" and "run --cases d16k" in merged["command"]
+    assert bench.merge_runs([first]) == first
+
+
 def test_report_plots(bench, tmp_path):
     pytest.importorskip("matplotlib")
     paths = bench.render_plots(_synthetic(), str(tmp_path / "p"))
