@@ -410,28 +410,33 @@ def _prove_masks(site, bindings, evaluator, post_scale=None, scales=None):
     for e in (s_q, s_kv):
         if not isinstance(e, tirx.IntImm):
             sym.update(tirx.analysis.undefined_vars(e, []))
-    kinds = set()
+    samples = []
     try:
-        for values in masks.sample_bindings([s_q, s_kv], sym):
+        thresholds = set()
+        for kind, mask_expr in site.mask_ops:
+            thresholds |= evaluator.thresholds(mask_expr, bindings)
+        for values in masks.sample_bindings(sym, thresholds):
             sq, skv = (_substitute(e, values) for e in (s_q, s_kv))
             if sq is None or skv is None or sq > skv:
                 continue  # lengths a decode/prefill graph never has (more queries than keys)
+            if sq * skv > masks.MAX_SAMPLE_ELEMENTS:
+                raise masks.MaskError(
+                    f"checking the mask needs it at {sq} x {skv} positions (around a constant of its "
+                    f"sub-graph), more than {masks.MAX_SAMPLE_ELEMENTS} elements")
             allowed = None
             for (kind, mask_expr), scale in zip(site.mask_ops, scales):
                 value = evaluator.evaluate(mask_expr, bindings, values)
                 a = masks.allowed_from_mask(kind, value, sq, skv, scale)
                 allowed = a if allowed is None else allowed & a
-            kinds.add(masks.classify_allowed(allowed))
+            samples.append(allowed)
+        site.mask = masks.classify_samples(samples)
     except masks.MaskError as err:
         site.reject(str(err))
         return
-    if len(kinds) != 1:
-        site.reject("the mask is not the same causal/window mask at every sequence length")
-        return
-    if not kinds:
-        site.reject("no sample sequence lengths with S_q <= S_kv to check the mask at")
-        return
-    site.mask = kinds.pop()
+    # the samples skip S_q > S_kv; there a causal mask hides every key from the first rows, which the
+    # graph and FA2 fill differently: the same rule as for R.nn.attention
+    if site.mask.causal and not (prove_equal(s_q, s_kv) or _analyzer_le(s_q, s_kv)):
+        site.reject("BottomRight causal mask where S_q <= S_kv is not provable")
 
 
 def _substitute(expr, values):

@@ -4,13 +4,16 @@ FA2 computes only position masks: none, causal (bottom-right aligned) and a slid
 tensor in the graph is offloaded only when it is built from shapes alone (constants, arange,
 comparisons, call_tir of shape-only PrimFuncs, ...): we evaluate its sub-graph on the CPU at compile
 time and compare it element by element with FA2's mask. With symbolic lengths the sub-graph is
-evaluated at several sample lengths. A mask that depends on a runtime input (a padding mask, a
-bias) is rejected.
+evaluated at several sample lengths: a few small ones, plus lengths around every integer constant
+in the sub-graph (a mask built from positions can only change shape where a length crosses one of
+its constants, e.g. a sliding window of 4096 shows only beyond 4096 keys). A mask that depends on a
+runtime input (a padding mask, a bias) is rejected.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +27,10 @@ from .trace import Bindings, op_name
 # exp(masked - rowmax) which is 0 in float32 below about -104 and in every case below this bound.
 MASKED_LOGIT_BOUND = -1.0e4
 _SAMPLE_LENGTHS = (1, 2, 5, 16, 37)
+# integer constants up to this are treated as possible length thresholds
+_MAX_THRESHOLD = 1 << 24
+# the largest mask (S_q x S_kv elements) evaluated at compile time
+MAX_SAMPLE_ELEMENTS = 1 << 26
 
 
 class MaskError(Exception):
@@ -54,10 +61,41 @@ def classify_allowed(allowed: np.ndarray) -> MaskKind:
         return MaskKind(True, None)
     if np.array_equal(allowed, j <= i) and s_q != s_kv:
         raise MaskError("top-left aligned causal mask with S_q != S_kv (FA2's causal is bottom-right)")
-    for w in range(1, s_kv + 1):
-        if np.array_equal(allowed, causal & (j > diag - w)):
-            return MaskKind(True, w)
+    # a window of w keys shows w keys in its widest row
+    w = int(allowed.sum(axis=1).max())
+    if np.array_equal(allowed, causal & (j > diag - w)):
+        return MaskKind(True, w)
     raise MaskError("the mask is not a causal or sliding-window mask")
+
+
+def mask_allows(kind: MaskKind, s_q: int, s_kv: int) -> np.ndarray:
+    """FA2's visibility matrix for ``kind`` (bottom-right aligned causal, window of w keys)."""
+    if not kind.causal:
+        return np.ones((s_q, s_kv), dtype=bool)
+    i = np.arange(s_q)[:, None]
+    j = np.arange(s_kv)[None, :]
+    diag = i + (s_kv - s_q)
+    allowed = j <= diag
+    if kind.window is not None:
+        allowed &= j > diag - kind.window
+    return allowed
+
+
+def classify_samples(samples: list[np.ndarray]) -> MaskKind:
+    """The one FA2 mask equal to every sampled visibility matrix.
+
+    A sample may fit several kinds (with S_q = 1 a causal mask hides nothing; below its width a
+    window is plain causal): the candidates are the kinds each sample classifies as, and the answer
+    is the simplest candidate that matches every sample.
+    """
+    if not samples:
+        raise MaskError("no sample sequence lengths with S_q <= S_kv to check the mask at")
+    candidates = {classify_allowed(a) for a in samples}
+    order = sorted(candidates, key=lambda k: (k.causal, k.window is not None, k.window or 0))
+    for kind in order:
+        if all(np.array_equal(a, mask_allows(kind, *a.shape)) for a in samples):
+            return kind
+    raise MaskError("the mask is not the same causal/window mask at every sequence length")
 
 
 class MaskEvaluator:
@@ -76,11 +114,63 @@ class MaskEvaluator:
             self._cache[key] = self._run(expr, bindings, sym_values)
         return self._cache[key]
 
+    def thresholds(self, expr, bindings: Bindings) -> set[int]:
+        """Integer constants of ``expr``'s sub-graph (call arguments, scalar constants, and the
+        PrimFuncs it calls): the lengths where a position mask can change shape."""
+        found, seen, stack = set(), set(), [expr]
+
+        def add(value):
+            value = abs(int(value))
+            if 1 < value <= _MAX_THRESHOLD:
+                found.add(value)
+
+        def scan_prim(node):
+            if isinstance(node, tirx.IntImm) and not str(node.ty).startswith("bool"):
+                add(node.value)
+
+        while stack:
+            e = stack.pop()
+            if isinstance(e, tirx.IntImm):
+                scan_prim(e)
+                continue
+            if isinstance(e, Constant):
+                arr = e.value.numpy()
+                if arr.size == 1 and arr.dtype.kind in "iu":
+                    add(arr.reshape(-1)[0])
+                continue
+            if isinstance(e, tvm.ir.GlobalVar):
+                func = self.mod.functions.get(e) if e in self.mod.functions else None
+                if isinstance(func, tirx.PrimFunc):
+                    for value in _prim_func_ints(func):
+                        add(value)
+                continue
+            if isinstance(e, relax.Var):
+                if e in seen or _is_symbolic_var(e, bindings) or e in bindings.params:
+                    continue
+                seen.add(e)
+                b = bindings.binding.get(e)
+                if b is not None:
+                    stack.append(b.value)
+                continue
+            if isinstance(e, relax.Call):
+                stack.extend(e.args)
+                if isinstance(e.op, tvm.ir.GlobalVar):
+                    stack.append(e.op)
+            elif isinstance(e, relax.ShapeExpr):
+                stack.extend(e.values)
+            elif isinstance(e, (relax.Tuple, relax.TupleGetItem)):
+                stack.extend(_children(e))
+            else:  # a PrimExpr (arange bounds such as past_len + 1)
+                relax.analysis.post_order_visit(e, scan_prim)
+        return found
+
     def _run(self, expr, bindings: Bindings, sym_values):
         needed, order = set(), []
 
         def visit(e):
             if isinstance(e, relax.Var):
+                if _is_symbolic_var(e, bindings):
+                    return  # a shape variable used as a value (arange bounds): bound through the shape parameter
                 if e in bindings.params:
                     raise MaskError(f"the mask depends on the runtime input '{e.name}'")
                 b = bindings.binding.get(e)
@@ -130,6 +220,17 @@ class MaskEvaluator:
             raise MaskError(f"the mask could not be evaluated at compile time ({type(err).__name__})") from None
 
 
+def _prim_func_ints(func) -> list[int]:
+    # TVM 0.27's wheel exposes no Python visitor over TIR statements; its JSON form lists every IntImm
+    nodes = json.loads(tvm.ir.save_json(func))["nodes"]
+    return [nodes[n["data"]["value"]]["data"] for n in nodes if n.get("type") == "ir.IntImm"]
+
+
+def _is_symbolic_var(e, bindings: Bindings) -> bool:
+    # TVM 0.27 has one Var class for Relax and TIR variables; a TIR one is a bare PrimType leaf
+    return isinstance(e.ty, tvm.ir.PrimType) and e not in bindings.binding and e not in bindings.params
+
+
 def _children(value):
     if isinstance(value, relax.Call):
         return list(value.args)
@@ -142,14 +243,24 @@ def _children(value):
     return []
 
 
-def sample_bindings(exprs, sym_vars) -> list[dict]:
-    """Concrete values for the symbolic variables, a handful of combinations."""
+def sample_bindings(sym_vars, thresholds=()) -> list[dict]:
+    """Concrete values for the symbolic variables: a handful of small combinations, and around each
+    threshold ``c`` (see :meth:`MaskEvaluator.thresholds`) the values c - 1 and c + 2 given to each
+    variable alone (the others 1), and c + 2 to all of them at once."""
     sym_vars = sorted(set(sym_vars), key=lambda v: v.name)
     if not sym_vars:
         return [{}]
     combos = itertools.product(_SAMPLE_LENGTHS, repeat=len(sym_vars))
     picked = list(itertools.islice(combos, 0, None, max(1, len(_SAMPLE_LENGTHS) ** len(sym_vars) // 8)))
-    return [dict(zip(sym_vars, c)) for c in picked]
+    for c in sorted(thresholds):
+        # just below and just above (a window of c keys shows from c + 1 keys on)
+        for value in (c - 1, c + 2):
+            for var in sym_vars:
+                picked.append(tuple(value if v is var else 1 for v in sym_vars))
+        if len(sym_vars) > 1:
+            picked.append((c + 2,) * len(sym_vars))
+    unique = list(dict.fromkeys(picked))
+    return [dict(zip(sym_vars, c)) for c in unique]
 
 
 def allowed_from_mask(kind: str, value: np.ndarray, s_q: int, s_kv: int, post_scale: float) -> np.ndarray:
@@ -162,26 +273,30 @@ def allowed_from_mask(kind: str, value: np.ndarray, s_q: int, s_kv: int, post_sc
     if value.ndim > 4:
         raise MaskError("the mask has more than 4 dimensions")
     v4 = value.reshape((1,) * (4 - value.ndim) + value.shape)
+    # compare the slices the mask really has (not its broadcast): masks reach 10^8 elements here
+    first = v4[0, 0]
+    if not all(np.array_equal(v4[b, h], first) for b in range(v4.shape[0]) for h in range(v4.shape[1])):
+        raise MaskError("the mask differs between batches or heads (a padding mask or a bias)")
     try:
-        full = np.broadcast_to(v4, v4.shape[:2] + (s_q, s_kv))
+        first = np.broadcast_to(first, (s_q, s_kv))
     except ValueError:
         raise MaskError(f"the mask of shape {value.shape} does not broadcast to ({s_q}, {s_kv})") from None
-    first = full[0, 0]
-    if not all(np.array_equal(full[b, h], first) for b in range(full.shape[0]) for h in range(full.shape[1])):
-        raise MaskError("the mask differs between batches or heads (a padding mask or a bias)")
     if kind in ("where-keep", "where-drop"):
         allowed = first.astype(bool)
         return allowed if kind == "where-keep" else ~allowed
-    first = first.astype("float64")
     if kind == "add":
         visible = first == 0
-        hidden = first * post_scale <= MASKED_LOGIT_BOUND
     elif kind == "min":
-        big = np.finfo(np.float16).max
-        visible = first >= big
-        hidden = first * post_scale <= MASKED_LOGIT_BOUND
+        visible = first >= np.finfo(np.float16).max
     else:
         raise AssertionError(kind)
+    # hidden: value * post_scale <= MASKED_LOGIT_BOUND, without a float64 copy of the mask
+    if post_scale > 0:
+        hidden = first <= MASKED_LOGIT_BOUND / post_scale
+    elif post_scale < 0:
+        hidden = first >= MASKED_LOGIT_BOUND / post_scale
+    else:
+        hidden = np.zeros(first.shape, dtype=bool)
     if not (visible | hidden).all():
         raise MaskError("the mask holds values that are neither 0 nor a large negative number (a bias)")
-    return visible
+    return np.ascontiguousarray(visible)
