@@ -41,20 +41,43 @@ def write_sidecar(lib_path: str, config, param_spec, dtype: str, extra: dict | N
     return path
 
 
+MEMORY_OPS = ("Memcpy", "Memset")
+
+
+def is_memory_op(name: str) -> bool:
+    """CUPTI's copy / set activities (``Memcpy DtoD (Device -> Device)``, ``Memset (Device)``): nsys
+    reports them apart from kernels (``cuda_gpu_mem_time_sum``)."""
+    return name.startswith(MEMORY_OPS)
+
+
+def stat_row(s: KernelStat) -> dict:
+    """One kernel's statistics in nanoseconds, the columns of nsys's ``cuda_gpu_kern_sum``."""
+    t = [x * 1e3 for x in s.times_us]
+    return {"name": s.name, "instances": len(t), "total_ns": sum(t), "avg_ns": statistics.mean(t),
+            "med_ns": statistics.median(t), "min_ns": min(t), "max_ns": max(t), "stddev_ns": statistics.pstdev(t)}
+
+
+SUMMARY_HEADER = ["Time (%)", "Total Time (ns)", "Instances", "Avg (ns)", "Med (ns)", "Min (ns)", "Max (ns)",
+                  "StdDev (ns)", "Name"]
+
+
+def format_summary(rows: list[dict], name_width: int = 120) -> str:
+    """Rows of :func:`stat_row` as an nsys ``cuda_gpu_kern_sum`` table, largest total first."""
+    total = sum(r["total_ns"] for r in rows) or 1.0
+    lines = []
+    for r in sorted(rows, key=lambda r: -r["total_ns"]):
+        lines.append([f"{100 * r['total_ns'] / total:.1f}", f"{r['total_ns']:,.0f}", str(r["instances"]),
+                      f"{r['avg_ns']:,.1f}", f"{r['med_ns']:,.1f}", f"{r['min_ns']:,.0f}", f"{r['max_ns']:,.0f}",
+                      f"{r['stddev_ns']:,.1f}", r["name"][:name_width]])
+    header = SUMMARY_HEADER
+    widths = [max(len(r[i]) for r in lines + [header]) for i in range(len(header) - 1)]
+    fmt = lambda r: "  ".join(c.rjust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1]  # noqa: E731
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths] + ["-" * 4])] + [fmt(r) for r in lines])
+
+
 def kernel_summary(stats: list[KernelStat]) -> str:
     """Kernels in the layout of nsys's ``cuda_gpu_kern_sum`` report (times in ns)."""
-    total = sum(s.total for s in stats) or 1.0
-    header = ["Time (%)", "Total Time (ns)", "Instances", "Avg (ns)", "Med (ns)", "Min (ns)", "Max (ns)",
-              "StdDev (ns)", "Name"]
-    rows = []
-    for s in sorted(stats, key=lambda s: -s.total):
-        t = [x * 1e3 for x in s.times_us]
-        rows.append([f"{100 * s.total / total:.1f}", f"{sum(t):,.0f}", str(len(t)), f"{statistics.mean(t):,.1f}",
-                     f"{statistics.median(t):,.1f}", f"{min(t):,.0f}", f"{max(t):,.0f}",
-                     f"{statistics.pstdev(t):,.1f}", s.name[:120]])
-    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header) - 1)]
-    fmt = lambda r: "  ".join(c.rjust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1]  # noqa: E731
-    return "\n".join([fmt(header), fmt(["-" * w for w in widths] + ["-" * 4])] + [fmt(r) for r in rows])
+    return format_summary([stat_row(s) for s in stats])
 
 
 def collect_kernels(prof) -> list[KernelStat]:
@@ -92,18 +115,20 @@ class DecoderRunner:
             self._keep.append(t)
             self.params.append(tvm.runtime.from_dlpack(t))
 
-    def _ids(self, batch, length):
+    def make_ids(self, batch, length):
+        """Random token ids on the GPU, as a TVM tensor (make them before a profiled region: the
+        random-number kernel would show in the profile)."""
         ids = self.torch.randint(0, self.meta["vocab_size"], (batch, length), dtype=self.torch.int32,
                                  device="cuda")
         self._keep.append(ids)
         return self.tvm.runtime.from_dlpack(ids)
 
-    def prefill(self, batch, length):
-        out = self.vm["prefill"](self._ids(batch, length), *self.params)
+    def prefill(self, batch, length, ids=None):
+        out = self.vm["prefill"](self.make_ids(batch, length) if ids is None else ids, *self.params)
         return out[0], out[1]
 
-    def decode(self, caches, batch=1):
-        out = self.vm["decode"](self._ids(batch, 1), caches, *self.params)
+    def decode(self, caches, batch=1, ids=None):
+        out = self.vm["decode"](self.make_ids(batch, 1) if ids is None else ids, caches, *self.params)
         return out[0], out[1]
 
     def run(self, prompt_len: int, steps: int, batch: int = 1, nvtx: bool = True):
@@ -112,16 +137,18 @@ class DecoderRunner:
         # NVTX ranges make the model steps visible in an nsys timeline
         rng = torch.cuda.nvtx.range if nvtx else (lambda _name: contextlib.nullcontext())
         times = {"prefill": [], "decode": []}
+        prompt = self.make_ids(batch, prompt_len)
+        tokens = [self.make_ids(batch, 1) for _ in range(steps)]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with rng(f"prefill[{prompt_len}]"):
-            logits, caches = self.prefill(batch, prompt_len)
+            logits, caches = self.prefill(batch, prompt_len, ids=prompt)
         self.dev.sync()
         times["prefill"].append(time.perf_counter() - t0)
         for i in range(steps):
             t0 = time.perf_counter()
             with rng(f"decode[{i}]"):
-                logits, caches = self.decode(caches, batch)
+                logits, caches = self.decode(caches, batch, ids=tokens[i])
             self.dev.sync()
             times["decode"].append(time.perf_counter() - t0)
         return times, logits
