@@ -4,15 +4,24 @@
 //
 // The kernel entries are referenced weakly, so this object links with whatever subset was built;
 // a call that needs a missing one fails with a message saying how to build it.
+//
+// NVTX: with MQA_BYOC_NVTX=1 in the environment (read once, at the first call) each kernel launch is
+// wrapped in an NVTX range "flash_attn[h=H,kv=H_kv,d=D]" (NVTX3, header-only from the CUDA toolkit;
+// without a tool such as nsys attached a push/pop is a call into an empty stub). Unset, the only cost is
+// one check of a static flag.
 
 #include "fa2_dispatch.h"
 
 #include <cuda_runtime.h>
+#include <nvtx3/nvToolsExt.h>
 
 #include <algorithm>
+#include <cctype>
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <sstream>
@@ -189,6 +198,20 @@ std::string arch_of(int device) {
 }
 
 bool fits_int(int64_t x) { return x >= 0 && x <= INT_MAX; }
+
+// $MQA_BYOC_NVTX: set, non-empty and not 0/false/off/no (the rule of mqa_byoc.runtime.providers).
+bool nvtx_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("MQA_BYOC_NVTX");
+    if (v == nullptr) return false;
+    std::string s(v);
+    s.erase(0, s.find_first_not_of(" \t"));
+    s.erase(s.find_last_not_of(" \t") + 1);
+    for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    return !(s.empty() || s == "0" || s == "false" || s == "off" || s == "no");
+  }();
+  return enabled;
+}
 
 }  // namespace
 
@@ -378,7 +401,15 @@ extern "C" int mqa_byoc_fa2_forward(const void* q, const void* k, const void* v,
     p.oaccum_ptr = base + lse_bytes + lse_acc_bytes;
   }
 
+  const bool nvtx = nvtx_enabled();
+  if (nvtx) {
+    char range[64];
+    std::snprintf(range, sizeof(range), "flash_attn[h=%lld,kv=%lld,d=%lld]", static_cast<long long>(num_heads),
+                  static_cast<long long>(num_heads_k), static_cast<long long>(head_dim));
+    nvtxRangePushA(range);
+  }
   fn(&p, stream);
+  if (nvtx) nvtxRangePop();
   cudaError_t launch = cudaGetLastError();
   err = cudaFreeAsync(ws, stream);
   if (launch != cudaSuccess) {

@@ -22,6 +22,11 @@ always succeeds.
 Streams: the kernels run on the stream TVM uses for the device, i.e. the TVM-FFI environment
 stream (``TVMFFIEnvGetStream``, read with ``tvm_ffi.get_raw_stream``; NULL means the legacy
 default stream), wrapped for torch with ``torch.cuda.ExternalStream``.
+
+NVTX: with ``MQA_BYOC_NVTX=1`` each call is wrapped in an NVTX range ``flash_attn[h=H,kv=H_kv,d=D]``
+(``torch.cuda.nvtx``), so an ``nsys profile`` timeline shows which kernels an offloaded attention
+launched; the native provider's dispatcher names its ranges the same way. Off by default, like the
+native one: the switch is read once (at the first call, again after :func:`reset`).
 """
 
 from __future__ import annotations
@@ -38,9 +43,12 @@ __all__ = [
     "ENV_VAR",
     "FORWARD_FUNC",
     "INSTALL_HINT",
+    "NVTX_ENV_VAR",
     "ProviderUnavailableError",
     "active_backend",
     "flash_attn_forward",
+    "nvtx_range_name",
+    "nvtx_requested",
     "requested_backend",
     "reset",
     "select_backend",
@@ -50,6 +58,7 @@ FORWARD_FUNC = "mqa_byoc.flash_attn_forward"
 ENV_VAR = "MQA_BYOC_PY_PROVIDER"
 BACKENDS = ("flash_attn", "torch")
 INSTALL_HINT = 'pip install "mqa-byoc[gpu]"'
+NVTX_ENV_VAR = "MQA_BYOC_NVTX"
 
 
 class ProviderUnavailableError(RuntimeError):
@@ -80,6 +89,18 @@ def select_backend(env: str | None = None, *, flash_attn_installed: bool | None 
         return choice
     installed = _flash_attn_installed() if flash_attn_installed is None else flash_attn_installed
     return "flash_attn" if installed else "torch"
+
+
+def nvtx_requested(env: str | None = None) -> bool:
+    """Whether ``$MQA_BYOC_NVTX`` (or ``env``) asks for NVTX ranges: set, non-empty and not
+    ``0``/``false``/``off``/``no`` (the rule fa2_dispatch.cc applies too)."""
+    value = os.environ.get(NVTX_ENV_VAR, "") if env is None else env
+    return value.strip().lower() not in ("", "0", "false", "off", "no")
+
+
+def nvtx_range_name(num_heads: int, num_kv_heads: int, head_dim: int) -> str:
+    """``flash_attn[h=64,kv=8,d=128]``: the NVTX range around one offloaded attention."""
+    return f"flash_attn[h={num_heads},kv={num_kv_heads},d={head_dim}]"
 
 
 # --------------------------------------------------------------------------- backends
@@ -148,6 +169,7 @@ class _TorchBackend(_Backend):
 
 _lock = threading.Lock()
 _backend: _Backend | None = None
+_nvtx: bool | None = None  # $MQA_BYOC_NVTX, read at the first call
 
 
 def _import_torch_with_cuda():
@@ -199,10 +221,11 @@ def active_backend() -> _Backend:
 
 
 def reset() -> None:
-    """Forget the cached backend (the next call resolves it again)."""
-    global _backend
+    """Forget the cached backend and NVTX switch (the next call resolves them again)."""
+    global _backend, _nvtx
     with _lock:
         _backend = None
+        _nvtx = None
 
 
 # --------------------------------------------------------------------------- the entry point
@@ -268,11 +291,20 @@ def flash_attn_forward(q, k, v, out, scale: float, causal: bool, window_left: in
     device_index = qt.device.index if qt.device.index is not None else torch.cuda.current_device()
     stream = backend.stream_for(device_index)
     args = (qt, kt, vt, ot, float(scale), bool(causal), int(window_left), int(window_right))
-    if torch.cuda.current_stream(device_index) == stream:
-        backend.run(*args)
-    else:
-        with torch.cuda.stream(stream):
+    global _nvtx
+    if _nvtx is None:
+        _nvtx = nvtx_requested()
+    if _nvtx:
+        torch.cuda.nvtx.range_push(nvtx_range_name(qt.shape[2], kt.shape[2], qt.shape[3]))
+    try:
+        if torch.cuda.current_stream(device_index) == stream:
             backend.run(*args)
+        else:
+            with torch.cuda.stream(stream):
+                backend.run(*args)
+    finally:
+        if _nvtx:
+            torch.cuda.nvtx.range_pop()
 
 
 tvm_ffi.register_global_func(FORWARD_FUNC, flash_attn_forward, override=True)
