@@ -20,33 +20,13 @@ import sys
 
 
 def build(args):
-    import tvm
-    from tvm import relax
-
-    import mqa_byoc
-    from mqa_byoc.compiler import codegen
-    from mqa_byoc.compiler.pipeline import cuda_decoder_pipeline
-    from mqa_byoc.models.llama import build_decoder
+    from mqa_byoc.compiler.decoder_libs import build_decoder_libraries
     from mqa_byoc.models.presets import get_preset, scaled
-    from mqa_byoc.runtime.runner import write_sidecar
 
     config = scaled(get_preset(args.preset), num_layers=args.layers, vocab_size=args.vocab)
-    mod, spec = build_decoder(config, dtype="float16", kv_expand=args.kv_expand, batch=1, logits="all",
-                              functions=("decode",))
-    target = tvm.target.Target({"kind": "cuda", "arch": args.arch})
-    os.makedirs(args.out, exist_ok=True)
-    for mqa in (True, False):
-        part = mqa_byoc.partition_for_cutlass(mod, mqa=mqa, provider=args.provider)
-        with target, codegen.use_provider(args.provider):
-            ex = relax.build(relax.transform.RunCodegen()(part), target=target,
-                             relax_pipeline=cuda_decoder_pipeline(target))
-        path = os.path.join(args.out, f"{config.name}.{'mqa' if mqa else 'repeat'}.so")
-        if args.provider == "native":
-            mqa_byoc.export_library(ex, path, arch=args.arch)
-        else:
-            ex.export_library(path)
-        write_sidecar(path, config, spec, "float16", {"preset": args.preset, "mqa": mqa})
-        print(f"built {path}", flush=True)
+    build_decoder_libraries(config, args.out, functions=("decode",), dtype="float16", kv_expand=args.kv_expand,
+                            provider=args.provider, arch=args.arch, logits="all", extra={"preset": args.preset},
+                            progress=lambda m: print(m, flush=True))
 
 
 def run(args):

@@ -1,0 +1,108 @@
+"""Build a Llama-family decoder for CUDA twice, ``mqa=True`` and ``mqa=False``, and export both.
+
+The compile half of ``mqa-byoc profile`` and of ``benchmarks/e2e_decode.py``: each library gets a JSON
+sidecar (:func:`mqa_byoc.runtime.runner.write_sidecar`) so that the run half, on a machine with only
+TVM's runtime, knows the parameters to make and which mode it is running.
+
+Needs the full apache-tvm (``tvm.relax``); the native provider also needs nvcc and the FA2 kernel
+objects (``mqa-byoc build-kernels``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+MODES = {True: "mqa", False: "repeat"}
+
+
+def library_name(config_name: str, mqa: bool) -> str:
+    """``<config>.mqa.so`` / ``<config>.repeat.so``."""
+    return f"{config_name}.{MODES[bool(mqa)]}.so"
+
+
+def offloaded_composites(mod) -> dict[str, int]:
+    """How many attention calls each composite (``flash_attn.attention_mqa`` / ``flash_attn.attention``)
+    serves in a partitioned module (before ``RunCodegen``): calls, not functions (identical sites share
+    one offloaded function)."""
+    from tvm import relax
+
+    from .codegen import find_site
+
+    offloaded = {}
+    for gv, func in mod.functions.items():
+        attrs = getattr(func, "attrs", None)
+        if attrs is not None and "Codegen" in attrs and str(attrs["Codegen"]) == "flash_attn":
+            offloaded[gv.name_hint] = find_site(func).composite_name
+    counts = Counter()
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and isinstance(expr.op, relax.GlobalVar) and expr.op.name_hint in offloaded:
+            counts[offloaded[expr.op.name_hint]] += 1
+
+    for gv, func in mod.functions.items():
+        if isinstance(func, relax.Function) and gv.name_hint not in offloaded:
+            relax.analysis.post_order_visit(func.body, visit)
+    return dict(sorted(counts.items()))
+
+
+def build_decoder_libraries(
+    config,
+    out_dir: str,
+    *,
+    functions: Sequence[str] = ("prefill", "decode"),
+    dtype: str = "float16",
+    kv_expand: str = "repeat",
+    provider: str = "native",
+    arch: str = "sm_90",
+    logits: str = "last",
+    modes: Sequence[bool] = (True, False),
+    extra: dict | None = None,
+    progress: Callable[[str], None] | None = print,
+) -> list[str]:
+    """Build ``config`` (batch 1) once per mode in ``modes``; returns the exported library paths.
+
+    Each library ``out_dir/<config.name>.{mqa,repeat}.so`` gets a sidecar ``<lib>.json`` with the
+    parameter shapes plus ``mqa``, ``provider``, ``kv_expand``, ``functions``, ``arch``, ``logits``,
+    ``num_heads``, ``offloaded`` (composite name -> count) and ``extra``.
+    """
+    import tvm
+    from tvm import relax
+
+    from ..models.llama import build_decoder
+    from ..runtime.runner import write_sidecar
+    from . import codegen
+    from .partition import partition_for_cutlass
+    from .pipeline import cuda_decoder_pipeline
+
+    progress = progress or (lambda _msg: None)
+    if provider not in ("native", "python"):
+        raise ValueError(f"provider must be 'native' or 'python', got {provider!r}")
+    mod, spec = build_decoder(config, dtype=dtype, kv_expand=kv_expand, batch=1, logits=logits,
+                              functions=tuple(functions))
+    target = tvm.target.Target({"kind": "cuda", "arch": arch})
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for mqa in modes:
+        part = partition_for_cutlass(mod, mqa=mqa, provider=provider)
+        offloaded = offloaded_composites(part)
+        with target, codegen.use_provider(provider):
+            ex = relax.build(relax.transform.RunCodegen()(part), target=target,
+                             relax_pipeline=cuda_decoder_pipeline(target))
+        path = os.path.join(out_dir, library_name(config.name, mqa))
+        if provider == "native":
+            from .export import export_library
+
+            export_library(ex, path, arch=arch)
+        else:
+            ex.export_library(path)
+        write_sidecar(path, config, spec, dtype, {
+            "mqa": bool(mqa), "provider": provider, "kv_expand": kv_expand, "functions": list(functions),
+            "arch": arch, "logits": logits, "num_heads": config.num_heads, "hidden_size": config.hidden_size,
+            "intermediate_size": config.intermediate_size, "offloaded": offloaded, **(extra or {}),
+        })
+        progress(f"built {path} (mqa={mqa}, {provider} provider, offloaded: "
+                 + (", ".join(f"{n} x {c}" for c, n in offloaded.items()) or "nothing") + ")")
+        paths.append(path)
+    return paths
