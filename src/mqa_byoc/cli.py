@@ -27,14 +27,107 @@ def _demo_parser(sub):
     p.add_argument("--prompt-len", type=int, default=512)
 
 
-def main(argv=None) -> int:
+def _profile_parser(sub):
+    p = sub.add_parser("profile", help="kernel summary (nsys cuda_gpu_kern_sum layout) of a decoder, mqa=True vs "
+                                       "mqa=False: build here, run on the GPU",
+                       description="Build a Llama-family decoder twice (mqa=True, mqa=False), then run prefill + N "
+                                   "decode steps of both on a GPU and summarize their kernels (CUPTI via "
+                                   "torch.profiler), with NVTX ranges for nsys.")
+    ps = p.add_subparsers(dest="profile_command", required=True)
+    b = ps.add_parser("build", help="compile and export both libraries with sidecars (needs apache-tvm; no GPU)")
+    b.add_argument("--preset", default="codellama-34b",
+                   help="attention shapes: llama2-70b, codellama-34b, llama3-8b, mistral-7b, falcon-7b-mqa")
+    b.add_argument("--layers", type=int, default=4)
+    b.add_argument("--vocab", type=int, default=32000)
+    b.add_argument("--hidden-size", type=int, default=None, help="default: the preset's")
+    b.add_argument("--intermediate-size", type=int, default=None, help="default: the preset's")
+    b.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    b.add_argument("--kv-expand", default="repeat", choices=["repeat", "repeat-chain", "hf-broadcast", "native"],
+                   help="how the graph expands K/V before attention")
+    b.add_argument("--provider", default="native", choices=["native", "python"], help="FA2 kernel provider")
+    b.add_argument("--arch", default="sm_90")
+    b.add_argument("--logits", default="last", choices=["last", "all"],
+                   help="prefill returns the last position's logits (serving) or all of them")
+    b.add_argument("--out", default=".profile-artifacts", help="directory for the libraries and sidecars")
+    r = ps.add_parser("run", help="run the libraries of DIR on the GPU (runtime-only TVM is enough)")
+    r.add_argument("dir", help="directory written by `mqa-byoc profile build`")
+    r.add_argument("--prompt-len", type=int, default=2048)
+    r.add_argument("--decode-steps", type=int, default=32)
+    r.add_argument("--warmup", type=int, default=2, help="decode steps of the warm-up run (after its prefill)")
+    r.add_argument("--json", default=None, help="output JSON (default: DIR/profile.json)")
+    r.add_argument("--png", default=None, help="also draw the comparison chart (needs matplotlib)")
+    r.add_argument("--top", type=int, default=15, help="kernels per panel in the PNG")
+    r.add_argument("--no-nvtx", action="store_true",
+                   help="no NVTX ranges (default: steps, and flash_attn calls via MQA_BYOC_NVTX=1)")
+    r.add_argument("--no-cupti", action="store_true",
+                   help="time the steps only, no torch.profiler run (use under nsys, which needs CUPTI itself)")
+    pl = ps.add_parser("plot", help="draw the PNG from a `profile run` JSON (needs matplotlib only)")
+    pl.add_argument("json")
+    pl.add_argument("--png", required=True)
+    pl.add_argument("--top", type=int, default=15)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mqa-byoc", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _demo_parser(sub)
     kb = sub.add_parser("build-kernels", add_help=False,
                         help="compile FA2 forward kernels for the native provider (needs nvcc)")
     kb.add_argument("rest", nargs=argparse.REMAINDER)
+    _profile_parser(sub)
+    return parser
+
+
+def _profile(args, argv) -> int:
+    if args.profile_command == "build":
+        from .compiler.decoder_libs import build_decoder_libraries
+        from .models.presets import get_preset, scaled
+
+        config = scaled(get_preset(args.preset), num_layers=args.layers, vocab_size=args.vocab,
+                        hidden_size=args.hidden_size, intermediate_size=args.intermediate_size)
+        print(f"mqa-byoc profile build: {config.name}, {config.num_layers} layers, H={config.num_heads} "
+              f"H_kv={config.num_kv_heads} D={config.head_dim}, hidden {config.hidden_size}, MLP "
+              f"{config.intermediate_size}, vocab {config.vocab_size}, {args.dtype}, {args.provider} provider",
+              flush=True)
+        build_decoder_libraries(config, args.out, functions=("prefill", "decode"), dtype=args.dtype,
+                                kv_expand=args.kv_expand, provider=args.provider, arch=args.arch,
+                                logits=args.logits, extra={"preset": args.preset},
+                                progress=lambda m: print(m, flush=True))
+        print(f"next, on the GPU (carry .devkit and {args.out}):\n  source .devkit/setup.sh && "
+              f"PYTHONPATH=$PWD/src:$PYTHONPATH python3 -m mqa_byoc.cli profile run {args.out} "
+              "--prompt-len 2048 --decode-steps 32")
+        return 0
+    if args.profile_command == "run":
+        from .runtime.profiling import ProfileError, run_profile
+
+        try:
+            run_profile(args.dir, args.prompt_len, args.decode_steps, warmup=args.warmup, nvtx=not args.no_nvtx,
+                        cupti=not args.no_cupti, json_path=args.json, png_path=args.png, top=args.top,
+                        command="mqa-byoc " + " ".join(argv))
+        except (ProfileError, FileNotFoundError) as e:
+            print(f"mqa-byoc profile run: error: {e}", file=sys.stderr)
+            return 1
+        return 0
+    if args.profile_command == "plot":
+        from .runtime.kernel_plot import MatplotlibMissing, plot_file
+
+        try:
+            print(f"wrote {plot_file(args.json, args.png, top=args.top)}")
+        except MatplotlibMissing as e:
+            print(f"mqa-byoc profile plot: error: {e}; pip install matplotlib", file=sys.stderr)
+            return 1
+        return 0
+    return 2
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args, extra = parser.parse_known_args(argv)
+    if args.command == "profile":
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return _profile(args, argv)
     if args.command == "demo":
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
