@@ -323,10 +323,12 @@ def _tvm_include_flags():
 @needs_gxx
 def test_emitted_wrapper_compiles(tmp_path):
     flags = _tvm_include_flags()
-    for i, s in enumerate([spec(), spec(h=16, hkv=1, d=80, dtype="bfloat16", causal=False, wl=127, wr=0,
-                                        q_layout="BNSH", out_layout="BNSH")]):
+    specs = [spec(), spec(h=16, hkv=1, d=80, dtype="bfloat16", causal=False, wl=127, wr=0,
+                          q_layout="BNSH", out_layout="BNSH"), spec()]
+    for i, s in enumerate(specs):
         cc = tmp_path / f"w{i}.cc"
-        cc.write_text(emit_native_source(f"site{i}", s).code)
+        # the last one takes a trailing R.Shape (tir_vars of a fused function with S_kv = past_len + 1)
+        cc.write_text(emit_native_source(f"site{i}", s, shape_args=1 if i == 2 else 0).code)
         r = subprocess.run(["g++", "-std=c++17", "-O1", "-fPIC", "-Wall", "-Werror", "-c", str(cc), "-o",
                             str(tmp_path / f"w{i}.o")] + flags, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr[-3000:]

@@ -228,3 +228,31 @@ def test_hf_dynamic_export_offloaded(impl, kind, mode):
     assert site.causal == ("BottomRight" if mode == "prefill" else None)
     out = partition_for_cutlass(imp.mod)
     assert G.composites(out) == ["flash_attn.attention_mqa"]
+
+
+# ------------------------------------------------------------------------------------------
+# S_q <= S_kv through a KV-cache view: match_cast(concat(past, new), (B, kv_len, H_kv, D))
+# ------------------------------------------------------------------------------------------
+
+
+def test_match_cast_kv_len_proves_chunked_prefill_causal():
+    """extend (a chunk after a cache) with the cache bound to a fresh kv_len: the match_cast says
+    kv_len == past_len + seq_len, so the BottomRight mask is FA2's; report and partition agree."""
+    cfg = _tiny("llama3-8b")
+    mod, _ = build_decoder(cfg, kv_expand="repeat", functions=("extend",), fresh_kv_len=True)
+    assert "relax.match_cast" in str(mod["extend"]) or "R.match_cast" in mod["extend"].script()
+    (site,) = offload_report(mod)
+    assert site.offloaded, site.reason
+    assert site.causal == "BottomRight"
+    out = partition_for_cutlass(mod)
+    assert G.composites(out) == ["flash_attn.attention_mqa"]
+    assert G.count_ops(out, "relax.repeat", function="extend") == 0
+
+
+def test_offload_report_and_partition_agree_on_every_decoder_site():
+    cfg = _tiny("llama3-8b")
+    for form in ("repeat", "native", "hf-broadcast"):
+        mod, _ = build_decoder(cfg, kv_expand=form, functions=("prefill", "decode", "extend"))
+        report = offload_report(mod)
+        assert all(s.offloaded for s in report), [(s.function, s.reason) for s in report]
+        assert len(G.composites(partition_for_cutlass(mod))) == len(report), form

@@ -11,6 +11,7 @@ compute differently becomes a readable ``reason``.
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass, field
 
 from tvm import relax, tirx
@@ -99,15 +100,15 @@ def _attention_call_site(func_name, var, call, bindings, evaluator, allow_kv_exp
         site.mask_ops = [("add", call.args[3])]
         _prove_masks(site, bindings, evaluator, post_scale=1.0)
         return site
-    return _attention_attr_checks(site, attrs)
+    return _attention_attr_checks(site, attrs, bindings.length_facts)
 
 
-def _attention_attr_checks(site, attrs):
+def _attention_attr_checks(site, attrs, facts=None):
     s_q, s_kv = _seq_len(site.q), _seq_len(site.k)
     window = int(attrs.window_size) if attrs.window_size is not None else None
     if attrs.causal_mask == "TopLeft" and not prove_equal(s_q, s_kv):
         return site.reject("TopLeft causal mask with S_q != S_kv (FA2's causal is bottom-right aligned)")
-    if attrs.causal_mask == "BottomRight" and not (prove_equal(s_q, s_kv) or _analyzer_le(s_q, s_kv)):
+    if attrs.causal_mask == "BottomRight" and not (prove_equal(s_q, s_kv) or _analyzer_le(s_q, s_kv, facts)):
         return site.reject("BottomRight causal mask where S_q <= S_kv is not provable")
     if window is not None and window < 1:
         return site.reject(f"window_size {window} < 1")
@@ -136,18 +137,29 @@ def check_attention_call(call, operand_values) -> AttentionSite:
     _common_checks(site)
     if site.reason:
         return site
-    return _attention_attr_checks(site, call.attrs)
+    return _attention_attr_checks(site, call.attrs, LENGTH_FACTS.get())
 
 
-def _analyzer_le(a, b):
-    """a <= b, knowing that shape variables (sequence lengths, batch) are at least 1."""
+def _analyzer_le(a, b, facts=None):
+    """a <= b, knowing that shape variables (sequence lengths, batch) are at least 1 and the
+    ``facts`` {var: expression} of the function's match_casts."""
     import tvm
     from tvm.sym import Analyzer
 
+    if facts:
+        sub = Analyzer()
+        for var, expr in facts.items():
+            sub.bind(var, expr)
+        a, b = sub.simplify(a), sub.simplify(b)
     ana = Analyzer()
     for var in tirx.analysis.undefined_vars(a - b, []):
         ana.bind(var, tvm.ir.Range.from_min_extent(1, 1 << 40))  # lengths >= 1
     return ana.can_prove(tirx.LE(a, b))
+
+
+# The pattern check sees one call, not its function: the partition sets the match_cast facts of the
+# module here so that the check agrees with the analysis.
+LENGTH_FACTS: contextvars.ContextVar[dict] = contextvars.ContextVar("mqa_byoc_length_facts", default={})
 
 
 # ----------------------------------------------------------------------------- explicit chains
@@ -435,7 +447,7 @@ def _prove_masks(site, bindings, evaluator, post_scale=None, scales=None):
         return
     # the samples skip S_q > S_kv; there a causal mask hides every key from the first rows, which the
     # graph and FA2 fill differently: the same rule as for R.nn.attention
-    if site.mask.causal and not (prove_equal(s_q, s_kv) or _analyzer_le(s_q, s_kv)):
+    if site.mask.causal and not (prove_equal(s_q, s_kv) or _analyzer_le(s_q, s_kv, bindings.length_facts)):
         site.reject("BottomRight causal mask where S_q <= S_kv is not provable")
 
 

@@ -199,6 +199,10 @@ class CodegenSite:
     # attention operand i (q, k, v) is the Codegen function's parameter arg_map[i]
     arg_map: tuple[int, int, int]
     num_inputs: int
+    # parameters of type R.Shape: FuseOpsByPattern adds ``tir_vars`` when a length is an expression
+    # (S_kv = past_len + 1) so that the function can define past_len; the kernels read lengths from
+    # the tensors and ignore it
+    shape_params: tuple[int, ...] = ()
 
 
 def find_site(func: relax.Function) -> CodegenSite:
@@ -215,7 +219,7 @@ def find_site(func: relax.Function) -> CodegenSite:
     if _get(attrs, "Composite") is not None:
         # a Codegen function that is itself the composite (no wrapper)
         return CodegenSite(symbol, func, str(attrs["Composite"]), tuple(_operand_params(func, symbol)),
-                           len(func.params))
+                           len(func.params), _shape_params(func))
 
     body = func.body
     bindings = [b for block in body.blocks for b in block.bindings]
@@ -260,7 +264,11 @@ def find_site(func: relax.Function) -> CodegenSite:
             )
         outer.append(idx)
     arg_map = tuple(outer[j] for j in _operand_params(composite, symbol))
-    return CodegenSite(symbol, composite, name, arg_map, len(params))
+    return CodegenSite(symbol, composite, name, arg_map, len(params), _shape_params(func))
+
+
+def _shape_params(func: relax.Function) -> tuple[int, ...]:
+    return tuple(i for i, p in enumerate(func.params) if isinstance(p.ty, relax.ShapeType))
 
 
 def _operand_params(composite: relax.Function, symbol: str) -> list[int]:
@@ -392,7 +400,7 @@ _DLTYPE = {"float16": "DLDataType{kDLFloat, 16, 1}", "bfloat16": "DLDataType{kDL
 
 
 def emit_python_forwarder(symbol: str, spec: AttentionSpec, arg_map=(0, 1, 2), num_inputs: int | None = None,
-                          prelude: bool = True) -> str:
+                          prelude: bool = True, shape_params: tuple[int, ...] = ()) -> str:
     """C++ exporting ``symbol(inputs..., out)`` that calls ``mqa_byoc.flash_attn_forward``.
 
     ``arg_map[i]`` is the input position of composite operand i (q, k, v); ``num_inputs`` the
@@ -401,7 +409,7 @@ def emit_python_forwarder(symbol: str, spec: AttentionSpec, arg_map=(0, 1, 2), n
     if spec.dtype not in _DLTYPE:
         raise CodegenError(f"flash_attn codegen ({symbol}): unsupported dtype {spec.dtype}")
     n = max(arg_map) + 1 if num_inputs is None else int(num_inputs)
-    ins = ", ".join(f"tvm::ffi::Tensor in{i}" for i in range(n))
+    ins = ", ".join(f"tvm::ffi::{'Shape' if i in shape_params else 'Tensor'} in{i}" for i in range(n))
     bnsh = {"q": spec.q_layout == "BNSH", "k": spec.k_layout == "BNSH", "v": spec.v_layout == "BNSH",
             "out": spec.out_layout == "BNSH"}
     operand = {"q": f"in{arg_map[0]}", "k": f"in{arg_map[1]}", "v": f"in{arg_map[2]}", "out": "out"}
@@ -456,14 +464,15 @@ def _native_module(site: CodegenSite, spec: AttentionSpec):
             "partition_for_cutlass(..., provider='python') or "
             "RunCodegen({'flash_attn': {'provider': 'python'}})"
         ) from err
-    if site.arg_map != (0, 1, 2) or site.num_inputs != 3:
+    if site.arg_map != (0, 1, 2) or set(range(3, site.num_inputs)) != set(site.shape_params):
         raise CodegenError(
             f"flash_attn codegen ({site.symbol}): the native provider needs the function's parameters to be "
-            f"exactly (q, k, v); composite operands map to parameters {site.arg_map} of {site.num_inputs}"
+            f"(q, k, v) and possibly length shapes; composite operands map to parameters {site.arg_map} of "
+            f"{site.num_inputs} (shape parameters: {site.shape_params})"
         )
     # The source carries a marker line naming its FA2 kernel families (NativeSource.kernels);
     # mqa_byoc.export_library reads it from the C source module and links those kernels.
-    source = native_codegen.emit_native_source(site.symbol, spec)
+    source = native_codegen.emit_native_source(site.symbol, spec, shape_args=len(site.shape_params))
     return _csource_module(source.code, [site.symbol])
 
 
@@ -488,7 +497,8 @@ def flash_attn_codegen(funcs, options=None, constant_names=None) -> list:
             modules.append(_native_module(site, spec))
         else:
             python_parts.append(
-                emit_python_forwarder(site.symbol, spec, site.arg_map, site.num_inputs, prelude=False)
+                emit_python_forwarder(site.symbol, spec, site.arg_map, site.num_inputs, prelude=False,
+                                      shape_params=site.shape_params)
             )
             python_symbols.append(site.symbol)
     if python_parts:

@@ -49,8 +49,22 @@ def _check_spec(symbol: str, spec: AttentionSpec) -> None:
             raise ValueError(f"{symbol}: {name} must be >= -1")
 
 
-def emit_native_source(symbol: str, spec: AttentionSpec) -> NativeSource:
-    """C++ for ``TVM_FFI_DLL_EXPORT_TYPED_FUNC(symbol, ...)`` calling FA2 with ``spec`` baked in."""
+def _export_line(shape_args: int) -> str:
+    if not shape_args:
+        return "TVM_FFI_DLL_EXPORT_TYPED_FUNC(@SYMBOL@, run);"
+    shapes = "".join(f"tvm::ffi::Shape, " for _ in range(shape_args))
+    return ("namespace {\n"
+            f"int run_with_lengths(DLTensor* q, DLTensor* k, DLTensor* v, {shapes}DLTensor* out) "
+            "{ return run(q, k, v, out); }\n"
+            "}  // namespace\n"
+            "TVM_FFI_DLL_EXPORT_TYPED_FUNC(@SYMBOL@, run_with_lengths);")
+
+
+def emit_native_source(symbol: str, spec: AttentionSpec, shape_args: int = 0) -> NativeSource:
+    """C++ for ``TVM_FFI_DLL_EXPORT_TYPED_FUNC(symbol, ...)`` calling FA2 with ``spec`` baked in.
+
+    ``shape_args``: number of ``R.Shape`` inputs after q, k, v (the fused function's ``tir_vars``),
+    accepted and ignored."""
     _check_spec(symbol, spec)
     kernels = plan_kernels(spec)
     type_code, type_name = _DL_DTYPE[spec.dtype]
@@ -69,6 +83,7 @@ def emit_native_source(symbol: str, spec: AttentionSpec) -> NativeSource:
     for key, value in {
         "@MARKER@": marker_line(kernels),
         "@SPEC@": spec_line,
+        "@EXPORT@": _export_line(shape_args),
         "@SYMBOL@": symbol,
         "@H@": str(int(spec.num_q_heads)),
         "@HKV@": str(int(spec.num_kv_heads)),
@@ -223,5 +238,5 @@ int run(DLTensor* q, DLTensor* k, DLTensor* v, DLTensor* out) {
 
 }  // namespace
 
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(@SYMBOL@, run);
+@EXPORT@
 """

@@ -279,10 +279,18 @@ def partition_for_cutlass(
         # Only the patterns this module can match: matching cost grows with the table.
         want_mqa = {mqa and s.num_kv_heads != s.num_q_heads for s in accepted}
         out_permute = any(s.out_labels != ["B", "S", "H", "D"] for s in accepted)
-        mod = relax.transform.FuseOpsByPattern(
-            flash_attn_patterns(mqa=want_mqa, output_permute=out_permute),
-            bind_constants=bind_constants, annotate_codegen=annotate_codegen,
-        )(mod)
+        facts = {}
+        for gv, func in mod.functions.items():
+            if isinstance(func, relax.Function):
+                facts.update(analysis.Bindings(func).length_facts)
+        token = analysis.LENGTH_FACTS.set(facts)
+        try:
+            mod = relax.transform.FuseOpsByPattern(
+                flash_attn_patterns(mqa=want_mqa, output_permute=out_permute),
+                bind_constants=bind_constants, annotate_codegen=annotate_codegen,
+            )(mod)
+        finally:
+            analysis.LENGTH_FACTS.reset(token)
     if provider is not None and annotate_codegen:
         for gv, func in list(mod.functions.items()):
             if isinstance(func, relax.Function) and func.attrs is not None and \

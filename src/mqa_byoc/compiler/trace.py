@@ -84,6 +84,29 @@ class Traced:
         return None
 
 
+def _match_cast_lengths(func) -> dict:
+    """{shape var: expression} from ``R.match_cast``s that bind a fresh variable to a dimension whose
+    value is known (a KV cache view: ``match_cast(concat(past, new), (B, kv_len, ...))`` means
+    kv_len == past_len + seq_len at run time, checked by the VM)."""
+    facts = {}
+    for block in func.body.blocks:
+        for b in block.bindings:
+            if not isinstance(b, relax.MatchCast):
+                continue
+            pattern, value = b.ty, b.value.ty
+            if not (isinstance(pattern, relax.TensorType) and isinstance(value, relax.TensorType)):
+                continue
+            if pattern.shape is None or value.shape is None:
+                continue
+            p_dims, v_dims = getattr(pattern.shape, "values", None), getattr(value.shape, "values", None)
+            if p_dims is None or v_dims is None or len(p_dims) != len(v_dims):
+                continue
+            for p, v in zip(p_dims, v_dims):
+                if isinstance(p, tirx.Var) and not p.same_as(v) and p not in facts:
+                    facts[p] = v
+    return facts
+
+
 class Bindings:
     """Var -> bound value for a whole function, plus use counts."""
 
@@ -98,6 +121,7 @@ class Bindings:
                 if isinstance(b, relax.VarBinding):
                     self.value[b.var] = b.value
         self.params = set(func.params)
+        self.length_facts = _match_cast_lengths(func)
 
     def get(self, expr):
         return self.value.get(expr) if isinstance(expr, relax.Var) else None
