@@ -38,11 +38,11 @@ def runners(rt):
 def _steps(rt, runner, ids):
     """prefill(ids[:, :PROMPT]) then one decode step per remaining id: logits (float32) and caches."""
     torch, tvm = rt.torch, rt.tvm
-    out = runner.vm["prefill"](tvm.runtime.from_dlpack(ids[:, :PROMPT].contiguous()), *runner.params)
+    out = runner.vm["prefill"](tvm.runtime.from_dlpack(ids[:, :PROMPT].clone()), *runner.params)
     logits = [torch.from_dlpack(out[0]).clone()]
     caches = out[1]
     for t in range(PROMPT, ids.shape[1]):
-        out = runner.vm["decode"](tvm.runtime.from_dlpack(ids[:, t:t + 1].contiguous()), caches, *runner.params)
+        out = runner.vm["decode"](tvm.runtime.from_dlpack(ids[:, t:t + 1].clone()), caches, *runner.params)
         logits.append(torch.from_dlpack(out[0]).clone())
         caches = out[1]
     return logits, [torch.from_dlpack(caches[i]).clone() for i in range(len(caches))]
