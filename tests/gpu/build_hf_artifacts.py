@@ -79,6 +79,8 @@ for p in (ROOT / "src", ROOT / "tests", HERE):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+from build_artifacts import main_ops  # noqa: E402 - same op listing as the graph-form builder
+
 TARGET = {"kind": "cuda", "arch": "sm_90"}
 DEFAULT_OUT = ROOT / ".gpu-artifacts" / "hf"
 FORMAT = 1
@@ -233,22 +235,6 @@ def tolerances(e16: dict, names: list[str]) -> dict:
 # Relax
 
 
-def main_ops(func) -> list[str]:
-    from tvm import relax
-
-    names = []
-
-    def visit(e):
-        if isinstance(e, relax.Call):
-            if isinstance(e.op, relax.GlobalVar):
-                names.append(f"call:{e.op.name_hint}")
-            elif hasattr(e.op, "name"):
-                names.append(str(e.op.name))
-
-    relax.analysis.post_order_visit(func.body, visit)
-    return names
-
-
 def _shape(ty) -> list[int]:
     return [int(x) for x in ty.shape]
 
@@ -278,7 +264,7 @@ def check_reports(spec: HFModel, fname: str, mode: str, mod) -> dict:
 def check_partitioned(spec: HFModel, fname: str, part, mqa: bool) -> dict:
     """No K/V expansion left with mqa=True, and every FA2 call gets K/V with H_kv heads (expanded:
     H heads with mqa=False)."""
-    ops = collections.Counter(main_ops(part[fname]))
+    ops = collections.Counter(main_ops(part, fname))
     calls = []
     for gv, func in part.functions.items():
         if func.attrs is None or "Codegen" not in func.attrs:
