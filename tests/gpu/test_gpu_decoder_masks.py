@@ -38,13 +38,12 @@ def runners(rt):
 def _steps(rt, runner, ids):
     """prefill(ids[:, :PROMPT]) then one decode step per remaining id: logits (float32) and caches."""
     torch, tvm = rt.torch, rt.tvm
-    out = runner.vm["prefill"](tvm.runtime.from_dlpack(ids[:, :PROMPT].clone()), *runner.params)
-    logits = [torch.from_dlpack(out[0]).clone()]
-    caches = out[1]
+    batch = ids.shape[0]
+    out, caches = runner.prefill(batch, PROMPT, ids=tvm.runtime.from_dlpack(ids[:, :PROMPT].clone()))
+    logits = [torch.from_dlpack(out).clone()]
     for t in range(PROMPT, ids.shape[1]):
-        out = runner.vm["decode"](tvm.runtime.from_dlpack(ids[:, t:t + 1].clone()), caches, *runner.params)
-        logits.append(torch.from_dlpack(out[0]).clone())
-        caches = out[1]
+        out, caches = runner.decode(caches, batch, ids=tvm.runtime.from_dlpack(ids[:, t:t + 1].clone()))
+        logits.append(torch.from_dlpack(out).clone())
     return logits, [torch.from_dlpack(caches[i]).clone() for i in range(len(caches))]
 
 
