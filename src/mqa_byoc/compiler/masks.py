@@ -51,20 +51,17 @@ def classify_allowed(allowed: np.ndarray) -> MaskKind:
     s_q, s_kv = allowed.shape
     if allowed.all():
         return NO_MASK
-    i = np.arange(s_q)[:, None]
-    j = np.arange(s_kv)[None, :]
-    diag = i + (s_kv - s_q)  # FA2: query i sees keys j <= i + S_kv - S_q
-    causal = j <= diag
     if not allowed.any(axis=1).all():
         raise MaskError("the mask hides every key from some query row (FA2 returns zeros there)")
-    if np.array_equal(allowed, causal):
-        return MaskKind(True, None)
-    if np.array_equal(allowed, j <= i) and s_q != s_kv:
+    causal = MaskKind(True, None)
+    if np.array_equal(allowed, mask_allows(causal, s_q, s_kv)):
+        return causal
+    if s_q != s_kv and np.array_equal(allowed, np.tri(s_q, s_kv, dtype=bool)):
         raise MaskError("top-left aligned causal mask with S_q != S_kv (FA2's causal is bottom-right)")
     # a window of w keys shows w keys in its widest row
-    w = int(allowed.sum(axis=1).max())
-    if np.array_equal(allowed, causal & (j > diag - w)):
-        return MaskKind(True, w)
+    window = MaskKind(True, int(allowed.sum(axis=1).max()))
+    if np.array_equal(allowed, mask_allows(window, s_q, s_kv)):
+        return window
     raise MaskError("the mask is not a causal or sliding-window mask")
 
 
