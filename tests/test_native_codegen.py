@@ -17,8 +17,8 @@ import pytest
 
 from mqa_byoc.compiler.native_codegen import NativeSource, emit_native_source
 from mqa_byoc.compiler.spec import AttentionSpec
-from mqa_byoc.runtime import kernels as K
-from mqa_byoc.runtime.kernels import KernelKey, NativeKernelsUnavailable
+from mqa_byoc import kernels as K
+from mqa_byoc.kernels import KernelKey, NativeKernelsUnavailable
 
 
 def spec(h=32, hkv=8, d=128, dtype="float16", causal=True, wl=-1, wr=-1, scale=None, **layouts):
@@ -236,9 +236,9 @@ def test_emit_rejects(symbol, s, match):
         emit_native_source(symbol, s)
 
 
-def test_runtime_modules_do_not_import_tvm():
+def test_kernel_build_modules_do_not_import_tvm():
     code = (
-        "import sys, mqa_byoc.runtime.kernels, mqa_byoc.compiler.native_codegen;"
+        "import sys, mqa_byoc.kernels, mqa_byoc.compiler.native_codegen;"
         "bad=[m for m in sys.modules if m == 'tvm' or m.startswith('tvm.')];"
         "assert not bad, bad"
     )
@@ -260,7 +260,7 @@ def test_nvcc_missing_via_path(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("CUDA_HOME", raising=False)
     monkeypatch.delenv("CUDA_PATH", raising=False)
-    monkeypatch.setattr(K, "_NVCC_CANDIDATES", ())
+    monkeypatch.setattr(K.toolchain, "_NVCC_CANDIDATES", ())
     with pytest.raises(NativeKernelsUnavailable, match="nvcc not found; install the CUDA toolkit"):
         K.find_nvcc()
 
@@ -272,8 +272,10 @@ def test_build_without_nvcc_is_clear(clean_env, monkeypatch):
 
 
 def test_cli_without_nvcc(clean_env, monkeypatch, capsys):
+    from mqa_byoc.cli import main
+
     monkeypatch.setenv("MQA_BYOC_NVCC", "")
-    assert K.main(["--arch", "sm_90", "--head-dims", "128", "--dtypes", "fp16"]) == 1
+    assert main(["build-kernels", "--arch", "sm_90", "--head-dims", "128", "--dtypes", "fp16"]) == 1
     assert "nvcc not found" in capsys.readouterr().err
 
 

@@ -467,7 +467,7 @@ def test_provider_nvtx_range_is_closed_when_the_kernel_fails(monkeypatch):
 
 
 def _native_toolchain():
-    from mqa_byoc.runtime import kernels as K
+    from mqa_byoc import kernels as K
 
     try:
         K.find_nvcc()
@@ -479,7 +479,7 @@ def _native_toolchain():
 @pytest.mark.slow
 @pytest.mark.skipif(_native_toolchain() is None, reason="nvcc or flash-attn sources not available offline")
 def test_dispatcher_has_the_nvtx_ranges(monkeypatch, tmp_path):
-    from mqa_byoc.runtime import kernels as K
+    from mqa_byoc import kernels as K
 
     monkeypatch.setenv("MQA_BYOC_FLASH_ATTN_SRC", str(_native_toolchain()))
     monkeypatch.setenv("MQA_BYOC_CACHE", str(tmp_path / "cache"))
@@ -492,9 +492,9 @@ def test_dispatcher_has_the_nvtx_ranges(monkeypatch, tmp_path):
     assert "nvtxRangePushA" in syms  # NVTX3's header-only API is compiled in
     # the cache name follows the source: a changed dispatcher is rebuilt, never an old object reused
     src = (K.NATIVE_DIR / "fa2_dispatch.cc").read_bytes()
-    monkeypatch.setattr(K, "_DISPATCH_SOURCE", tmp_path / "fa2_dispatch.cc")
+    monkeypatch.setattr(K.paths, "DISPATCH_SOURCE", tmp_path / "fa2_dispatch.cc")
     (tmp_path / "fa2_dispatch.cc").write_bytes(src + b"\n// changed\n")
-    assert K._dispatcher_name() != obj.name
+    assert K.cache.dispatcher_name() != obj.name
 
 
 @pytest.mark.slow

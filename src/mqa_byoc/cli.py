@@ -67,13 +67,82 @@ def _profile_parser(sub):
     pl.add_argument("--top", type=int, default=15)
 
 
+def _comma_list(convert):
+    def parse(value: str) -> tuple:
+        items = [x.strip() for x in value.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma separated list, got {value!r}")
+        try:
+            return tuple(convert(x) for x in items)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
+
+
+def _both_yes_no(what: str):
+    def parse(value: str) -> tuple[bool, ...]:
+        v = value.lower()
+        if v in ("both", "all"):
+            return (False, True)
+        if v in ("yes", "true", "on", "1", what):
+            return (True,)
+        if v in ("no", "false", "off", "0", "non" + what, "no-" + what):
+            return (False,)
+        raise argparse.ArgumentTypeError(f"expected both|yes|no, got {value!r}")
+
+    return parse
+
+
+def _build_kernels_parser(sub):
+    p = sub.add_parser("build-kernels", help="compile FA2 forward kernels for the native provider (needs nvcc)",
+                       description="Compile Flash Attention 2 forward kernels (from flash-attn's sources) for the "
+                                   "native provider, into the cache (and --out DIR for MQA_BYOC_KERNEL_DIR).")
+    p.add_argument("--arch", default=None, help="CUDA arch, e.g. sm_90 (default: $MQA_BYOC_ARCH, the GPU, or sm_90)")
+    p.add_argument("--head-dims", type=_comma_list(int), default=(64, 128),
+                   help="comma separated head dims; rounded up to 32,64,96,128,192,256 (default 64,128)")
+    p.add_argument("--dtypes", type=_comma_list(str), default=("fp16", "bf16"),
+                   help="comma separated: fp16,bf16 (default both)")
+    p.add_argument("--causal", type=_both_yes_no("causal"), default=(False, True), help="both|yes|no")
+    p.add_argument("--split", type=_both_yes_no("split"), default=(False, True), help="split-KV kernels: both|yes|no")
+    p.add_argument("--jobs", "-j", type=int, default=None, help="parallel nvcc processes")
+    p.add_argument("--nice", type=int, default=0, help="run nvcc under `nice -n N`")
+    p.add_argument("--flash-attn-src", default=None,
+                   help="extracted flash-attn tree or sdist (else $MQA_BYOC_FLASH_ATTN_SRC, else fetched with pip)")
+    p.add_argument("--out", default=None, help="also copy dispatcher + objects to DIR (use with MQA_BYOC_KERNEL_DIR=DIR)")
+    p.add_argument("--link-check", action="store_true",
+                   help="link fa2_link_check (a Python-free test program; `fa2_link_check --run` needs a GPU) "
+                        "against the objects; into --out DIR when given")
+    p.add_argument("--print-dir", action="store_true", help="print the cache directory and exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan (kernels, cache dir, nvcc commands) without compiling or fetching")
+
+
+def build_kernels_request(args: argparse.Namespace):
+    """The :class:`mqa_byoc.kernels.BuildRequest` of parsed ``build-kernels`` arguments.
+
+    Returns
+    -------
+    mqa_byoc.kernels.BuildRequest
+    """
+    from .kernels import BuildRequest  # TVM-free
+
+    return BuildRequest(arch=args.arch, head_dims=args.head_dims, dtypes=args.dtypes, causal=args.causal,
+                        split=args.split, jobs=args.jobs, nice=args.nice, flash_attn_src=args.flash_attn_src,
+                        out=args.out, link_check=args.link_check, print_dir=args.print_dir, dry_run=args.dry_run)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``mqa-byoc`` parser: one subparser per command.
+
+    Returns
+    -------
+    argparse.ArgumentParser
+    """
     parser = argparse.ArgumentParser(prog="mqa-byoc", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _demo_parser(sub)
-    kb = sub.add_parser("build-kernels", add_help=False,
-                        help="compile FA2 forward kernels for the native provider (needs nvcc)")
-    kb.add_argument("rest", nargs=argparse.REMAINDER)
+    _build_kernels_parser(sub)
     _profile_parser(sub)
     return parser
 
@@ -121,23 +190,29 @@ def _profile(args, argv) -> int:
 
 
 def main(argv=None) -> int:
+    """Run ``mqa-byoc`` with ``argv`` (default ``sys.argv[1:]``).
+
+    Modules needing TVM are imported only by the commands that use them: ``build-kernels`` and
+    ``profile run`` / ``plot`` work without the TVM compiler.
+
+    Returns
+    -------
+    int
+        The exit status.
+    """
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    args, extra = parser.parse_known_args(argv)
+    args = parser.parse_args(argv)
     if args.command == "profile":
-        if extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return _profile(args, argv)
     if args.command == "demo":
-        if extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         from .demo import run_demo
 
         return run_demo(args)
     if args.command == "build-kernels":
-        from .runtime.kernels import main as build_main
+        from .kernels import run_build_kernels
 
-        return build_main(list(args.rest) + extra)
+        return run_build_kernels(build_kernels_request(args))
     parser.error(f"unknown command {args.command}")
     return 2
 

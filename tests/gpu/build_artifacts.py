@@ -393,7 +393,7 @@ def write_manifest(case_dir: Path, manifest: dict) -> None:
 
 def kernel_group(case: Case) -> str:
     """Cases that need the same FA2 kernels share a library: ``fp16-hdim128``."""
-    from mqa_byoc.runtime.kernels import kernel_head_dim, normalize_dtype
+    from mqa_byoc.kernels import kernel_head_dim, normalize_dtype
 
     return f"{normalize_dtype(case.dtype)}-hdim{kernel_head_dim(case.d)}"
 

@@ -39,7 +39,6 @@ import contextlib
 import logging
 import os
 import re
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -47,6 +46,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
+from ..kernels.toolchain import nvcc_available
 from .spec import AttentionSpec, spec_from_composite
 
 __all__ = [
@@ -111,15 +111,6 @@ def use_provider(provider: str | None) -> Iterator[None]:
         _default_provider = saved
 
 
-def _nvcc_available() -> bool:
-    if shutil.which("nvcc"):
-        return True
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if root and os.access(os.path.join(root, "bin", "nvcc"), os.X_OK):
-            return True
-    return False
-
-
 def _native_codegen_available() -> bool:
     try:
         from . import native_codegen  # noqa: F401
@@ -149,7 +140,7 @@ def default_provider(target=None, *, nvcc: bool | None = None, native: bool | No
     kind = _target_kind(target)
     if kind not in (None, "cuda"):
         return "python"
-    if not (_nvcc_available() if nvcc is None else nvcc):
+    if not (nvcc_available() if nvcc is None else nvcc):
         return "python"
     if not (_native_codegen_available() if native is None else native):
         logger.warning(

@@ -3,7 +3,7 @@
 The codegen's native wrappers carry a marker line naming their kernel families
 (``// mqa_byoc-kernels: hdim128 fp16; hdim128 fp16 causal; ...``). :func:`export_library` reads the
 markers from the executable's imported C source modules, gets the dispatcher and kernel objects from
-:mod:`mqa_byoc.runtime.kernels` (building missing ones unless ``build=False``) and links them, with the
+:mod:`mqa_byoc.kernels` (building missing ones unless ``build=False``) and links them, with the
 static CUDA runtime, into the exported shared library. The result needs only TVM's runtime and the
 NVIDIA driver: no mqa_byoc, no torch, no CUDA toolkit. Executables without markers export unchanged.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 
-from mqa_byoc.runtime import kernels as _kernels
-from mqa_byoc.runtime.kernels import KernelKey, NativeKernelsUnavailable  # noqa: F401 (re-export)
+from mqa_byoc import kernels as _kernels
+from mqa_byoc.kernels import KernelKey, NativeKernelsUnavailable  # noqa: F401 (re-export)
 
 _FCOMPILE_ATTRS = ("object_format", "output_format", "need_system_lib", "get_target_triple")
 

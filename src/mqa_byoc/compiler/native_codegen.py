@@ -5,7 +5,7 @@ arguments against the compiled :class:`AttentionSpec`, reads B / S_q / S_kv and 
 tensors, takes TVM's current CUDA stream (``TVMFFIEnvGetStream``) and calls ``mqa_byoc_fa2_forward``
 from ``mqa_byoc/native/fa2_dispatch.cc``. It is compiled by ``export_library`` (g++, TVM's include
 paths) and linked with the dispatcher and FA2 kernel objects by :func:`mqa_byoc.compiler.export.export_library`,
-which finds the kernels through the marker line (:data:`mqa_byoc.runtime.kernels.MARKER`).
+which finds the kernels through the marker line (:data:`mqa_byoc.kernels.MARKER`).
 
 This module does not import TVM.
 """
@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 
 from mqa_byoc.compiler.spec import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttentionSpec
-from mqa_byoc.runtime.kernels import KernelKey, marker_line, plan_kernels
+from mqa_byoc.kernels import KernelKey, marker_line, plan_kernels
 
 SPEC_MARKER = "// mqa_byoc-spec:"
 

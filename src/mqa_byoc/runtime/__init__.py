@@ -1,1 +1,1 @@
-"""Run time: kernel providers and the native kernel cache. Importable with a runtime-only TVM."""
+"""Run time: kernel providers, decoder runs, profiling. Importable with a runtime-only TVM."""
