@@ -91,6 +91,7 @@ def test_build_kernels_options():
     assert (req.jobs, req.nice, req.out, req.link_check, req.flash_attn_src, req.dry_run) == (
         3, 5, "/tmp/x", True, "/src", True)
     assert req.keys() == (KernelKey(64, "fp16", False, True), KernelKey(96, "fp16", False, True))
+    assert _parse("--jobs", "2", "--nice").nice == 10 and _parse().nice == 0  # README: `--jobs 2 --nice`
 
 
 @pytest.mark.parametrize("argv", [["--causal", "sometimes"], ["--head-dims", "x"], ["--head-dims", ","],

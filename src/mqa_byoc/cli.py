@@ -106,7 +106,8 @@ def _build_kernels_parser(sub):
     p.add_argument("--causal", type=_both_yes_no("causal"), default=(False, True), help="both|yes|no")
     p.add_argument("--split", type=_both_yes_no("split"), default=(False, True), help="split-KV kernels: both|yes|no")
     p.add_argument("--jobs", "-j", type=int, default=None, help="parallel nvcc processes")
-    p.add_argument("--nice", type=int, default=0, help="run nvcc under `nice -n N`")
+    p.add_argument("--nice", type=int, nargs="?", const=10, default=0,
+                   help="run nvcc under `nice -n N` (N defaults to 10 when omitted)")
     p.add_argument("--flash-attn-src", default=None,
                    help="extracted flash-attn tree or sdist (else $MQA_BYOC_FLASH_ATTN_SRC, else fetched with pip)")
     p.add_argument("--out", default=None, help="also copy dispatcher + objects to DIR (use with MQA_BYOC_KERNEL_DIR=DIR)")

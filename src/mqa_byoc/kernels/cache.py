@@ -184,16 +184,15 @@ def find_kernels(keys: Iterable[KernelKey], arch: str, cfg: BuildConfig | None =
     return found
 
 
-# threads of one process: flock is per open file, so each thread opens its own lock file; the
-# threading lock just keeps them from spinning on it
-_thread_lock = threading.Lock()
-
-
 @contextlib.contextmanager
 def manifest_lock(directory: Path) -> Iterator[None]:
-    """Hold the exclusive lock of ``directory``'s manifest (``manifest.json.lock``, ``flock``)."""
+    """Hold the exclusive lock of ``directory``'s manifest (``manifest.json.lock``, ``flock``).
+
+    The lock belongs to the open file: each caller opens the lock file itself, so threads of one
+    process exclude each other as processes do.
+    """
     directory.mkdir(parents=True, exist_ok=True)
-    with _thread_lock, open(directory / (MANIFEST + ".lock"), "a+") as f:
+    with open(directory / (MANIFEST + ".lock"), "a+") as f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
             yield
