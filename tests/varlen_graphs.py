@@ -17,13 +17,14 @@ F16 = "float16"
 
 def var_len_attention(h=8, hkv=2, d=64, dtype=F16, causal="BottomRight", window=None, scale=None,
                       expand="repeat", same_seqstart=False, merged=False, total_q="tq", total_k="tk",
-                      seqstart_dtype="int32", max_dtype="int32", batch=1):
+                      seqstart_dtype="int32", max_dtype="int32", batch=1, same_max=None):
     """``main(q, k, v, seqstart_q[, seqstart_k], max_seqlen_q, max_seqlen_k)`` with
     ``R.nn.attention_var_len(q, expand(k), expand(v), ...)``.
 
     ``expand``: "repeat" (R.repeat on the head axis), "broadcast" (hkv == 1), "hf" (expand_dims +
     broadcast_to + reshape: HF repeat_kv in BSNH), "tile", or "none" (K/V with hkv heads).
-    ``same_seqstart``: one seqstart for Q and K/V (TVM's default). ``merged``: Q/K/V come in as
+    ``same_seqstart``: one seqstart for Q and K/V (TVM's default); ``same_max`` (default: as
+    ``same_seqstart``): one max_seqlen for both. ``merged``: Q/K/V come in as
     (total, heads * d) and are reshaped (upstream's tests); the output is reshaped back.
     ``total_q``/``total_k``/``batch``: ints or names of symbolic lengths (the same name: one variable).
     """
@@ -49,8 +50,9 @@ def var_len_attention(h=8, hkv=2, d=64, dtype=F16, causal="BottomRight", window=
     sq = relax.Var("seqstart_q", relax.TensorType([nseq], seqstart_dtype))
     sk = sq if same_seqstart else relax.Var("seqstart_k", relax.TensorType([nseq], seqstart_dtype))
     mq = relax.Var("max_seqlen_q", relax.TensorType([], max_dtype))
-    mk = relax.Var("max_seqlen_k", relax.TensorType([], max_dtype))
-    params = [q, k, v, sq] + ([] if same_seqstart else [sk]) + [mq, mk]
+    same_max = same_seqstart if same_max is None else same_max
+    mk = mq if same_max else relax.Var("max_seqlen_k", relax.TensorType([], max_dtype))
+    params = [q, k, v, sq] + ([] if same_seqstart else [sk]) + [mq] + ([] if same_max else [mk])
     r = h // hkv
     with bb.function("main", params):
         with bb.dataflow():
