@@ -313,3 +313,50 @@ def test_native_provider_exports_and_links(tmp_path, monkeypatch):
     syms = subprocess.run(["nm", str(path)], capture_output=True, text=True, check=True).stdout
     assert "mqa_byoc_fa2_varlen_forward" in syms
     assert "mqa_byoc_fa2_fwd_hdim64_fp16_causal" in syms and "__tvm_ffi_fused" in syms
+
+
+def _kv_cache_graph():
+    """BNSH query (transposed outside the composite), K = V = concat(past, new) repeated: S_kv is an
+    expression, so the fused function gets a ``tir_vars`` shape parameter, and K and V are one operand."""
+    from tvm import tirx
+    from tvm.relax import op as R
+
+    p, n, tq, ns = (tirx.Var(x, "int64") for x in ("p", "n", "tq", "nseq"))
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", relax.TensorType([1, 4, tq, 64], "float16"))
+    pk = relax.Var("pk", relax.TensorType([1, p, 2, 64], "float16"))
+    nk = relax.Var("nk", relax.TensorType([1, n, 2, 64], "float16"))
+    sq, sk = (relax.Var(x, relax.TensorType([ns], "int32")) for x in ("sq", "sk"))
+    mq, mk = (relax.Var(x, relax.TensorType([], "int32")) for x in ("mq", "mk"))
+    with bb.function("main", [q, pk, nk, sq, sk, mq, mk]):
+        with bb.dataflow():
+            k = bb.emit(R.concat([pk, nk], axis=1))
+            kk = bb.emit(R.repeat(k, 2, axis=2))
+            qq = bb.emit(R.permute_dims(q, [0, 2, 1, 3]))
+            o = bb.emit_output(R.nn.attention_var_len(qq, kk, kk, sq, mq, sk, mk, causal_mask="BottomRight"))
+        bb.emit_func_output(o)
+    return bb.get()
+
+
+def test_kv_cache_bnsh_query_shared_kv(tmp_path, monkeypatch):
+    mod = _kv_cache_graph()
+    (site,) = mqa_byoc.offload_report(mod)
+    assert site.offloaded and (site.num_q_heads, site.num_kv_heads) == (4, 2)
+    part = mqa_byoc.partition_for_cutlass(mod)
+    (func,) = _codegen_funcs(part).values()
+    vl = varlen_codegen.find_var_len_site(func)
+    assert vl.shape_params and vl.arg_map[1] == vl.arg_map[2] and vl.num_inputs == 7
+    assert "relax.repeat" not in _ops(part["main"])
+    lens_q, lens_k = [3, 6], [5, 9]
+    rng = np.random.default_rng(2)
+    args = [rng.standard_normal((1, 4, 9, 64)).astype("float16"), rng.standard_normal((1, 6, 2, 64)).astype("float16"),
+            rng.standard_normal((1, 8, 2, 64)).astype("float16"), seqstarts(lens_q), seqstarts(lens_k),
+            np.array(6, "int32"), np.array(9, "int32")]
+    np.testing.assert_allclose(_run_cpu(canonicalize_attention(mod), args).astype("float32"),
+                               _run_cpu(mod, args).astype("float32"), atol=2e-3, rtol=2e-3)
+    _build(mod, "python").export_library(str(tmp_path / "python.so"))
+    if _native_export_ready() is None:
+        if not os.environ.get("MQA_BYOC_KERNEL_DIR"):
+            monkeypatch.setenv("MQA_BYOC_KERNEL_DIR", "/work/kernels/fa2")
+        mqa_byoc.export_library(_build(mod, "native"), str(tmp_path / "native.so"), arch="sm_90", build=False,
+                                progress=None)
