@@ -111,7 +111,9 @@ def _var_len_checks(site: VarLenSite, attrs) -> VarLenSite:
         if causal is None:
             return site.reject("window_size without a causal mask (TVM defines the var-len sliding window "
                                "only with causal_mask='BottomRight')")
-    # BottomRight is FA2's causal per sequence (rows with no visible key come out as zeros)
+    # BottomRight is FA2's causal per sequence (rows with no visible key come out as zeros). The lengths
+    # are run-time values, so S_q <= S_kv per sequence cannot be proven; where S_q > S_kv TVM's docstring
+    # says tril(k=|S_q - S_kv|), but TVM has no lowering and upstream's CUTLASS offload is FA2's too.
     site.mask = analysis.masks.MaskKind(causal is not None, window)
     return site
 
