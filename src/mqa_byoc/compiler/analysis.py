@@ -26,6 +26,10 @@ _ELEMENTWISE_BETWEEN = (
 )
 
 
+# fused attention ops: their K/V may have fewer heads than Q (no matmul broadcasting involved)
+FUSED_FORMS = ("R.nn.attention", "R.nn.attention_var_len")
+
+
 @dataclass
 class AttentionSite:
     function: str
@@ -72,6 +76,10 @@ def find_sites(func_name: str, func: relax.Function, evaluator: masks.MaskEvalua
         if name in ("relax.nn.attention", "relax.nn.attention_bias"):
             sites.append(_attention_call_site(func_name, var, value, bindings, evaluator,
                                               allow_kv_expansion))
+        elif name == "relax.nn.attention_var_len":
+            from .varlen import var_len_site  # varlen imports this module
+
+            sites.append(var_len_site(func_name, var, value, bindings, allow_kv_expansion))
         elif name == "relax.matmul":
             site = _chain_site(func_name, var, value, bindings, evaluator, allow_kv_expansion)
             if site is not None:
@@ -378,7 +386,7 @@ def _common_checks(site: AttentionSite):
     dk = as_int(ks[k.labels.index("D")])
     dv = as_int(vs[v.labels.index("D")])
     site.num_q_heads, site.head_dim = h, d
-    if k.expansion is None and h is not None and hkv == 1 and h != 1 and site.form != "R.nn.attention":
+    if k.expansion is None and h is not None and hkv == 1 and h != 1 and site.form not in FUSED_FORMS:
         k.expansion = v.expansion = BROADCAST  # MQA through matmul broadcasting
         k.factor = v.factor = h
     site.num_kv_heads = hkv
@@ -394,7 +402,7 @@ def _common_checks(site: AttentionSite):
     if d > MAX_HEAD_DIM or d % 8:
         return site.reject(f"head dim {d}: FA2 needs a multiple of 8 up to {MAX_HEAD_DIM}")
     if k.expansion is None:
-        if hkv != h and site.form != "R.nn.attention":
+        if hkv != h and site.form not in FUSED_FORMS:
             return site.reject(f"{h} query heads against {hkv} K/V heads without an expansion")
     else:
         if hkv * k.factor != h:

@@ -47,6 +47,7 @@ import tvm_ffi
 from tvm import relax
 
 from ..kernels.toolchain import nvcc_available
+from . import varlen_codegen
 from .spec import AttentionSpec, spec_from_composite
 
 __all__ = [
@@ -480,6 +481,14 @@ def flash_attn_codegen(funcs, options=None, constant_names=None) -> list:
     python_symbols: list[str] = []
     modules = []
     for func in funcs:
+        if varlen_codegen.is_var_len(func):
+            vl = varlen_codegen.find_var_len_site(func)
+            if resolve_provider(func, options) == "native":
+                modules.append(_csource_module(varlen_codegen.emit_native_source(vl).code, [vl.symbol]))
+            else:
+                python_parts.append(varlen_codegen.emit_python_forwarder(vl))
+                python_symbols.append(vl.symbol)
+            continue
         site = find_site(func)
         spec = spec_of(func)
         provider = resolve_provider(func, options)

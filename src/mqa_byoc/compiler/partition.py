@@ -19,7 +19,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from . import analysis, masks
+from . import analysis, masks, varlen
 from .patterns import flash_attn_patterns
 from .trace import op_name
 
@@ -79,7 +79,7 @@ def _is_offloaded(func):
 
 
 def _causal_name(site):
-    if site.form == "R.nn.attention" and site.causal_attr is not None:
+    if site.form in analysis.FUSED_FORMS and site.causal_attr is not None:
         return str(site.causal_attr)
     return "BottomRight" if site.mask.causal else None
 
@@ -99,6 +99,7 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True) -> list[OffloadSite]:
             if ok:
                 mqa_shaped = mqa and s.num_kv_heads != s.num_q_heads
                 composite = "flash_attn.attention_mqa" if mqa_shaped else "flash_attn.attention"
+                composite = varlen.COMPOSITE if s.form == varlen.FORM else composite
             report.append(OffloadSite(
                 function=s.function, output=s.root.name, form=s.form, offloaded=ok,
                 num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
@@ -107,7 +108,7 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True) -> list[OffloadSite]:
                 expansion_ops_removed=len(set(s.expansion_ops)) if removes else 0,
                 composite=composite, reason=s.reason, note=getattr(s, "note", None),
             ))
-    return report
+    return varlen.explain_unlowerable(report)
 
 
 def _resolved_scale(site):
@@ -135,6 +136,8 @@ class _Canonicalize(PyExprMutator):
         site = self.sites.get(binding.var)
         if site is None:
             return super().visit_var_binding_(binding)
+        if site.form == varlen.FORM:
+            return varlen.emit_canonical(self, binding.var, site, self.mqa)
         self._emit_site(binding.var, site)
 
     def _operand(self, traced, dtype, heads_target=None):

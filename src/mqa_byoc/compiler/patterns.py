@@ -13,6 +13,7 @@ from tvm.relax.dpl import is_op, wildcard
 from tvm.relax.transform import FusionPattern, PatternCheckContext
 
 from .analysis import check_attention_call
+from .varlen import var_len_fusion_pattern
 
 COMPOSITE_MQA = "flash_attn.attention_mqa"
 COMPOSITE_MHA = "flash_attn.attention"
@@ -74,4 +75,5 @@ def flash_attn_patterns(mqa=(True, False), output_permute: bool = True) -> list[
             table.append(FusionPattern(COMPOSITE_MQA, pattern, annotations, _check_mqa))
         if False in mqa:
             table.append(FusionPattern(COMPOSITE_MHA, pattern, annotations, _check_mha))
+    table.append(var_len_fusion_pattern())  # matches R.nn.attention_var_len only: cheap
     return table

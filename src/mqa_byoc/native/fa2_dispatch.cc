@@ -422,3 +422,165 @@ extern "C" int mqa_byoc_fa2_forward(const void* q, const void* k, const void* v,
   }
   return 0;
 }
+
+// ---- var-len forward (R.nn.attention_var_len) ------------------------------------------------
+// The same kernel families as above: FA2 switches to variable lengths at run time when
+// cu_seqlens_q / cu_seqlens_k are set (BlockInfo reads each sequence's offset and length). Params
+// are filled the way flash-attn 2.8.3's mha_varlen_fwd fills them without a paged KV cache: row and
+// head strides only (no batch stride), the max lengths as seqlen_q / seqlen_k (grid size and window
+// clamp), LSE unpadded as (H, total_q). No split-KV: mha_varlen_fwd splits only on its grouped
+// decode path (max_seqlen_q == 1), where it drops cu_seqlens_q; var-len prefill runs the plain
+// kernel, and so do we (the split kernel with one split when only that one is linked).
+extern "C" int mqa_byoc_fa2_varlen_forward(const void* q, const void* k, const void* v, void* out,
+                                           const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k,
+                                           int64_t batch, int64_t total_q, int64_t total_k,
+                                           int64_t max_seqlen_q, int64_t max_seqlen_k, int64_t num_heads,
+                                           int64_t num_heads_k, int64_t head_dim, const int64_t* q_stride,
+                                           const int64_t* k_stride, const int64_t* v_stride,
+                                           const int64_t* o_stride, int is_bf16, float softmax_scale,
+                                           int causal, int window_left, int window_right, int device_id,
+                                           void* stream_handle) {
+  g_last_error.clear();
+  if (!fits_int(batch) || !fits_int(total_q) || !fits_int(total_k) || !fits_int(max_seqlen_q) ||
+      !fits_int(max_seqlen_k) || num_heads <= 0 || num_heads_k <= 0 || !fits_int(num_heads) ||
+      !fits_int(num_heads_k)) {
+    return fail("bad sizes: batch=" + std::to_string(batch) + " total_q=" + std::to_string(total_q) +
+                " total_k=" + std::to_string(total_k) + " max_seqlen_q=" + std::to_string(max_seqlen_q) +
+                " max_seqlen_k=" + std::to_string(max_seqlen_k) + " H=" + std::to_string(num_heads) +
+                " H_kv=" + std::to_string(num_heads_k));
+  }
+  if (head_dim <= 0 || head_dim > 256 || head_dim % 8 != 0) {
+    return fail("FA2 needs a head dim that is a multiple of 8 and at most 256, got " + std::to_string(head_dim));
+  }
+  if (num_heads % num_heads_k != 0) {
+    return fail("H=" + std::to_string(num_heads) + " is not a multiple of H_kv=" + std::to_string(num_heads_k));
+  }
+  if (q_stride == nullptr || k_stride == nullptr || v_stride == nullptr || o_stride == nullptr) {
+    return fail("null stride array");
+  }
+  if (q_stride[2] != 1 || k_stride[2] != 1 || v_stride[2] != 1 || o_stride[2] != 1) {
+    return fail("q, k, v and out must have a contiguous last (head dim) axis");
+  }
+  if (batch == 0 || total_q == 0 || max_seqlen_q == 0) return 0;
+  if (q == nullptr || k == nullptr || v == nullptr || out == nullptr || cu_seqlens_q == nullptr ||
+      cu_seqlens_k == nullptr) {
+    return fail("null data pointer");
+  }
+  if (!std::isfinite(softmax_scale)) return fail("softmax scale is not finite");
+
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
+  DeviceGuard guard;
+  cudaError_t err = guard.set(device_id);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return fail(std::string("cannot select CUDA device ") + std::to_string(device_id) + ": " +
+                cudaGetErrorString(err));
+  }
+  cudaGetLastError();
+
+  if (max_seqlen_k == 0 || total_k == 0) {  // no keys anywhere: FA2 defines the output as zeros
+    if (o_stride[0] != num_heads * head_dim || o_stride[1] != head_dim) return fail("no keys needs a compact out");
+    err = cudaMemsetAsync(out, 0, size_t(total_q * num_heads * head_dim) * 2, stream);
+    return err == cudaSuccess ? 0 : fail(std::string("cudaMemsetAsync: ") + cudaGetErrorString(err));
+  }
+
+  // ---- mha_varlen_fwd's normalisation ----
+  int wl = window_left, wr = window_right;
+  bool is_causal = causal != 0;
+  if (max_seqlen_q == 1) is_causal = false;  // one query row per sequence: causal == full
+  if (is_causal) wr = 0;
+  if (wl >= max_seqlen_k) wl = -1;
+  if (wr >= max_seqlen_k) wr = -1;
+
+  const int hdim = kernel_hdim(head_dim);
+  const int64_t d_rounded = round_up(head_dim, head_dim <= 128 ? 32 : 64);
+
+  Params p{};
+  p.is_bf16 = is_bf16 != 0;
+  p.q_ptr = const_cast<void*>(q);
+  p.k_ptr = const_cast<void*>(k);
+  p.v_ptr = const_cast<void*>(v);
+  p.o_ptr = out;
+  p.q_row_stride = q_stride[0];
+  p.q_head_stride = q_stride[1];
+  p.k_row_stride = k_stride[0];
+  p.k_head_stride = k_stride[1];
+  p.v_row_stride = v_stride[0];
+  p.v_head_stride = v_stride[1];
+  p.o_row_stride = o_stride[0];
+  p.o_head_stride = o_stride[1];
+  p.cu_seqlens_q = const_cast<int*>(reinterpret_cast<const int*>(cu_seqlens_q));
+  p.cu_seqlens_k = const_cast<int*>(reinterpret_cast<const int*>(cu_seqlens_k));
+  p.seqused_k = nullptr;
+  p.b = int(batch);
+  p.h = int(num_heads);
+  p.h_k = int(num_heads_k);
+  p.h_h_k_ratio = int(num_heads / num_heads_k);
+  p.seqlen_q = int(max_seqlen_q);
+  p.seqlen_k = int(max_seqlen_k);
+  p.seqlen_q_rounded = int(round_up(max_seqlen_q, 128));
+  p.seqlen_k_rounded = int(round_up(max_seqlen_k, 128));
+  p.d = int(head_dim);
+  p.d_rounded = int(d_rounded);
+  p.total_q = int(total_q);
+  p.softcap = 0.f;
+  p.scale_softmax = softmax_scale;
+  p.scale_softmax_log2 = float(double(softmax_scale) * 1.4426950408889634);  // log2(e)
+  p.p_dropout = 1.f;  // probability to keep
+  p.p_dropout_in_uint8_t = 255;
+  p.rp_dropout = 1.f;
+  p.scale_softmax_rp_dropout = softmax_scale;
+  p.is_causal = wl < 0 && wr == 0;
+  if (wl < 0 && wr >= 0) wl = int(max_seqlen_k);
+  if (wl >= 0 && wr < 0) wr = int(max_seqlen_k);
+  p.window_size_left = wl;
+  p.window_size_right = wr;
+  p.is_seqlens_k_cumulative = true;
+  p.unpadded_lse = true;  // LSE as (H, total_q)
+  p.seqlenq_ngroups_swapped = false;
+  p.num_splits = 1;
+
+  const Entry* e = find_entry(hdim, is_bf16, p.is_causal);
+  EntryFn fn = e == nullptr ? nullptr : (e->fwd != nullptr ? e->fwd : e->split);
+  if (fn == nullptr) {
+    std::string arch = arch_of(device_id);
+    return fail("FA2 kernel " + kernel_name(hdim, is_bf16, p.is_causal) +
+                " not built: run `mqa-byoc build-kernels" + (arch.empty() ? "" : " --arch " + arch) +
+                " --head-dims " + std::to_string(hdim) + " --dtypes " + (is_bf16 ? "bf16" : "fp16") +
+                "` and export again");
+  }
+
+  const size_t lse_bytes = (size_t(num_heads) * size_t(total_q) * sizeof(float) + 255) / 256 * 256;
+  void* ws = nullptr;
+  cudaMemPool_t pool = workspace_pool(device_id);
+  err = pool != nullptr ? cudaMallocFromPoolAsync(&ws, lse_bytes, pool, stream)
+                        : cudaMallocAsync(&ws, lse_bytes, stream);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return fail("cannot allocate " + std::to_string(lse_bytes) + " bytes of FA2 workspace: " +
+                cudaGetErrorString(err));
+  }
+  p.softmax_lse_ptr = ws;
+
+  const bool nvtx = nvtx_enabled();
+  if (nvtx) {
+    char range[80];
+    std::snprintf(range, sizeof(range), "flash_attn_varlen[h=%lld,kv=%lld,d=%lld]",
+                  static_cast<long long>(num_heads), static_cast<long long>(num_heads_k),
+                  static_cast<long long>(head_dim));
+    nvtxRangePushA(range);
+  }
+  fn(&p, stream);
+  if (nvtx) nvtxRangePop();
+  cudaError_t launch = cudaGetLastError();
+  err = cudaFreeAsync(ws, stream);
+  if (launch != cudaSuccess) {
+    return fail(std::string("FA2 var-len ") + kernel_name(hdim, is_bf16, p.is_causal) +
+                " launch failed: " + cudaGetErrorString(launch));
+  }
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return fail(std::string("cudaFreeAsync: ") + cudaGetErrorString(err));
+  }
+  return 0;
+}

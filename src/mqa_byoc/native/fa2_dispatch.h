@@ -23,7 +23,24 @@ int mqa_byoc_fa2_forward(const void* q, const void* k, const void* v, void* out,
                          int is_bf16, float softmax_scale, int causal, int window_left,
                          int window_right, int device_id, void* stream);
 
-// The message of this thread's last failed mqa_byoc_fa2_forward ("" if none).
+// Flash Attention 2 var-len forward (R.nn.attention_var_len): sequences concatenated along the rows.
+//   q (total_q, H, D), k and v (total_k, H_kv, D), out (total_q, H, D), all fp16 or all bf16;
+//   *_stride: 3 strides each (row, head, dim), in elements; the dim stride must be 1.
+//   cu_seqlens_q / cu_seqlens_k: device int32 arrays of batch + 1 cumulative lengths (leading 0).
+//   max_seqlen_q / max_seqlen_k: upper bounds of the per-sequence lengths (they size the grid and
+//   clamp the window: a bound below a real length leaves rows of that sequence unwritten).
+//   causal: bottom-right aligned per sequence; window_left / window_right: -1 = unbounded.
+//   Query head h reads K/V head h / (H / H_kv). Returns 0, or nonzero with mqa_byoc_fa2_last_error().
+int mqa_byoc_fa2_varlen_forward(const void* q, const void* k, const void* v, void* out,
+                                const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, int64_t batch,
+                                int64_t total_q, int64_t total_k, int64_t max_seqlen_q,
+                                int64_t max_seqlen_k, int64_t num_heads, int64_t num_heads_k,
+                                int64_t head_dim, const int64_t* q_stride, const int64_t* k_stride,
+                                const int64_t* v_stride, const int64_t* o_stride, int is_bf16,
+                                float softmax_scale, int causal, int window_left, int window_right,
+                                int device_id, void* stream);
+
+// The message of this thread's last failed mqa_byoc_fa2_forward / _varlen_forward ("" if none).
 const char* mqa_byoc_fa2_last_error(void);
 
 // 1 when the kernel family (hdim in {32,64,96,128,192,256}) was linked in, else 0.

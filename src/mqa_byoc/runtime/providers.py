@@ -308,3 +308,5 @@ def flash_attn_forward(q, k, v, out, scale: float, causal: bool, window_left: in
 
 
 tvm_ffi.register_global_func(FORWARD_FUNC, flash_attn_forward, override=True)
+
+from . import varlen_provider  # noqa: E402,F401 - registers mqa_byoc.flash_attn_varlen_forward (R.nn.attention_var_len)

@@ -1,0 +1,204 @@
+"""Build the var-len GPU artifacts (issue 10 item 3): run here (full TVM, nvcc), test on the GPU with
+``tests/gpu/test_gpu_varlen.py`` (runtime-only TVM).
+
+    python tools/gpu/build_varlen.py [--out .gpu-artifacts/varlen] [--no-native]
+
+Writes into ``--out``:
+
+- ``python.so`` / ``native.so``: one library per provider holding ``<case>__mqa`` (and, for cases whose
+  graph expands K/V, ``<case>__nomqa``) for every case: each is ``partition_for_cutlass(<case graph>,
+  mqa=..., provider=...)`` with ``main`` renamed; native links the FA2 kernels once
+  (``MQA_BYOC_KERNEL_DIR`` / ``MQA_BYOC_FLASH_ATTN_SRC`` as for ``mqa_byoc.export_library``);
+- ``inputs.npz``: per case the graph's inputs (``<case>/<param>``; bfloat16 as uint16 bit patterns);
+- ``manifest.json``: per case the parameters in order (name, shape, dtype, device: max_seqlen lives on
+  the host or on the GPU, both are tested), the sequence lengths, the attention semantics (heads,
+  head dim, dtype, causal, window, scale), the functions per variant and the offload report.
+
+Cases: batch 3 with different lengths, GQA 8/2 and MQA, causal (chunked: S_q <= S_kv; and one
+sequence with S_q > S_kv, whose first rows see no key), non-causal, sliding window, TopLeft with one
+seqstart, fp16/bf16, head dim 64/128, K/V expanded (repeat, broadcast_to, HF repeat_kv) or not,
+upstream's merged (total, H*D) form.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from varlen_graphs import seqstarts, var_len_attention  # noqa: E402
+
+TARGET = {"kind": "cuda", "arch": "sm_90"}
+SEED = 20261130
+EXPANSION_OPS = ("relax.repeat", "relax.broadcast_to", "relax.expand_dims", "relax.tile")
+
+CASES = [
+    dict(name="gqa82_repeat_fp16_d128_causal_chunked", graph=dict(h=8, hkv=2, d=128, expand="repeat"),
+         lens_q=[37, 128, 5], lens_k=[64, 130, 9], max_on="cpu"),
+    dict(name="gqa82_native_bf16_d128_full", graph=dict(h=8, hkv=2, d=128, expand="none", causal=None,
+                                                        dtype="bfloat16"),
+         lens_q=[17, 200, 3], lens_k=[40, 7, 3], max_on="cuda"),
+    dict(name="mqa_broadcast_fp16_d64_window16", graph=dict(h=8, hkv=1, d=64, expand="broadcast", window=16),
+         lens_q=[70, 1, 33], lens_k=[70, 20, 40], max_on="cpu"),
+    dict(name="gqa82_hfrepeat_bf16_d128_topleft", graph=dict(h=8, hkv=2, d=128, expand="hf", causal="TopLeft",
+                                                             dtype="bfloat16", same_seqstart=True),
+         lens_q=[50, 129, 2], lens_k=[50, 129, 2], max_on="cuda"),
+    dict(name="mqa_repeat_fp16_d64_upstream_merged", graph=dict(h=8, hkv=1, d=64, expand="repeat", merged=True,
+                                                               same_seqstart=True, scale=0.1),
+         lens_q=[5, 3, 8], lens_k=[5, 3, 8], max_on="cpu"),
+    dict(name="gqa82_repeat_fp16_d64_causal_more_queries", graph=dict(h=8, hkv=2, d=64, expand="repeat"),
+         lens_q=[20, 4, 9], lens_k=[8, 4, 9], max_on="cpu"),
+]
+
+
+def _graph(case):
+    return var_len_attention(**case["graph"])
+
+
+def _attention(case) -> dict:
+    g = case["graph"]
+    d = g.get("d", 64)
+    return {"num_q_heads": g["h"], "num_kv_heads": g["hkv"], "head_dim": d, "dtype": g.get("dtype", "float16"),
+            "causal": g.get("causal", "BottomRight"), "window": g.get("window"),
+            "scale": g.get("scale") if g.get("scale") is not None else 1.0 / d ** 0.5}
+
+
+def _inputs(case, mod) -> tuple[list[dict], dict[str, np.ndarray]]:
+    """Parameters of ``main`` in order with their values (shapes made concrete by the lengths)."""
+    from tvm import tirx
+
+    rng = np.random.default_rng([SEED, len(case["name"]), sum(map(ord, case["name"]))])
+    tq, tk = sum(case["lens_q"]), sum(case["lens_k"])
+    sizes = {"tq": tq, "tk": tk, "nseq": len(case["lens_q"]) + 1}
+    specs, values = [], {}
+    for p in mod["main"].params:
+        ty = p.ty
+        shape = [int(x) if isinstance(x, tirx.IntImm) else sizes[str(x)] for x in ty.shape.values]
+        name, dtype = p.name, str(ty.dtype)
+        if name.startswith("seqstart"):
+            arr = seqstarts(case["lens_q"] if name == "seqstart_q" else case["lens_k"])
+            device = "cuda"
+        elif name.startswith("max_seqlen"):
+            arr = np.array(max(case["lens_q"] if name == "max_seqlen_q" else case["lens_k"]), dtype="int32")
+            device = case["max_on"]
+        else:
+            x = rng.standard_normal(shape, dtype=np.float32)
+            if dtype == "bfloat16":
+                bits = x.view(np.uint32).astype(np.uint64)
+                arr = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+            else:
+                arr = x.astype(dtype)
+            device = "cuda"
+        assert list(arr.shape) == shape, (name, arr.shape, shape)
+        specs.append({"name": name, "shape": shape, "dtype": dtype, "device": device})
+        values[f"{case['name']}/{name}"] = arr
+    return specs, values
+
+
+def _ops(func) -> list[str]:
+    import tvm
+    from tvm import relax
+
+    return [b.value.op.name for blk in func.body.blocks for b in blk.bindings
+            if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op)]
+
+
+def _partition(case, variant: str, mqa: bool, provider: str):
+    """The case partitioned, ``main`` renamed ``<case>__<variant>``, offloaded functions with unique symbols."""
+    import tvm
+    from tvm import relax
+
+    import mqa_byoc
+
+    fname = f"{case['name']}__{variant}"
+    mod = _graph(case)
+    (site,) = mqa_byoc.offload_report(mod, mqa=mqa)
+    att = _attention(case)
+    got = {"num_q_heads": site.num_q_heads, "num_kv_heads": site.num_kv_heads if mqa else att["num_kv_heads"],
+           "head_dim": site.head_dim, "dtype": site.dtype, "causal": site.causal, "window": site.window}
+    want = {k: att[k] for k in got}
+    if not site.offloaded or site.composite != "flash_attn.attention_var_len" or got != want or \
+            abs(site.scale - att["scale"]) > 1e-9:
+        raise SystemExit(f"{fname}: report {site.as_dict()} does not match the case {att}")
+    mod = tvm.IRModule({fname: mod["main"].with_attr("global_symbol", fname)})
+    part = mqa_byoc.partition_for_cutlass(mod, mqa=mqa, provider=provider)
+    ops = _ops(part[fname])
+    if "relax.nn.attention_var_len" in ops:
+        raise SystemExit(f"{fname}: attention_var_len left in the graph: {ops}")
+    if mqa and any(op in EXPANSION_OPS for op in ops):
+        raise SystemExit(f"{fname}: K/V expansion left with mqa=True: {ops}")
+    for gv, func in list(part.functions.items()):
+        if func.attrs is not None and "Codegen" in func.attrs:
+            part[gv] = func.with_attr("global_symbol", f"{fname}__{gv.name_hint}")
+    return relax.transform.NormalizeGlobalVar()(part), fname, site.as_dict(), ops
+
+
+def build_library(provider: str, out: Path, manifest: dict) -> None:
+    import tvm
+    from tvm import relax
+
+    import mqa_byoc
+
+    t0 = time.time()
+    funcs = {}
+    for case in CASES:
+        entry = manifest["cases"][case["name"]]
+        variants = [("mqa", True)] + ([("nomqa", False)] if case["graph"]["expand"] != "none" else [])
+        for variant, mqa in variants:
+            part, fname, report, ops = _partition(case, variant, mqa, provider)
+            funcs.update(part.functions)
+            entry["functions"][f"{variant}_{provider}"] = fname
+            entry["reports"][variant] = report
+            entry["ops_after_partition"][f"{variant}_{provider}"] = ops
+    target = tvm.target.Target(TARGET)
+    with target:
+        ex = tvm.compile(relax.transform.RunCodegen()(tvm.IRModule(funcs)), target=target)
+    path = out / f"{provider}.so"
+    if provider == "native":
+        mqa_byoc.export_library(ex, str(path), arch=TARGET["arch"], build=False, progress=print)
+    else:
+        ex.export_library(str(path))
+    manifest["libraries"][provider] = {"file": path.name, "size": path.stat().st_size}
+    print(f"{provider}.so: {len(funcs)} functions, {path.stat().st_size / 2**20:.2f} MiB, {time.time() - t0:.0f}s",
+          flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=ROOT / ".gpu-artifacts" / "varlen")
+    ap.add_argument("--no-native", action="store_true", help="python provider only")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for old in ("python.so", "native.so", "inputs.npz", "manifest.json"):
+        (args.out / old).unlink(missing_ok=True)
+    manifest = {"format": 1, "seed": SEED, "target": TARGET, "libraries": {}, "cases": {}}
+    values = {}
+    for case in CASES:
+        specs, vals = _inputs(case, _graph(case))
+        values.update(vals)
+        manifest["cases"][case["name"]] = {
+            "inputs": specs, "lens_q": case["lens_q"], "lens_k": case["lens_k"], "attention": _attention(case),
+            "expands_kv": case["graph"]["expand"] != "none", "merged": bool(case["graph"].get("merged")),
+            "functions": {}, "reports": {}, "ops_after_partition": {},
+        }
+    np.savez(args.out / "inputs.npz", **values)
+    for provider in ("python",) + (() if args.no_native else ("native",)):
+        build_library(provider, args.out, manifest)
+    (args.out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    total = sum(p.stat().st_size for p in args.out.iterdir() if p.is_file())
+    print(f"{args.out}: {total / 2**20:.2f} MiB", flush=True)
+    if total > 20 * 2**20:
+        raise SystemExit(f"artifacts are {total / 2**20:.1f} MiB, more than 20 MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
