@@ -21,7 +21,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 import mqa_byoc
 from mqa_byoc.compiler import varlen, varlen_codegen
 from mqa_byoc.compiler.partition import canonicalize_attention
-from mqa_byoc.runtime import kernels as K
+from mqa_byoc import kernels as K
 from varlen_graphs import seqstarts, var_len_attention, var_len_reference
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})

@@ -192,7 +192,7 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC({site.symbol}, mqa_byoc_{site.symbol}::Run);
 # --------------------------------------------------------------------------- native provider
 def emit_native_source(site: VarLenSite):
     """:class:`~.native_codegen.NativeSource` of the wrapper calling ``mqa_byoc_fa2_varlen_forward``."""
-    from mqa_byoc.runtime.kernels import marker_line, plan_kernels
+    from mqa_byoc.kernels import marker_line, plan_kernels
 
     from .native_codegen import SPEC_MARKER, NativeSource, _check_spec
 
