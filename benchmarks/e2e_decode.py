@@ -20,7 +20,7 @@ import sys
 
 
 def build(args):
-    from mqa_byoc.compiler.decoder_libs import build_decoder_libraries
+    from mqa_byoc.models.decoder_libs import build_decoder_libraries
     from mqa_byoc.models.presets import get_preset, scaled
 
     config = scaled(get_preset(args.preset), num_layers=args.layers, vocab_size=args.vocab)

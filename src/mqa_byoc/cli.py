@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _profile(args, argv) -> int:
     if args.profile_command == "build":
-        from .compiler.decoder_libs import build_decoder_libraries
+        from .models.decoder_libs import build_decoder_libraries
         from .models.presets import get_preset, scaled
 
         config = scaled(get_preset(args.preset), num_layers=args.layers, vocab_size=args.vocab,

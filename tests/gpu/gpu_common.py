@@ -49,7 +49,7 @@ def skip_reason() -> str | None:
 
 
 def no_artifacts_reason() -> str:
-    return (f"no artifacts in {ARTIFACTS}: run `python tests/gpu/build_artifacts.py [--native]` on the build "
+    return (f"no artifacts in {ARTIFACTS}: run `python tools/gpu/build_forms.py [--native]` on the build "
             "machine and carry .gpu-artifacts/tests")
 
 

@@ -1,6 +1,6 @@
 """Decoders whose masks are built from symbolic lengths, offloaded to FA2 (mqa=True, native provider),
 against the same graph lowered by TVM alone: prefill past the sliding window, then decode steps.
-Artifacts: ``python tests/gpu/build_decoder_artifacts.py`` (see tests/gpu/README.md)."""
+Artifacts: ``python tools/gpu/build_decoders.py`` (see tests/gpu/README.md)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ MANIFEST = _manifest()
 @pytest.fixture(scope="module")
 def runners(rt):
     if not MANIFEST:
-        pytest.skip(f"no artifacts in {ARTIFACTS}: run `python tests/gpu/build_decoder_artifacts.py` on the "
+        pytest.skip(f"no artifacts in {ARTIFACTS}: run `python tools/gpu/build_decoders.py` on the "
                     "build machine and carry .gpu-artifacts/decoders")
     from mqa_byoc.runtime.runner import DecoderRunner
 

@@ -45,7 +45,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-for p in (ROOT / "src", ROOT / "tests", HERE):
+for p in (ROOT / "src", ROOT / "tests", ROOT / "tests" / "gpu", HERE):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 

@@ -28,7 +28,7 @@ def offloaded_composites(mod) -> dict[str, int]:
     one offloaded function)."""
     from tvm import relax
 
-    from .codegen import find_site
+    from ..compiler.codegen import find_site
 
     offloaded = {}
     for gv, func in mod.functions.items():
@@ -70,11 +70,11 @@ def build_decoder_libraries(
     import tvm
     from tvm import relax
 
-    from ..models.llama import build_decoder
+    from .llama import build_decoder
     from ..runtime.runner import write_sidecar
-    from . import codegen
-    from .partition import partition_for_cutlass
-    from .pipeline import cuda_decoder_pipeline
+    from ..compiler import codegen
+    from ..compiler.partition import partition_for_cutlass
+    from ..compiler.pipeline import cuda_decoder_pipeline
 
     progress = progress or (lambda _msg: None)
     if provider not in ("native", "python"):
@@ -92,7 +92,7 @@ def build_decoder_libraries(
                              relax_pipeline=cuda_decoder_pipeline(target))
         path = os.path.join(out_dir, library_name(config.name, mqa))
         if provider == "native":
-            from .export import export_library
+            from ..compiler.export import export_library
 
             export_library(ex, path, arch=arch)
         else:

@@ -52,7 +52,7 @@ unpartitioned module imported from the float32 model and built for ``llvm`` matc
 (validates the import path numerically; ``--skip-cpu-check`` skips it, ``--cpu-fp16`` also runs the
 fp16 module on CPU, slowly, to measure TVM's own fp16 error).
 
-    nice python tests/gpu/build_hf_artifacts.py       # ~4.5 min on the 2-core build machine, 35 MiB
+    nice python tools/gpu/build_hf.py       # ~4.5 min on the 2-core build machine, 35 MiB
 """
 
 from __future__ import annotations
@@ -75,11 +75,11 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-for p in (ROOT / "src", ROOT / "tests", HERE):
+for p in (ROOT / "src", ROOT / "tests", ROOT / "tests" / "gpu", HERE):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from build_artifacts import main_ops  # noqa: E402 - same op listing as the graph-form builder
+from build_forms import main_ops  # noqa: E402 - same op listing as the graph-form builder
 
 TARGET = {"kind": "cuda", "arch": "sm_90"}
 DEFAULT_OUT = ROOT / ".gpu-artifacts" / "hf"
@@ -219,7 +219,7 @@ def tolerances(e16: dict, names: list[str]) -> dict:
       fp16 accumulation order (TVM's fp16 module on CPU agrees with float32 eager at 94.9% of the Llama
       prefill positions, fp16 eager at 99.6%), so overall agreement is only a sanity floor (90%).
     """
-    tol = {"rule": "tolerances() in tests/gpu/build_hf_artifacts.py", "vs_fp32": {}, "mqa_vs_nomqa": {}}
+    tol = {"rule": "tolerances() in tools/gpu/build_hf.py", "vs_fp32": {}, "mqa_vs_nomqa": {}}
     for n in names:
         tol["vs_fp32"][n] = {"rel_l2": TVM_FP16_FACTOR * e16[n]["rel_l2"],
                              "max_abs": TVM_FP16_FACTOR * e16[n]["max_abs"]}
@@ -535,7 +535,7 @@ def build_library(specs, imports, out_dir: Path, args) -> dict:
     import tvm
     from tvm import relax
 
-    import build_artifacts as ba
+    import build_forms as ba
     import mqa_byoc
     from mqa_byoc.compiler import codegen
     from mqa_byoc.compiler.export import collect_kernel_keys

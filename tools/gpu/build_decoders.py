@@ -1,7 +1,7 @@
 """Build the decoders whose attention masks are built in the graph from symbolic lengths, for
 tests/gpu/test_gpu_decoder_masks.py.
 
-    python tests/gpu/build_decoder_artifacts.py [--out .gpu-artifacts/decoders]
+    python tools/gpu/build_decoders.py [--out .gpu-artifacts/decoders]
 
 For each case: the decoder (prefill + decode, symbolic batch and lengths) partitioned with
 ``mqa=True`` and the native provider, and the same graph unpartitioned, lowered by TVM's own CUDA
