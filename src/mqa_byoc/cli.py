@@ -51,7 +51,8 @@ def _profile_parser(sub):
     b.add_argument("--out", default=".profile-artifacts", help="directory for the libraries and sidecars")
     r = ps.add_parser("run", help="run the libraries of DIR on the GPU (runtime-only TVM is enough)")
     r.add_argument("dir", help="directory written by `mqa-byoc profile build`")
-    r.add_argument("--prompt-len", type=int, default=2048)
+    r.add_argument("--prompt-len", type=int, default=2048,
+                   help="context of the decode steps (e.g. 16384 for long-context decode tokens/s)")
     r.add_argument("--decode-steps", type=int, default=32)
     r.add_argument("--warmup", type=int, default=2, help="decode steps of the warm-up run (after its prefill)")
     r.add_argument("--json", default=None, help="output JSON (default: DIR/profile.json)")
@@ -61,6 +62,9 @@ def _profile_parser(sub):
                    help="no NVTX ranges (default: steps, and flash_attn calls via MQA_BYOC_NVTX=1)")
     r.add_argument("--no-cupti", action="store_true",
                    help="time the steps only, no torch.profiler run (use under nsys, which needs CUPTI itself)")
+    r.add_argument("--setup", action="append", default=None, metavar="MODULE",
+                   help="import MODULE first, e.g. the set-up of a runtime-only TVM kit (default: "
+                        "$MQA_BYOC_RUNTIME_SETUP, comma-separated)")
     pl = ps.add_parser("plot", help="draw the PNG from a `profile run` JSON (needs matplotlib only)")
     pl.add_argument("json")
     pl.add_argument("--png", required=True)
@@ -93,9 +97,8 @@ def _profile(args, argv) -> int:
                                 kv_expand=args.kv_expand, provider=args.provider, arch=args.arch,
                                 logits=args.logits, extra={"preset": args.preset},
                                 progress=lambda m: print(m, flush=True))
-        print(f"next, on the GPU (carry .devkit and {args.out}):\n  source .devkit/setup.sh && "
-              f"PYTHONPATH=$PWD/src:$PYTHONPATH python3 -m mqa_byoc.cli profile run {args.out} "
-              "--prompt-len 2048 --decode-steps 32")
+        print(f"next, on the GPU (a runtime-only TVM is enough; --setup MODULE imports its set-up first):\n"
+              f"  mqa-byoc profile run {args.out} --prompt-len 2048 --decode-steps 32")
         return 0
     if args.profile_command == "run":
         from .runtime.profiling import ProfileError, run_profile
@@ -103,7 +106,7 @@ def _profile(args, argv) -> int:
         try:
             run_profile(args.dir, args.prompt_len, args.decode_steps, warmup=args.warmup, nvtx=not args.no_nvtx,
                         cupti=not args.no_cupti, json_path=args.json, png_path=args.png, top=args.top,
-                        command="mqa-byoc " + " ".join(argv))
+                        command="mqa-byoc " + " ".join(argv), setup=args.setup)
         except (ProfileError, FileNotFoundError) as e:
             print(f"mqa-byoc profile run: error: {e}", file=sys.stderr)
             return 1

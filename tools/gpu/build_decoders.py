@@ -40,7 +40,7 @@ def build(out: Path, arch: str, names=None) -> None:
     from mqa_byoc.compiler.pipeline import cuda_decoder_pipeline
     from mqa_byoc.models.llama import build_decoder
     from mqa_byoc.models.presets import scaled
-    from mqa_byoc.runtime.runner import write_sidecar
+    from mqa_byoc.sidecar import write_sidecar
 
     target = tvm.target.Target({"kind": "cuda", "arch": arch})
     out.mkdir(parents=True, exist_ok=True)
