@@ -20,7 +20,10 @@ def _demo_parser(sub):
                    help="how the graph expands K/V before attention")
     p.add_argument("--arch", default="sm_90", help="CUDA arch to build for")
     p.add_argument("--provider", default="auto", choices=["auto", "native", "python"],
-                   help="FA2 kernel provider (auto: native when nvcc is found, else python)")
+                   help="FA2 kernel provider (auto: native on a GPU machine with nvcc, or where its kernels are "
+                        "already built; else python)")
+    p.add_argument("--build-kernels", action="store_true",
+                   help="compile the FA2 kernels the native library needs if missing (minutes per file)")
     p.add_argument("--out", default=None, help="directory for the exported library")
     p.add_argument("--no-build", action="store_true", help="stop after the offload report")
     p.add_argument("--decode-steps", type=int, default=8)

@@ -62,3 +62,22 @@ def build(mod: tvm.IRModule, target, *, mqa: bool | None = True, provider: str |
     with target:
         mod = relax.transform.RunCodegen({codegen.CODEGEN_NAME: {codegen.PROVIDER_OPTION: provider}})(mod)
         return relax.build(mod, target=target, relax_pipeline="default" if pipeline is None else pipeline)
+
+
+def native_kernel_keys(mod: tvm.IRModule) -> tuple:
+    """The FA2 kernel families (:class:`~mqa_byoc.runtime.kernels.KernelKey`) the native provider's
+    library of the partitioned ``mod`` links: what ``mqa-byoc build-kernels`` must have built, known
+    before the (slow) ``relax.build``.
+
+    Returns
+    -------
+    tuple of KernelKey
+        Sorted, without duplicates; empty when nothing is offloaded.
+    """
+    from .export import collect_kernel_keys
+
+    generated = relax.transform.RunCodegen({codegen.CODEGEN_NAME: {codegen.PROVIDER_OPTION: "native"}})(mod)
+    keys = set()
+    for m in (generated.attrs or {}).get("external_mods", []):
+        keys.update(collect_kernel_keys(m))
+    return tuple(sorted(keys))
