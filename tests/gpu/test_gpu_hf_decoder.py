@@ -109,15 +109,13 @@ class HFRuntime:
 
     def kernels(self, name, mode, variant):
         """CUDA kernel / memcpy names of one call (after a warm-up call)."""
-        torch = self.torch
-        from torch.profiler import ProfilerActivity, profile
+        from mqa_byoc.testing import capture_kernels
 
         self.call(name, mode, variant)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        self.torch.cuda.synchronize()
+        with capture_kernels() as cap:
             self.call(name, mode, variant, clone=False)
-            torch.cuda.synchronize()
-        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return cap.names()
 
     def time_us(self, name, mode, variant):
         torch = self.torch

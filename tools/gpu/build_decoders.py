@@ -36,7 +36,6 @@ def build(out: Path, arch: str, names=None) -> None:
     from tvm import relax
 
     import mqa_byoc
-    from mqa_byoc.compiler import codegen
     from mqa_byoc.compiler.pipeline import cuda_decoder_pipeline
     from mqa_byoc.models.llama import build_decoder
     from mqa_byoc.models.presets import scaled
@@ -62,10 +61,7 @@ def build(out: Path, arch: str, names=None) -> None:
         for variant in ("mqa", "reference"):
             path = out / f"{name}.{variant}.so"
             if variant == "mqa":
-                part = mqa_byoc.partition_for_cutlass(mod, mqa=True, provider="native")
-                with target, codegen.use_provider("native"):
-                    ex = relax.build(relax.transform.RunCodegen()(part), target=target,
-                                     relax_pipeline=cuda_decoder_pipeline(target))
+                ex = mqa_byoc.build(mod, target, mqa=True, provider="native", pipeline=cuda_decoder_pipeline(target))
                 mqa_byoc.export_library(ex, str(path), arch=arch)
             else:
                 with target:
