@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from builder_paths import ROOT  # noqa: E402 - sys.path for mqa_byoc
 
 CASES = {
     # name: (preset, kv_expand form, sliding window)

@@ -73,12 +73,8 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-for p in (ROOT / "src", ROOT / "tests", ROOT / "tests" / "gpu", HERE):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from builder_paths import ROOT  # noqa: E402 - sys.path for mqa_byoc, the graphs and the manifest format
 from bundle import (TARGET, add_functions, build_library, check_exports, codegen_symbols,  # noqa: E402
                     main_ops, unique_symbols)
 DEFAULT_OUT = ROOT / ".gpu-artifacts" / "hf"
