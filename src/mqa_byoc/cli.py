@@ -101,7 +101,7 @@ def _profile(args, argv) -> int:
                                 logits=args.logits, extra={"preset": args.preset},
                                 progress=lambda m: print(m, flush=True))
         print(f"next, on the GPU (a runtime-only TVM is enough; --setup MODULE imports its set-up first):\n"
-              f"  mqa-byoc profile run {args.out} --prompt-len 2048 --decode-steps 32")
+              f"  python3 -m mqa_byoc.cli profile run {args.out} --prompt-len 2048 --decode-steps 32")
         return 0
     if args.profile_command == "run":
         from .runtime.profiling import ProfileError, run_profile
