@@ -76,7 +76,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from builder_paths import ROOT  # noqa: E402 - sys.path for mqa_byoc, the graphs and the manifest format
 from bundle import (TARGET, add_functions, build_library, check_exports, codegen_symbols,  # noqa: E402
-                    main_ops, unique_symbols)
+                    cuda_kernel_names, main_ops, unique_symbols, vm_calls)
 DEFAULT_OUT = ROOT / ".gpu-artifacts" / "hf"
 FORMAT = 1
 LIBRARY = "hf.so"
@@ -457,31 +457,6 @@ def prepare_model(spec: HFModel, out_dir: Path, args) -> tuple[dict, dict]:
           f"{time.time() - t0:.0f}s; fp16 eager vs float32 logits rel_l2 prefill "
           f"{e16['prefill']['logits']['rel_l2']:.3g}, decode {e16['decode']['logits']['rel_l2']:.3g}", flush=True)
     return entry, imports
-
-
-def cuda_kernel_names(ex) -> list[str]:
-    from mqa_byoc.compiler.export import _iter_modules, _root_module
-
-    names = set()
-    for m in _iter_modules(_root_module(ex)):
-        if m.kind == "cuda":
-            names.update(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", m.inspect_source()))
-    return sorted(names)
-
-
-def vm_calls(ex) -> dict[str, list[str]]:
-    """{VM function: the functions it calls (PrimFunc launchers, offloaded FA2 wrappers, other VM
-    functions), in order, ``vm.builtin.*`` left out}, from the executable's text form."""
-    calls, cur = {}, None
-    for line in ex.as_text().splitlines():
-        if line.startswith("@") and line.rstrip().endswith(":"):
-            cur = line[1:].rstrip()[:-1]
-            calls[cur] = []
-        elif cur is not None and line.strip().startswith("call "):
-            name = line.split()[1]
-            if not name.startswith("vm.builtin."):
-                calls[cur].append(name)
-    return calls
 
 
 def check_vm_calls(specs, calls: dict, codegen_symbols: list[str]) -> dict:

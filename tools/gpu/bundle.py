@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -58,6 +59,31 @@ def check_exports(path: Path, symbols: list[str], kernel_entries: list[str] | No
     except OSError as err:
         raise SystemExit(f"{path} does not load: {err}") from err
     return want
+
+
+def cuda_kernel_names(ex) -> list[str]:
+    from mqa_byoc.compiler.export import _iter_modules, _root_module
+
+    names = set()
+    for m in _iter_modules(_root_module(ex)):
+        if m.kind == "cuda":
+            names.update(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", m.inspect_source()))
+    return sorted(names)
+
+
+def vm_calls(ex) -> dict[str, list[str]]:
+    """{VM function: the functions it calls (PrimFunc launchers, offloaded FA2 wrappers, other VM
+    functions), in order, ``vm.builtin.*`` left out}, from the executable's text form."""
+    calls, cur = {}, None
+    for line in ex.as_text().splitlines():
+        if line.startswith("@") and line.rstrip().endswith(":"):
+            cur = line[1:].rstrip()[:-1]
+            calls[cur] = []
+        elif cur is not None and line.strip().startswith("call "):
+            name = line.split()[1]
+            if not name.startswith("vm.builtin."):
+                calls[cur].append(name)
+    return calls
 
 
 def unique_symbols(part, fname: str):
