@@ -315,7 +315,7 @@ def test_run_profile_without_cupti(tmp_path, fake_gpu):
 
 
 def test_run_profile_rejects_decode_only_libraries(tmp_path, fake_gpu):
-    (tmp_path / "m.mqa.so.json").write_text(json.dumps({"mqa": True, "functions": ["decode"]}))  # e2e_decode's
+    (tmp_path / "m.mqa.so.json").write_text(json.dumps({"mqa": True, "functions": ["decode"]}))  # a decode-only build
     with pytest.raises(profiling.ProfileError, match=r"m.mqa.so has only \['decode'\]"):
         profiling.run_profile(str(tmp_path), 16, 3, printer=lambda _m: None)
 

@@ -1,6 +1,6 @@
 """Build a Llama-family decoder for CUDA twice, ``mqa=True`` and ``mqa=False``, and export both.
 
-The compile half of ``mqa-byoc profile`` and of ``benchmarks/e2e_decode.py``: each library gets a JSON
+The compile half of ``mqa-byoc profile`` (``profile build``): each library gets a JSON
 sidecar (:func:`mqa_byoc.sidecar.write_sidecar`) so that the run half, on a machine with only
 TVM's runtime, knows the parameters to make and which mode it is running.
 
