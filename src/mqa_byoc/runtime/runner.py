@@ -13,7 +13,7 @@ import statistics
 import time
 
 from ..sidecar import read_sidecar
-from ..testing.cupti import KernelStat, capture_kernels, collect_kernels  # noqa: F401 (re-export)
+from ..testing.cupti import KernelStat, capture_kernels
 from ..testing.timing import cuda_time_us
 
 
