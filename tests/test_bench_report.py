@@ -1,25 +1,32 @@
-"""Pure logic of benchmarks/attention.py: suite expansion, page tables / kernel arguments for TVM's
+"""Pure logic of benchmarks/attention.py (package benchmarks/attention_bench): suite expansion, page tables / kernel arguments for TVM's
 paged-KV kernels, iteration planning, numerics comparison and the report (no GPU, no TVM build)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import re
+import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "attention.py")
+_BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+_MODULES = ("suites", "paged_kv", "run", "report", "cli")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_attention", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """The public names of the benchmark's modules in one namespace."""
+    if _BENCHMARKS not in sys.path:
+        sys.path.insert(0, _BENCHMARKS)
+    names = {}
+    for m in _MODULES:
+        mod = importlib.import_module(f"attention_bench.{m}")
+        names.update({k: v for k, v in vars(mod).items() if not k.startswith("__")})
+    return SimpleNamespace(**names)
 
 
 # ------------------------------------------------------------------------------------------ suites

@@ -56,6 +56,8 @@ def test_cli_parses_profile_commands():
     a = p.parse_args(["profile", "run", "arts"])
     assert (a.prompt_len, a.decode_steps, a.json, a.png, a.no_nvtx, a.no_cupti) == (2048, 32, None, None, False, False)
     assert p.parse_args(["profile", "run", "arts", "--no-cupti"]).no_cupti is True
+    assert p.parse_args(["profile", "run", "arts", "--setup", "kit_boot"]).setup == ["kit_boot"]
+    assert p.parse_args(["profile", "run", "arts"]).setup is None
     a = p.parse_args(["profile", "plot", "o.json", "--png", "o.png"])
     assert (a.json, a.png, a.top) == ("o.json", "o.png", 15)
     for bad in (["profile"], ["profile", "run"], ["profile", "plot", "o.json"],
@@ -239,6 +241,9 @@ class _FakeRunner:
     def run(self, prompt_len, steps, batch=1, nvtx=True):
         return {"prefill": [0.030 if self.mqa else 0.040], "decode": [0.002 if self.mqa else 0.005] * steps}, None
 
+    def decode_loop_ms(self, prompt_len, steps):
+        return 1.6 if self.mqa else 4.0
+
 
 @pytest.fixture
 def fake_gpu(tmp_path, monkeypatch):
@@ -283,6 +288,9 @@ def test_run_profile_glue(tmp_path, fake_gpu):
     assert dec["kernel_ms_per_step"] == pytest.approx(0.070) and dec["wall_ms_median"] == 2.0
     assert saved["modes"]["mqa"]["decode_tokens_per_s"] == 500.0
     assert saved["comparison"]["decode_speedup"] == 2.5
+    assert saved["modes"]["mqa"]["decode_loop_tokens_per_s"] == 625.0  # back to back, CUDA events
+    assert saved["comparison"]["decode_loop_tokens_per_s_ratio"] == 2.5
+    assert "decode tokens/s (back to back): 625.0 with mqa=True vs 250.0 with mqa=False (2.50x)" in text
     assert saved["comparison"]["decode_only_repeat"] == {"repeat_kernel": 200.0}
     assert saved["comparison"]["prefill_only_repeat"] == {"repeat_kernel": 900.0}
     assert text.count("Time (%)") == 4 and "== m.mqa.so: mqa=True, native provider, 4 layers" in text
@@ -307,7 +315,7 @@ def test_run_profile_without_cupti(tmp_path, fake_gpu):
 
 
 def test_run_profile_rejects_decode_only_libraries(tmp_path, fake_gpu):
-    (tmp_path / "m.mqa.so.json").write_text(json.dumps({"mqa": True, "functions": ["decode"]}))  # e2e_decode's
+    (tmp_path / "m.mqa.so.json").write_text(json.dumps({"mqa": True, "functions": ["decode"]}))  # a decode-only build
     with pytest.raises(profiling.ProfileError, match=r"m.mqa.so has only \['decode'\]"):
         profiling.run_profile(str(tmp_path), 16, 3, printer=lambda _m: None)
 

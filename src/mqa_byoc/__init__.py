@@ -11,6 +11,7 @@ _LAZY = {
     "offload_report": "mqa_byoc.compiler.partition",
     "OffloadSite": "mqa_byoc.compiler.partition",
     "LegalizeGroupedAttention": "mqa_byoc.compiler.gqa_legalize",
+    "build": "mqa_byoc.compiler.build",
     "export_library": "mqa_byoc.compiler.export",
 }
 

@@ -20,7 +20,10 @@ def _demo_parser(sub):
                    help="how the graph expands K/V before attention")
     p.add_argument("--arch", default="sm_90", help="CUDA arch to build for")
     p.add_argument("--provider", default="auto", choices=["auto", "native", "python"],
-                   help="FA2 kernel provider (auto: native when nvcc is found, else python)")
+                   help="FA2 kernel provider (auto: native on a GPU machine with nvcc, or where its kernels are "
+                        "already built; else python)")
+    p.add_argument("--build-kernels", action="store_true",
+                   help="compile the FA2 kernels the native library needs if missing (minutes per file)")
     p.add_argument("--out", default=None, help="directory for the exported library")
     p.add_argument("--no-build", action="store_true", help="stop after the offload report")
     p.add_argument("--decode-steps", type=int, default=8)
@@ -51,7 +54,8 @@ def _profile_parser(sub):
     b.add_argument("--out", default=".profile-artifacts", help="directory for the libraries and sidecars")
     r = ps.add_parser("run", help="run the libraries of DIR on the GPU (runtime-only TVM is enough)")
     r.add_argument("dir", help="directory written by `mqa-byoc profile build`")
-    r.add_argument("--prompt-len", type=int, default=2048)
+    r.add_argument("--prompt-len", type=int, default=2048,
+                   help="context of the decode steps (e.g. 16384 for long-context decode tokens/s)")
     r.add_argument("--decode-steps", type=int, default=32)
     r.add_argument("--warmup", type=int, default=2, help="decode steps of the warm-up run (after its prefill)")
     r.add_argument("--json", default=None, help="output JSON (default: DIR/profile.json)")
@@ -61,6 +65,9 @@ def _profile_parser(sub):
                    help="no NVTX ranges (default: steps, and flash_attn calls via MQA_BYOC_NVTX=1)")
     r.add_argument("--no-cupti", action="store_true",
                    help="time the steps only, no torch.profiler run (use under nsys, which needs CUPTI itself)")
+    r.add_argument("--setup", action="append", default=None, metavar="MODULE",
+                   help="import MODULE first, e.g. the set-up of a runtime-only TVM kit (default: "
+                        "$MQA_BYOC_RUNTIME_SETUP, comma-separated)")
     pl = ps.add_parser("plot", help="draw the PNG from a `profile run` JSON (needs matplotlib only)")
     pl.add_argument("json")
     pl.add_argument("--png", required=True)
@@ -150,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _profile(args, argv) -> int:
     if args.profile_command == "build":
-        from .compiler.decoder_libs import build_decoder_libraries
+        from .models.decoder_libs import build_decoder_libraries
         from .models.presets import get_preset, scaled
 
         config = scaled(get_preset(args.preset), num_layers=args.layers, vocab_size=args.vocab,
@@ -163,9 +170,8 @@ def _profile(args, argv) -> int:
                                 kv_expand=args.kv_expand, provider=args.provider, arch=args.arch,
                                 logits=args.logits, extra={"preset": args.preset},
                                 progress=lambda m: print(m, flush=True))
-        print(f"next, on the GPU (carry .devkit and {args.out}):\n  source .devkit/setup.sh && "
-              f"PYTHONPATH=$PWD/src:$PYTHONPATH python3 -m mqa_byoc.cli profile run {args.out} "
-              "--prompt-len 2048 --decode-steps 32")
+        print(f"next, on the GPU (a runtime-only TVM is enough; --setup MODULE imports its set-up first):\n"
+              f"  python3 -m mqa_byoc.cli profile run {args.out} --prompt-len 2048 --decode-steps 32")
         return 0
     if args.profile_command == "run":
         from .runtime.profiling import ProfileError, run_profile
@@ -173,7 +179,7 @@ def _profile(args, argv) -> int:
         try:
             run_profile(args.dir, args.prompt_len, args.decode_steps, warmup=args.warmup, nvtx=not args.no_nvtx,
                         cupti=not args.no_cupti, json_path=args.json, png_path=args.png, top=args.top,
-                        command="mqa-byoc " + " ".join(argv))
+                        command="mqa-byoc " + " ".join(argv), setup=args.setup)
         except (ProfileError, FileNotFoundError) as e:
             print(f"mqa-byoc profile run: error: {e}", file=sys.stderr)
             return 1

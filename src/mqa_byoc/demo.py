@@ -2,7 +2,15 @@
 
 The decoder has real attention shapes (default: CodeLlama-34B, 64 query heads, 8 K/V heads, head
 dim 128) and a few layers with random weights; K/V are expanded with ``R.repeat`` before attention
-as real compiled graphs do. Building needs no GPU; running needs a CUDA GPU and a kernel provider.
+as real compiled graphs do.
+
+What runs depends on the machine, and the demo says what it skipped and the command that does it:
+
+- with a CUDA GPU: build with the native provider (compiling missing FA2 kernels), export, run
+  prefill + decode and print the GPU kernels;
+- without one: build and export with the native provider only when its FA2 kernels are already
+  built (``mqa-byoc build-kernels``) or ``--build-kernels`` / ``--provider native`` asks for it
+  (minutes per kernel file); otherwise with the python provider, which needs no kernels here.
 """
 
 from __future__ import annotations
@@ -54,12 +62,35 @@ def _gpu_present() -> bool:
         return False
 
 
+def choose_provider(requested: str, *, gpu: bool, build_kernels: bool, missing_kernels) -> tuple:
+    """``(provider, compile missing kernels?, what was not done or None)`` for the demo.
+
+    ``requested``: "python" / "native" (asked for), or what the provider rule gives when the user
+    did not ask ("auto-native": nvcc found; "auto-python": no nvcc, or ``MQA_BYOC_PROVIDER``).
+    ``missing_kernels``: a callable giving the FA2 kernels the native library needs that are not
+    built (called only when it decides: it runs the native codegen).
+    """
+    if requested in ("python", "auto-python"):
+        return "python", False, None if requested == "python" else (
+            "native provider: not selected here (no nvcc, or MQA_BYOC_PROVIDER); built with the python provider")
+    if requested == "native" or build_kernels or gpu:
+        return "native", True, None
+    missing = missing_kernels()
+    if not missing:
+        return "native", False, None
+    return "python", False, (
+        f"native provider: {len(missing)} FA2 kernel file(s) not built ({', '.join(k.label for k in missing)}; "
+        "minutes each on a small machine, and no GPU here to run them), so the library uses the python "
+        "provider. For the native library: `mqa-byoc demo --build-kernels` (or `mqa-byoc build-kernels` first, "
+        "see the README)")
+
+
 def run_demo(args) -> int:
     import tvm
-    from tvm import relax
 
-    from . import offload_report, partition_for_cutlass
-    from .compiler import codegen
+    from . import build, export_library, offload_report, partition_for_cutlass
+    from .compiler.build import native_kernel_keys, resolve_build_provider
+    from .compiler.export import NativeKernelsUnavailable
     from .compiler.pipeline import cuda_decoder_pipeline
     from .models.llama import build_decoder
     from .models.presets import get_preset, scaled
@@ -74,7 +105,7 @@ def run_demo(args) -> int:
         mod, param_spec = build_decoder(config, dtype=args.dtype, kv_expand=args.kv_expand, batch=1, logits="all")
     with step("partition_for_cutlass(mod, mqa=True)"):
         report = offload_report(mod, mqa=True)
-        part = partition_for_cutlass(mod, mqa=True, provider=None if args.provider == "auto" else args.provider)
+        part = partition_for_cutlass(mod, mqa=True)
     print()
     print(format_report(report))
     print()
@@ -82,25 +113,46 @@ def run_demo(args) -> int:
         return 0
 
     target = tvm.target.Target({"kind": "cuda", "arch": args.arch})
-    provider = args.provider if args.provider != "auto" else codegen.default_provider(target)
+    gpu = _gpu_present()
+    not_done = []
+    requested = args.provider if args.provider != "auto" else f"auto-{resolve_build_provider(None, target)}"
+
+    def missing_kernels():
+        from .compiler.export import _safe_config
+        from .runtime.kernels import find_kernels, normalize_arch
+
+        keys = native_kernel_keys(part)
+        arch = normalize_arch(args.arch)
+        found = find_kernels(keys, arch, _safe_config(arch))
+        return [k for k in keys if k not in found]
+
+    provider, compile_kernels, why = choose_provider(requested, gpu=gpu, build_kernels=args.build_kernels,
+                                                     missing_kernels=missing_kernels)
+    if why:
+        not_done.append(why)
     print(f"kernel provider: {provider}")
-    with step(f"RunCodegen + relax.build for {args.arch}"):
-        with target, codegen.use_provider(provider):
-            part = relax.transform.RunCodegen()(part)
-            ex = relax.build(part, target=target, relax_pipeline=cuda_decoder_pipeline(target))
+    with step(f"mqa_byoc.build (RunCodegen + relax.build for {args.arch})"):
+        ex = build(part, target, mqa=None, provider=provider, pipeline=cuda_decoder_pipeline(target))
     out_dir = args.out or tempfile.mkdtemp(prefix="mqa-byoc-demo-")
     os.makedirs(out_dir, exist_ok=True)
     lib_path = os.path.join(out_dir, f"{preset.name}-mqa.so")
-    with step(f"export_library -> {lib_path}"):
-        if provider == "native":
-            from .compiler.export import export_library
-
-            export_library(ex, lib_path, arch=args.arch)
-        else:
-            ex.export_library(lib_path)
-    if not _gpu_present():
-        print("\nNo CUDA GPU here: the library is built and exported, not run. "
-              "On a GPU machine the same command also runs prefill + decode and prints the kernels.")
+    with step(f"mqa_byoc.export_library -> {lib_path}"):
+        try:
+            export_library(ex, lib_path, arch=args.arch, build=compile_kernels)
+        except NativeKernelsUnavailable as err:  # kernels cached, the dispatcher not: rebuild for python
+            if compile_kernels:
+                raise
+            not_done.append(f"native provider: {err}; built with the python provider")
+            ex = build(part, target, mqa=None, provider="python", pipeline=cuda_decoder_pipeline(target))
+            export_library(ex, lib_path)
+    if not gpu:
+        not_done.append("run: no CUDA GPU here. On a GPU machine the same command also runs prefill + decode "
+                        "and prints the GPU kernels")
+    if not_done:
+        print("\nNot done here:")
+        for line in not_done:
+            print(f"- {line}")
+    if not gpu:
         return 0
     from .runtime.runner import run_and_profile
 

@@ -3,7 +3,6 @@ the fp32 PyTorch reference. torch is imported lazily (the module is importable w
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -49,7 +48,7 @@ def skip_reason() -> str | None:
 
 
 def no_artifacts_reason() -> str:
-    return (f"no artifacts in {ARTIFACTS}: run `python tests/gpu/build_artifacts.py [--native]` on the build "
+    return (f"no artifacts in {ARTIFACTS}: run `python tools/gpu/build_forms.py [--native]` on the build "
             "machine and carry .gpu-artifacts/tests")
 
 
@@ -232,19 +231,13 @@ class Runtime:
 
     @staticmethod
     def _cache_cuda_compile(tvm_ffi):
-        """Kernels are compiled when a library loads; identical kernels across libraries compile once."""
-        compile_fn = tvm_ffi.get_global_func("tvm_callback_cuda_compile", allow_missing=True)
-        if compile_fn is None:
-            return
-        cache = {}
+        """Kernels are compiled when a library loads; identical kernels across libraries compile once
+        (for the session: the hook stays registered)."""
+        from mqa_byoc.testing.cuda_compile import HOOK, memoized_cuda_compile
 
-        def cached(code, *rest):
-            key = hashlib.sha256(code.encode()).hexdigest()
-            if key not in cache:
-                cache[key] = bytes(compile_fn(code, *rest))
-            return bytearray(cache[key])
-
-        tvm_ffi.register_global_func("tvm_callback_cuda_compile", cached, override=True)
+        compile_fn = tvm_ffi.get_global_func(HOOK, allow_missing=True)
+        if compile_fn is not None:
+            tvm_ffi.register_global_func(HOOK, memoized_cuda_compile(compile_fn), override=True)
 
     def vm(self, m, key):
         path = gi.module_path(m, key)
@@ -270,15 +263,13 @@ class Runtime:
 
     def kernels(self, m, key):
         """CUDA kernel / memcpy names launched by one call (after a warm-up call)."""
-        torch = self.torch
-        from torch.profiler import ProfilerActivity, profile
+        from mqa_byoc.testing import capture_kernels
 
         self.run(m, key)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        self.torch.cuda.synchronize()
+        with capture_kernels() as cap:
             self.run(m, key, clone=False)
-            torch.cuda.synchronize()
-        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return cap.names()
 
     def time_us(self, m, key):
         torch = self.torch

@@ -1,4 +1,4 @@
-"""GPU A/B test of the artifacts built by ``tests/gpu/build_artifacts.py`` (see README.md).
+"""GPU A/B test of the artifacts built by ``tools/gpu/build_forms.py`` (see README.md).
 
 Runs with a runtime-only TVM (``tvm.relax`` absent): loads each case's libraries with
 ``tvm.runtime.load_module`` + ``tvm.runtime.vm.VirtualMachine``, feeds the same random inputs

@@ -1,6 +1,6 @@
 """Decoders whose masks are built from symbolic lengths, offloaded to FA2 (mqa=True, native provider),
 against the same graph lowered by TVM alone: prefill past the sliding window, then decode steps.
-Artifacts: ``python tests/gpu/build_decoder_artifacts.py`` (see tests/gpu/README.md)."""
+Artifacts: ``python tools/gpu/build_decoders.py`` (see tests/gpu/README.md)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ MANIFEST = _manifest()
 @pytest.fixture(scope="module")
 def runners(rt):
     if not MANIFEST:
-        pytest.skip(f"no artifacts in {ARTIFACTS}: run `python tests/gpu/build_decoder_artifacts.py` on the "
+        pytest.skip(f"no artifacts in {ARTIFACTS}: run `python tools/gpu/build_decoders.py` on the "
                     "build machine and carry .gpu-artifacts/decoders")
     from mqa_byoc.runtime.runner import DecoderRunner
 
@@ -83,16 +83,15 @@ def test_offloaded_decoder_matches_tvm(rt, runners, name):
 @pytest.mark.parametrize("name", sorted(MANIFEST) or ["(no artifacts)"])
 def test_offloaded_decoder_runs_fa2_without_kv_expansion(rt, runners, name):
     torch = rt.torch
-    from torch.profiler import ProfilerActivity, profile
+    from mqa_byoc.testing import capture_kernels
 
     mqa = runners[(name, "mqa")]
     ids = torch.zeros((1, PROMPT + 1), dtype=torch.int32, device="cuda")
     _steps(rt, mqa, ids)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with capture_kernels() as cap:
         _steps(rt, mqa, ids)
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    names = cap.names()
     assert any("flash" in n for n in names), sorted(set(names))
     expansion = [n for n in names if any(w in n for w in ("repeat", "broadcast_to", "expand_dims"))]
     assert not expansion, expansion

@@ -1,6 +1,6 @@
 """Issue 6: a Hugging Face transformers decoder through TVM's PyTorch frontend, run on the GPU.
 
-The artifacts come from ``tests/gpu/build_hf_artifacts.py`` (build machine: transformers, the TVM
+The artifacts come from ``tools/gpu/build_hf.py`` (build machine: transformers, the TVM
 compiler): random-weight HF Llama (GQA, Llama-3-8B attention) and Mistral (MQA, sliding window)
 decoders exported with ``torch.export``, imported with ``from_exported_program``, partitioned with
 ``partition_for_cutlass(mqa=True)`` (and ``mqa=False``, and not at all), built for sm_90 into one
@@ -11,7 +11,7 @@ fixture ``rt`` of conftest.py imports ``.devkit``'s ``boot`` first), per model a
 one decode step):
 
 - the logits (and the returned K/V caches) of each variant match float32 eager within the manifest's
-  tolerances (``tolerances()`` in build_hf_artifacts.py: relative L2 and max abs error at most 16x
+  tolerances (``tolerances()`` in tools/gpu/build_hf.py: relative L2 and max abs error at most 16x
   those of fp16 PyTorch eager, because TVM's own fp16 kernels accumulate in fp16); the top-1 token
   agrees wherever the reference's top-1 / top-2 margin exceeds twice the max-abs tolerance, and
   overall for at least 90% of the positions (a sanity floor);
@@ -58,7 +58,7 @@ def _load_manifest():
 
 
 MANIFEST = _load_manifest()
-NO_ARTIFACTS = (f"no HF decoder artifacts in {HF_ARTIFACTS}: run `python tests/gpu/build_hf_artifacts.py` on the "
+NO_ARTIFACTS = (f"no HF decoder artifacts in {HF_ARTIFACTS}: run `python tools/gpu/build_hf.py` on the "
                 "build machine and carry .gpu-artifacts/hf")
 
 
@@ -109,15 +109,13 @@ class HFRuntime:
 
     def kernels(self, name, mode, variant):
         """CUDA kernel / memcpy names of one call (after a warm-up call)."""
-        torch = self.torch
-        from torch.profiler import ProfilerActivity, profile
+        from mqa_byoc.testing import capture_kernels
 
         self.call(name, mode, variant)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        self.torch.cuda.synchronize()
+        with capture_kernels() as cap:
             self.call(name, mode, variant, clone=False)
-            torch.cuda.synchronize()
-        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return cap.names()
 
     def time_us(self, name, mode, variant):
         torch = self.torch

@@ -1,4 +1,4 @@
-"""CPU checks of the HF decoder artifacts (``build_hf_artifacts.py``, issue 6), no GPU needed.
+"""CPU checks of the HF decoder artifacts (``tools/gpu/build_hf.py``, issue 6), no GPU needed.
 
 - the manifest agrees with the files: weights, inputs and references have the shapes and dtypes the
   library's functions take, and the folder fits the carry limit next to the ~20 MiB ``.devkit``;
@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 HERE = Path(__file__).resolve().parent
+TOOLS = HERE.parents[1] / "tools" / "gpu"  # the artifact builders
 ROOT = HERE.parents[1]
 HF_ARTIFACTS = Path(os.environ.get("MQA_BYOC_GPU_HF_ARTIFACTS", ROOT / ".gpu-artifacts" / "hf"))
 CARRY_BUDGET = 44 * 2**20  # the 64 MiB carry limit minus .devkit (~20 MiB)
@@ -27,7 +28,7 @@ MANIFEST = json.loads((HF_ARTIFACTS / "manifest.json").read_text()) if (HF_ARTIF
     else None
 MODELS = list(MANIFEST["models"]) if MANIFEST else []
 NO_ARTIFACTS = pytest.mark.skipif(MANIFEST is None, reason=f"no HF decoder artifacts in {HF_ARTIFACTS} "
-                                                           "(python tests/gpu/build_hf_artifacts.py)")
+                                                           "(python tools/gpu/build_hf.py)")
 
 
 def _npz(m, key):
@@ -63,9 +64,9 @@ def test_hf_manifest_matches_files():
 def test_hf_reference_reproduces(name):
     pytest.importorskip("torch", reason="needs torch (CPU is enough)")
     pytest.importorskip("transformers", reason="needs transformers (the build machine)")
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))
-    import build_hf_artifacts as bh
+    if str(TOOLS) not in sys.path:
+        sys.path.insert(0, str(TOOLS))
+    import build_hf as bh
 
     m = MANIFEST["models"][name]
     spec = bh.HFModel(**m["spec"])

@@ -1,6 +1,6 @@
 """Issue 5: a native-provider library runs with TVM's runtime only: no Python provider, no torch.
 
-For each native library in the artifacts (``build_artifacts.py --native``), a fresh subprocess
+For each native library in the artifacts (``tools/gpu/build_forms.py --native``), a fresh subprocess
 (``native_standalone_child.py``) in which ``torch`` and ``mqa_byoc`` cannot be imported (a
 ``sys.meta_path`` finder installed before anything else is imported makes them ModuleNotFoundError) loads it with
 ``tvm.runtime.load_module`` + ``tvm.runtime.vm.VirtualMachine`` (after ``boot`` from ``.devkit``),
@@ -40,7 +40,7 @@ def _params():
         reason = gc.no_artifacts_reason()
     else:
         whys = sorted({why for m in gc.MANIFESTS for why in gc.providers_of(m)[1].values()})
-        reason = "no native libraries in the artifacts (build with `build_artifacts.py --native`)" + (
+        reason = "no native libraries in the artifacts (build with `tools/gpu/build_forms.py --native`)" + (
             f": {whys[0]}" if whys else "")
     return [pytest.param(None, id="no-native-artifacts", marks=pytest.mark.skip(reason=reason))]
 

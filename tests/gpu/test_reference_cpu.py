@@ -19,6 +19,7 @@ import gpu_common as gc
 import gpu_inputs as gi
 
 HERE = Path(__file__).resolve().parent
+TOOLS = HERE.parents[1] / "tools" / "gpu"  # the artifact builders
 CPU_CASES = [
     "bnsh_gqa_bf16_noncausal",  # BNSH in and out
     "hf_gqa_f16_causal",  # BNSH in, (B, S, H*D) out
@@ -31,9 +32,9 @@ def _build_tools():
     if not gc.full_tvm():
         pytest.skip("needs the full TVM (tvm.relax): this is a runtime-only TVM")
     torch = pytest.importorskip("torch", reason="needs torch (CPU is enough)")
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))
-    import build_artifacts as ba
+    if str(TOOLS) not in sys.path:
+        sys.path.insert(0, str(TOOLS))
+    import build_forms as ba
 
     return torch, ba
 

@@ -23,15 +23,18 @@ structure where nsys works.
 
 from __future__ import annotations
 
-import datetime
+import contextlib
 import gc
 import json
 import os
 import statistics
-import sys
 
+from ..sidecar import read_sidecar
+from ..testing.cupti import capture_kernels
+from ..testing.header import run_header
+from ..testing.setup import import_setup
 from .providers import NVTX_ENV_VAR, nvtx_requested  # also registers the Python FA2 provider
-from .runner import DecoderRunner, collect_kernels, format_summary, is_memory_op, stat_row
+from .runner import DecoderRunner, format_summary, is_memory_op, stat_row
 
 MODE_LABELS = {"mqa": "mqa=True", "repeat": "mqa=False"}
 
@@ -83,42 +86,34 @@ def phase_record(stats, wall_s: list[float], steps: int) -> dict:
 
 
 def _profiled_phases(runner: DecoderRunner, prompt_len: int, steps: int, nvtx: bool):
-    """Prefill and ``steps`` decode steps, each phase under its own torch.profiler session."""
-    import contextlib
-
-    from torch.profiler import ProfilerActivity, profile
-
+    """Prefill and ``steps`` decode steps, each phase under its own CUPTI capture."""
     torch = runner.torch
     rng = torch.cuda.nvtx.range if nvtx else (lambda _name: contextlib.nullcontext())
     prompt = runner.make_ids(1, prompt_len)
     tokens = [runner.make_ids(1, 1) for _ in range(steps)]
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with capture_kernels() as prefill:
         with rng(f"prefill[{prompt_len}]"):
             _, caches = runner.prefill(1, prompt_len, ids=prompt)
-        torch.cuda.synchronize()
-    prefill = collect_kernels(prof)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with capture_kernels() as decode:
         for i in range(steps):
             with rng(f"decode[{i}]"):
                 _, caches = runner.decode(caches, ids=tokens[i])
-        torch.cuda.synchronize()
-    decode = collect_kernels(prof)
-    return prefill, decode
+    return prefill.stats(), decode.stats()
 
 
 def profile_library(lib_path: str, prompt_len: int, steps: int, *, warmup: int = 2, nvtx: bool = True,
                     cupti: bool = True) -> dict:
     """Warm up, time and profile one library; the JSON record of it. ``cupti=False`` skips the
     profiled run (for running under nsys, which wants CUPTI to itself)."""
-    with open(lib_path + ".json") as f:
-        functions = json.load(f).get("functions", ["prefill", "decode"])
+    functions = read_sidecar(lib_path).get("functions", ["prefill", "decode"])
     if not {"prefill", "decode"} <= set(functions):
         raise ProfileError(f"{lib_path} has only {functions}; `mqa-byoc profile build` makes prefill + decode")
     runner = DecoderRunner(lib_path)
     meta = runner.meta
     runner.run(prompt_len, warmup, nvtx=nvtx)
     times, _ = runner.run(prompt_len, steps, nvtx=nvtx)
+    loop_ms = runner.decode_loop_ms(prompt_len, steps) if steps else None
     prefill, decode = _profiled_phases(runner, prompt_len, steps, nvtx) if cupti else ([], [])
     del runner
     gc.collect()
@@ -130,6 +125,9 @@ def profile_library(lib_path: str, prompt_len: int, steps: int, *, warmup: int =
                       "decode": phase_record(decode, times["decode"], steps)}}
     med = rec["phases"]["decode"]["wall_ms_median"]
     rec["decode_tokens_per_s"] = round(1000 / med, 1) if med else None
+    if loop_ms:  # back to back, CUDA events: what a serving loop gets (no host sync per step)
+        rec["decode_loop_ms_per_token"] = round(loop_ms, 4)
+        rec["decode_loop_tokens_per_s"] = round(1000 / loop_ms, 1)
     return rec
 
 
@@ -165,6 +163,9 @@ def format_record(rec: dict, prompt_len: int) -> str:
                    f"min {min(d['wall_ms']):.3f}, max {max(d['wall_ms']):.3f}; "
                    f"GPU kernels {d['kernel_ms_per_step']:.3f} ms/step")
         out.append("per-step wall ms: " + " ".join(f"{t:.3f}" for t in d["wall_ms"]))
+        if rec.get("decode_loop_tokens_per_s"):
+            out.append(f"decode back to back (CUDA events, no sync per step): {rec['decode_loop_ms_per_token']:.3f} "
+                       f"ms/token, {rec['decode_loop_tokens_per_s']} tokens/s")
         out.append(table(d["kernels"]))
     for name, ph in (("prefill", p), ("decode", d)):
         if ph["memory_ops"]:
@@ -179,6 +180,9 @@ def compare(modes: dict) -> dict:
         return {}
     a, b = modes["mqa"]["phases"], modes["repeat"]["phases"]
     out = {}
+    ta, tb = modes["mqa"].get("decode_loop_tokens_per_s"), modes["repeat"].get("decode_loop_tokens_per_s")
+    if ta and tb:
+        out["decode_loop_tokens_per_s_ratio"] = round(ta / tb, 3)
     for ph in ("prefill", "decode"):
         ta, tb = a[ph]["wall_ms_median"], b[ph]["wall_ms_median"]
         if ta and tb:
@@ -197,6 +201,10 @@ def format_comparison(cmp: dict, modes: dict) -> str:
     if not cmp:
         return ""
     lines = ["== mqa=True vs mqa=False =="]
+    if "decode_loop_tokens_per_s_ratio" in cmp:
+        lines.append(f"decode tokens/s (back to back): {modes['mqa']['decode_loop_tokens_per_s']} with mqa=True vs "
+                     f"{modes['repeat']['decode_loop_tokens_per_s']} with mqa=False "
+                     f"({cmp['decode_loop_tokens_per_s_ratio']:.2f}x)")
     for ph in ("prefill", "decode"):
         if f"{ph}_speedup" in cmp:
             a = modes["mqa"]["phases"][ph]["wall_ms_median"]
@@ -230,20 +238,14 @@ def write_png(data: dict, json_path: str, png_path: str, *, top: int = 15, print
     return True
 
 
-def _gpu_info(torch) -> dict:
-    props = torch.cuda.get_device_properties(0)
-    return {"gpu": torch.cuda.get_device_name(0), "sm": f"sm_{props.major}{props.minor}",
-            "torch": torch.__version__, "cuda": torch.version.cuda}
-
-
 def run_profile(directory: str, prompt_len: int, steps: int, *, warmup: int = 2, nvtx: bool = True,
                 cupti: bool = True, json_path: str | None = None, png_path: str | None = None, top: int = 15,
-                command: str | None = None, printer=print) -> dict:
-    """Profile every library in ``directory``; print the tables, write the JSON (and PNG)."""
-    try:
-        import boot  # noqa: F401 - runtime-only TVM kit on the GPU machine (.devkit): CUDA backend + nvcc hook
-    except ImportError:
-        pass
+                command: str | None = None, setup=None, printer=print) -> dict:
+    """Profile every library in ``directory``; print the tables, write the JSON (and PNG).
+
+    ``setup``: modules to import first (a runtime-only TVM's set-up; default ``$MQA_BYOC_RUNTIME_SETUP``).
+    """
+    import_setup(setup)
     import torch
 
     if not torch.cuda.is_available():
@@ -252,9 +254,7 @@ def run_profile(directory: str, prompt_len: int, steps: int, *, warmup: int = 2,
     libs = find_libraries(directory)
     if nvtx:
         os.environ.setdefault(NVTX_ENV_VAR, "1")  # before the first offloaded call reads it
-    data = {"command": command or " ".join(sys.argv),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            **_gpu_info(torch), "prompt_len": prompt_len, "decode_steps": steps, "warmup_steps": warmup,
+    data = {**run_header(command), "prompt_len": prompt_len, "decode_steps": steps, "warmup_steps": warmup,
             "nvtx_steps": bool(nvtx), "nvtx_flash_attn": nvtx_requested(), "cupti": bool(cupti), "modes": {}}
     json_path = json_path or os.path.join(directory, "profile.json")
     for lib in libs:

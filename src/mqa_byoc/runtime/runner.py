@@ -2,43 +2,19 @@
 
 Run time only: needs ``tvm.runtime`` and torch (for random weights on the GPU, CUPTI through
 ``torch.profiler`` and NVTX), never ``tvm.relax``. The library comes with a JSON sidecar
-(``<lib>.json``: functions, parameter shapes, cache shape) written when it was built.
+(``<lib>.json``, :mod:`mqa_byoc.sidecar`: functions, parameter shapes, cache shape) written when it
+was built.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import statistics
 import time
-from dataclasses import dataclass
 
-
-@dataclass
-class KernelStat:
-    name: str
-    times_us: list
-
-    @property
-    def total(self):
-        return sum(self.times_us)
-
-
-def write_sidecar(lib_path: str, config, param_spec, dtype: str, extra: dict | None = None) -> str:
-    """What the runner needs to feed the library, next to it."""
-    meta = {
-        "dtype": dtype,
-        "num_layers": config.num_layers,
-        "num_kv_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "vocab_size": config.vocab_size,
-        "params": [[p.name, list(p.shape), p.dtype] for p in param_spec],
-        **(extra or {}),
-    }
-    path = lib_path + ".json"
-    with open(path, "w") as f:
-        json.dump(meta, f)
-    return path
+from ..sidecar import read_sidecar
+from ..testing.cupti import KernelStat, capture_kernels
+from ..testing.timing import cuda_time_us
 
 
 MEMORY_OPS = ("Memcpy", "Memset")
@@ -80,15 +56,6 @@ def kernel_summary(stats: list[KernelStat]) -> str:
     return format_summary([stat_row(s) for s in stats])
 
 
-def collect_kernels(prof) -> list[KernelStat]:
-    """Per-kernel device times from a finished ``torch.profiler.profile``."""
-    by_name = {}
-    for evt in prof.events():
-        if str(getattr(evt, "device_type", "")).endswith("CUDA") and evt.device_time > 0:
-            by_name.setdefault(evt.name, []).append(evt.device_time)
-    return [KernelStat(n, t) for n, t in by_name.items()]
-
-
 class DecoderRunner:
     """Prefill + decode through the Relax VM, with random weights made on the GPU."""
 
@@ -97,8 +64,7 @@ class DecoderRunner:
         import tvm
         import tvm.runtime.vm  # noqa: F401 - not loaded by tvm.runtime itself
 
-        with open(lib_path + ".json") as f:
-            self.meta = json.load(f)
+        self.meta = read_sidecar(lib_path)
         self.torch = torch
         self.tvm = tvm
         self.dev = tvm.cuda(device_id)
@@ -153,18 +119,32 @@ class DecoderRunner:
             times["decode"].append(time.perf_counter() - t0)
         return times, logits
 
+    def decode_loop_ms(self, prompt_len: int, steps: int, batch: int = 1, warmup: int = 3) -> float:
+        """ms per decode step at context ``prompt_len``: ``steps`` steps back to back between CUDA
+        events (no host synchronization between steps, as a serving loop runs), after a prefill
+        of ``prompt_len`` tokens and ``warmup`` steps."""
+        _, caches = self.prefill(batch, prompt_len, ids=self.make_ids(batch, prompt_len))
+        tokens = [self.make_ids(batch, 1) for _ in range(max(steps, warmup))]
+        state = {"caches": caches, "i": 0}
+
+        def step():
+            _, state["caches"] = self.decode(state["caches"], batch, ids=tokens[state["i"] % len(tokens)])
+            state["i"] += 1
+
+        return cuda_time_us(step, steps, warmup=warmup) / 1e3
+
     def profile(self, prompt_len: int, steps: int, batch: int = 1):
         """Run once to warm up, then under CUPTI; returns (times, kernel stats)."""
-        from torch.profiler import ProfilerActivity, profile
-
         self.run(prompt_len, 1, batch)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with capture_kernels(cpu=True) as cap:
             times, _ = self.run(prompt_len, steps, batch)
-        return times, collect_kernels(prof)
+        return times, cap.stats()
 
 
 def run_and_profile(lib_path, config, param_spec, args) -> None:
     """The GPU half of ``mqa-byoc demo``."""
+    from ..sidecar import write_sidecar
+
     write_sidecar(lib_path, config, param_spec, args.dtype)
     runner = DecoderRunner(lib_path)
     times, stats = runner.profile(args.prompt_len, args.decode_steps)

@@ -43,15 +43,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-for p in (ROOT / "src", ROOT / "tests", HERE):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from builder_paths import ROOT  # noqa: E402 - sys.path for mqa_byoc, the graphs and the manifest format
+from bundle import (TARGET, add_functions, build_library, check_exports, codegen_symbols,  # noqa: E402
+                    main_ops, unique_symbols)
 from gpu_inputs import MANIFEST_FORMAT  # noqa: E402
 
-TARGET = {"kind": "cuda", "arch": "sm_90"}
 DEFAULT_OUT = ROOT / ".gpu-artifacts" / "tests"
 EXPANSION_OPS = {"relax.repeat", "relax.broadcast_to", "relax.tile", "relax.concat", "relax.expand_dims"}
 
@@ -223,23 +220,6 @@ def describe_io(case: Case, mod) -> tuple[list[dict], dict]:
     return inputs, output
 
 
-def main_ops(mod, function="main") -> list[str]:
-    """Op names (and called functions, as ``call:<name>``) in ``function``, in order of appearance."""
-    from tvm import relax
-
-    names = []
-
-    def visit(e):
-        if isinstance(e, relax.Call):
-            if isinstance(e.op, relax.GlobalVar):
-                names.append(f"call:{e.op.name_hint}")
-            elif hasattr(e.op, "name"):
-                names.append(str(e.op.name))
-
-    relax.analysis.post_order_visit(mod[function].body, visit)
-    return names
-
-
 def partition_checked(case: Case, mod, mqa: bool, provider: str, function: str = "main"):
     """``partition_for_cutlass`` + its offload report; every site must be offloaded as expected."""
     import mqa_byoc
@@ -262,48 +242,8 @@ def partition_checked(case: Case, mod, mqa: bool, provider: str, function: str =
     return part, report, ops
 
 
-def codegen_symbols(mod) -> list[str]:
-    return sorted(str(f.attrs["global_symbol"]) for f in mod.functions.values()
-                  if f.attrs is not None and "Codegen" in f.attrs)
-
-
-def _defined_symbols(path: Path, dynamic: bool) -> set[str]:
-    cmd = ["nm", "-D", "--defined-only", str(path)] if dynamic else ["nm", "--defined-only", str(path)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    return {f[-1] for f in (line.split() for line in out.splitlines()) if len(f) == 3 and f[1] not in "Uuvw"}
-
-
-def check_exports(path: Path, symbols: list[str], kernel_entries: list[str] | None = None) -> list[str]:
-    """The library exports a TVM-FFI function per offloaded attention; native: the FA2 dispatcher and
-    the kernel entries it references weakly are defined in it (linked, not left to resolve to null);
-    and it loads with RTLD_NOW."""
-    want = [f"__tvm_ffi_{s}" for s in symbols]
-    missing = sorted(set(want) - _defined_symbols(path, dynamic=True))
-    if kernel_entries is not None:
-        inner = ["mqa_byoc_fa2_forward", "mqa_byoc_fa2_last_error"] + list(kernel_entries)
-        missing += sorted(set(inner) - _defined_symbols(path, dynamic=False))
-        want += inner
-    if missing:
-        raise SystemExit(f"{path}: symbols not defined: {missing}")
-    try:  # every undefined symbol resolves (against the TVM runtime loaded here); no CUDA driver needed
-        ctypes.CDLL(str(path.resolve()), mode=os.RTLD_NOW | os.RTLD_LOCAL)
-    except OSError as err:
-        raise SystemExit(f"{path} does not load: {err}") from err
-    return want
-
-
 # ---------------------------------------------------------------------------------------------
 # building
-
-
-def _export(ex, path: Path, provider: str, args) -> None:
-    if provider == "native":
-        import mqa_byoc
-
-        mqa_byoc.export_library(ex, str(path), arch=TARGET["arch"], build=args.build_native_kernels,
-                                jobs=args.jobs, progress=print)
-    else:
-        ex.export_library(str(path))
 
 
 def build_case(case: Case, out_dir: Path, args) -> dict:
@@ -402,25 +342,18 @@ def _renamed_partition(case: Case, variant: str, mqa: bool, provider: str):
     """The case partitioned for ``provider``, main renamed ``<case>__<variant>`` and its offloaded
     functions given unique symbols, so that several cases share one library."""
     import tvm
-    from tvm import relax
 
     fname = f"{case.name}__{variant}"
     mod = build_graph(case)  # fresh Relax vars per function
     mod = tvm.IRModule({fname: mod["main"].with_attr("global_symbol", fname)})
     part, report, ops = partition_checked(case, mod, mqa, provider, fname)
-    for gv, func in list(part.functions.items()):
-        if func.attrs is not None and "Codegen" in func.attrs:
-            part[gv] = func.with_attr("global_symbol", f"{fname}__{gv.name_hint}")
-    return relax.transform.NormalizeGlobalVar()(part), fname, report, ops
+    return unique_symbols(part, fname), fname, report, ops
 
 
 def build_bundle(provider: str, group: str, cases: list[Case], out_dir: Path, args) -> tuple[dict, str | None]:
     """``<out>/_<provider>-<group>/<provider>.so``: ``<case>__mqa`` and ``<case>__nomqa`` of every case
     of one kernel group, each exactly ``partition_for_cutlass(<case graph>, mqa=..., provider=...)``
     (main renamed). Native: FA2 kernels linked once per group, not twice per case."""
-    import tvm
-    from tvm import relax
-
     from mqa_byoc.compiler.export import collect_kernel_keys
 
     t0 = time.time()
@@ -434,16 +367,12 @@ def build_bundle(provider: str, group: str, cases: list[Case], out_dir: Path, ar
         for variant, mqa in (("mqa", True), ("nomqa", False)):
             part, fname, report, ops = _renamed_partition(case, variant, mqa, provider)
             symbols += codegen_symbols(part)
-            for gv, func in part.functions.items():
-                if any(g.name_hint == gv.name_hint for g in funcs):
-                    raise SystemExit(f"bundle {name}: duplicate function {gv.name_hint}")
-                funcs[gv] = func
+            add_functions(funcs, part, f"bundle {name}")
             entries[fname] = {"case": case.name, "variant": f"{variant}_{provider}", "report": report,
                               "ops_after_partition": ops}
-    ex = tvm.compile(relax.transform.RunCodegen()(tvm.IRModule(funcs)), target=tvm.target.Target(TARGET))
     path = bundle_dir / f"{provider}.so"
     try:
-        _export(ex, path, provider, args)
+        ex, _seconds = build_library(funcs, path, provider, args)
     except Exception as err:  # noqa: BLE001 - native kernels may be unavailable here
         if provider != "native":
             raise

@@ -1,7 +1,7 @@
 """Build a Llama-family decoder for CUDA twice, ``mqa=True`` and ``mqa=False``, and export both.
 
-The compile half of ``mqa-byoc profile`` and of ``benchmarks/e2e_decode.py``: each library gets a JSON
-sidecar (:func:`mqa_byoc.runtime.runner.write_sidecar`) so that the run half, on a machine with only
+The compile half of ``mqa-byoc profile`` (``profile build``): each library gets a JSON
+sidecar (:func:`mqa_byoc.sidecar.write_sidecar`) so that the run half, on a machine with only
 TVM's runtime, knows the parameters to make and which mode it is running.
 
 Needs the full apache-tvm (``tvm.relax``); the native provider also needs nvcc and the FA2 kernel
@@ -28,7 +28,7 @@ def offloaded_composites(mod) -> dict[str, int]:
     one offloaded function)."""
     from tvm import relax
 
-    from .codegen import find_site
+    from ..compiler.codegen import find_site
 
     offloaded = {}
     for gv, func in mod.functions.items():
@@ -68,13 +68,13 @@ def build_decoder_libraries(
     ``num_heads``, ``offloaded`` (composite name -> count) and ``extra``.
     """
     import tvm
-    from tvm import relax
 
-    from ..models.llama import build_decoder
-    from ..runtime.runner import write_sidecar
-    from . import codegen
-    from .partition import partition_for_cutlass
-    from .pipeline import cuda_decoder_pipeline
+    from ..compiler.build import build
+    from ..compiler.export import export_library
+    from ..compiler.partition import partition_for_cutlass
+    from ..compiler.pipeline import cuda_decoder_pipeline
+    from ..sidecar import write_sidecar
+    from .llama import build_decoder
 
     progress = progress or (lambda _msg: None)
     if provider not in ("native", "python"):
@@ -85,18 +85,11 @@ def build_decoder_libraries(
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     for mqa in modes:
-        part = partition_for_cutlass(mod, mqa=mqa, provider=provider)
+        part = partition_for_cutlass(mod, mqa=mqa)
         offloaded = offloaded_composites(part)
-        with target, codegen.use_provider(provider):
-            ex = relax.build(relax.transform.RunCodegen()(part), target=target,
-                             relax_pipeline=cuda_decoder_pipeline(target))
+        ex = build(part, target, mqa=None, provider=provider, pipeline=cuda_decoder_pipeline(target))
         path = os.path.join(out_dir, library_name(config.name, mqa))
-        if provider == "native":
-            from .export import export_library
-
-            export_library(ex, path, arch=arch)
-        else:
-            ex.export_library(path)
+        export_library(ex, path, arch=arch)  # a plain export without native kernels
         write_sidecar(path, config, spec, dtype, {
             "mqa": bool(mqa), "provider": provider, "kv_expand": kv_expand, "functions": list(functions),
             "arch": arch, "logits": logits, "num_heads": config.num_heads, "hidden_size": config.hidden_size,

@@ -52,7 +52,7 @@ unpartitioned module imported from the float32 model and built for ``llvm`` matc
 (validates the import path numerically; ``--skip-cpu-check`` skips it, ``--cpu-fp16`` also runs the
 fp16 module on CPU, slowly, to measure TVM's own fp16 error).
 
-    nice python tests/gpu/build_hf_artifacts.py       # ~4.5 min on the 2-core build machine, 35 MiB
+    nice python tools/gpu/build_hf.py       # ~4.5 min on the 2-core build machine, 35 MiB
 """
 
 from __future__ import annotations
@@ -73,15 +73,10 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-for p in (ROOT / "src", ROOT / "tests", HERE):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-from build_artifacts import main_ops  # noqa: E402 - same op listing as the graph-form builder
-
-TARGET = {"kind": "cuda", "arch": "sm_90"}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from builder_paths import ROOT  # noqa: E402 - sys.path for mqa_byoc, the graphs and the manifest format
+from bundle import (TARGET, add_functions, build_library, check_exports, codegen_symbols,  # noqa: E402
+                    cuda_kernel_names, main_ops, unique_symbols, vm_calls)
 DEFAULT_OUT = ROOT / ".gpu-artifacts" / "hf"
 FORMAT = 1
 LIBRARY = "hf.so"
@@ -219,7 +214,7 @@ def tolerances(e16: dict, names: list[str]) -> dict:
       fp16 accumulation order (TVM's fp16 module on CPU agrees with float32 eager at 94.9% of the Llama
       prefill positions, fp16 eager at 99.6%), so overall agreement is only a sanity floor (90%).
     """
-    tol = {"rule": "tolerances() in tests/gpu/build_hf_artifacts.py", "vs_fp32": {}, "mqa_vs_nomqa": {}}
+    tol = {"rule": "tolerances() in tools/gpu/build_hf.py", "vs_fp32": {}, "mqa_vs_nomqa": {}}
     for n in names:
         tol["vs_fp32"][n] = {"rel_l2": TVM_FP16_FACTOR * e16[n]["rel_l2"],
                              "max_abs": TVM_FP16_FACTOR * e16[n]["max_abs"]}
@@ -293,7 +288,6 @@ def variant_functions(spec: HFModel, mode: str, main, variant: str, provider: st
     """``main`` of one import as ``<model>__<mode>__<variant>`` (partitioned unless variant "tvm"),
     its offloaded functions given unique symbols so that all variants share one library."""
     import tvm
-    from tvm import relax
     from tvm.relax.utils import copy_with_new_vars
 
     import mqa_byoc
@@ -304,10 +298,7 @@ def variant_functions(spec: HFModel, mode: str, main, variant: str, provider: st
     if variant != "tvm":
         mod = mqa_byoc.partition_for_cutlass(mod, mqa=variant == "mqa", provider=provider)
         info = check_partitioned(spec, fname, mod, variant == "mqa")
-        for gv, func in list(mod.functions.items()):
-            if func.attrs is not None and "Codegen" in func.attrs:
-                mod[gv] = func.with_attr("global_symbol", f"{fname}__{gv.name_hint}")
-        mod = relax.transform.NormalizeGlobalVar()(mod)
+        mod = unique_symbols(mod, fname)
     return fname, mod, info
 
 
@@ -468,31 +459,6 @@ def prepare_model(spec: HFModel, out_dir: Path, args) -> tuple[dict, dict]:
     return entry, imports
 
 
-def cuda_kernel_names(ex) -> list[str]:
-    from mqa_byoc.compiler.export import _iter_modules, _root_module
-
-    names = set()
-    for m in _iter_modules(_root_module(ex)):
-        if m.kind == "cuda":
-            names.update(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", m.inspect_source()))
-    return sorted(names)
-
-
-def vm_calls(ex) -> dict[str, list[str]]:
-    """{VM function: the functions it calls (PrimFunc launchers, offloaded FA2 wrappers, other VM
-    functions), in order, ``vm.builtin.*`` left out}, from the executable's text form."""
-    calls, cur = {}, None
-    for line in ex.as_text().splitlines():
-        if line.startswith("@") and line.rstrip().endswith(":"):
-            cur = line[1:].rstrip()[:-1]
-            calls[cur] = []
-        elif cur is not None and line.strip().startswith("call "):
-            name = line.split()[1]
-            if not name.startswith("vm.builtin."):
-                calls[cur].append(name)
-    return calls
-
-
 def check_vm_calls(specs, calls: dict, codegen_symbols: list[str]) -> dict:
     """Per VM function of the library: what it calls (transitively through other VM functions).
     mqa=True calls one FA2 wrapper per layer and nothing named after a K/V expansion op; mqa=False
@@ -531,13 +497,7 @@ def check_vm_calls(specs, calls: dict, codegen_symbols: list[str]) -> dict:
     return result
 
 
-def build_library(specs, imports, out_dir: Path, args) -> dict:
-    import tvm
-    from tvm import relax
-
-    import build_artifacts as ba
-    import mqa_byoc
-    from mqa_byoc.compiler import codegen
+def build_hf_library(specs, imports, out_dir: Path, args) -> dict:
     from mqa_byoc.compiler.export import collect_kernel_keys
     from mqa_byoc.compiler.pipeline import cuda_decoder_pipeline
 
@@ -548,30 +508,18 @@ def build_library(specs, imports, out_dir: Path, args) -> dict:
             for variant in VARIANTS:
                 fname, mod, info = variant_functions(spec, mode, imports[spec.name][mode], variant, args.provider)
                 partition_info[fname] = info
-                symbols += ba.codegen_symbols(mod)
-                for gv, func in mod.functions.items():
-                    if any(g.name_hint == gv.name_hint for g in funcs):
-                        raise SystemExit(f"duplicate function {gv.name_hint}")
-                    funcs[gv] = func
+                symbols += codegen_symbols(mod)
+                add_functions(funcs, mod, LIBRARY)
     t_part = time.time() - t0
-    target = tvm.target.Target(TARGET)
-    with target, codegen.use_provider(args.provider):
-        ex = relax.build(relax.transform.RunCodegen()(tvm.IRModule(funcs)), target=target,
-                         relax_pipeline=cuda_decoder_pipeline(target))
-    t_build = time.time() - t0 - t_part
     path = out_dir / LIBRARY
-    if args.provider == "native":
-        mqa_byoc.export_library(ex, str(path), arch=TARGET["arch"], build=args.build_native_kernels,
-                                jobs=args.jobs, progress=print)
-    else:
-        ex.export_library(str(path))
+    ex, seconds = build_library(funcs, path, args.provider, args, pipeline=cuda_decoder_pipeline)
     (out_dir / "hf.vm.txt").write_text(ex.as_text())  # the VM functions' instructions, for debugging
     vm = check_vm_calls(specs, vm_calls(ex), symbols)
     keys = collect_kernel_keys(ex)
-    exports = ba.check_exports(path, symbols, [k.entry_symbol for k in keys] if args.provider == "native" else None)
+    exports = check_exports(path, symbols, [k.entry_symbol for k in keys] if args.provider == "native" else None)
     kernels = cuda_kernel_names(ex)
     print(f"{LIBRARY}: {len(funcs)} functions, {path.stat().st_size / 2**20:.2f} MiB; partition {t_part:.0f}s, "
-          f"relax.build {t_build:.0f}s, export {time.time() - t0 - t_part - t_build:.0f}s", flush=True)
+          f"relax.build {seconds['build']:.0f}s, export {seconds['export']:.0f}s", flush=True)
     return {
         "library": LIBRARY,
         "size": path.stat().st_size,
@@ -581,8 +529,7 @@ def build_library(specs, imports, out_dir: Path, args) -> dict:
         "tvm_cuda_kernels": kernels,
         "partition": partition_info,
         "vm_calls": vm,
-        "seconds": {"partition": round(t_part, 1), "relax_build": round(t_build, 1),
-                    "export": round(time.time() - t0 - t_part - t_build, 1)},
+        "seconds": {"partition": round(t_part, 1), "relax_build": seconds["build"], "export": seconds["export"]},
     }
 
 
@@ -647,7 +594,7 @@ def main(argv=None) -> int:
     for spec in specs:
         entry, imports[spec.name] = prepare_model(spec, args.out, args)
         manifest["models"][spec.name] = entry
-    lib = build_library(specs, imports, args.out, args)
+    lib = build_hf_library(specs, imports, args.out, args)
     manifest["library"] = {k: v for k, v in lib.items() if k not in ("partition", "vm_calls")}
     for spec in specs:
         for mode in MODES:

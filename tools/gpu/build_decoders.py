@@ -1,7 +1,7 @@
 """Build the decoders whose attention masks are built in the graph from symbolic lengths, for
 tests/gpu/test_gpu_decoder_masks.py.
 
-    python tests/gpu/build_decoder_artifacts.py [--out .gpu-artifacts/decoders]
+    python tools/gpu/build_decoders.py [--out .gpu-artifacts/decoders]
 
 For each case: the decoder (prefill + decode, symbolic batch and lengths) partitioned with
 ``mqa=True`` and the native provider, and the same graph unpartitioned, lowered by TVM's own CUDA
@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from builder_paths import ROOT  # noqa: E402 - sys.path for mqa_byoc
 
 CASES = {
     # name: (preset, kv_expand form, sliding window)
@@ -36,11 +36,10 @@ def build(out: Path, arch: str, names=None) -> None:
     from tvm import relax
 
     import mqa_byoc
-    from mqa_byoc.compiler import codegen
     from mqa_byoc.compiler.pipeline import cuda_decoder_pipeline
     from mqa_byoc.models.llama import build_decoder
     from mqa_byoc.models.presets import scaled
-    from mqa_byoc.runtime.runner import write_sidecar
+    from mqa_byoc.sidecar import write_sidecar
 
     target = tvm.target.Target({"kind": "cuda", "arch": arch})
     out.mkdir(parents=True, exist_ok=True)
@@ -62,10 +61,7 @@ def build(out: Path, arch: str, names=None) -> None:
         for variant in ("mqa", "reference"):
             path = out / f"{name}.{variant}.so"
             if variant == "mqa":
-                part = mqa_byoc.partition_for_cutlass(mod, mqa=True, provider="native")
-                with target, codegen.use_provider("native"):
-                    ex = relax.build(relax.transform.RunCodegen()(part), target=target,
-                                     relax_pipeline=cuda_decoder_pipeline(target))
+                ex = mqa_byoc.build(mod, target, mqa=True, provider="native", pipeline=cuda_decoder_pipeline(target))
                 mqa_byoc.export_library(ex, str(path), arch=arch)
             else:
                 with target:

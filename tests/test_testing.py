@@ -1,0 +1,133 @@
+"""``mqa_byoc.testing``: importable with a runtime-only TVM, the CUDA-compile hook restores the
+previous one, the kernel capture and the run header (fake torch.cuda where a GPU would be needed)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from mqa_byoc import testing
+from mqa_byoc.testing import cuda_compile, cupti, header, setup
+
+
+def test_import_without_relax():
+    """No tvm.relax (or torch) at import, for the runtime-only TVM of the GPU machine."""
+    code = textwrap.dedent("""
+        import sys
+        import mqa_byoc.testing as t
+        for name in t.__all__:
+            getattr(t, name)
+        bad = [m for m in ("tvm.relax", "torch", "mqa_byoc.compiler") if m in sys.modules]
+        assert not bad, bad
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "cuda_compile_hook" in dir(testing)
+
+
+def test_cuda_compile_hook_restores_previous():
+    import tvm_ffi
+
+    name = cuda_compile.HOOK
+    before = tvm_ffi.get_global_func(name, allow_missing=True)
+    calls = []
+
+    def outer(code, *rest):
+        calls.append(("outer", code))
+        return bytearray(b"outer")
+
+    tvm_ffi.register_global_func(name, outer, override=True)
+    try:
+        def make(previous):
+            def compile_cuda(code, *rest):
+                if code == "cached":
+                    return bytearray(b"hit")
+                return previous(code, *rest)
+            return compile_cuda
+
+        with cuda_compile.cuda_compile_hook(make):
+            f = tvm_ffi.get_global_func(name)
+            assert bytes(f("cached")) == b"hit" and bytes(f("other")) == b"outer"
+        assert bytes(tvm_ffi.get_global_func(name)("cached")) == b"outer"  # the previous one is back
+        assert calls == [("outer", "other"), ("outer", "cached")]
+        with cuda_compile.cuda_compile_hook(cuda_compile.memoized_cuda_compile):
+            f = tvm_ffi.get_global_func(name)
+            assert bytes(f("x")) == bytes(f("x")) == b"outer"
+        assert calls[2:] == [("outer", "x")]  # compiled once
+    finally:
+        if before is not None:
+            tvm_ffi.register_global_func(name, before, override=True)
+        else:
+            tvm_ffi.remove_global_func(name)
+    if before is None:
+        with cuda_compile.cuda_compile_hook(lambda prev: (lambda code: bytearray(b"only"))):
+            pass
+        assert tvm_ffi.get_global_func(name, allow_missing=True) is None
+        with pytest.raises(RuntimeError, match="no tvm_callback_cuda_compile"):
+            cuda_compile.memoized_cuda_compile(None)
+
+
+def test_fatbin_cache_key():
+    assert cuda_compile.fatbin_cache_key("a", "sm_90") != cuda_compile.fatbin_cache_key("b", "sm_90")
+    assert cuda_compile.fatbin_cache_key("a", "sm_90").endswith("-sm_90")
+
+
+class _Evt:
+    def __init__(self, name, t, dev="DeviceType.CUDA"):
+        self.name, self.device_time, self.device_type = name, t, dev
+
+
+def test_capture_kernels(monkeypatch):
+    torch = pytest.importorskip("torch")
+    import torch.profiler
+
+    launched = [_Evt("k1", 2.0), _Evt("memcpy", 0.5), _Evt("k1", 3.0), _Evt("cpu_op", 9.0, "DeviceType.CPU"),
+                _Evt("k2", 0.0)]
+
+    class Prof:
+        def __init__(self, activities):
+            self.activities = activities
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return launched
+
+    monkeypatch.setattr(torch.profiler, "profile", Prof)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    with cupti.capture_kernels() as cap:
+        assert cap.events == []
+    assert cap.names() == ["k1", "memcpy", "k1", "k2"]
+    assert {s.name: s.times_us for s in cap.stats()} == {"k1": [2.0, 3.0], "memcpy": [0.5]}
+    assert {s.name: s.total for s in cupti.collect_kernels(Prof(None))} == {"k1": 5.0, "memcpy": 0.5}
+
+
+def test_run_header(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _i=0: "Fake H200")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _i=0: type("P", (), {"major": 9, "minor": 0}))
+    h = header.run_header("bench run", suite="x")
+    assert (h["command"], h["gpu"], h["sm"], h["torch"], h["suite"]) == ("bench run", "Fake H200", "sm_90",
+                                                                         torch.__version__, "x")
+    assert h["date"].endswith("+00:00") and "cuda" in h
+
+
+def test_import_setup(monkeypatch, tmp_path):
+    (tmp_path / "kit_setup_mod.py").write_text("LOADED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(setup.SETUP_ENV, "kit_setup_mod")
+    assert setup.import_setup() == ["kit_setup_mod"] and sys.modules["kit_setup_mod"].LOADED
+    assert setup.import_setup(["json"]) == ["json"]
+    monkeypatch.delenv(setup.SETUP_ENV)
+    assert setup.import_setup() == []
+    with pytest.raises(ImportError):
+        setup.import_setup(["no_such_kit_module_xyz"])
