@@ -8,7 +8,7 @@ import pytest
 from mqa_byoc import cli
 from mqa_byoc.compiler.codegen import PY_FORWARD_FUNC
 from mqa_byoc.demo import choose_provider
-from mqa_byoc.runtime.kernels import KernelKey
+from mqa_byoc.kernels import KernelKey
 
 KEYS = [KernelKey(head_dim=128, dtype="fp16", causal=False, split=False)]
 

@@ -119,7 +119,7 @@ def run_demo(args) -> int:
 
     def missing_kernels():
         from .compiler.export import _safe_config
-        from .runtime.kernels import find_kernels, normalize_arch
+        from .kernels import find_kernels, normalize_arch
 
         keys = native_kernel_keys(part)
         arch = normalize_arch(args.arch)

@@ -65,7 +65,7 @@ def build(mod: tvm.IRModule, target, *, mqa: bool | None = True, provider: str |
 
 
 def native_kernel_keys(mod: tvm.IRModule) -> tuple:
-    """The FA2 kernel families (:class:`~mqa_byoc.runtime.kernels.KernelKey`) the native provider's
+    """The FA2 kernel families (:class:`~mqa_byoc.kernels.KernelKey`) the native provider's
     library of the partitioned ``mod`` links: what ``mqa-byoc build-kernels`` must have built, known
     before the (slow) ``relax.build``.
 
