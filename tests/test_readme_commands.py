@@ -35,10 +35,6 @@ _COMMAND_START = re.compile(r"^(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*(mqa-byoc|pytho
 _SHELL_FENCES = {"", "sh", "bash", "shell", "console"}
 
 #: README lines known not to be runnable as written, with the reason; strict: fixing one fails here
-KNOWN_BROKEN = {
-    "python benchmarks/e2e_decode.py build / run": "shows two commands as `build / run` (issue 11 item 4 folds "
-                                                   "e2e_decode into `mqa-byoc profile`)",
-}
 
 
 def readme_commands(text: str) -> list[tuple[int, str]]:
@@ -221,23 +217,8 @@ def test_extraction_of_blocks_and_spans():
 
 @pytest.mark.parametrize("line_no,command", COMMANDS, ids=[f"L{n}:{c[:60]}" for n, c in COMMANDS])
 def test_readme_command(line_no, command, tmp_path, monkeypatch):
-    key = shlex.join(shlex.split(command, comments=True))
-    if key in KNOWN_BROKEN:
-        try:
-            for argv in _split(command):
-                _run_simple(argv, tmp_path, monkeypatch)
-        except AssertionError:
-            pytest.xfail(f"README line {line_no}: {KNOWN_BROKEN[key]}")
-        pytest.fail(f"README line {line_no} runs now: remove {key!r} from KNOWN_BROKEN")
     for argv in _split(command):
         _run_simple(argv, tmp_path, monkeypatch)
-
-
-@pytest.mark.parametrize("command", sorted(KNOWN_BROKEN))
-def test_known_broken_lines_are_still_in_the_readme(command):
-    """An entry of KNOWN_BROKEN whose line was fixed or removed must be dropped from it."""
-    keys = {shlex.join(shlex.split(c, comments=True)) for _, c in COMMANDS}
-    assert command in keys, f"{command!r} is no longer in README.md: remove it from KNOWN_BROKEN"
 
 
 def test_uncovered_command_fails(tmp_path, monkeypatch):
