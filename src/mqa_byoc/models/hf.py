@@ -142,6 +142,10 @@ def _torch():
     return torch
 
 
+# how import_hf calls from_exported_program (see its docstring)
+CONVERTS = ("native", "fixes", "standard")
+
+
 class HFImport(NamedTuple):
     """What :func:`import_hf` returns (unpacks as ``mod, params, reference``)."""
 
@@ -321,9 +325,24 @@ def native_dtype_convert_map() -> dict:
     }
 
 
-def _wrapper(model, mode: str, num_layers: int, use_cache: bool):
+def _seed_cache(cache, keys, values):
+    """Start every layer of a fresh ``DynamicCache`` from 4-D ``keys``/``values`` (zero-length for a
+    prefill) instead of its lazy ``torch.tensor([])``: TVM's frontend rejects torch.cat onto that 1-D
+    empty tensor ("Concat expects all input tensors to have same ndim"), so a standard import
+    (no custom convert map) of a cached export needs this. The cache itself then behaves as usual."""
+    for layer in cache.layers:
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+
+
+def _wrapper(model, mode: str, num_layers: int, use_cache: bool, seed_cache: bool = False):
+    """The exported function (see :func:`import_hf`); ``seed_cache``: :func:`_seed_cache` first."""
     torch = _torch()
     from transformers import DynamicCache
+
+    cfg = model.config
+    hkv = cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
     class Prefill(torch.nn.Module):
         def __init__(self):
@@ -334,6 +353,10 @@ def _wrapper(model, mode: str, num_layers: int, use_cache: bool):
             if not use_cache:
                 return self.model(input_ids=input_ids, use_cache=False).logits
             cache = DynamicCache(config=self.model.config)
+            if seed_cache:
+                dt = next(self.model.parameters()).dtype
+                empty = torch.zeros(input_ids.shape[0], hkv, 0, d, dtype=dt)
+                _seed_cache(cache, empty, empty)
             out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
             res = [out.logits]
             for i in range(num_layers):
@@ -347,6 +370,8 @@ def _wrapper(model, mode: str, num_layers: int, use_cache: bool):
 
         def forward(self, input_ids, *past):
             cache = DynamicCache(config=self.model.config)
+            if seed_cache:
+                _seed_cache(cache, past[0][:, :, :0], past[1][:, :, :0])
             for i in range(num_layers):
                 cache.update(past[2 * i], past[2 * i + 1], i)
             past_len = past[0].shape[2]
@@ -360,6 +385,18 @@ def _wrapper(model, mode: str, num_layers: int, use_cache: bool):
             return tuple(res)
 
     return Prefill() if mode == "prefill" else Decode()
+
+
+def _bind_specialized_dims(func):
+    """A dimension torch.export specialized (a ``Dim.AUTO`` pinned by a guard, e.g. the past length
+    of a sliding-window decode) reaches TVM's frontend as a symbolic variable NAMED after its value
+    ("6"): nothing relates it to 6, so shapes computed from it cannot be proven equal to the real
+    ones (the K/V expansion would then be kept). Bind such variables to their values."""
+    from tvm import relax
+
+    named = {v: int(v.name) for v in relax.analysis.free_symbolic_vars(func) if v.name.isdigit()}
+    named.update({v: int(v.name) for v in relax.analysis.defined_symbolic_vars(func) if v.name.isdigit()})
+    return func.bind_symbolic_vars(named) if named else func
 
 
 def import_hf(
@@ -376,6 +413,7 @@ def import_hf(
     matmul_dtype: str = "native",
     mixed_precision: bool = False,
     seed: int = 0,
+    convert: str | None = None,
 ) -> HFImport:
     """Export ``model`` with ``torch.export`` and import it with ``from_exported_program``.
 
@@ -392,8 +430,22 @@ def import_hf(
       the logits only; HF then adds its packed-sequence detection to the mask
       (``diff``/``cumsum``/``index_tensor``), whose shapes the frontend cannot infer with
       ``dynamic=True`` ("non-symbolic shape is not supported" at build).
-    - ``matmul_dtype``: "native" (:func:`native_dtype_convert_map`) or "float32" (the frontend's
-      default); ``mixed_precision`` then applies ``ToMixedPrecision(out_dtype="float16")``.
+    - ``convert``: how ``from_exported_program`` is called.
+
+      - ``"native"`` (default): ``custom_convert_map=native_dtype_convert_map()`` (matmuls keep
+        torch's dtypes; includes the frontend fixes);
+      - ``"fixes"``: ``custom_convert_map=fixes_convert_map()`` only (the frontend's float32 matmuls);
+      - ``"standard"``: no custom convert map, what a user who knows none of this module runs.
+        The frontend's bugs then stay: with a cache the wrapper starts each cache layer from a
+        4-D tensor (:func:`_seed_cache`; HF's lazy 1-D ``torch.tensor([])`` fails the import), and
+        without one (``use_cache=False``) the mask keeps a ``cumsum`` of bools typed bool, which
+        LLVM cannot compile: the model builds only once the mask is gone, i.e. after every site
+        is offloaded. The attention is float32 (the frontend's matmuls return float32 even in an
+        fp16 model): use ``mixed_precision=True``.
+
+      ``matmul_dtype`` is the older spelling: "native" -> ``convert="native"``, "float32" ->
+      ``"fixes"`` (ignored when ``convert`` is given).
+    - ``mixed_precision``: apply ``ToMixedPrecision(out_dtype="float16")`` after the import.
 
     Returns :class:`HFImport` ``(mod, params, reference)``; ``reference(*inputs)`` runs the torch
     model eagerly on numpy inputs (the same ones ``main`` takes before the weights) and returns
@@ -408,11 +460,15 @@ def import_hf(
         raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
     if matmul_dtype not in ("native", "float32"):
         raise ValueError(f"matmul_dtype must be 'native' or 'float32', got {matmul_dtype!r}")
+    if convert is None:
+        convert = "native" if matmul_dtype == "native" else "fixes"
+    if convert not in CONVERTS:
+        raise ValueError(f"convert must be one of {CONVERTS}, got {convert!r}")
     cfg = model.config
     n_layers = cfg.num_hidden_layers
     hkv = cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    wrapper = _wrapper(model, mode, n_layers, use_cache).eval()
+    wrapper = _wrapper(model, mode, n_layers, use_cache, seed_cache=convert == "standard").eval()
     if dynamic:  # an example size of 1 would be specialized
         batch, seq_len, past_len = max(batch, 2), max(seq_len, 2), max(past_len, 2)
     gen = torch.Generator().manual_seed(seed)
@@ -434,15 +490,13 @@ def import_hf(
             dyn = ({0: bdim}, tuple({0: bdim, 2: pdim} for _ in range(2 * n_layers)))
     with torch.no_grad():
         ep = torch.export.export(wrapper, tuple(args), dynamic_shapes=dyn)
+    convert_map = {"native": native_dtype_convert_map, "fixes": fixes_convert_map,
+                   "standard": lambda: None}[convert]()
     mod = from_exported_program(
-        ep,
-        keep_params_as_input=True,
-        unwrap_unit_return_tuple=True,
-        custom_convert_map=(
-            native_dtype_convert_map() if matmul_dtype == "native" else fixes_convert_map()
-        ),
+        ep, keep_params_as_input=True, unwrap_unit_return_tuple=True, custom_convert_map=convert_map
     )
     mod, params = detach_params(mod)
+    mod["main"] = _bind_specialized_dims(mod["main"])
     if mixed_precision:
         mod = relax.transform.ToMixedPrecision(out_dtype="float16")(mod)
     np_params = [p.numpy() for p in params["main"]]
