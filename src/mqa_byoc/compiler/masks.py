@@ -24,8 +24,10 @@ from tvm.ir.expr import Constant
 from .trace import Bindings, op_name
 
 # A masked logit must vanish after softmax. FA2 masks to exactly zero weight; a graph's mask gives
-# exp(masked - rowmax) which is 0 in float32 below about -104 and in every case below this bound.
-MASKED_LOGIT_BOUND = -1.0e4
+# exp(masked - rowmax), which is 0 in float32 once masked - rowmax < -104: at or below this bound
+# whenever some visible logit of the row is above -1900 (a softmax whose every logit is below that is
+# degenerate). Low enough for fp16's finfo.min (-65504) applied before a 1/sqrt(D) scale, D <= 256.
+MASKED_LOGIT_BOUND = -2048.0
 _SAMPLE_LENGTHS = (1, 2, 5, 16, 37)
 # integer constants up to this are treated as possible length thresholds
 _MAX_THRESHOLD = 1 << 24
@@ -161,7 +163,10 @@ class MaskEvaluator:
                 relax.analysis.post_order_visit(e, scan_prim)
         return found
 
-    def _run(self, expr, bindings: Bindings, sym_values):
+    def subgraph(self, expr, bindings: Bindings) -> list:
+        """The bound vars ``expr`` is computed from, in order; a MaskError names a runtime input."""
+        if isinstance(expr, Constant):
+            return []
         needed, order = set(), []
 
         def visit(e):
@@ -185,6 +190,10 @@ class MaskEvaluator:
                     visit(f)
 
         visit(expr)
+        return order
+
+    def _run(self, expr, bindings: Bindings, sym_values):
+        order = self.subgraph(expr, bindings)
         if len(order) > 200:
             raise MaskError("the mask sub-graph is too large to evaluate at compile time")
         block_bindings, scan_inputs = _bool_scans_in_int([bindings.binding[v] for v in order])
@@ -374,11 +383,21 @@ def allowed_from_mask(kind: str, value: np.ndarray, s_q: int, s_kv: int, post_sc
         raise AssertionError(kind)
     # hidden: value * post_scale <= MASKED_LOGIT_BOUND, without a float64 copy of the mask
     if post_scale > 0:
-        hidden = first <= MASKED_LOGIT_BOUND / post_scale
+        hidden = _compare(first, MASKED_LOGIT_BOUND / post_scale, below=True)
     elif post_scale < 0:
-        hidden = first >= MASKED_LOGIT_BOUND / post_scale
+        hidden = _compare(first, MASKED_LOGIT_BOUND / post_scale, below=False)
     else:
         hidden = np.zeros(first.shape, dtype=bool)
     if not (visible | hidden).all():
         raise MaskError("the mask holds values that are neither 0 nor a large negative number (a bias)")
     return np.ascontiguousarray(visible)
+
+
+def _compare(values: np.ndarray, threshold: float, below: bool) -> np.ndarray:
+    """values <= threshold (``below``) or >= threshold, in the values' own dtype (no float64 copy):
+    a threshold past the dtype's finite range is met by every value or only by one infinity."""
+    if values.dtype.kind == "f" and abs(threshold) > float(np.finfo(values.dtype).max):
+        if (threshold > 0) == below:  # e.g. <= +huge: every value
+            return np.ones(values.shape, dtype=bool)
+        return np.isneginf(values) if below else np.isposinf(values)
+    return values <= threshold if below else values >= threshold
