@@ -183,3 +183,44 @@ def test_scale_cast_from_float32_reaches_fa2_rounded(dtype, rounded):
     assert site.offloaded, site.reason
     assert site.scale == rounded
     assert _attention_scales(partition_for_cutlass(mod)) == [pytest.approx(rounded, rel=1e-7)]
+
+
+# ----------------------------------------------------------------------------- bool cumsum in a mask
+def _packed_sequence_mask_chain(flag_below, s=8, h=8, hkv=2, d=64):
+    """HF's cache-less causal mask as TVM's frontend emits it: a segment id per position from a
+    ``cumsum`` of bools typed bool (torch: int64), keys visible when causal and in the same segment.
+    ``flag_below``: positions < this start a new segment (0: none, what positions 0..S-1 give)."""
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", relax.TensorType([1, h, s, d], F16))
+    k = relax.Var("k", relax.TensorType([1, hkv, s, d], F16))
+    v = relax.Var("v", relax.TensorType([1, hkv, s, d], F16))
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            pos = bb.emit(R.arange(0, s, 1, "int64"))
+            flag = bb.emit(R.less(pos, relax.const(flag_below, "int64")))
+            segment = bb.emit(R.cumsum(flag, axis=-1))
+            assert str(segment.ty.dtype) == "bool"
+            causal = bb.emit(R.less_equal(R.expand_dims(pos, [0]), R.expand_dims(pos, [1])))
+            same = bb.emit(R.equal(R.expand_dims(segment, [1]), R.expand_dims(segment, [0])))
+            ok = bb.emit(R.logical_and(causal, same))
+            kk = bb.emit(R.repeat(k, h // hkv, axis=1))
+            vv = bb.emit(R.repeat(v, h // hkv, axis=1))
+            scores = bb.emit(R.multiply(R.matmul(q, R.permute_dims(kk, [0, 1, 3, 2])), relax.const(d ** -0.5, F16)))
+            masked = bb.emit(R.where(ok, scores, relax.const(-65504.0, F16)))
+            o = bb.emit_output(R.matmul(R.nn.softmax(masked, axis=-1), vv))
+        bb.emit_func_output(o)
+    return bb.get()
+
+
+def test_bool_cumsum_of_all_false_is_evaluated():
+    """LLVM cannot build a bool cumsum (nor compare bools); the evaluator computes it in int32."""
+    (site,) = offload_report(_packed_sequence_mask_chain(0))
+    assert site.offloaded, site.reason
+    assert site.causal == "BottomRight"
+
+
+def test_bool_cumsum_of_anything_else_is_rejected():
+    """With a True in its input a bool cumsum has no single meaning (a sum cast to bool? mod 2?)."""
+    (site,) = offload_report(_packed_sequence_mask_chain(3))
+    assert not site.offloaded
+    assert "cumulative sum of a bool tensor that is not all False" in site.reason

@@ -196,7 +196,7 @@ class MaskEvaluator:
         order = self.subgraph(expr, bindings)
         if len(order) > 200:
             raise MaskError("the mask sub-graph is too large to evaluate at compile time")
-        block_bindings, scan_inputs = _bool_scans_in_int([bindings.binding[v] for v in order])
+        block_bindings, scan_inputs = _buildable([bindings.binding[v] for v in order])
         # the function returns the mask and the inputs of the bool scans (checked all False below)
         result = relax.Tuple([expr, *scan_inputs])
         out = relax.Var("mask_value", result.ty)
@@ -249,9 +249,11 @@ def _not_evaluated(err) -> str:
     return f"the mask could not be evaluated at compile time ({type(err).__name__}{detail})"
 
 
-def _bool_scans_in_int(block_bindings):
-    """The bindings with every ``R.cumsum`` of a bool tensor into bool computed in int32 and every
-    comparison of bools made on int8, and the scanned bool inputs.
+def _buildable(block_bindings):
+    """The mask's bindings rewritten around what TVM's frontend emits and its lowering cannot build,
+    and the inputs of the bool scans: a ``cumsum`` of bools into bool is computed in int32; bools are
+    compared as int8; a binary op whose operand shapes are equal but not provably so (min/max of
+    lengths) gets them equal by a runtime-checked match_cast; strided_slice axes become positive.
 
     TVM's PyTorch frontend keeps the dtype of ``torch.cumsum`` on bools as bool (torch sums in
     int64), which LLVM cannot compile; HF's packed-sequence detection (``use_cache=False``) puts one
