@@ -568,14 +568,14 @@ def kv_expansions_left(mod, func: str = "main") -> list[str]:
 
     left = []
 
-    def dims(ty):
-        return [int(x) if hasattr(x, "value") else str(x) for x in ty.shape]
+    def dims(ty):  # None: unknown, so not provably a no-op
+        return None if ty.shape is None else [int(x) if hasattr(x, "value") else str(x) for x in ty.shape]
 
     def visit(e):
         if isinstance(e, relax.Call) and getattr(e.op, "name", None) in (
                 "relax.broadcast_to", "relax.repeat", "relax.tile"):
             src, dst = dims(e.args[0].ty), dims(e.ty)
-            if len(dst) >= 4 and src != dst:
+            if e.ty.ndim >= 4 and (src is None or src != dst):
                 left.append(f"{e.op.name} {src} -> {dst}")
 
     relax.analysis.post_order_visit(mod[func].body, visit)
