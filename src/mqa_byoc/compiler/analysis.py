@@ -48,6 +48,8 @@ class AttentionSite:
     out_labels: list = field(default_factory=list)
     reason: str | None = None
     note: str | None = None
+    # why FA2 cannot take K/V before their expansion (a tile of several heads, ...); None: it can
+    expansion_problem: str | None = None
     # chain pieces kept for the rewrite
     mask_ops: list = field(default_factory=list)
 
@@ -74,17 +76,36 @@ def find_sites(func_name: str, func: relax.Function, evaluator: masks.MaskEvalua
     for var, value in bindings.value.items():
         name = op_name(value)
         if name in ("relax.nn.attention", "relax.nn.attention_bias"):
-            sites.append(_attention_call_site(func_name, var, value, bindings, evaluator,
-                                              allow_kv_expansion))
+            build = _attention_call_site
         elif name == "relax.nn.attention_var_len":
             from .varlen import var_len_site  # varlen imports this module
 
             sites.append(var_len_site(func_name, var, value, bindings, allow_kv_expansion))
+            continue
         elif name == "relax.matmul":
-            site = _chain_site(func_name, var, value, bindings, evaluator, allow_kv_expansion)
-            if site is not None:
-                sites.append(site)
+            build = _chain_site
+        else:
+            continue
+        site = build(func_name, var, value, bindings, evaluator, allow_kv_expansion)
+        if site is not None and site.reason and site.expansion_problem and allow_kv_expansion:
+            # The expansion is not FA2's, and the site is rejected: the reason that counts is why it
+            # cannot be offloaded on the expanded K/V either; K/V heads as the graph's attention sees them
+            plain = build(func_name, var, value, bindings, evaluator, False)
+            if plain.reason:
+                plain.note = f"K/V expansion kept: {site.expansion_problem}"
+                site = plain
+        if site is not None:
+            sites.append(site)
     return sites
+
+
+def require_module(mod, what: str):
+    """``what`` takes a whole module: a clear TypeError for anything else (a function, a path)."""
+    import tvm
+
+    if not isinstance(mod, tvm.IRModule):
+        hint = " (wrap a function: tvm.IRModule({'main': func}))" if isinstance(mod, relax.Function) else ""
+        raise TypeError(f"{what} expects a tvm.IRModule (a Relax module), got {type(mod).__name__}{hint}")
 
 
 # ----------------------------------------------------------------------------- R.nn.attention roots
@@ -367,7 +388,8 @@ def _common_checks(site: AttentionSite):
     q, k, v = site.q, site.k, site.v
     for name, t in (("K", k), ("V", v)):
         if t.problem:
-            return site.reject(f"{name}: {t.problem}")
+            site.expansion_problem = f"{name}: {t.problem}"
+            return site.reject(site.expansion_problem)
     for name, t in (("Q", q), ("K", k), ("V", v)):
         if t.layout() is None:
             return site.reject(f"{name} reaches attention through an unsupported layout {t.labels}")
@@ -376,7 +398,9 @@ def _common_checks(site: AttentionSite):
     if "Hkv" in q.labels:
         return site.reject("the query is expanded")
     if (k.expansion, k.factor) != (v.expansion, v.factor):
-        return site.reject(f"K and V are expanded differently ({k.expansion} x{k.factor} vs {v.expansion} x{v.factor})")
+        site.expansion_problem = (f"K and V are expanded differently ({k.expansion} x{k.factor} vs "
+                                  f"{v.expansion} x{v.factor})")
+        return site.reject(site.expansion_problem)
     qs, ks, vs = shape_of(q.source), shape_of(k.source), shape_of(v.source)
     dtypes = {t.kernel_dtype() for t in (q, k, v)}
     site.dtype = q.kernel_dtype() or str(q.entry_dtype)
@@ -390,6 +414,7 @@ def _common_checks(site: AttentionSite):
         k.expansion = v.expansion = BROADCAST  # MQA through matmul broadcasting
         k.factor = v.factor = h
     site.num_kv_heads = hkv
+    site.expansion_problem = _expansion_problem(k, h, hkv)
     if None in (h, hkv, d, dk, dv):
         return site.reject("the head count or head dim is symbolic")
     if None in dtypes or site.dtype not in SUPPORTED_DTYPES:
@@ -401,15 +426,10 @@ def _common_checks(site: AttentionSite):
         return site.reject(f"head dims differ (q {d}, k {dk}, v {dv})")
     if d > MAX_HEAD_DIM or d % 8:
         return site.reject(f"head dim {d}: FA2 needs a multiple of 8 up to {MAX_HEAD_DIM}")
-    if k.expansion is None:
-        if hkv != h and site.form not in FUSED_FORMS:
-            return site.reject(f"{h} query heads against {hkv} K/V heads without an expansion")
-    else:
-        if hkv * k.factor != h:
-            return site.reject(f"K/V expanded {hkv} x {k.factor} heads, but the query has {h}")
-        if k.expansion == TILE and hkv != 1:
-            return site.reject("K/V expanded with tile: query head h would use K/V head h % H_kv, "
-                               "FA2 uses h // (H / H_kv)")
+    if k.expansion is None and hkv != h and site.form not in FUSED_FORMS:
+        return site.reject(f"{h} query heads against {hkv} K/V heads without an expansion")
+    if site.expansion_problem:
+        return site.reject(site.expansion_problem)
     if h % hkv:
         return site.reject(f"{h} query heads are not a multiple of {hkv} K/V heads")
     b_q, b_k, b_v = (shape_of(t.source)[t.labels.index("B")] for t in (q, k, v))
@@ -418,6 +438,16 @@ def _common_checks(site: AttentionSite):
     if not prove_equal(_seq_len(k), _seq_len(v)):
         return site.reject("K and V sequence lengths differ")
     return site
+
+
+def _expansion_problem(k: Traced, h, hkv) -> str | None:
+    if k.expansion is None or None in (h, hkv):
+        return None
+    if hkv * k.factor != h:
+        return f"K/V expanded {hkv} x {k.factor} heads, but the query has {h}"
+    if k.expansion == TILE and hkv != 1:
+        return "K/V expanded with tile: query head h would use K/V head h % H_kv, FA2 uses h // (H / H_kv)"
+    return None
 
 
 def _prove_masks(site, bindings, evaluator, post_scale=None, scales=None):
@@ -434,6 +464,7 @@ def _prove_masks(site, bindings, evaluator, post_scale=None, scales=None):
     try:
         thresholds = set()
         for kind, mask_expr in site.mask_ops:
+            evaluator.subgraph(mask_expr, bindings)  # a runtime input (bias, padding) is the reason
             thresholds |= evaluator.thresholds(mask_expr, bindings)
         for values in masks.sample_bindings(sym, thresholds):
             sq, skv = (_substitute(e, values) for e in (s_q, s_kv))

@@ -24,8 +24,10 @@ from tvm.ir.expr import Constant
 from .trace import Bindings, op_name
 
 # A masked logit must vanish after softmax. FA2 masks to exactly zero weight; a graph's mask gives
-# exp(masked - rowmax) which is 0 in float32 below about -104 and in every case below this bound.
-MASKED_LOGIT_BOUND = -1.0e4
+# exp(masked - rowmax), which is 0 in float32 once masked - rowmax < -104: at or below this bound
+# whenever some visible logit of the row is above -1900 (a softmax whose every logit is below that is
+# degenerate). Low enough for fp16's finfo.min (-65504) applied before a 1/sqrt(D) scale, D <= 256.
+MASKED_LOGIT_BOUND = -2048.0
 _SAMPLE_LENGTHS = (1, 2, 5, 16, 37)
 # integer constants up to this are treated as possible length thresholds
 _MAX_THRESHOLD = 1 << 24
@@ -161,7 +163,10 @@ class MaskEvaluator:
                 relax.analysis.post_order_visit(e, scan_prim)
         return found
 
-    def _run(self, expr, bindings: Bindings, sym_values):
+    def subgraph(self, expr, bindings: Bindings) -> list:
+        """The bound vars ``expr`` is computed from, in order; a MaskError names a runtime input."""
+        if isinstance(expr, Constant):
+            return []
         needed, order = set(), []
 
         def visit(e):
@@ -185,36 +190,127 @@ class MaskEvaluator:
                     visit(f)
 
         visit(expr)
+        return order
+
+    def _run(self, expr, bindings: Bindings, sym_values):
+        order = self.subgraph(expr, bindings)
         if len(order) > 200:
             raise MaskError("the mask sub-graph is too large to evaluate at compile time")
-        block_bindings = [bindings.binding[v] for v in order]
-        out = relax.Var("mask_value", expr.ty)
-        block_bindings.append(relax.VarBinding(out, expr))
+        block_bindings, scan_inputs = _buildable([bindings.binding[v] for v in order])
+        # the function returns the mask and the inputs of the bool scans (checked all False below)
+        result = relax.Tuple([expr, *scan_inputs])
+        out = relax.Var("mask_value", result.ty)
+        block_bindings.append(relax.VarBinding(out, result))
         if any(isinstance(v, relax.DataflowVar) for v in order):
             blocks = [relax.DataflowBlock(block_bindings)]
         else:
             blocks = [relax.BindingBlock(block_bindings)]
         body = relax.SeqExpr(blocks, out)
-        free = sorted(relax.analysis.free_symbolic_vars(relax.Function([], body, ret_ty=expr.ty)), key=str)
+        free = sorted(relax.analysis.free_symbolic_vars(relax.Function([], body, ret_ty=out.ty)), key=str)
         # the symbolic variables enter through one shape parameter, so one build serves every sample
         shape_param = relax.Var("lengths", relax.ShapeType(free))
-        func = relax.Function([shape_param], body, ret_ty=expr.ty).with_attr("global_symbol", "mask_main")
+        func = relax.Function([shape_param], body, ret_ty=out.ty).with_attr("global_symbol", "mask_main")
         values = [int(sym_values.get(v, 2)) for v in free]  # unrelated vars (e.g. batch): any value
         key = (expr, "vm")
         if key not in self._cache:
-            mod = tvm.IRModule({"mask_main": func})
-            for gv, f in self.mod.functions.items():
-                if isinstance(f, tirx.PrimFunc):
-                    mod[gv] = f
             try:
-                ex = relax.build(mod, target="llvm")
-                self._cache[key] = relax.VirtualMachine(ex, tvm.cpu())
-            except Exception as err:  # noqa: BLE001 - any failure means "cannot prove"
-                raise MaskError(f"the mask could not be evaluated at compile time ({type(err).__name__})") from None
+                self._cache[key] = self._build(func)
+            except Exception as err:  # noqa: BLE001 - tried again per sample below
+                self._cache[key] = err
         try:
-            return self._cache[key]["mask_main"](tvm.runtime.ShapeTuple(values)).numpy()
-        except Exception as err:  # noqa: BLE001
-            raise MaskError(f"the mask could not be evaluated at compile time ({type(err).__name__})") from None
+            if isinstance(self._cache[key], Exception):
+                # Shapes the graph left unknown (or symbolic ones TVM cannot lower): bound to the
+                # sample, every shape is static and inferred again
+                static = func.bind_symbolic_vars(dict(zip(free, values)))
+                static = relax.Function([], static.body, ret_ty=static.body.ty).with_attr(
+                    "global_symbol", "mask_main")
+                result = self._build(static)["mask_main"]()
+            else:
+                result = self._cache[key]["mask_main"](tvm.runtime.ShapeTuple(values))
+            mask, *scanned = (x.numpy() for x in result)
+        except Exception as err:  # noqa: BLE001 - any failure means "cannot prove"
+            raise MaskError(_not_evaluated(err)) from None
+        if any(x.any() for x in scanned):
+            raise MaskError("the mask takes a cumulative sum of a bool tensor that is not all False "
+                            "(TVM's PyTorch frontend types torch's int64 cumsum of bools as bool)")
+        return mask
+
+    def _build(self, func):
+        mod = tvm.IRModule({"mask_main": func})
+        for gv, f in self.mod.functions.items():
+            if isinstance(f, tirx.PrimFunc):
+                mod[gv] = f
+        return relax.VirtualMachine(relax.build(mod, target="llvm"), tvm.cpu())
+
+
+def _not_evaluated(err) -> str:
+    first = (str(err).strip().splitlines() or [""])[-1].strip()[:160]
+    detail = f": {first}" if first else ""
+    return f"the mask could not be evaluated at compile time ({type(err).__name__}{detail})"
+
+
+def _buildable(block_bindings):
+    """The mask's bindings rewritten around what TVM's frontend emits and its lowering cannot build,
+    and the inputs of the bool scans: a ``cumsum`` of bools into bool is computed in int32; bools are
+    compared as int8; a binary op whose operand shapes are equal but not provably so (min/max of
+    lengths) gets them equal by a runtime-checked match_cast; strided_slice axes become positive.
+
+    TVM's PyTorch frontend keeps the dtype of ``torch.cumsum`` on bools as bool (torch sums in
+    int64), which LLVM cannot compile; HF's packed-sequence detection (``use_cache=False``) puts one
+    into every causal mask. A bool cumsum has no single meaning, but every reading of it (a sum cast
+    to bool, a running OR, a sum mod 2) maps an all-False input to all False, and that is the input
+    HF's mask has for positions 0..S-1: the caller checks that the inputs it returns are all False.
+    """
+    out, scanned = [], []
+    for b in block_bindings:
+        value = b.value if isinstance(b, relax.VarBinding) else None
+        if op_name(value) == "relax.cumsum" and str(value.args[0].ty.dtype) == "bool" and \
+                str(b.var.ty.dtype) == "bool":
+            x = value.args[0]
+            xs = x
+            if x.ty.shape is None and x.ty.ndim >= 0:
+                # TVM lowers a scan only with a known (possibly symbolic) shape: name the dims
+                dims = [tirx.Var(f"{b.var.name}_n{i}", "int64") for i in range(x.ty.ndim)]
+                xs = relax.Var(f"{b.var.name}_in", relax.TensorType(dims, "bool"))
+                out.append(relax.MatchCast(xs, x, xs.ty))
+            axis = value.attrs.axis
+            if axis is not None and x.ty.ndim > 0:
+                axis = int(axis) % x.ty.ndim  # the scan lowering takes no negative axis
+            summed = relax.op.cumsum(relax.op.astype(xs, "int32"), axis, "int32", value.attrs.exclusive)
+            b = relax.VarBinding(b.var, relax.op.astype(summed, "bool"))
+            scanned.append(x)
+        elif op_name(value) in _COMPARISONS and all(str(a.ty.dtype) == "bool" for a in value.args):
+            # LLVM codegen compares bools as floats ("fcmp ... i1"): compare them as int8
+            a, c = (relax.op.astype(x, "int8") for x in value.args)
+            b = relax.VarBinding(b.var, relax.Call(value.op, [a, c], value.attrs))
+        elif op_name(value) in _BINARY and b.var.ty.shape is None and _same_rank_shaped(value.args):
+            # the frontend's shapes are equal but not provably (min/max of lengths): LegalizeOps skips
+            # an op whose output shape is unknown, so say they are equal (the VM checks it)
+            first, other = value.args
+            cast = relax.Var(f"{b.var.name}_rhs", relax.TensorType(first.ty.shape, other.ty.dtype))
+            out.append(relax.MatchCast(cast, other, cast.ty))
+            b = relax.VarBinding(b.var, relax.Call(value.op, [first, cast], value.attrs))
+        elif op_name(value) == "relax.strided_slice" and value.args[0].ty.ndim > 0 and \
+                isinstance(value.args[1], relax.Tuple):
+            # the dynamic strided_slice lowering takes no negative axis
+            ndim = value.args[0].ty.ndim
+            axes = [int(a.value) % ndim for a in value.args[1].fields]
+            b = relax.VarBinding(b.var, relax.Call(value.op, [value.args[0], relax.Tuple(
+                [tirx.IntImm("int64", a) for a in axes]), *value.args[2:]], value.attrs))
+        out.append(b)
+    return out, scanned
+
+
+def _same_rank_shaped(args) -> bool:
+    return all(isinstance(a.ty, relax.TensorType) and a.ty.shape is not None for a in args) and \
+        len({a.ty.ndim for a in args}) == 1
+
+
+_BINARY = ("relax.add", "relax.subtract", "relax.multiply", "relax.equal", "relax.not_equal",
+           "relax.less", "relax.less_equal", "relax.greater", "relax.greater_equal", "relax.bitwise_and",
+           "relax.logical_and")
+_COMPARISONS = ("relax.equal", "relax.not_equal", "relax.less", "relax.less_equal", "relax.greater",
+                "relax.greater_equal")
 
 
 def _prim_func_ints(func) -> list[int]:
@@ -289,11 +385,21 @@ def allowed_from_mask(kind: str, value: np.ndarray, s_q: int, s_kv: int, post_sc
         raise AssertionError(kind)
     # hidden: value * post_scale <= MASKED_LOGIT_BOUND, without a float64 copy of the mask
     if post_scale > 0:
-        hidden = first <= MASKED_LOGIT_BOUND / post_scale
+        hidden = _compare(first, MASKED_LOGIT_BOUND / post_scale, below=True)
     elif post_scale < 0:
-        hidden = first >= MASKED_LOGIT_BOUND / post_scale
+        hidden = _compare(first, MASKED_LOGIT_BOUND / post_scale, below=False)
     else:
         hidden = np.zeros(first.shape, dtype=bool)
     if not (visible | hidden).all():
         raise MaskError("the mask holds values that are neither 0 nor a large negative number (a bias)")
     return np.ascontiguousarray(visible)
+
+
+def _compare(values: np.ndarray, threshold: float, below: bool) -> np.ndarray:
+    """values <= threshold (``below``) or >= threshold, in the values' own dtype (no float64 copy):
+    a threshold past the dtype's finite range is met by every value or only by one infinity."""
+    if values.dtype.kind == "f" and abs(threshold) > float(np.finfo(values.dtype).max):
+        if (threshold > 0) == below:  # e.g. <= +huge: every value
+            return np.ones(values.shape, dtype=bool)
+        return np.isneginf(values) if below else np.isposinf(values)
+    return values <= threshold if below else values >= threshold

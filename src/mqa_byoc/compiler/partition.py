@@ -90,6 +90,7 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True) -> list[OffloadSite]:
     The result is computed by the same analysis the partition uses; ``offloaded`` sites become
     ``composite`` functions, the others keep their original graph and say why in ``reason``.
     """
+    analysis.require_module(mod, "offload_report")
     report = []
     for sites in _analyze(mod, mqa).values():
         for s in sites:
@@ -273,6 +274,7 @@ def partition_for_cutlass(
     from . import codegen  # noqa: F401 - registers relax.ext.flash_attn
     from .gqa_legalize import LegalizeGroupedAttention
 
+    analysis.require_module(mod, "partition_for_cutlass")
     if provider is not None and provider not in PROVIDERS:
         raise ValueError(f"provider must be one of {PROVIDERS} or None, got {provider!r}")
     sites = _analyze(mod, mqa)

@@ -127,18 +127,35 @@ class Bindings:
         return self.value.get(expr) if isinstance(expr, relax.Var) else None
 
     def resolve_scalar(self, expr):
-        """A constant scalar (possibly astype'd / reshaped), as a Python float, else None."""
+        """A constant scalar (possibly astype'd / reshaped), as a Python float, else None. Casts are
+        applied: ``astype(const(0.1, "float32"), "float16")`` is the float16 value the graph uses."""
+        casts = []
         while True:
             if isinstance(expr, Constant):
                 arr = expr.value.numpy()
                 if arr.size == 0:
                     return None
-                flat = arr.reshape(-1).astype("float64")
-                return float(flat[0]) if (flat == flat[0]).all() else None
+                flat = arr.reshape(-1)
+                if not (flat == flat[0]).all():
+                    return None
+                x = flat[:1]
+                for dtype in reversed(casts):
+                    x = x.astype(_np_dtype(dtype))
+                return float(x.astype("float64")[0])
             v = self.get(expr)
             if v is None or op_name(v) not in ("relax.astype", "relax.reshape", "relax.broadcast_to"):
                 return None
+            if op_name(v) == "relax.astype":
+                casts.append(str(v.attrs.dtype))
             expr = v.args[0]
+
+
+def _np_dtype(dtype: str):
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return dtype
 
 
 def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: bool = False) -> Traced:

@@ -15,6 +15,29 @@ Pipeline (what :func:`import_hf` does; a user with a real checkpoint runs the sa
     mod, params = relax.frontend.detach_params(mod)
     mod = mqa_byoc.partition_for_cutlass(mod, mqa=True)
 
+The standard path (no convert map of ours; ``import_hf(..., convert="standard", mixed_precision=True)``)
+--------------------------------------------------------------------------------------------------------
+A user who knows nothing of this module exports the model, imports it with plain
+``from_exported_program(ep)`` and runs ``relax.transform.ToMixedPrecision(out_dtype="float16")``
+(the reject reason of a float32 attention names it). Every layer's attention is then offloaded
+(Llama GQA / Mistral MQA, eager / sdpa, prefill / decode, static / dynamic shapes), with two
+limits of TVM's frontend that no partition can lift, since the import itself fails:
+
+- HF's ``DynamicCache`` starts each layer from a 1-D ``torch.tensor([])``; torch.cat skips it,
+  the frontend's concat rejects it ("Concat expects all input tensors to have same ndim"). Export
+  without a cache (``use_cache=False``, prefill only) or store each layer's first K/V without the
+  concat (:func:`_seed_cache`, what ``convert="standard"`` does; a zero-length 4-D start imports
+  but its zero-extent loops fail TVM's CUDA build).
+- An fp16 model gets float32 matmuls, so its new K/V are float32 and concatenating them onto an fp16
+  past fails ("Concat expects all input tensors to have the same dtype"): an fp16 model takes the
+  standard path for prefill only; export the float32 model for decode.
+
+Without a cache HF's mask adds packed-sequence detection, whose ``cumsum`` of bools the frontend
+types bool (LLVM cannot compile it; the original graph does not build); the mask evaluator computes
+it (it checks the input is all False, where every reading of a bool cumsum agrees) and the offloaded
+graph no longer contains it. A dynamic ``Dim.AUTO`` that torch.export pins (a sliding-window
+decode's past length) reaches TVM as a variable named after its value; :func:`import_hf` binds it.
+
 fp16: what the frontend emits, and how to get fp16 attention
 -------------------------------------------------------------
 ``from_exported_program`` converts ``aten.mm`` / ``bmm`` / ``matmul`` / ``linear`` to
@@ -140,6 +163,10 @@ def _torch():
     import torch
 
     return torch
+
+
+# how import_hf calls from_exported_program (see its docstring)
+CONVERTS = ("native", "fixes", "standard")
 
 
 class HFImport(NamedTuple):
@@ -321,7 +348,29 @@ def native_dtype_convert_map() -> dict:
     }
 
 
-def _wrapper(model, mode: str, num_layers: int, use_cache: bool):
+def _seed_cache(cache):
+    """Make the first ``update`` of every layer of a fresh ``DynamicCache`` store the given K/V as
+    they are, instead of concatenating them onto HF's lazy 1-D ``torch.tensor([])``: TVM's frontend
+    rejects that concat ("Concat expects all input tensors to have same ndim"), and a zero-length 4-D
+    start instead leaves zero-extent loops that TVM's CUDA scheduling (dlight) cannot build. Later
+    updates are HF's own. A sliding-window layer keeps the last w - 1 positions, as HF's does."""
+    for layer in cache.layers:
+        def first_update(key_states, value_states, *args, layer=layer, **kwargs):
+            del layer.update  # HF's update from now on
+            layer.lazy_initialization(key_states, value_states)
+            if getattr(layer, "is_sliding", False):
+                keep = layer.sliding_window - 1
+                layer.cumulative_length += key_states.shape[-2]
+                layer.keys, layer.values = key_states[:, :, -keep:, :], value_states[:, :, -keep:, :]
+            else:
+                layer.keys, layer.values = key_states, value_states
+            return key_states, value_states
+
+        layer.update = first_update
+
+
+def _wrapper(model, mode: str, num_layers: int, use_cache: bool, seed_cache: bool = False):
+    """The exported function (see :func:`import_hf`); ``seed_cache``: :func:`_seed_cache` first."""
     torch = _torch()
     from transformers import DynamicCache
 
@@ -334,6 +383,8 @@ def _wrapper(model, mode: str, num_layers: int, use_cache: bool):
             if not use_cache:
                 return self.model(input_ids=input_ids, use_cache=False).logits
             cache = DynamicCache(config=self.model.config)
+            if seed_cache:
+                _seed_cache(cache)
             out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
             res = [out.logits]
             for i in range(num_layers):
@@ -347,6 +398,8 @@ def _wrapper(model, mode: str, num_layers: int, use_cache: bool):
 
         def forward(self, input_ids, *past):
             cache = DynamicCache(config=self.model.config)
+            if seed_cache:
+                _seed_cache(cache)
             for i in range(num_layers):
                 cache.update(past[2 * i], past[2 * i + 1], i)
             past_len = past[0].shape[2]
@@ -360,6 +413,18 @@ def _wrapper(model, mode: str, num_layers: int, use_cache: bool):
             return tuple(res)
 
     return Prefill() if mode == "prefill" else Decode()
+
+
+def _bind_specialized_dims(func):
+    """A dimension torch.export specialized (a ``Dim.AUTO`` pinned by a guard, e.g. the past length
+    of a sliding-window decode) reaches TVM's frontend as a symbolic variable NAMED after its value
+    ("6"): nothing relates it to 6, so shapes computed from it cannot be proven equal to the real
+    ones (the K/V expansion would then be kept). Bind such variables to their values."""
+    from tvm import relax
+
+    named = {v: int(v.name) for v in relax.analysis.free_symbolic_vars(func) if v.name.isdigit()}
+    named.update({v: int(v.name) for v in relax.analysis.defined_symbolic_vars(func) if v.name.isdigit()})
+    return func.bind_symbolic_vars(named) if named else func
 
 
 def import_hf(
@@ -376,6 +441,7 @@ def import_hf(
     matmul_dtype: str = "native",
     mixed_precision: bool = False,
     seed: int = 0,
+    convert: str | None = None,
 ) -> HFImport:
     """Export ``model`` with ``torch.export`` and import it with ``from_exported_program``.
 
@@ -392,8 +458,22 @@ def import_hf(
       the logits only; HF then adds its packed-sequence detection to the mask
       (``diff``/``cumsum``/``index_tensor``), whose shapes the frontend cannot infer with
       ``dynamic=True`` ("non-symbolic shape is not supported" at build).
-    - ``matmul_dtype``: "native" (:func:`native_dtype_convert_map`) or "float32" (the frontend's
-      default); ``mixed_precision`` then applies ``ToMixedPrecision(out_dtype="float16")``.
+    - ``convert``: how ``from_exported_program`` is called.
+
+      - ``"native"`` (default): ``custom_convert_map=native_dtype_convert_map()`` (matmuls keep
+        torch's dtypes; includes the frontend fixes);
+      - ``"fixes"``: ``custom_convert_map=fixes_convert_map()`` only (the frontend's float32 matmuls);
+      - ``"standard"``: no custom convert map, what a user who knows none of this module runs.
+        The frontend's bugs then stay: with a cache the wrapper stores each layer's first K/V as
+        they are (:func:`_seed_cache`; HF's lazy 1-D ``torch.tensor([])`` fails the import), and
+        without one (``use_cache=False``) the mask keeps a ``cumsum`` of bools typed bool, which
+        LLVM cannot compile: the model builds only once the mask is gone, i.e. after every site
+        is offloaded. The attention is float32 (the frontend's matmuls return float32 even in an
+        fp16 model): use ``mixed_precision=True``. An fp16 model's decode does not import.
+
+      ``matmul_dtype`` is the older spelling: "native" -> ``convert="native"``, "float32" ->
+      ``"fixes"`` (ignored when ``convert`` is given).
+    - ``mixed_precision``: apply ``ToMixedPrecision(out_dtype="float16")`` after the import.
 
     Returns :class:`HFImport` ``(mod, params, reference)``; ``reference(*inputs)`` runs the torch
     model eagerly on numpy inputs (the same ones ``main`` takes before the weights) and returns
@@ -408,11 +488,15 @@ def import_hf(
         raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
     if matmul_dtype not in ("native", "float32"):
         raise ValueError(f"matmul_dtype must be 'native' or 'float32', got {matmul_dtype!r}")
+    if convert is None:
+        convert = "native" if matmul_dtype == "native" else "fixes"
+    if convert not in CONVERTS:
+        raise ValueError(f"convert must be one of {CONVERTS}, got {convert!r}")
     cfg = model.config
     n_layers = cfg.num_hidden_layers
     hkv = cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    wrapper = _wrapper(model, mode, n_layers, use_cache).eval()
+    wrapper = _wrapper(model, mode, n_layers, use_cache, seed_cache=convert == "standard").eval()
     if dynamic:  # an example size of 1 would be specialized
         batch, seq_len, past_len = max(batch, 2), max(seq_len, 2), max(past_len, 2)
     gen = torch.Generator().manual_seed(seed)
@@ -434,15 +518,13 @@ def import_hf(
             dyn = ({0: bdim}, tuple({0: bdim, 2: pdim} for _ in range(2 * n_layers)))
     with torch.no_grad():
         ep = torch.export.export(wrapper, tuple(args), dynamic_shapes=dyn)
+    convert_map = {"native": native_dtype_convert_map, "fixes": fixes_convert_map,
+                   "standard": lambda: None}[convert]()
     mod = from_exported_program(
-        ep,
-        keep_params_as_input=True,
-        unwrap_unit_return_tuple=True,
-        custom_convert_map=(
-            native_dtype_convert_map() if matmul_dtype == "native" else fixes_convert_map()
-        ),
+        ep, keep_params_as_input=True, unwrap_unit_return_tuple=True, custom_convert_map=convert_map
     )
     mod, params = detach_params(mod)
+    mod["main"] = _bind_specialized_dims(mod["main"])
     if mixed_precision:
         mod = relax.transform.ToMixedPrecision(out_dtype="float16")(mod)
     np_params = [p.numpy() for p in params["main"]]
@@ -475,6 +557,29 @@ def example_inputs(
             rng.standard_normal(shape).astype(dtype) for _ in range(2 * cfg.num_hidden_layers)
         ]
     return out
+
+
+def kv_expansions_left(mod, func: str = "main") -> list[str]:
+    """The K/V head expansions left in ``func``: ``broadcast_to`` / ``repeat`` / ``tile`` ops that
+    grow a tensor of rank >= 4 (HF's ``repeat_kv`` broadcasts (B, H_kv, r, S, D)). The others an HF
+    import keeps are not K/V's: the frontend's no-op ``broadcast_to`` before a batched matmul and,
+    in sdpa graphs, the o_proj weight broadcast to (B, K, N)."""
+    from tvm import relax
+
+    left = []
+
+    def dims(ty):  # None: unknown, so not provably a no-op
+        return None if ty.shape is None else [int(x) if hasattr(x, "value") else str(x) for x in ty.shape]
+
+    def visit(e):
+        if isinstance(e, relax.Call) and getattr(e.op, "name", None) in (
+                "relax.broadcast_to", "relax.repeat", "relax.tile"):
+            src, dst = dims(e.args[0].ty), dims(e.ty)
+            if e.ty.ndim >= 4 and (src is None or src != dst):
+                left.append(f"{e.op.name} {src} -> {dst}")
+
+    relax.analysis.post_order_visit(mod[func].body, visit)
+    return left
 
 
 def attention_ir_snippet(mod, *, layer: int = 0, func: str = "main") -> tuple[str, str]:

@@ -1,0 +1,290 @@
+#!/usr/bin/env python3
+"""Build the artifacts of ``tests/gpu/test_gpu_hf_standard.py`` (issue 10 item 1) on the build machine.
+
+The standard HF path, as a user who knows nothing of ``mqa_byoc.models.hf``'s convert maps runs it:
+a float32 ``LlamaForCausalLM`` / ``MistralForCausalLM`` (random weights from a config) exported with
+``torch.export``, imported with plain ``from_exported_program`` (no custom convert map), made fp16 with
+``relax.transform.ToMixedPrecision(out_dtype="float16")``, partitioned and built for sm_90::
+
+    import_hf(model, mode=..., convert="standard", mixed_precision=True)
+    partition_for_cutlass(mod, mqa=True, provider="native")       # and not partitioned at all ("tvm")
+    RunCodegen + relax.build(target sm_90, cuda_decoder_pipeline) + mqa_byoc.export_library
+
+Models (``MODELS``), 2 layers, hidden 256, vocab 512, head dim 64 (the FA2 kernels of
+``MQA_BYOC_KERNEL_DIR`` cover 32/64/128):
+
+- ``llama_gqa``: Llama, 8 query heads, 2 K/V heads, ``attn_implementation="eager"``;
+- ``mistral_mqa``: Mistral, 8 query heads, ONE K/V head, a sliding window of 16 (shorter than the
+  48-token prompt, so it matters), ``attn_implementation="sdpa"``.
+
+Each: prefill (B=2, S=48, returns logits and K/V caches) and one decode step whose past is the
+float32 eager prefill's caches (float32: the exported function takes the fp32 model's dtypes) and
+whose token is the greedy next token. The q/k projections are scaled as in ``build_hf_artifacts``
+(peaked attention).
+
+Written into ``--out`` (default ``.gpu-artifacts/hf-standard``): ``hf_standard.so`` (VM functions
+``<model>__<prefill|decode>__<mqa|tvm>``), per model ``weights.npz`` (float32; ToMixedPrecision casts
+them in the graph), ``inputs.npz``, ``reference.npz`` (float32 eager logits; fp16 eager top-1), and
+``manifest.json`` (shapes, reports, tolerances derived like build_hf_artifacts.tolerances(), provenance).
+
+Checks here (the build fails otherwise): every site of every function is offloaded as
+``flash_attn.attention_mqa`` with the model's heads / causal / window / scale; no K/V expansion op is
+left and each FA2 call gets H_kv heads; the library exports its FA2 functions.
+
+    MQA_BYOC_KERNEL_DIR=/work/kernels/fa2 nice python tools/gpu/build_hf_standard.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+for p in (ROOT / "src", ROOT / "tests", ROOT / "tests" / "gpu", ROOT / "tools" / "gpu"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+try:  # the HF GPU builder moves from tests/gpu/build_hf_artifacts.py to tools/gpu/build_hf.py
+    import build_hf as bh  # noqa: E402
+except ImportError:
+    import build_hf_artifacts as bh  # noqa: E402
+
+import build_artifacts as ba  # noqa: E402
+
+DEFAULT_OUT = ROOT / ".gpu-artifacts" / "hf-standard"
+LIBRARY = "hf_standard.so"
+VARIANTS = ("mqa", "tvm")
+MODES = ("prefill", "decode")
+FORMAT = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class StandardModel(bh.HFModel):
+    impl: str = "eager"
+
+    def config(self):
+        cfg = super().config()
+        cfg._attn_implementation = self.impl
+        return cfg
+
+
+MODELS = [
+    StandardModel("llama_gqa", "llama", heads=8, kv_heads=2, head_dim=64, hidden=256, intermediate=256, vocab=512,
+                  layers=2, window=None, rope_theta=10000.0, batch=2, seq_len=48, impl="eager",
+                  note="Llama, GQA 8/2, head dim 64, eager attention"),
+    StandardModel("mistral_mqa", "mistral", heads=8, kv_heads=1, head_dim=64, hidden=256, intermediate=256,
+                  vocab=512, layers=2, window=16, rope_theta=10000.0, batch=2, seq_len=48, impl="sdpa",
+                  note="Mistral, MQA (1 K/V head), head dim 64, window 16, sdpa attention"),
+]
+
+
+def standard_import(model, mode: str, spec, past_len: int):
+    from mqa_byoc.models import hf
+
+    return hf.import_hf(model, mode=mode, batch=spec.batch, seq_len=spec.seq_len, past_len=past_len,
+                        convert="standard", mixed_precision=True)
+
+
+def prepare_model(spec, out_dir: Path, seed: int):
+    """Weights, inputs, eager references and standard imports of one model."""
+    t0 = time.time()
+    model_dir = out_dir / spec.name
+    model_dir.mkdir(parents=True)
+    m16, m32, qk_std = bh.build_models(spec, seed)
+    rng = np.random.default_rng([seed, spec.vocab, spec.seq_len])
+    ids = rng.integers(0, spec.vocab, (spec.batch, spec.seq_len)).astype(np.int64)
+    p32 = bh.eager_deterministic(m32, "prefill", [ids])
+    p16 = bh.eager_deterministic(m16, "prefill", [ids])
+    next_ids = p32[0][:, -1].argmax(-1)[:, None].astype(np.int64)
+    past = [c.astype(np.float32) for c in p32[1:]]
+    d32 = bh.eager_deterministic(m32, "decode", [next_ids, *past])
+    d16 = bh.eager_deterministic(m16, "decode", [next_ids, *past])
+    past_len = past[0].shape[2]
+    e16 = {"prefill": {"logits": bh.error_stats(p16[0], p32[0], logits=True)},
+           "decode": {"logits": bh.error_stats(d16[0], d32[0], logits=True)}}
+
+    mains, funcs, params = {}, {}, None
+    for mode in MODES:
+        imp = standard_import(m32, mode, spec, past_len)
+        main = imp.mod["main"]
+        n_in = 1 if mode == "prefill" else 1 + 2 * spec.layers
+        wspec = [[p.name, bh._shape(p.ty), str(p.ty.dtype)] for p in main.params[n_in:]]
+        if params is None:
+            params = (wspec, imp.params)
+        elif wspec != params[0]:
+            raise SystemExit(f"{spec.name}: prefill and decode take different weights")
+        reports = bh.check_reports(spec, f"{spec.name}/{mode}", mode, imp.mod)
+        mains[mode] = main
+        funcs[mode] = {
+            "inputs": [[p.name, bh._shape(p.ty), str(p.ty.dtype)] for p in main.params[:n_in]],
+            "outputs": [["logits", bh._shape(main.ret_ty.fields[0]), str(main.ret_ty.fields[0].dtype)]],
+            "reports": reports, "fp16_eager_vs_fp32_eager": e16[mode],
+            "tolerances": bh.tolerances(e16[mode], ["logits"]),
+            "vm": {v: f"{spec.name}__{mode}__{v}" for v in VARIANTS},
+        }
+    wspec, warrays = params
+    np.savez(model_dir / "weights.npz", **{n: a for (n, _s, _d), a in zip(wspec, warrays)})
+    np.savez(model_dir / "inputs.npz", prefill_input_ids=ids, decode_input_ids=next_ids,
+             **{f"decode_past_{i}": a for i, a in enumerate(past)})
+    np.savez(model_dir / "reference.npz", prefill_logits=p32[0], decode_logits=d32[0],
+             prefill_top1_fp16_eager=p16[0].argmax(-1).astype(np.int32),
+             decode_top1_fp16_eager=d16[0].argmax(-1).astype(np.int32))
+    entry = {
+        "spec": dataclasses.asdict(spec), "hf_class": type(m32).__name__, "seed": seed,
+        "weights_init": f"build_hf_artifacts.build_models (q/k projection std {qk_std:.4f}), fp16-rounded, "
+                        "stored float32",
+        "weights": f"{spec.name}/weights.npz", "params": wspec,
+        "inputs": f"{spec.name}/inputs.npz", "reference": f"{spec.name}/reference.npz",
+        "input_keys": {"prefill": ["prefill_input_ids"],
+                       "decode": ["decode_input_ids"] + [f"decode_past_{i}" for i in range(len(past))]},
+        "reference_kind": f"PyTorch eager ({spec.impl}) on CPU in float32, same weights; fp16 eager for its error",
+        "functions": funcs, "past_len": past_len,
+    }
+    print(f"{spec.name}: references and standard imports in {time.time() - t0:.0f}s", flush=True)
+    return entry, mains
+
+
+def variant_function(spec, mode: str, main, variant: str, provider: str):
+    """``main`` as ``<model>__<mode>__<variant>``, partitioned (mqa) or not (tvm), checked."""
+    import tvm
+    from tvm import relax
+    from tvm.relax.utils import copy_with_new_vars
+
+    import mqa_byoc
+    from mqa_byoc.models import hf
+
+    fname = f"{spec.name}__{mode}__{variant}"
+    mod = tvm.IRModule({fname: copy_with_new_vars(main).with_attr("global_symbol", fname)})
+    if variant == "tvm":
+        return fname, mod, {}
+    mod = mqa_byoc.partition_for_cutlass(mod, mqa=True, provider=provider)
+    calls = []
+    for gv, func in list(mod.functions.items()):
+        if func.attrs is None or "Codegen" not in func.attrs:
+            continue
+        q, k, v = (bh._shape(p.ty) for p in func.params[:3])
+        calls.append({"function": gv.name_hint, "q": q, "k": k, "v": v})
+        if any(spec.kv_heads not in s[1:3] or spec.heads in s[1:3] for s in (k, v)):
+            raise SystemExit(f"{fname}: FA2 call {gv.name_hint} gets K {k}, V {v}; want {spec.kv_heads} heads")
+        mod[gv] = func.with_attr("global_symbol", f"{fname}__{gv.name_hint}")
+    ops = collections.Counter(ba.main_ops(mod, fname))
+    n_fa2 = sum(c for name, c in ops.items() if name.startswith("call:") and name.endswith("flash_attn"))
+    left = hf.kv_expansions_left(mod, fname)
+    if n_fa2 != spec.layers or left:
+        raise SystemExit(f"{fname}: {n_fa2} FA2 calls (want {spec.layers}); K/V expansions left: {left}")
+    mod = relax.transform.NormalizeGlobalVar()(mod)
+    return fname, mod, {"fa2_calls": calls, "op_counts": dict(sorted(ops.items()))}
+
+
+def build_library(specs, mains, out_dir: Path, provider: str) -> dict:
+    import tvm
+    from tvm import relax
+
+    import mqa_byoc
+    from mqa_byoc.compiler import codegen
+    from mqa_byoc.compiler.export import collect_kernel_keys
+    from mqa_byoc.compiler.pipeline import cuda_decoder_pipeline
+
+    t0 = time.time()
+    funcs, partition, symbols = {}, {}, []
+    for spec in specs:
+        for mode in MODES:
+            for variant in VARIANTS:
+                fname, mod, info = variant_function(spec, mode, mains[spec.name][mode], variant, provider)
+                partition[fname] = info
+                symbols += ba.codegen_symbols(mod)
+                funcs.update(mod.functions.items())
+    target = tvm.target.Target(bh.TARGET)
+    with target, codegen.use_provider(provider):
+        ex = relax.build(relax.transform.RunCodegen()(tvm.IRModule(funcs)), target=target,
+                         relax_pipeline=cuda_decoder_pipeline(target))
+    path = out_dir / LIBRARY
+    mqa_byoc.export_library(ex, str(path), arch=bh.TARGET["arch"], build=False, progress=print)
+    calls = bh.vm_calls(ex)
+    pattern = re.compile(bh.KV_EXPANSION_KERNELS, re.IGNORECASE)
+    named_like_expansion = {}
+    for spec in specs:
+        for mode in MODES:
+            fname = f"{spec.name}__{mode}__mqa"
+            n_fa2 = sum(c in set(symbols) for c in calls.get(fname, []))
+            if n_fa2 != spec.layers:
+                raise SystemExit(f"{fname} calls FA2 {n_fa2} times, want {spec.layers}")
+            # TVM kernels named like an expansion that the Relax check above proved are not K/V's
+            named_like_expansion[fname] = sorted({c for c in calls.get(fname, [])
+                                                  if c not in symbols and pattern.search(c)})
+    keys = collect_kernel_keys(ex)
+    exports = ba.check_exports(path, symbols, [k.entry_symbol for k in keys])
+    print(f"{LIBRARY}: {len(funcs)} functions, {path.stat().st_size / 2**20:.2f} MiB in {time.time() - t0:.0f}s",
+          flush=True)
+    return {"library": LIBRARY, "size": path.stat().st_size, "provider": provider,
+            "fa2_kernels_linked": [k.label for k in keys], "exports": exports, "partition": partition,
+            "not_kv_expansion_kernels": named_like_expansion}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if not os.environ.get("MQA_BYOC_KERNEL_DIR"):
+        print("note: MQA_BYOC_KERNEL_DIR is not set; FA2 kernel objects must be in the default cache")
+
+    import torch
+    import transformers
+    import tvm
+
+    t0 = time.time()
+    if args.out.exists():
+        shutil.rmtree(args.out)
+    args.out.mkdir(parents=True)
+    manifest = {
+        "format": FORMAT, "issue": 10,
+        "what": "the standard HF path: float32 HF decoders, torch.export, plain from_exported_program, "
+                "ToMixedPrecision(out_dtype='float16'), partition_for_cutlass(mqa=True, native); and unpartitioned",
+        "pipeline": "mqa_byoc.models.hf.import_hf(model, mode, convert='standard', mixed_precision=True) -> "
+                    "partition_for_cutlass(mod, mqa=True, provider='native') | none -> RunCodegen -> "
+                    "relax.build(sm_90, cuda_decoder_pipeline) -> mqa_byoc.export_library",
+        "variants": {"mqa": "partition_for_cutlass(mqa=True): FA2 with native K/V heads",
+                     "tvm": "not partitioned: TVM's own lowering"},
+        "target": bh.TARGET,
+        "provenance": {"command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
+                       "built_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       "tvm": tvm.__version__, "torch": torch.__version__,
+                       "transformers": transformers.__version__},
+        "models": {},
+    }
+    mains = {}
+    for spec in MODELS:
+        manifest["models"][spec.name], mains[spec.name] = prepare_model(spec, args.out, args.seed)
+    lib = build_library(MODELS, mains, args.out, "native")
+    manifest["library"] = {k: v for k, v in lib.items() if k not in ("partition", "not_kv_expansion_kernels")}
+    for spec in MODELS:
+        for mode in MODES:
+            f = manifest["models"][spec.name]["functions"][mode]
+            f["partitioned"] = lib["partition"][f["vm"]["mqa"]]
+            f["not_kv_expansion_kernels"] = lib["not_kv_expansion_kernels"][f["vm"]["mqa"]]
+    files = {str(p.relative_to(args.out)): p.stat().st_size for p in sorted(args.out.rglob("*")) if p.is_file()}
+    manifest["files"], manifest["total_bytes"] = files, sum(files.values())
+    manifest["build_seconds"] = round(time.time() - t0, 1)
+    (args.out / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str) + "\n")
+    total = sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file())
+    print(f"total {total / 2**20:.1f} MiB in {args.out} ({time.time() - t0:.0f}s)")
+    if total > 30 * 2**20:
+        raise SystemExit(f"artifacts are {total / 2**20:.1f} MiB, more than 30 MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
