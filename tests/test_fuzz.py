@@ -5,7 +5,7 @@ computed once and shared), so that a known bug marks exactly one test ``xfail(st
 the bug is fixed the test XPASSes and the mark must go. The long run is ``tools/fuzz.py``.
 
 Profiles (``HYPOTHESIS_PROFILE`` or ``--hypothesis-profile``): ``mqa-fuzz-ci`` (default here: a few
-examples, seeded, no shrinking, sm_90 builds for every 3rd graph) and ``mqa-fuzz-dev`` (more
+examples, seeded, no shrinking, sm_90 builds for every 2nd graph) and ``mqa-fuzz-dev`` (more
 examples, shrinking, every graph built).
 """
 
@@ -24,10 +24,10 @@ from fuzz.invariants import check_graph
 _COMMON = dict(deadline=None, database=None, derandomize=False, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                       HealthCheck.filter_too_much])
-settings.register_profile("mqa-fuzz-ci", max_examples=10, phases=[Phase.explicit, Phase.generate], **_COMMON)
+settings.register_profile("mqa-fuzz-ci", max_examples=12, phases=[Phase.explicit, Phase.generate], **_COMMON)
 settings.register_profile("mqa-fuzz-dev", max_examples=200, **_COMMON)
 PROFILE = os.environ.get("MQA_FUZZ_PROFILE", "mqa-fuzz-ci")
-BUILD_EVERY = 3 if PROFILE == "mqa-fuzz-ci" else 1
+BUILD_EVERY = 2 if PROFILE == "mqa-fuzz-ci" else 1
 SEED = 20261130
 
 _RESULTS = {}  # spec -> GraphResult, shared by the tests below

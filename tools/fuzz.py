@@ -54,6 +54,10 @@ def main(argv=None) -> int:
         return 1 if res.violations else 0
 
     def progress(index, res, summary):
+        if args.json and index % 10 == 9:  # a checkpoint: a long run can be read while it goes
+            data = summary.as_json()
+            data.update(seed=args.seed, build_every=args.build_every, varlen=args.varlen, partial=True)
+            args.json.write_text(json.dumps(data, indent=1))
         if args.quiet:
             return
         mark = " ".join(sorted({v.invariant for v in res.violations}))

@@ -88,6 +88,9 @@ def build_module(spec: GraphSpec) -> Built:
     qs = []
     for i, site in enumerate(spec.sites):
         g = spec.groups[site.group]
+        if site.form == "varlen":  # (1, total, H, D): the sequences concatenated
+            qs.append(relax.Var(f"q{i}", relax.TensorType([1, out.s_q(site), site.h, g.d], g.dtype)))
+            continue
         qs.append(relax.Var(f"q{i}", relax.TensorType(_shape(site.q_layout, b, out.s_q(site), site.h, g.d), g.dtype)))
     kv_params = {}
     for gi, g in enumerate(spec.groups):
@@ -104,11 +107,22 @@ def build_module(spec: GraphSpec) -> Built:
     for i, site in enumerate(spec.sites):
         g = spec.groups[site.group]
         sq, skv = out.s_q(site), out.s_kv(g)
-        if site.mask_op == "runtime_mask":
+        if site.form == "varlen":
+            # own K/V (B = 1, total lengths) and the sequence starts / max lengths, int32
+            total_kv = g.s_kv if g.lengths == "static" else out.sym("m")
+            kv_ty = relax.TensorType([1, total_kv, g.hkv, g.d], g.dtype)
+            nseq = out.dim(spec.batch)
+            extra[i] = (relax.Var(f"kvl{i}", kv_ty), relax.Var(f"vvl{i}", kv_ty),
+                        relax.Var(f"ssq{i}", relax.TensorType([nseq + 1], "int32")),
+                        relax.Var(f"msq{i}", relax.TensorType([], "int32")),
+                        relax.Var(f"ssk{i}", relax.TensorType([nseq + 1], "int32")),
+                        relax.Var(f"msk{i}", relax.TensorType([], "int32")))
+        elif site.mask_op == "runtime_mask":
             extra[i] = relax.Var(f"m{i}", relax.TensorType([b, 1, sq, skv], "bool"))
         elif site.mask_op == "runtime_bias":
             extra[i] = relax.Var(f"m{i}", relax.TensorType([b, 1, sq, skv], g.dtype))
-    out.params = qs + [p for ps in kv_params.values() for p in ps] + [extra[i] for i in sorted(extra)]
+    flat = [p for i in sorted(extra) for p in (extra[i] if isinstance(extra[i], tuple) else (extra[i],))]
+    out.params = qs + [p for ps in kv_params.values() for p in ps] + flat
     with bb.function("main", out.params):
         with bb.dataflow():
             kv = {}
@@ -164,15 +178,14 @@ class _SiteEmitter:
         spec = self.built.spec
         g = spec.groups[site.group]
         bb = self.bb
-        kexp = "none" if site.expand == "matmul_bcast" and site.form != "chain4d" else site.expand
-        k = self.expanded(site.group, "k", kexp if kexp != "matmul_bcast" else "none", site.h)
-        v = self.expanded(site.group, "v", kexp if kexp != "matmul_bcast" else "none", site.h)
+        if site.form == "varlen":
+            return self._varlen(i, site, g, q, extra)
+        kexp = "none" if site.expand == "matmul_bcast" else site.expand
+        k = self.expanded(site.group, "k", kexp, site.h)
+        v = self.expanded(site.group, "v", kexp, site.h)
         if site.form == "fused":
             o = self._fused(i, site, g, q, k, v, extra)  # BSNH
             bsnh = True
-        elif site.form == "varlen":
-            o = self._varlen(i, site, g, q, k, v)
-            return o
         else:
             o = self._chain(i, site, g, q, k, v, extra)  # BNSH
             bsnh = False
@@ -199,8 +212,28 @@ class _SiteEmitter:
         call = R.nn.attention(q, k, v, bias=extra, scale=site.scale, causal_mask=causal, window_size=site.window)
         return bb.emit(call, name_hint=f"root{i}")
 
-    def _varlen(self, i, site, g, q, k, v):  # pragma: no cover - behind the varlen flag
-        raise NotImplementedError("var-len graphs are built by build_varlen_module")
+    def _varlen(self, i, site, g, q, extra):
+        """``R.nn.attention_var_len`` on K/V expanded in BSNH (B = 1: the sequences concatenated)."""
+        kvl, vvl, ssq, msq, ssk, msk = extra
+        k = self._expand_bsnh(kvl, site.expand, g.hkv, site.h)
+        v = self._expand_bsnh(vvl, site.expand, g.hkv, site.h)
+        call = R.nn.attention_var_len(q, k, v, ssq, msq, ssk, msk, scale=site.scale,
+                                      causal_mask=site.causal, window_size=site.window)
+        return self.bb.emit(call, name_hint=f"root{i}")
+
+    def _expand_bsnh(self, x, expand, hkv, h):
+        bb, r = self.bb, h // hkv
+        shape = list(x.ty.shape.values)
+        if r == 1 or expand in ("none", "matmul_bcast"):
+            return x
+        if expand == "tile":
+            return bb.emit(R.tile(x, [1, 1, r, 1]))
+        if expand == "broadcast":
+            return bb.emit(R.broadcast_to(x, shape[:2] + [h] + shape[3:]))
+        if expand == "hf":
+            e = bb.emit(R.broadcast_to(bb.emit(R.expand_dims(x, axis=[3])), shape[:3] + [r] + shape[3:]))
+            return bb.emit(R.reshape(e, shape[:2] + [h] + shape[3:]))
+        return bb.emit(R.repeat(x, r, axis=2))
 
     def _chain(self, i, site, g, q, k, v, extra):
         bb, b = self.bb, self.b
@@ -348,10 +381,27 @@ def make_inputs(built: Built, values: dict, rng) -> dict:
         dt = str(p.ty.dtype)
         if dt == "bool":
             arr = rng.random(shape) < 0.7
+        elif dt == "int32":  # var-len: sequence starts (cumsum, 0 first) and the longest sequence
+            arr = _seq_info(built, p.name, values)
         else:
             arr = (rng.standard_normal(shape) * 0.7).astype(np_dtype(dt))
         out[p.name] = arr
     return out
+
+
+def _seq_info(built, name, values):
+    """Sequence starts splitting a var-len site's total length as evenly as possible, or its max."""
+    i = int(name[3:])
+    site = built.spec.sites[i]
+    total = {p.name: p for p in built.params}[("q" if name[2] == "q" else "kvl") + str(i)].ty.shape.values[1]
+    total = _eval_dim(total, values)
+    nseq = _eval_dim(tirx.IntImm("int64", built.spec.batch) if isinstance(built.spec.batch, int)
+                     else built.syms["b"], values)
+    starts = np.array([total * j // nseq for j in range(nseq + 1)], dtype="int32")
+    del site
+    if name.startswith("ms"):
+        return np.array(int(np.diff(starts).max()), dtype="int32")
+    return starts
 
 
 def _bsnh(x, layout):

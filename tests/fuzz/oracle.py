@@ -101,6 +101,10 @@ def expect(spec: GraphSpec, i: int) -> Expect:
         if not le and not (sq == 1 and site.window is None and site.causal == "BottomRight"):
             e.causes.append(("causal where S_q <= S_kv is not provable", SQ_LE_SKV))
     e.offload = not e.causes
+    if site.form == "varlen":
+        # being added (issue 10 item 3): only the rejections FA2 itself forces are expected
+        e.causes = [c for c in e.causes if c[0] in ("dtype", "head dim")]
+        e.offload = False if e.causes else None
     if site.window_without_causal:
         e.offload = None  # window_size without a causal mask: what it means is not settled
     # what an offloaded site reports

@@ -112,7 +112,7 @@ def valid(spec: GraphSpec) -> bool:
     return True
 
 
-def shrink(spec: GraphSpec, key, budget: int = 30, **kw) -> GraphSpec:
+def shrink(spec: GraphSpec, key, budget: int = 20, **kw) -> GraphSpec:
     """A smaller spec that still shows the violation ``key`` (invariant, key)."""
     def shows(candidate):
         if not valid(candidate):
