@@ -15,16 +15,16 @@ import os
 import random
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import HealthCheck, Phase, example, given, seed, settings
 from hypothesis import strategies as st
 
-from fuzz.gen import HypothesisChooser, RandomChooser, draw_graph
+from fuzz.gen import GraphSpec, HypothesisChooser, KVGroup, RandomChooser, Site, draw_graph
 from fuzz.invariants import check_graph
 
 _COMMON = dict(deadline=None, database=None, derandomize=False, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                       HealthCheck.filter_too_much])
-settings.register_profile("mqa-fuzz-ci", max_examples=12, phases=[Phase.explicit, Phase.generate], **_COMMON)
+settings.register_profile("mqa-fuzz-ci", max_examples=10, phases=[Phase.explicit, Phase.generate], **_COMMON)
 settings.register_profile("mqa-fuzz-dev", max_examples=200, **_COMMON)
 PROFILE = os.environ.get("MQA_FUZZ_PROFILE", "mqa-fuzz-ci")
 BUILD_EVERY = 2 if PROFILE == "mqa-fuzz-ci" else 1
@@ -45,8 +45,28 @@ def _specs():
 def _result(spec):
     if spec not in _RESULTS:
         index = len(_RESULTS)
-        _RESULTS[spec] = check_graph(spec, do_build=index % BUILD_EVERY == 0, seed=index)
+        _RESULTS[spec] = check_graph(spec, do_build=spec in KNOWN or index % BUILD_EVERY == 0, seed=index)
     return _RESULTS[spec]
+
+
+# The shrunk graphs of the known bugs (tests/fuzz/known_violations.md), checked first by every
+# property test: the xfail marks below flip exactly when these are fixed.
+KNOWN = (
+    # native RunCodegen: composite parameters (2, 0, 1) when only V is BNSH
+    GraphSpec(groups=(KVGroup(hkv=1, v_layout="BNSH", s_kv=4),), sites=(Site(h=2, s_q=4),)),
+    # an R.nn.attention and a 3-D chain on the same BNSH K/V: reported offloaded, neither partitioned
+    GraphSpec(groups=(KVGroup(k_layout="BNSH", v_layout="BNSH"),),
+              sites=(Site(expand="none", h=2), Site(form="chain3d", expand="none", h=2, scale=0.125))),
+    # window_size without causal, S_q <= S_kv not provable: reported offloaded, not partitioned
+    GraphSpec(groups=(KVGroup(lengths="indep"),), sites=(Site(s_q="n", window=4, window_without_causal=True),)),
+    # float32 scale astype'd to fp16: reported / passed unrounded
+    GraphSpec(groups=(KVGroup(hkv=1, s_kv=4),),
+              sites=(Site(form="chain4d", h=2, s_q=4, scale=0.35355339059327373, scale_cast=True),)),
+    # where() mask before the 1/8 scale: rejected
+    GraphSpec(sites=(Site(form="chain4d", causal="BottomRight", scale=0.125, mask_first=True, mask_op="where"),)),
+    # tile-expanded site with S_q > S_kv causal: the reason names the tile
+    GraphSpec(groups=(KVGroup(hkv=4, s_kv=4),), sites=(Site(expand="tile", s_q=9, causal="BottomRight"),)),
+)
 
 
 def _property(*invariants):
@@ -55,7 +75,10 @@ def _property(*invariants):
         bad = [v for v in res.violations if v.invariant in invariants]
         assert not bad, "\n".join(f"[{v.invariant}] {v.key}: {v.message}" for v in bad) + f"\nrepro: {res.spec!r}"
 
-    return seed(SEED)(settings(settings.get_profile(PROFILE))(given(_specs())(check)))
+    test = given(_specs())(check)
+    for spec in reversed(KNOWN):
+        test = example(spec)(test)
+    return seed(SEED)(settings(settings.get_profile(PROFILE))(test))
 
 
 # Known bugs on main (issue 10 item 2 and 4), being fixed in other branches: remove each mark when
@@ -64,6 +87,8 @@ NATIVE_PARAMETER_ORDER = ("issue 10 item 2: the native provider's RunCodegen fai
                           "are not (q, k, v) (mixed BSNH/BNSH operands)")
 REPORT_PARTITION = ("issue 10 item 2: reported offloaded but not partitioned (two 3-D chains sharing BNSH K/V; "
                     "window_size without causal)")
+WINDOW_BUILD = ("issue 10 item 2: R.nn.attention with window_size and no causal mask where S_q <= S_kv is not "
+                "provable is reported offloaded, left to TVM, and the module cannot be built")
 ASTYPE_SCALE = "issue 10 item 4: a float32 scale astype'd to fp16/bf16 is reported and passed to FA2 unrounded"
 VERDICTS = ("issue 10 item 4: a mask applied before the scale is rejected; a tile-expanded site rejected for "
             "another reason reports the tile")
@@ -79,6 +104,7 @@ def test_offloaded_sites_build_with_native_provider():
     _property("build-native")()
 
 
+@pytest.mark.xfail(strict=True, reason=WINDOW_BUILD)
 def test_offloaded_sites_build_with_python_provider():
     _property("build-python")()
 

@@ -35,11 +35,21 @@ def main(argv=None) -> int:
                     help="also draw R.nn.attention_var_len sites (off by default: main does not support them yet)")
     ap.add_argument("--only", type=int, help="check graph number ONLY of this seed and print it")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--markdown", type=Path, help="with --from-json: write the distinct violations as Markdown")
+    ap.add_argument("--from-json", type=Path, help="read a run's summary instead of running")
     args = ap.parse_args(argv)
 
     from fuzz import runner
     from fuzz.build import build_module
     from fuzz.invariants import check_graph
+
+    if args.from_json is not None:
+        text = runner.markdown(json.loads(args.from_json.read_text()))
+        if args.markdown:
+            args.markdown.write_text(text)
+        else:
+            print(text)
+        return 0
 
     if args.only is not None:
         spec = runner.draw(args.seed, args.only, args.varlen)

@@ -18,7 +18,16 @@ GOOD_HEAD_DIMS = (64, 128, 32, 8, 16, 40, 80, 96, 160, 192, 256)
 BAD_HEAD_DIMS = (12, 260, 320, 512)
 
 
-@dataclass(frozen=True)
+def _compact_repr(self):
+    """Only the fields that differ from the defaults: a short, eval-able repro."""
+    from dataclasses import fields
+
+    parts = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+             if getattr(self, f.name) != f.default]
+    return f"{type(self).__name__}({', '.join(parts)})"
+
+
+@dataclass(frozen=True, repr=False)
 class KVGroup:
     """K and V tensors of ``hkv`` heads, read by one or more sites.
 
@@ -35,8 +44,10 @@ class KVGroup:
     s_kv: int = 8
     share_expansion: bool = False  # sites with the same expansion reuse one expansion op
 
+    __repr__ = _compact_repr
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, repr=False)
 class Site:
     """One attention. ``form``: "fused" (R.nn.attention), "chain4d", "chain3d" ((B*H, S, D) batched
     matmuls), "varlen" (R.nn.attention_var_len, behind a flag).
@@ -67,16 +78,17 @@ class Site:
     mask_dims: int = 4  # chain3d: mask applied to a 4-D view (HF) or directly to 3-D scores
     softmax_f32: bool = True  # astype float32 around the softmax
 
+    __repr__ = _compact_repr
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, repr=False)
 class GraphSpec:
     groups: tuple = (KVGroup(),)
     sites: tuple = (Site(),)
     batch: int | str = 1  # int or "b" (symbolic)
     mqa: bool = True
 
-    def short(self) -> str:
-        return repr(self)
+    __repr__ = _compact_repr
 
 
 # ----------------------------------------------------------------------------- choosers

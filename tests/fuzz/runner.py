@@ -218,3 +218,19 @@ def run(graphs: int, seed: int, build_every: int = 1, numerics: bool = True, var
 
 
 __all__ = ["GraphSpec", "KVGroup", "Site", "Summary", "draw", "run", "shrink"]
+
+
+def markdown(data: dict) -> str:
+    """The distinct violations of a run (``Summary.as_json()``) with their shrunk graphs as TVMScript."""
+    from .build import build_module
+
+    out = [f"Run: {data.get('graphs')} graphs (seed {data.get('seed')}), {data.get('sites')} sites, "
+           f"{data.get('offloaded')} offloaded.", ""]
+    for inv, keys in sorted(data["violations"].items()):
+        for key, info in sorted(keys.items(), key=lambda kv: -kv[1]["count"]):
+            spec_text = info.get("repro", info["spec"])
+            spec = eval(spec_text, {"GraphSpec": GraphSpec, "KVGroup": KVGroup, "Site": Site})  # noqa: S307
+            out += [f"### [{inv}] {key}", "", f"{info['count']} times; first in graph {info['graph']}: "
+                    f"{info['message']}", "", "```python", f"spec = {spec_text}", "```", "", "```python",
+                    build_module(spec).mod.script(show_meta=False).strip(), "```", ""]
+    return "\n".join(out)
