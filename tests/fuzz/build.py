@@ -268,7 +268,8 @@ class _SiteEmitter:
         def mask(x):
             if site.mask_op == "none":
                 return x
-            reshaped = three and site.mask_dims == 4
+            # a runtime mask / bias is (B, 1, S_q, S_kv): the 3-D scores take it through their 4-D view
+            reshaped = three and (site.mask_dims == 4 or site.mask_op in ("runtime_mask", "runtime_bias", "const_bias"))
             if reshaped:
                 x = bb.emit(R.reshape(x, [b, h, sq, skv]))
             x = self._mask(i, site, dt, x, sq, skv, extra)

@@ -130,7 +130,7 @@ def expect(spec: GraphSpec, i: int) -> Expect:
         else:
             e.scale = 1.0 / rounded(1.0 / site.scale, g.dtype)
         finite_fill = site.fill == "min" or site.mask_op == "minmax"  # minmax also clamps at the lowest
-        if e.offload and site.mask_first and site.mask_op in ("where", "add", "minmax") and finite_fill \
+        if site.mask_first and site.mask_op in ("where", "add", "minmax") and finite_fill \
                 and _fill_low(g.dtype) * e.scale > -1.0e4:
             e.known_bug = MASK_BEFORE_SCALE
     return e
