@@ -89,7 +89,7 @@ def _property(*invariants):
 # its test XPASSes.
 NATIVE_PARAMETER_ORDER = ("issue 10 item 2: the native provider's RunCodegen fails when the composite's parameters "
                           "are not (q, k, v) (mixed BSNH/BNSH operands)")
-REPORT_PARTITION = ("issue 10 item 2: reported offloaded but not partitioned (two 3-D chains sharing BNSH K/V; "
+REPORT_PARTITION = ("issue 10 item 2: reported offloaded but not partitioned (a 3-D chain and another site sharing BNSH K/V; "
                     "window_size without causal)")
 WINDOW_BUILD = ("issue 10 item 2: R.nn.attention with window_size and no causal mask where S_q <= S_kv is not "
                 "provable is reported offloaded, left to TVM, and the module cannot be built")
