@@ -404,13 +404,11 @@ def _input_std(built, name):
 def _seq_info(built, name, values):
     """Sequence starts splitting a var-len site's total length as evenly as possible, or its max."""
     i = int(name[3:])
-    site = built.spec.sites[i]
     total = {p.name: p for p in built.params}[("q" if name[2] == "q" else "kvl") + str(i)].ty.shape.values[1]
     total = _eval_dim(total, values)
     nseq = _eval_dim(tirx.IntImm("int64", built.spec.batch) if isinstance(built.spec.batch, int)
                      else built.syms["b"], values)
     starts = np.array([total * j // nseq for j in range(nseq + 1)], dtype="int32")
-    del site
     if name.startswith("ms"):
         return np.array(int(np.diff(starts).max()), dtype="int32")
     return starts

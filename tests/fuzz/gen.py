@@ -10,7 +10,7 @@ simplest first: hypothesis shrinks towards the first.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 DTYPES = ("float16", "bfloat16", "float32")
 # head dims FA2 supports, then ones it does not (not a multiple of 8, above 256)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import os
-import traceback
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -382,6 +381,3 @@ def _check_numerics(res, spec, built, seed):
 def n_sym(values):
     return ", ".join(f"{k}={v}" for k, v in sorted(values.items())) or "static"
 
-
-def format_exc(err):  # pragma: no cover - for debugging
-    return "".join(traceback.format_exception(err))

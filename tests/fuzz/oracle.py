@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .build import allowed_np, rounded
+from .build import allowed_np, lowest, rounded
 from .gen import GraphSpec, KVGroup, Site
 
 # keyword alternatives a rejection reason must contain one of, per cause
@@ -131,12 +131,7 @@ def expect(spec: GraphSpec, i: int) -> Expect:
             e.scale = 1.0 / rounded(1.0 / site.scale, g.dtype)
         finite_fill = site.fill == "min" or site.mask_op == "minmax"  # minmax also clamps at the lowest
         if site.mask_first and site.mask_op in ("where", "add", "minmax") and finite_fill \
-                and _fill_low(g.dtype) * e.scale > -1.0e4:
+                and lowest(g.dtype) * e.scale > -1.0e4:
             e.known_bug = MASK_BEFORE_SCALE
     return e
 
-
-def _fill_low(dtype):
-    from .build import lowest
-
-    return lowest(dtype)
