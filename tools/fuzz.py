@@ -1,0 +1,87 @@
+"""Long fuzz run of the attention partition (issue 10 item 8).
+
+    python tools/fuzz.py --graphs 1000 --seed 1 --json fuzz.json
+
+draws random attention graphs (``tests/fuzz/gen.py``), checks every invariant of
+``tests/fuzz/invariants.py`` on each (building every graph with offloaded sites for sm_90 with both
+providers unless ``--build-every N``), shrinks the first graph of each distinct violation and prints
+a summary: graphs, sites, offloaded, rejections by reason, violations by invariant with a repro
+(``GraphSpec``; ``tests/fuzz/build.py::build_module(spec).mod`` is the module). Exit status 1 when
+there is a violation. Graph ``i`` of seed ``s`` is the same on every machine: ``--only i`` reruns it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+os.environ.setdefault("MQA_BYOC_KERNEL_DIR", "/work/kernels/fa2")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--graphs", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, help="write the summary here")
+    ap.add_argument("--build-every", type=int, default=1, help="build every Nth graph for sm_90 (0: never)")
+    ap.add_argument("--no-numerics", action="store_true", help="skip the CPU numerics check")
+    ap.add_argument("--no-shrink", action="store_true", help="do not shrink violating graphs")
+    ap.add_argument("--varlen", action="store_true",
+                    help="also draw R.nn.attention_var_len sites (off by default: main does not support them yet)")
+    ap.add_argument("--only", type=int, help="check graph number ONLY of this seed and print it")
+    ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--markdown", type=Path, help="with --from-json: write the distinct violations as Markdown")
+    ap.add_argument("--from-json", type=Path, help="read a run's summary instead of running")
+    args = ap.parse_args(argv)
+
+    from fuzz import runner
+    from fuzz.build import build_module
+    from fuzz.invariants import check_graph
+
+    if args.from_json is not None:
+        text = runner.markdown(json.loads(args.from_json.read_text()))
+        if args.markdown:
+            args.markdown.write_text(text)
+        else:
+            print(text)
+        return 0
+
+    if args.only is not None:
+        spec = runner.draw(args.seed, args.only, args.varlen)
+        print(spec)
+        print(build_module(spec).mod)
+        res = check_graph(spec, do_build=args.build_every > 0, do_numerics=not args.no_numerics,
+                          seed=runner.graph_seed(args.seed, args.only))
+        for v in res.violations:
+            print(f"[{v.invariant}] {v.key}: {v.message}")
+        for m in res.infos:
+            print(f"(info) {m}")
+        return 1 if res.violations else 0
+
+    def progress(index, res, summary):
+        if args.json and index % 10 == 9:  # a checkpoint: a long run can be read while it goes
+            data = summary.as_json()
+            data.update(seed=args.seed, build_every=args.build_every, varlen=args.varlen, partial=True)
+            args.json.write_text(json.dumps(data, indent=1))
+        if args.quiet:
+            return
+        mark = " ".join(sorted({v.invariant for v in res.violations}))
+        print(f"graph {index}: {res.sites} sites, {res.offloaded} offloaded {mark}", flush=True)
+
+    summary = runner.run(args.graphs, args.seed, build_every=args.build_every, numerics=not args.no_numerics,
+                         varlen=args.varlen, shrink_violations=not args.no_shrink, progress=progress)
+    print(summary.text())
+    if args.json:
+        data = summary.as_json()
+        data.update(seed=args.seed, build_every=args.build_every, varlen=args.varlen)
+        args.json.write_text(json.dumps(data, indent=1))
+    return 1 if summary.total_violations() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
