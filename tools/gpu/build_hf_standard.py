@@ -8,7 +8,7 @@ a float32 ``LlamaForCausalLM`` / ``MistralForCausalLM`` (random weights from a c
 
     import_hf(model, mode=..., convert="standard", mixed_precision=True)
     partition_for_cutlass(mod, mqa=True, provider="native")       # and not partitioned at all ("tvm")
-    RunCodegen + relax.build(target sm_90, cuda_decoder_pipeline) + mqa_byoc.export_library
+    mqa_byoc.build(target sm_90, cuda_decoder_pipeline) + mqa_byoc.export_library (tools/gpu/bundle.py)
 
 Models (``MODELS``), 2 layers, hidden 256, vocab 512, head dim 64 (the FA2 kernels of
 ``MQA_BYOC_KERNEL_DIR`` cover 32/64/128):
@@ -19,13 +19,13 @@ Models (``MODELS``), 2 layers, hidden 256, vocab 512, head dim 64 (the FA2 kerne
 
 Each: prefill (B=2, S=48, returns logits and K/V caches) and one decode step whose past is the
 float32 eager prefill's caches (float32: the exported function takes the fp32 model's dtypes) and
-whose token is the greedy next token. The q/k projections are scaled as in ``build_hf_artifacts``
+whose token is the greedy next token. The q/k projections are scaled as in ``build_hf``
 (peaked attention).
 
 Written into ``--out`` (default ``.gpu-artifacts/hf-standard``): ``hf_standard.so`` (VM functions
 ``<model>__<prefill|decode>__<mqa|tvm>``), per model ``weights.npz`` (float32; ToMixedPrecision casts
 them in the graph), ``inputs.npz``, ``reference.npz`` (float32 eager logits; fp16 eager top-1), and
-``manifest.json`` (shapes, reports, tolerances derived like build_hf_artifacts.tolerances(), provenance).
+``manifest.json`` (shapes, reports, tolerances derived like build_hf.tolerances(), provenance).
 
 Checks here (the build fails otherwise): every site of every function is offloaded as
 ``flash_attn.attention_mqa`` with the model's heads / causal / window / scale; no K/V expansion op is
@@ -55,12 +55,8 @@ for p in (ROOT / "src", ROOT / "tests", ROOT / "tests" / "gpu", ROOT / "tools" /
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-try:  # the HF GPU builder moves from tests/gpu/build_hf_artifacts.py to tools/gpu/build_hf.py
-    import build_hf as bh  # noqa: E402
-except ImportError:
-    import build_hf_artifacts as bh  # noqa: E402
-
-import build_artifacts as ba  # noqa: E402
+import build_hf as bh  # noqa: E402
+import bundle as ba  # noqa: E402
 
 DEFAULT_OUT = ROOT / ".gpu-artifacts" / "hf-standard"
 LIBRARY = "hf_standard.so"
@@ -142,7 +138,7 @@ def prepare_model(spec, out_dir: Path, seed: int):
              decode_top1_fp16_eager=d16[0].argmax(-1).astype(np.int32))
     entry = {
         "spec": dataclasses.asdict(spec), "hf_class": type(m32).__name__, "seed": seed,
-        "weights_init": f"build_hf_artifacts.build_models (q/k projection std {qk_std:.4f}), fp16-rounded, "
+        "weights_init": f"build_hf.build_models (q/k projection std {qk_std:.4f}), fp16-rounded, "
                         "stored float32",
         "weights": f"{spec.name}/weights.npz", "params": wspec,
         "inputs": f"{spec.name}/inputs.npz", "reference": f"{spec.name}/reference.npz",
@@ -188,11 +184,6 @@ def variant_function(spec, mode: str, main, variant: str, provider: str):
 
 
 def build_library(specs, mains, out_dir: Path, provider: str) -> dict:
-    import tvm
-    from tvm import relax
-
-    import mqa_byoc
-    from mqa_byoc.compiler import codegen
     from mqa_byoc.compiler.export import collect_kernel_keys
     from mqa_byoc.compiler.pipeline import cuda_decoder_pipeline
 
@@ -204,14 +195,11 @@ def build_library(specs, mains, out_dir: Path, provider: str) -> dict:
                 fname, mod, info = variant_function(spec, mode, mains[spec.name][mode], variant, provider)
                 partition[fname] = info
                 symbols += ba.codegen_symbols(mod)
-                funcs.update(mod.functions.items())
-    target = tvm.target.Target(bh.TARGET)
-    with target, codegen.use_provider(provider):
-        ex = relax.build(relax.transform.RunCodegen()(tvm.IRModule(funcs)), target=target,
-                         relax_pipeline=cuda_decoder_pipeline(target))
+                ba.add_functions(funcs, mod, fname)
     path = out_dir / LIBRARY
-    mqa_byoc.export_library(ex, str(path), arch=bh.TARGET["arch"], build=False, progress=print)
-    calls = bh.vm_calls(ex)
+    ex, _ = ba.build_library(funcs, path, provider, argparse.Namespace(build_native_kernels=False, jobs=None),
+                             pipeline=cuda_decoder_pipeline)
+    calls = ba.vm_calls(ex)
     pattern = re.compile(bh.KV_EXPANSION_KERNELS, re.IGNORECASE)
     named_like_expansion = {}
     for spec in specs:
@@ -253,11 +241,11 @@ def main(argv=None) -> int:
         "what": "the standard HF path: float32 HF decoders, torch.export, plain from_exported_program, "
                 "ToMixedPrecision(out_dtype='float16'), partition_for_cutlass(mqa=True, native); and unpartitioned",
         "pipeline": "mqa_byoc.models.hf.import_hf(model, mode, convert='standard', mixed_precision=True) -> "
-                    "partition_for_cutlass(mod, mqa=True, provider='native') | none -> RunCodegen -> "
-                    "relax.build(sm_90, cuda_decoder_pipeline) -> mqa_byoc.export_library",
+                    "partition_for_cutlass(mod, mqa=True, provider='native') | none -> "
+                    "mqa_byoc.build(sm_90, cuda_decoder_pipeline) -> mqa_byoc.export_library",
         "variants": {"mqa": "partition_for_cutlass(mqa=True): FA2 with native K/V heads",
                      "tvm": "not partitioned: TVM's own lowering"},
-        "target": bh.TARGET,
+        "target": ba.TARGET,
         "provenance": {"command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
                        "built_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        "tvm": tvm.__version__, "torch": torch.__version__,
