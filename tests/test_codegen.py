@@ -241,7 +241,7 @@ def test_native_provider_plumbing(monkeypatch):
 
     class FakeNative:
         @staticmethod
-        def emit_native_source(symbol, spec, shape_args=0):
+        def emit_native_source(symbol, spec, shape_args=0, **parameters):
             seen.append((symbol, spec))
             return FakeSource(f"// native source for {symbol}\n")
 
@@ -348,7 +348,7 @@ def test_length_shape_parameter_is_accepted(tmp_path, numpy_forward):
     from mqa_byoc.compiler.native_codegen import emit_native_source
 
     code = emit_native_source("s", spec_of(codegen_funcs(mod)[0]), shape_args=len(site.shape_params)).code
-    assert "tvm::ffi::Shape, DLTensor* out" in code and "run_with_lengths" in code
+    assert "tvm::ffi::Shape in3, DLTensor* out" in code and "run_params" in code
 
 
 def test_forwarder_checks_shapes_and_missing_provider(tmp_path, numpy_forward):

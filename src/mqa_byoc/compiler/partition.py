@@ -21,7 +21,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from . import analysis, masks
 from .patterns import flash_attn_patterns
-from .trace import op_name
+from .exprs import binding_values, is_offloaded, op_name
 
 PROVIDERS = ("native", "python")
 
@@ -230,7 +230,53 @@ def canonicalize_attention(mod: tvm.IRModule, mqa: bool = True, sites=None) -> t
         mod = relax.transform.CanonicalizeBindings()(mod)
         mod = _FoldOutputLayout(mod, set(canon.attention_vars)).transform(functions)
         mod = relax.transform.CanonicalizeBindings()(mod)
+        mod = _PrivateOperandPermutes(mod).transform(functions)
     return _remove_unused(mod, functions)
+
+
+@mutator
+class _PrivateOperandPermutes(PyExprMutator):
+    """Give each ``R.nn.attention`` its own copy of an operand permute that other bindings share.
+
+    The clean-up passes after a 3-D chain rewrite merge equal bindings, so two chains reading the
+    same BNSH K/V end up sharing one ``permute_dims(k)``; a composite cannot take a value that is
+    also used outside it, so the pattern would refuse both sites."""
+
+    def __init__(self, mod):
+        super().__init__(mod)
+        self.mod_ = mod
+        self.values, self.uses = {}, {}
+
+    def transform(self, functions):
+        for gv in functions:
+            func = self.mod_[gv]
+            self.values = binding_values(func)
+            self.uses = _use_counts(func)
+            self.builder_.update_func(gv, self.visit_expr(func))
+        return self.builder_.get()
+
+    def visit_var_binding_(self, binding):
+        call = binding.value
+        if op_name(call) != "relax.nn.attention":
+            return super().visit_var_binding_(binding)
+        args = [self.visit_expr(a) for a in call.args]
+        for i, arg in enumerate(call.args[:3]):
+            permute = self.values.get(arg)
+            if op_name(permute) == "relax.permute_dims" and self.uses.get(arg, 0) > 1:
+                args[i] = self.builder_.emit(relax.op.permute_dims(self.visit_expr(permute.args[0]),
+                                                                   permute.attrs.axes))
+        new = relax.Call(call.op, args, call.attrs, call.ty_args)
+        self.builder_.emit_normalized(relax.VarBinding(binding.var, self.builder_.normalize(new)))
+
+
+def _use_counts(func):
+    """How many bindings (and the function result) read each var."""
+    counts = {}
+    values = [b.value for block in func.body.blocks for b in block.bindings] + [func.body.body]
+    for value in values:
+        for var in relax.analysis.free_vars(value):
+            counts[var] = counts.get(var, 0) + 1
+    return counts
 
 
 def _remove_unused(mod, functions):
