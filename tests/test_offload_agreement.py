@@ -11,6 +11,8 @@ site that is not offloaded stays buildable.
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
 
 import pytest
 import tvm
@@ -122,3 +124,22 @@ def test_hf_chains_sharing_kv_are_each_offloaded(sites, share_expansion):
 @pytest.mark.parametrize("mqa", [True, False])
 def test_report_and_partition_agree(make, mqa):
     assert G.report_partition_disagreement(make(), mqa=mqa) == []
+
+
+KERNEL_DIR = os.environ.get("MQA_BYOC_KERNEL_DIR")
+
+
+@pytest.mark.skipif(not KERNEL_DIR, reason="needs prebuilt FA2 kernel objects: set MQA_BYOC_KERNEL_DIR")
+@pytest.mark.parametrize("layouts", ["BSNH,BNSH,BNSH", "BNSH,BSNH,BNSH"])
+def test_mixed_layouts_export_native(layouts, tmp_path):
+    """The native library links its wrapper, the dispatcher and the kernels (no GPU needed to export)."""
+    from mqa_byoc import export_library
+
+    mod = G.attention_mixed_layouts(h=16, hkv=4, d=128, layouts=layouts)
+    part, ex = build_cuda(mod, "native")
+    (cs,) = _sites(part)
+    path = tmp_path / "native.so"
+    export_library(ex, path, arch="sm_90", build=False)
+    symbols = subprocess.run(["nm", "--defined-only", str(path)], capture_output=True, text=True).stdout
+    assert f"__tvm_ffi_{cs.symbol}" in symbols
+    assert " mqa_byoc_fa2_forward" in symbols and "mqa_byoc_fa2_fwd_hdim128_fp16" in symbols
