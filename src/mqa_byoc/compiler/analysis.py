@@ -11,7 +11,6 @@ compute differently becomes a readable ``reason``.
 
 from __future__ import annotations
 
-import contextvars
 from dataclasses import dataclass, field
 
 from tvm import relax, tirx
@@ -119,10 +118,11 @@ def _attention_attr_checks(site, attrs, facts=None):
     return site
 
 
-def check_attention_call(call, operand_values) -> AttentionSite:
+def check_attention_call(call, operand_values, length_facts=None) -> AttentionSite:
     """The partition's verdict on an ``R.nn.attention`` call whose operands are either plain
     tensors or ``permute_dims(x, [0, 2, 1, 3])`` of BNSH tensors (``operand_values`` maps an
-    operand var to its bound value). Used as the pattern check, so that it agrees with the
+    operand var to its bound value; ``length_facts`` are the match_cast facts of its function,
+    see ``Bindings.length_facts``). Used as the pattern check, so that it agrees with the
     analysis on every call the canonicalization did not touch."""
     site = AttentionSite("", None, "R.nn.attention", out_labels=["B", "S", "H", "D"])
     traced = []
@@ -140,7 +140,7 @@ def check_attention_call(call, operand_values) -> AttentionSite:
     _common_checks(site)
     if site.reason:
         return site
-    return _attention_attr_checks(site, call.attrs, LENGTH_FACTS.get())
+    return _attention_attr_checks(site, call.attrs, length_facts)
 
 
 def _analyzer_le(a, b, facts=None):
@@ -158,11 +158,6 @@ def _analyzer_le(a, b, facts=None):
     for var in tirx.analysis.undefined_vars(a - b, []):
         ana.bind(var, tvm.ir.Range.from_min_extent(1, 1 << 40))  # lengths >= 1
     return ana.can_prove(tirx.LE(a, b))
-
-
-# The pattern check sees one call, not its function: the partition sets the match_cast facts of the
-# module here so that the check agrees with the analysis.
-LENGTH_FACTS: contextvars.ContextVar[dict] = contextvars.ContextVar("mqa_byoc_length_facts", default={})
 
 
 # ----------------------------------------------------------------------------- explicit chains

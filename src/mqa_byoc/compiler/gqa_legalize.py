@@ -27,7 +27,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, PyExprVisitor, mutator, visitor
 
-from .exprs import is_offloaded
+from .exprs import is_offloaded, op_name
 
 __all__ = ["LegalizeGroupedAttention", "legalize_grouped_attention", "GroupedAttentionError"]
 
@@ -43,11 +43,8 @@ class GroupedAttentionError(ValueError):
 
 
 def _attention_op_name(call) -> str | None:
-    if isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op):
-        name = call.op.name
-        if name in _ATTENTION_OPS:
-            return name
-    return None
+    name = op_name(call)
+    return name if name in _ATTENTION_OPS else None
 
 
 def _heads(expr, what: str):
