@@ -379,3 +379,46 @@ def report_partition_disagreement(mod, mqa=True, **partition_kwargs):
             if left == 0:
                 problems.append(f"{s.function}: site {s.output} rejected ({s.reason}) but no attention is left")
     return problems
+
+
+def to_bsnh(x, layout):
+    """A 4-D array in ``layout`` ("BSNH" or "BNSH") as BSNH."""
+    return x if layout == "BSNH" else x.transpose(0, 2, 1, 3)
+
+
+def mask_allowed(s_q, s_kv, causal=None, window=None):
+    """(S_q, S_kv) bool: which keys each query sees. ``causal`` "BottomRight" / "TopLeft" / None;
+    ``window`` w: the w keys up to the diagonal, bottom-right aligned like FA2 (also without causal)."""
+    i = np.arange(s_q)[:, None] + (0 if causal == "TopLeft" else s_kv - s_q)
+    j = np.arange(s_kv)[None, :]
+    allowed = np.ones((s_q, s_kv), bool)
+    if causal is not None or window is not None:
+        allowed &= j <= i
+    if window is not None:
+        allowed &= j > i - window
+    return allowed
+
+
+def reference_attention(q, k, v, layouts=("BSNH", "BSNH", "BSNH"), out_layout="BSNH", scale=None, causal=None,
+                        window=None, grouping="repeat"):
+    """float32 NumPy attention: what each graph of this module computes.
+
+    Query head h reads K/V head ``h // (H / H_kv)`` (``grouping="repeat"``: R.repeat, broadcast,
+    HF repeat_kv, FA2) or ``h % H_kv`` (``"tile"``). ``out_layout``: "BSNH", "BNSH" or "merged"
+    ((B, S, H*D)). Rows that see no key are 0."""
+    q, k, v = (to_bsnh(x.astype("float32"), lay) for x, lay in zip((q, k, v), layouts))
+    h, hkv, d = q.shape[2], k.shape[2], q.shape[3]
+    heads = np.arange(h) // (h // hkv) if grouping == "repeat" else np.arange(h) % hkv
+    k, v = k[:, :, heads], v[:, :, heads]
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) * (1.0 / math.sqrt(d) if scale is None else scale)
+    allowed = mask_allowed(s.shape[2], s.shape[3], causal, window)
+    s = np.where(allowed, s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    p = np.exp(s - np.where(np.isfinite(m), m, 0))
+    p = p / np.maximum(p.sum(-1, keepdims=True), 1e-30)
+    o = np.einsum("bhqk,bkhd->bqhd", p, v)
+    if out_layout == "BNSH":
+        return o.transpose(0, 2, 1, 3)
+    if out_layout == "merged":
+        return o.reshape(o.shape[0], o.shape[1], -1)
+    return o
