@@ -18,6 +18,7 @@ import textwrap
 import numpy as np
 import pytest
 import tvm
+import graphs as G
 from graphs import dim_maker
 import tvm_ffi
 from tvm import relax
@@ -69,17 +70,8 @@ def codegen_funcs(mod):
 
 
 def np_attention(q, k, v, scale, causal):
-    """BSNH float32 reference; FA2 semantics (bottom-right causal), head h -> K/V head h // r."""
-    q, k, v = (x.astype("float32") for x in (q, k, v))
-    r = q.shape[2] // k.shape[2]
-    k, v = np.repeat(k, r, axis=2), np.repeat(v, r, axis=2)
-    s = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if causal:
-        sq, sk = s.shape[2], s.shape[3]
-        s = np.where(np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq), s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    return np.einsum("bhqk,bkhd->bqhd", p, v)
+    """BSNH float32 reference with FA2's semantics (bottom-right causal, head h -> K/V head h // r)."""
+    return G.reference_attention(q, k, v, scale=scale, causal="BottomRight" if causal else None)
 
 
 @pytest.fixture

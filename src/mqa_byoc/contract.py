@@ -12,8 +12,10 @@ CODEGEN = "flash_attn"
 COMPOSITE_MQA = "flash_attn.attention_mqa"
 #: The composite for plain multi-head attention (as many K/V heads as query heads).
 COMPOSITE_MHA = "flash_attn.attention"
+#: The composites of fixed-length attention (``R.nn.attention``), one pattern check decides between them.
+ATTENTION_COMPOSITES = (COMPOSITE_MQA, COMPOSITE_MHA)
 #: Every composite name the codegen accepts; a new composite is added here and in the pattern table.
-COMPOSITES = (COMPOSITE_MQA, COMPOSITE_MHA)
+COMPOSITES = ATTENTION_COMPOSITES
 
 #: Kernel providers of the codegen (see :mod:`mqa_byoc.compiler.codegen`).
 PROVIDERS = ("native", "python")

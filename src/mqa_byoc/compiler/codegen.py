@@ -60,7 +60,7 @@ from mqa_byoc.contract import (
 from .spec import AttentionSpec, read_composite
 
 __all__ = [
-    "CODEGEN_NAME",
+    "CODEGEN",
     "PROVIDERS",
     "PROVIDER_ATTR",
     "PY_FORWARD_FUNC",
@@ -78,7 +78,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CODEGEN_NAME = CODEGEN
 PROVIDER_OPTION = "provider"
 PROVIDER_ENV = "MQA_BYOC_PROVIDER"
 

@@ -14,7 +14,7 @@ from tvm.relax.backend.utils import has_leaking_intermediate_variables
 from tvm.relax.dpl import is_op, wildcard
 from tvm.relax.transform import FusionPattern, PatternCheckContext
 
-from mqa_byoc.contract import COMPOSITE_MHA, COMPOSITE_MQA, composite_name
+from mqa_byoc.contract import ATTENTION_COMPOSITES, composite_name
 
 from .analysis import check_attention_call
 
@@ -60,7 +60,7 @@ def check_attention(composite: str, length_facts: dict, context: PatternCheckCon
     return site.reason is None and composite_name(site.num_q_heads, site.num_kv_heads) == composite
 
 
-def flash_attn_patterns(composites=(COMPOSITE_MQA, COMPOSITE_MHA), output_permute: bool = True,
+def flash_attn_patterns(composites=ATTENTION_COMPOSITES, output_permute: bool = True,
                         length_facts: dict | None = None) -> list[FusionPattern]:
     """The pattern table; highest priority first: the larger pattern (with the output permute) wins.
 
