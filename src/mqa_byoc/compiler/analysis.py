@@ -107,11 +107,11 @@ def _attention_attr_checks(site, attrs, facts=None):
     window = int(attrs.window_size) if attrs.window_size is not None else None
     if attrs.causal_mask == "TopLeft" and not prove_equal(s_q, s_kv):
         return site.reject("TopLeft causal mask with S_q != S_kv (FA2's causal is bottom-right aligned)")
-    if attrs.causal_mask == "BottomRight" and not (prove_equal(s_q, s_kv) or _analyzer_le(s_q, s_kv, facts)):
-        return site.reject("BottomRight causal mask where S_q <= S_kv is not provable")
-    if window is not None and attrs.causal_mask is None and not (prove_equal(s_q, s_kv) or _analyzer_le(s_q, s_kv, facts)):
-        # FA2's window is bottom-right aligned like its causal mask: the same rule applies
-        return site.reject("sliding window (bottom-right aligned) where S_q <= S_kv is not provable")
+    # FA2's window is bottom-right aligned like its causal mask: the same rule applies to both
+    bottom_right = attrs.causal_mask == "BottomRight" or (window is not None and attrs.causal_mask is None)
+    if bottom_right and not (prove_equal(s_q, s_kv) or _analyzer_le(s_q, s_kv, facts)):
+        what = "BottomRight causal mask" if attrs.causal_mask else "sliding window (bottom-right aligned)"
+        return site.reject(f"{what} where S_q <= S_kv is not provable")
     if window is not None and window < 1:
         return site.reject(f"window_size {window} < 1")
     site.mask = masks.MaskKind(attrs.causal_mask is not None or window is not None, window)
