@@ -5,21 +5,18 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 
-# TVM 0.27 + tvm_ffi: objects that hold Python callbacks (registered global functions, VMs that
-# looked them up) can be destroyed after the interpreter during exit and segfault, turning a green
-# run into exit code 139 (seen with tests/test_codegen.py). Leave without the teardown, keeping
-# pytest's own exit status.
-_EXIT_STATUS = {"code": None}
-
-
-def pytest_sessionfinish(session, exitstatus):
-    _EXIT_STATUS["code"] = int(exitstatus)
-
-
 def pytest_unconfigure(config):
-    if _EXIT_STATUS["code"] is not None:
-        import sys
+    """Remove the package's global functions from TVM's registry before the interpreter goes.
 
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(_EXIT_STATUS["code"])
+    They are Python callables (the codegen ``relax.ext.flash_attn``, the python provider's
+    ``mqa_byoc.flash_attn_forward`` and its var-len twin); left in the registry they would be destroyed after the
+    interpreter, during TVM's own teardown, and crash the process at exit."""
+    if "tvm_ffi" not in sys.modules:
+        return
+    import tvm_ffi
+
+    from mqa_byoc.contract import CODEGEN, PY_FORWARD_FUNC, PY_VAR_LEN_FORWARD_FUNC
+
+    for name in ("relax.ext." + CODEGEN, PY_FORWARD_FUNC, PY_VAR_LEN_FORWARD_FUNC):
+        if tvm_ffi.get_global_func(name, allow_missing=True) is not None:
+            tvm_ffi.remove_global_func(name)

@@ -255,3 +255,170 @@ def composites(mod):
                     out.append(names[e.op])
             relax.analysis.post_order_visit(f.body, visit)
     return sorted(out)
+
+
+def attention_mixed_layouts(h=8, hkv=2, d=64, s=16, s_kv=None, b=1, dtype=F16, layouts="BSNH,BNSH,BNSH",
+                            out_layout="BSNH", causal="BottomRight", expand="repeat"):
+    """``R.nn.attention`` whose q, k, v each arrive in their own layout ("BSNH" or "BNSH", comma
+    separated in ``layouts``; a BNSH operand enters through ``permute_dims``), K/V expanded by
+    ``R.repeat`` on their head axis (``expand="repeat"``) or not (``"none"``); ``out_layout="BNSH"``
+    permutes the result back."""
+    syms = {}
+    s_, skv_ = _dim(s, syms), _dim(s_kv if s_kv is not None else s, syms)
+    lay = layouts.split(",")
+    bb = relax.BlockBuilder()
+
+    def param(name, seq, heads, layout):
+        shape = [b, seq, heads, d] if layout == "BSNH" else [b, heads, seq, d]
+        return relax.Var(name, _tensor(shape, dtype))
+
+    q = param("q", s_, h, lay[0])
+    k = param("k", skv_, hkv, lay[1])
+    v = param("v", skv_, hkv, lay[2])
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            ops = []
+            for x, layout, is_kv in ((q, lay[0], False), (k, lay[1], True), (v, lay[2], True)):
+                head_axis = 2 if layout == "BSNH" else 1
+                if is_kv and expand == "repeat":
+                    x = bb.emit(R.repeat(x, h // hkv, axis=head_axis))
+                if layout == "BNSH":
+                    x = bb.emit(R.permute_dims(x, [0, 2, 1, 3]))
+                ops.append(x)
+            o = bb.emit(R.nn.attention(*ops, causal_mask=causal))
+            if out_layout == "BNSH":
+                o = bb.emit(R.permute_dims(o, [0, 2, 1, 3]))
+            o = bb.emit_output(o)
+        bb.emit_func_output(o)
+    return _finish(bb)
+
+
+def hf_chains_shared_kv(sites=2, h=8, hkv=2, d=64, s=16, b=1, dtype=F16, share_expansion=False):
+    """``sites`` HF-style 3-D chains (BNSH in, (B, S, H*D) out, causal mask from positions) whose
+    queries differ and that read the same BNSH K/V; ``share_expansion``: one ``repeat_kv`` feeds
+    every chain, else each chain expands K/V itself (as two layers reading one cache would)."""
+    bb = relax.BlockBuilder()
+    qs = [relax.Var(f"q{i}", _tensor([b, h, s, d], dtype)) for i in range(sites)]
+    k = relax.Var("k", _tensor([b, hkv, s, d], dtype))
+    v = relax.Var("v", _tensor([b, hkv, s, d], dtype))
+    r = h // hkv
+    fmin = float(np.finfo(np.float16).min)
+    with bb.function("main", qs + [k, v]):
+        with bb.dataflow():
+            def repeat_kv(x):
+                e = bb.emit(R.broadcast_to(bb.emit(R.expand_dims(x, axis=[2])), [b, hkv, r, s, d]))
+                return bb.emit(R.reshape(e, [b, h, s, d]))
+
+            shared = (repeat_kv(k), repeat_kv(v)) if share_expansion else None
+            outs = []
+            for q in qs:
+                kk, vv = shared or (repeat_kv(k), repeat_kv(v))
+                q3 = bb.emit(R.reshape(q, [b * h, s, d]))
+                k3 = bb.emit(R.reshape(bb.emit(R.permute_dims(kk, [0, 1, 3, 2])), [b * h, d, s]))
+                sc = bb.emit(R.reshape(bb.emit(R.matmul(q3, k3)), [b, h, s, s]))
+                sc = bb.emit(R.multiply(sc, relax.const(1.0 / math.sqrt(d), dtype)))
+                pos = bb.emit(R.arange(0, s, 1, "int64"))
+                future = bb.emit(R.greater(pos, bb.emit(R.reshape(pos, [s, 1]))))
+                mask = bb.emit(R.where(future, relax.const(fmin, dtype), relax.const(0.0, dtype)))
+                sc = bb.emit(R.add(sc, bb.emit(R.reshape(mask, [1, 1, s, s]))))
+                p = bb.emit(R.astype(R.nn.softmax(bb.emit(R.astype(sc, "float32")), axis=-1), dtype))
+                p3 = bb.emit(R.reshape(p, [b * h, s, s]))
+                o = bb.emit(R.reshape(bb.emit(R.matmul(p3, bb.emit(R.reshape(vv, [b * h, s, d])))), [b, h, s, d]))
+                outs.append(bb.emit(R.reshape(bb.emit(R.permute_dims(o, [0, 2, 1, 3])), [b, s, h * d])))
+            o = bb.emit_output(R.concat(outs, axis=-1))
+        bb.emit_func_output(o)
+    return _finish(bb)
+
+
+def composite_calls_per_function(mod):
+    """``{function name: sorted composite names of the offloaded calls it makes}``."""
+    codegen = {}
+    for gv, f in mod.functions.items():
+        if isinstance(f, relax.Function) and f.attrs is not None and "Codegen" in f.attrs:
+            found = []
+            relax.analysis.post_order_visit(f.body, lambda e, found=found: found.append(str(e.attrs["Composite"]))
+                                            if isinstance(e, relax.Function) and e.attrs is not None
+                                            and "Composite" in e.attrs else None)
+            codegen[gv] = found[0]
+    out = {}
+    for gv, f in mod.functions.items():
+        if not isinstance(f, relax.Function) or gv in codegen:
+            continue
+        calls = []
+        for block in f.body.blocks:  # bindings, not nodes: one entry per call site
+            for b in block.bindings:
+                if isinstance(b.value, relax.Call) and b.value.op in codegen:
+                    calls.append(codegen[b.value.op])
+        if calls:
+            out[gv.name_hint] = sorted(calls)
+    return out
+
+
+def report_partition_disagreement(mod, mqa=True, **partition_kwargs):
+    """What ``offload_report`` says and ``partition_for_cutlass`` does differently, as readable lines.
+
+    Per function: the composites of the sites reported offloaded must be exactly the composite calls
+    left by the partition, and every rejected site must keep its attention outside any composite.
+    An empty list means they agree."""
+    from mqa_byoc import offload_report, partition_for_cutlass
+
+    report = offload_report(mod, mqa=mqa)
+    part = partition_for_cutlass(mod, mqa=mqa, **partition_kwargs)
+    reported = {}
+    for s in report:
+        if s.offloaded:
+            reported.setdefault(s.function, []).append(s.composite)
+    reported = {f: sorted(c) for f, c in reported.items()}
+    made = composite_calls_per_function(part)
+    problems = [f"{f}: report offloads {reported.get(f, [])}, partition made {made.get(f, [])}"
+                for f in sorted(set(reported) | set(made)) if reported.get(f, []) != made.get(f, [])]
+    for s in report:
+        if not s.offloaded:
+            left = count_ops(part, "relax.nn.attention", s.function) + count_ops(part, "relax.matmul", s.function) \
+                + count_ops(part, "relax.nn.attention_bias", s.function)
+            if left == 0:
+                problems.append(f"{s.function}: site {s.output} rejected ({s.reason}) but no attention is left")
+    return problems
+
+
+def to_bsnh(x, layout):
+    """A 4-D array in ``layout`` ("BSNH" or "BNSH") as BSNH."""
+    return x if layout == "BSNH" else x.transpose(0, 2, 1, 3)
+
+
+def mask_allowed(s_q, s_kv, causal=None, window=None):
+    """(S_q, S_kv) bool: which keys each query sees. ``causal`` "BottomRight" / "TopLeft" / None;
+    ``window`` w: the w keys up to the diagonal, bottom-right aligned like FA2 (also without causal)."""
+    i = np.arange(s_q)[:, None] + (0 if causal == "TopLeft" else s_kv - s_q)
+    j = np.arange(s_kv)[None, :]
+    allowed = np.ones((s_q, s_kv), bool)
+    if causal is not None or window is not None:
+        allowed &= j <= i
+    if window is not None:
+        allowed &= j > i - window
+    return allowed
+
+
+def reference_attention(q, k, v, layouts=("BSNH", "BSNH", "BSNH"), out_layout="BSNH", scale=None, causal=None,
+                        window=None, grouping="repeat"):
+    """float32 NumPy attention: what each graph of this module computes.
+
+    Query head h reads K/V head ``h // (H / H_kv)`` (``grouping="repeat"``: R.repeat, broadcast,
+    HF repeat_kv, FA2) or ``h % H_kv`` (``"tile"``). ``out_layout``: "BSNH", "BNSH" or "merged"
+    ((B, S, H*D)). Rows that see no key are 0."""
+    q, k, v = (to_bsnh(x.astype("float32"), lay) for x, lay in zip((q, k, v), layouts))
+    h, hkv, d = q.shape[2], k.shape[2], q.shape[3]
+    heads = np.arange(h) // (h // hkv) if grouping == "repeat" else np.arange(h) % hkv
+    k, v = k[:, :, heads], v[:, :, heads]
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) * (1.0 / math.sqrt(d) if scale is None else scale)
+    allowed = mask_allowed(s.shape[2], s.shape[3], causal, window)
+    s = np.where(allowed, s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    p = np.exp(s - np.where(np.isfinite(m), m, 0))
+    p = p / np.maximum(p.sum(-1, keepdims=True), 1e-30)
+    o = np.einsum("bhqk,bkhd->bqhd", p, v)
+    if out_layout == "BNSH":
+        return o.transpose(0, 2, 1, 3)
+    if out_layout == "merged":
+        return o.reshape(o.shape[0], o.shape[1], -1)
+    return o

@@ -18,6 +18,7 @@ import textwrap
 import numpy as np
 import pytest
 import tvm
+import graphs as G
 from graphs import dim_maker
 import tvm_ffi
 from tvm import relax
@@ -69,17 +70,8 @@ def codegen_funcs(mod):
 
 
 def np_attention(q, k, v, scale, causal):
-    """BSNH float32 reference; FA2 semantics (bottom-right causal), head h -> K/V head h // r."""
-    q, k, v = (x.astype("float32") for x in (q, k, v))
-    r = q.shape[2] // k.shape[2]
-    k, v = np.repeat(k, r, axis=2), np.repeat(v, r, axis=2)
-    s = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if causal:
-        sq, sk = s.shape[2], s.shape[3]
-        s = np.where(np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq), s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    return np.einsum("bhqk,bkhd->bqhd", p, v)
+    """BSNH float32 reference with FA2's semantics (bottom-right causal, head h -> K/V head h // r)."""
+    return G.reference_attention(q, k, v, scale=scale, causal="BottomRight" if causal else None)
 
 
 @pytest.fixture
@@ -241,7 +233,7 @@ def test_native_provider_plumbing(monkeypatch):
 
     class FakeNative:
         @staticmethod
-        def emit_native_source(symbol, spec, shape_args=0):
+        def emit_native_source(symbol, spec, shape_args=0, **parameters):
             seen.append((symbol, spec))
             return FakeSource(f"// native source for {symbol}\n")
 
@@ -348,7 +340,7 @@ def test_length_shape_parameter_is_accepted(tmp_path, numpy_forward):
     from mqa_byoc.compiler.native_codegen import emit_native_source
 
     code = emit_native_source("s", spec_of(codegen_funcs(mod)[0]), shape_args=len(site.shape_params)).code
-    assert "tvm::ffi::Shape, DLTensor* out" in code and "run_with_lengths" in code
+    assert "tvm::ffi::Shape in3, DLTensor* out" in code and "run_params" in code
 
 
 def test_forwarder_checks_shapes_and_missing_provider(tmp_path, numpy_forward):

@@ -184,3 +184,26 @@ def test_indivisible_heads_raise():
     # ... and the pass says so in its own words for IR that got past it.
     with pytest.raises(GroupedAttentionError, match="6 query heads cannot be grouped onto 4"):
         gqa_legalize._group_size(call)
+
+
+@pytest.mark.parametrize("sq, skv, causal, window", [
+    (6, 6, "BottomRight", 3), (4, 9, None, 2), (4, 9, "BottomRight", 5), (6, 6, "TopLeft", 2), (3, 7, None, 20),
+])
+def test_window_is_lowered_through_a_bias(sq, skv, causal, window):
+    """TVM 0.27 cannot lower window_size; the pass spells the window as a bias (FA2's semantics:
+    bottom-right aligned, the ``window`` keys up to the diagonal; TopLeft aligns at 0)."""
+    import graphs as G
+
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", relax.TensorType([1, sq, 4, 8], "float32"))
+    k = relax.Var("k", relax.TensorType([1, skv, 2, 8], "float32"))
+    v = relax.Var("v", relax.TensorType([1, skv, 2, 8], "float32"))
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            o = bb.emit_output(relax.op.nn.attention(q, k, v, causal_mask=causal, window_size=window))
+        bb.emit_func_output(o)
+    out = LegalizeGroupedAttention()(bb.get())
+    assert "window_size=None" in out.script() and "window_size=" + str(window) not in out.script()
+    arrays = [rand(1, sq, 4, 8, seed=1), rand(1, skv, 2, 8, seed=2), rand(1, skv, 2, 8, seed=3)]
+    want = G.reference_attention(*arrays, causal=causal, window=window)
+    np.testing.assert_allclose(run(out, *arrays), want, atol=ATOL, rtol=1e-5)

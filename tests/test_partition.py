@@ -206,3 +206,25 @@ def test_canonicalize_is_idempotent_and_leaves_no_expansion():
     mod = canonicalize_attention(G.hf_repeat_kv_chain())
     again = canonicalize_attention(mod)
     tvm.ir.assert_structural_equal(mod, again)
+
+
+def test_passes_compose_in_a_user_sequential():
+    """The partition's passes are module passes: a user Sequential gives what partition_for_cutlass gives."""
+    from mqa_byoc import AnnotateProvider, CanonicalizeAttention, LegalizeGroupedAttention
+    from mqa_byoc.compiler.patterns import flash_attn_patterns
+
+    mod = G.hf_repeat_kv_chain()
+    seq = tvm.transform.Sequential([
+        CanonicalizeAttention(mqa=True),
+        relax.transform.FuseOpsByPattern(flash_attn_patterns(), annotate_codegen=True),
+        AnnotateProvider("python"),
+        LegalizeGroupedAttention(),
+    ])
+    tvm.ir.assert_structural_equal(seq(mod), partition_for_cutlass(mod, provider="python"))
+
+
+@pytest.mark.parametrize("bad", ["main", None, 3])
+def test_non_module_input_is_a_type_error(bad):
+    for entry in (partition_for_cutlass, offload_report):
+        with pytest.raises(TypeError, match="expects a tvm.IRModule"):
+            entry(bad)

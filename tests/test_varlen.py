@@ -276,7 +276,7 @@ def test_arg_map_follows_deduplicated_parameters():
 def test_python_provider_builds_and_exports(tmp_path):
     ex = _build(var_len_attention(window=8, scale=0.2), "python")
     src = _sources(ex)
-    assert varlen_codegen.PY_VARLEN_FUNC in src and "0.2" in src
+    assert varlen_codegen.PY_VAR_LEN_FORWARD_FUNC in src and "0.2" in src
     ex.export_library(str(tmp_path / "varlen_python.so"))  # compiles the forwarder
     assert (tmp_path / "varlen_python.so").stat().st_size > 0
 

@@ -59,6 +59,8 @@ BUILDERS = {
     "upstream_3d_chain": {"inputs": "BSNH", "output": "BSNH", "merged": False, "reference_matmul_rule": False},
     "mlc_4d_chain": {"inputs": "BSNH", "output": "BSNH", "merged": True, "reference_matmul_rule": False},
     "hf_repeat_kv_chain": {"inputs": "BNSH", "output": "BSNH", "merged": True, "reference_matmul_rule": False},
+    # per-input layouts from the case's kwargs (Case.layouts)
+    "attention_mixed_layouts": {"inputs": None, "output": None, "merged": False},
 }
 # TVM 0.27's dlight gpu.Matmul rule on the explicit chains' fp16 score matmuls: with apache-tvm-ffi
 # 0.1.15 it segfaulted at build time; with 0.1.14 it builds a kernel that faults at run time
@@ -92,6 +94,13 @@ class Case:
     def d(self) -> int:
         return self.kwargs["d"]
 
+    def layouts(self) -> dict:
+        """Per-input and output layouts where the builder takes them as arguments (else {})."""
+        if self.builder != "attention_mixed_layouts":
+            return {}
+        q, k, v = self.kwargs.get("layouts", "BSNH,BNSH,BNSH").split(",")
+        return {"q": q, "k": k, "v": v, "output": self.kwargs.get("out_layout", "BSNH")}
+
     def attention(self) -> dict:
         """What the graph computes, in R.nn.attention's terms (for the fp32 PyTorch reference)."""
         kw, default_scale = self.kwargs, 1.0 / math.sqrt(self.d)
@@ -99,7 +108,7 @@ class Case:
         if self.builder == "attention_repeat_bsnh":
             causal, window = kw.get("causal", "BottomRight"), kw.get("window")
             scale = default_scale if kw.get("scale") is None else kw["scale"]
-        elif self.builder == "attention_repeat_bnsh":
+        elif self.builder in ("attention_repeat_bnsh", "attention_mixed_layouts"):
             causal = kw.get("causal", "BottomRight")
         elif self.builder == "upstream_3d_chain":
             scale = default_scale if kw.get("scale") is None else kw["scale"]
@@ -166,6 +175,17 @@ CASES = [
          dict(GQA, b=1, s=64, s_kv=192, window=48, dtype="bfloat16")),
     Case("window_gqa_f16_decode", "1 repeat+window", "attention_repeat_bsnh",
          dict(GQA, b=2, s=1, s_kv=300, window=128)),
+    # mixed layouts (issue 10 item 2): composite parameters in any order, BNSH operands as strides
+    Case("mixed_q_bsnh_kv_bnsh_f16_causal", "1+5 mixed layouts", "attention_mixed_layouts",
+         dict(GQA, b=2, s=128, layouts="BSNH,BNSH,BNSH")),
+    Case("mixed_q_bsnh_kv_bnsh_out_bnsh_bf16_chunked", "1+5 mixed layouts", "attention_mixed_layouts",
+         dict(GQA, b=1, s=48, s_kv=160, layouts="BSNH,BNSH,BNSH", out_layout="BNSH", dtype="bfloat16")),
+    Case("mixed_v_bnsh_f16_noncausal", "1+5 mixed layouts", "attention_mixed_layouts",
+         dict(GQA, b=1, s=96, layouts="BSNH,BSNH,BNSH", causal=None)),
+    Case("mixed_k_bnsh_mqa_f16_decode", "1+5 mixed layouts", "attention_mixed_layouts",
+         dict(h=H, hkv=1, d=D, b=2, s=1, s_kv=200, layouts="BNSH,BNSH,BSNH", causal=None)),
+    Case("mixed_q_bnsh_v_bnsh_fewer_f16_causal", "6 fewer mixed layouts", "attention_mixed_layouts",
+         dict(GQA, b=1, s=64, layouts="BNSH,BSNH,BNSH", out_layout="BNSH", expand="none")),
 ]
 
 
@@ -194,22 +214,23 @@ def _concrete(shape, case: Case) -> list[int]:
 
 def describe_io(case: Case, mod) -> tuple[list[dict], dict]:
     """Input specs (with layout) and output spec, checked against the heads / head dim of the case."""
-    lay = BUILDERS[case.builder]
+    lay = dict(BUILDERS[case.builder], **case.layouts())
     func = mod["main"]
     inputs = []
     for p in func.params:
         shape = _concrete(p.ty.shape, case)
-        spec = {"name": p.name, "shape": shape, "dtype": str(p.ty.dtype), "layout": lay["inputs"]}
+        layout = lay.get(p.name, lay["inputs"])
+        spec = {"name": p.name, "shape": shape, "dtype": str(p.ty.dtype), "layout": layout}
         heads = case.h if p.name == "q" else case.hkv
-        hax = 2 if lay["inputs"] == "BSNH" else 1
+        hax = 2 if layout == "BSNH" else 1
         if p.name not in ("q", "k", "v") or len(shape) != 4 or shape[hax] != heads or shape[3] != case.d:
-            raise SystemExit(f"{case.name}: input {spec} does not match {lay['inputs']} with {heads} heads, "
+            raise SystemExit(f"{case.name}: input {spec} does not match {layout} with {heads} heads, "
                              f"head dim {case.d}")
         inputs.append(spec)
     q = next(i for i in inputs if i["name"] == "q")
     k = next(i for i in inputs if i["name"] == "k")
-    b, sq = (q["shape"][0], q["shape"][1]) if lay["inputs"] == "BSNH" else (q["shape"][0], q["shape"][2])
-    skv = k["shape"][1] if lay["inputs"] == "BSNH" else k["shape"][2]
+    b, sq = (q["shape"][0], q["shape"][1]) if q["layout"] == "BSNH" else (q["shape"][0], q["shape"][2])
+    skv = k["shape"][1] if k["layout"] == "BSNH" else k["shape"][2]
     want = [b, sq, case.h * case.d] if lay["merged"] else (
         [b, sq, case.h, case.d] if lay["output"] == "BSNH" else [b, case.h, sq, case.d])
     shape = _concrete(func.ret_ty.shape, case)

@@ -11,7 +11,6 @@ compute differently becomes a readable ``reason``.
 
 from __future__ import annotations
 
-import contextvars
 from dataclasses import dataclass, field
 
 from tvm import relax, tirx
@@ -137,18 +136,22 @@ def _attention_attr_checks(site, attrs, facts=None):
     window = int(attrs.window_size) if attrs.window_size is not None else None
     if attrs.causal_mask == "TopLeft" and not prove_equal(s_q, s_kv):
         return site.reject("TopLeft causal mask with S_q != S_kv (FA2's causal is bottom-right aligned)")
-    if attrs.causal_mask == "BottomRight" and not (prove_equal(s_q, s_kv) or _analyzer_le(s_q, s_kv, facts)):
-        return site.reject("BottomRight causal mask where S_q <= S_kv is not provable")
+    # FA2's window is bottom-right aligned like its causal mask: the same rule applies to both
+    bottom_right = attrs.causal_mask == "BottomRight" or (window is not None and attrs.causal_mask is None)
+    if bottom_right and not (prove_equal(s_q, s_kv) or _analyzer_le(s_q, s_kv, facts)):
+        what = "BottomRight causal mask" if attrs.causal_mask else "sliding window (bottom-right aligned)"
+        return site.reject(f"{what} where S_q <= S_kv is not provable")
     if window is not None and window < 1:
         return site.reject(f"window_size {window} < 1")
     site.mask = masks.MaskKind(attrs.causal_mask is not None or window is not None, window)
     return site
 
 
-def check_attention_call(call, operand_values) -> AttentionSite:
+def check_attention_call(call, operand_values, length_facts=None) -> AttentionSite:
     """The partition's verdict on an ``R.nn.attention`` call whose operands are either plain
     tensors or ``permute_dims(x, [0, 2, 1, 3])`` of BNSH tensors (``operand_values`` maps an
-    operand var to its bound value). Used as the pattern check, so that it agrees with the
+    operand var to its bound value; ``length_facts`` are the match_cast facts of its function,
+    see ``Bindings.length_facts``). Used as the pattern check, so that it agrees with the
     analysis on every call the canonicalization did not touch."""
     site = AttentionSite("", None, "R.nn.attention", out_labels=["B", "S", "H", "D"])
     traced = []
@@ -166,7 +169,7 @@ def check_attention_call(call, operand_values) -> AttentionSite:
     _common_checks(site)
     if site.reason:
         return site
-    return _attention_attr_checks(site, call.attrs, LENGTH_FACTS.get())
+    return _attention_attr_checks(site, call.attrs, length_facts)
 
 
 def _analyzer_le(a, b, facts=None):
@@ -184,11 +187,6 @@ def _analyzer_le(a, b, facts=None):
     for var in tirx.analysis.undefined_vars(a - b, []):
         ana.bind(var, tvm.ir.Range.from_min_extent(1, 1 << 40))  # lengths >= 1
     return ana.can_prove(tirx.LE(a, b))
-
-
-# The pattern check sees one call, not its function: the partition sets the match_cast facts of the
-# module here so that the check agrees with the analysis.
-LENGTH_FACTS: contextvars.ContextVar[dict] = contextvars.ContextVar("mqa_byoc_length_facts", default={})
 
 
 # ----------------------------------------------------------------------------- explicit chains

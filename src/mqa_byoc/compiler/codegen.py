@@ -46,12 +46,22 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
+from mqa_byoc.contract import (
+    CODEGEN,
+    COMPOSITES,
+    PROVIDER_ATTR,
+    PROVIDERS,
+    PY_FORWARD_FUNC,
+    check_provider,
+    composite_name,
+)
+
 from ..kernels.toolchain import nvcc_available
 from . import varlen_codegen
-from .spec import AttentionSpec, spec_from_composite
+from .spec import AttentionSpec, read_composite
 
 __all__ = [
-    "CODEGEN_NAME",
+    "CODEGEN",
     "PROVIDERS",
     "PROVIDER_ATTR",
     "PY_FORWARD_FUNC",
@@ -69,13 +79,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CODEGEN_NAME = "flash_attn"
-PROVIDERS = ("native", "python")
-PROVIDER_ATTR = "mqa_byoc.provider"
 PROVIDER_OPTION = "provider"
 PROVIDER_ENV = "MQA_BYOC_PROVIDER"
-PY_FORWARD_FUNC = "mqa_byoc.flash_attn_forward"
-COMPOSITES = ("flash_attn.attention_mqa", "flash_attn.attention")
 
 _default_provider: str | None = None
 
@@ -87,17 +92,10 @@ class CodegenError(ValueError):
 # --------------------------------------------------------------------------- provider selection
 
 
-def _check_provider(provider: str, where: str) -> str:
-    provider = str(provider).strip().lower()
-    if provider not in PROVIDERS + ("auto",):
-        raise ValueError(f"{where}: unknown flash_attn provider {provider!r}; expected one of {PROVIDERS} or 'auto'")
-    return provider
-
-
 def set_default_provider(provider: str | None) -> None:
     """Set the process-wide provider (``"native"``, ``"python"``, ``"auto"``; None resets)."""
     global _default_provider
-    _default_provider = None if provider is None else _check_provider(provider, "set_default_provider")
+    _default_provider = None if provider is None else check_provider(provider, "set_default_provider", allow_auto=True)
 
 
 @contextlib.contextmanager
@@ -171,7 +169,7 @@ def resolve_provider(func: relax.Function | None = None, options=None) -> str:
     for value, where in choices:
         if value is None:
             continue
-        provider = _check_provider(str(value), where)
+        provider = check_provider(value, where, allow_auto=True)
         if provider != "auto":
             return provider
         break
@@ -183,11 +181,12 @@ def resolve_provider(func: relax.Function | None = None, options=None) -> str:
 
 @dataclass(frozen=True)
 class CodegenSite:
-    """One offloaded attention: the ``Codegen`` function and its composite."""
+    """One offloaded attention, read once off its ``Codegen`` function and composite."""
 
     symbol: str
     composite: relax.Function
     composite_name: str
+    spec: AttentionSpec
     # attention operand i (q, k, v) is the Codegen function's parameter arg_map[i]
     arg_map: tuple[int, int, int]
     num_inputs: int
@@ -198,7 +197,19 @@ class CodegenSite:
 
 
 def find_site(func: relax.Function) -> CodegenSite:
-    """Locate the single ``flash_attn.*`` composite call inside a ``Codegen`` function."""
+    """Read the single ``flash_attn.*`` composite call inside a ``Codegen`` function.
+
+    Returns
+    -------
+    CodegenSite
+        The exported symbol, the composite and its :class:`AttentionSpec`, and how the function's
+        parameters map to q, k, v.
+
+    Raises
+    ------
+    CodegenError
+        When the function is not one composite call on its parameters that FA2 can compute.
+    """
     if not isinstance(func, relax.Function):
         raise CodegenError(f"flash_attn codegen: expected a relax.Function, got {type(func).__name__}")
     attrs = func.attrs
@@ -210,9 +221,25 @@ def find_site(func: relax.Function) -> CodegenSite:
         raise CodegenError(f"flash_attn codegen: global_symbol {symbol!r} is not a C identifier")
     if _get(attrs, "Composite") is not None:
         # a Codegen function that is itself the composite (no wrapper)
-        return CodegenSite(symbol, func, str(attrs["Composite"]), tuple(_operand_params(func, symbol)),
-                           len(func.params), _shape_params(func))
+        name, composite, outer = str(attrs["Composite"]), func, list(range(len(func.params)))
+    else:
+        name, composite, outer = _composite_call(func, symbol)
+    if name not in COMPOSITES:
+        raise CodegenError(f"flash_attn codegen ({symbol}): unknown composite {name!r}; expected one of {COMPOSITES}")
+    spec, operand_params = _read(composite, symbol)
+    want = composite_name(spec.num_q_heads, spec.num_kv_heads)
+    if name != want:
+        raise CodegenError(
+            f"flash_attn codegen ({symbol}): composite {name} but the heads are "
+            f"{spec.num_q_heads} (q) / {spec.num_kv_heads} (k/v); expected {want}"
+        )
+    arg_map = tuple(outer[j] for j in operand_params)
+    shape_params = tuple(i for i, p in enumerate(func.params) if isinstance(p.ty, relax.ShapeType))
+    return CodegenSite(symbol, composite, name, spec, arg_map, len(func.params), shape_params)
 
+
+def _composite_call(func: relax.Function, symbol: str):
+    """(composite name, composite, outer) where composite parameter j is function parameter outer[j]."""
     body = func.body
     bindings = [b for block in body.blocks for b in block.bindings]
     local_funcs = {b.var: b.value for b in bindings if isinstance(b.value, relax.Function)}
@@ -242,11 +269,8 @@ def find_site(func: relax.Function) -> CodegenSite:
     var, call, composite = calls[0]
     if not (isinstance(body.body, relax.Var) and body.body.same_as(var)):
         raise CodegenError(f"flash_attn codegen ({symbol}): the function must return the composite's result")
-    name = str(composite.attrs["Composite"])
-    if name not in COMPOSITES:
-        raise CodegenError(f"flash_attn codegen ({symbol}): unknown composite {name!r}; expected one of {COMPOSITES}")
     params = list(func.params)
-    outer = []  # composite parameter j -> Codegen-function parameter outer[j]
+    outer = []
     for j, arg in enumerate(call.args):
         idx = next((i for i, p in enumerate(params) if p.same_as(arg)), None)
         if idx is None:
@@ -255,97 +279,54 @@ def find_site(func: relax.Function) -> CodegenSite:
                 "the function (constants and computed operands are not supported)"
             )
         outer.append(idx)
-    arg_map = tuple(outer[j] for j in _operand_params(composite, symbol))
-    return CodegenSite(symbol, composite, name, arg_map, len(params), _shape_params(func))
+    return str(composite.attrs["Composite"]), composite, outer
 
 
-def _shape_params(func: relax.Function) -> tuple[int, ...]:
-    return tuple(i for i, p in enumerate(func.params) if isinstance(p.ty, relax.ShapeType))
-
-
-def _operand_params(composite: relax.Function, symbol: str) -> list[int]:
-    """For q, k, v of the composite's ``R.nn.attention``: the index of the composite parameter each
-    one is (possibly through ``permute_dims``, a BNSH parameter). FuseOpsByPattern passes an operand
-    used twice (``attention(q, k, k)``) once, so this is not always (0, 1, 2)."""
-    bindings = {b.var: b.value for block in composite.body.blocks for b in block.bindings}
-
-    def value_of(e):
-        while isinstance(e, relax.Var) and e in bindings:
-            e = bindings[e]
-        return e
-
-    def is_op(e, name):
-        return isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == name
-
-    call = value_of(composite.body.body)
-    if is_op(call, "relax.permute_dims"):
-        call = value_of(call.args[0])
-    if not is_op(call, "relax.nn.attention"):
-        raise CodegenError(f"flash_attn codegen ({symbol}): composite body is not one R.nn.attention call")
-    params = list(composite.params)
-    out = []
-    for i, operand in enumerate(call.args[:3]):
-        e = value_of(operand)
-        if is_op(e, "relax.permute_dims"):
-            e = e.args[0]
-        idx = next((j for j, p in enumerate(params) if p.same_as(e)), None)
-        if idx is None:
-            raise CodegenError(
-                f"flash_attn codegen ({symbol}): attention operand {'qkv'[i]} is `{operand}`, not a composite "
-                "parameter (optionally through permute_dims)"
-            )
-        out.append(idx)
-    return out
+def _read(composite: relax.Function, where: str):
+    try:
+        return read_composite(composite)
+    except (ValueError, TypeError, AttributeError) as err:
+        raise CodegenError(f"flash_attn codegen ({where}): cannot read the attention parameters: {err}") from err
 
 
 def spec_of(func: relax.Function) -> AttentionSpec:
-    """The :class:`AttentionSpec` of a ``Codegen`` function or of a composite; errors name the site."""
-    site = find_site(func) if _get(func.attrs, "Codegen") is not None else None
-    composite = site.composite if site else func
-    try:
-        spec = spec_from_composite(composite)
-    except (ValueError, TypeError, AttributeError) as err:
-        where = site.symbol if site else str(_get(func.attrs, "global_symbol") or "composite")
-        raise CodegenError(f"flash_attn codegen ({where}): cannot read the attention parameters: {err}") from err
-    if site is not None:
-        want = "flash_attn.attention_mqa" if spec.num_kv_heads < spec.num_q_heads else "flash_attn.attention"
-        if site.composite_name != want:
-            raise CodegenError(
-                f"flash_attn codegen ({site.symbol}): composite {site.composite_name} but the heads are "
-                f"{spec.num_q_heads} (q) / {spec.num_kv_heads} (k/v); expected {want}"
-            )
-    return spec
+    """The :class:`AttentionSpec` of a ``Codegen`` function or of a composite; errors name the site.
+
+    Returns
+    -------
+    AttentionSpec
+        ``find_site(func).spec`` for a ``Codegen`` function; read off ``func`` for a composite.
+    """
+    if _get(func.attrs, "Codegen") is not None:
+        return find_site(func).spec
+    return _read(func, str(_get(func.attrs, "global_symbol") or "composite"))[0]
 
 
 # --------------------------------------------------------------------------- python provider
 
 _PY_PRELUDE = r"""// Generated by mqa_byoc.compiler.codegen (provider: python).
 // Each exported function forwards one FA2 forward call to the global function
-// "mqa_byoc.flash_attn_forward"(q, k, v, out, scale, causal, window_left, window_right),
+// "@FORWARD@"(q, k, v, out, scale, causal, window_left, window_right),
 // registered by `import mqa_byoc.runtime.providers`, with every tensor viewed as BSNH.
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/error.h>
 #include <tvm/ffi/function.h>
 
 #include <cstdint>
-#include <mutex>
 #include <optional>
 
 namespace {
 
-const tvm::ffi::Function& MqaByocPyForward() {
-  static std::mutex mu;
-  static std::optional<tvm::ffi::Function> fn;
-  std::lock_guard<std::mutex> lock(mu);
+// Looked up at every call, not cached: a cached reference to the Python callable would outlive the
+// interpreter (static destructors run after it) and crash the process at exit.
+tvm::ffi::Function MqaByocPyForward() {
+  std::optional<tvm::ffi::Function> fn = tvm::ffi::Function::GetGlobal("@FORWARD@");
   if (!fn.has_value()) {
-    fn = tvm::ffi::Function::GetGlobal("mqa_byoc.flash_attn_forward");
-    if (!fn.has_value()) {
-      TVM_FFI_THROW(RuntimeError)
-          << "mqa_byoc: the global function \"mqa_byoc.flash_attn_forward\" is not registered. "
-          << "This library was built with the python FA2 provider: run `import mqa_byoc.runtime.providers` "
-          << "in this process before calling it (needs torch with CUDA; flash-attn optional: "
-          << "pip install \"mqa-byoc[gpu]\"), or rebuild with provider=\"native\".";
-    }
+    TVM_FFI_THROW(RuntimeError)
+        << "mqa_byoc: the global function \"@FORWARD@\" is not registered. "
+        << "This library was built with the python FA2 provider: run `import mqa_byoc.runtime.providers` "
+        << "in this process before calling it (needs torch with CUDA; flash-attn optional: "
+        << "pip install \"mqa-byoc[gpu]\"), or rebuild with provider=\"native\".";
   }
   return *fn;
 }
@@ -385,7 +366,7 @@ tvm::ffi::Tensor MqaByocSwap12(const tvm::ffi::Tensor& t) {
 }
 
 }  // namespace
-"""
+""".replace("@FORWARD@", PY_FORWARD_FUNC)
 
 _DLTYPE = {"float16": "DLDataType{kDLFloat, 16, 1}", "bfloat16": "DLDataType{kDLBfloat, 16, 1}",
            "float32": "DLDataType{kDLFloat, 32, 1}"}
@@ -446,7 +427,7 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC({symbol}, mqa_byoc_{symbol}::Run);
 # --------------------------------------------------------------------------- native provider
 
 
-def _native_module(site: CodegenSite, spec: AttentionSpec):
+def _native_module(site: CodegenSite):
     try:
         from . import native_codegen
     except ImportError as err:
@@ -456,15 +437,10 @@ def _native_module(site: CodegenSite, spec: AttentionSpec):
             "partition_for_cutlass(..., provider='python') or "
             "RunCodegen({'flash_attn': {'provider': 'python'}})"
         ) from err
-    if site.arg_map != (0, 1, 2) or set(range(3, site.num_inputs)) != set(site.shape_params):
-        raise CodegenError(
-            f"flash_attn codegen ({site.symbol}): the native provider needs the function's parameters to be "
-            f"(q, k, v) and possibly length shapes; composite operands map to parameters {site.arg_map} of "
-            f"{site.num_inputs} (shape parameters: {site.shape_params})"
-        )
     # The source carries a marker line naming its FA2 kernel families (NativeSource.kernels);
     # mqa_byoc.export_library reads it from the C source module and links those kernels.
-    source = native_codegen.emit_native_source(site.symbol, spec, shape_args=len(site.shape_params))
+    source = native_codegen.emit_native_source(site.symbol, site.spec, arg_map=site.arg_map, num_inputs=site.num_inputs,
+                                                shape_params=site.shape_params)
     return _csource_module(source.code, [site.symbol])
 
 
@@ -490,11 +466,11 @@ def flash_attn_codegen(funcs, options=None, constant_names=None) -> list:
                 python_symbols.append(vl.symbol)
             continue
         site = find_site(func)
-        spec = spec_of(func)
+        spec = site.spec
         provider = resolve_provider(func, options)
         logger.debug("flash_attn codegen: %s -> %s provider (%s)", site.symbol, provider, spec)
         if provider == "native":
-            modules.append(_native_module(site, spec))
+            modules.append(_native_module(site))
         else:
             python_parts.append(
                 emit_python_forwarder(site.symbol, spec, site.arg_map, site.num_inputs, prelude=False,
@@ -506,4 +482,4 @@ def flash_attn_codegen(funcs, options=None, constant_names=None) -> list:
     return modules
 
 
-tvm_ffi.register_global_func("relax.ext." + CODEGEN_NAME, flash_attn_codegen, override=True)
+tvm_ffi.register_global_func("relax.ext." + CODEGEN, flash_attn_codegen, override=True)

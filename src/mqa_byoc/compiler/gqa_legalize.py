@@ -27,29 +27,24 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, PyExprVisitor, mutator, visitor
 
+from .exprs import is_offloaded, op_name
+
 __all__ = ["LegalizeGroupedAttention", "legalize_grouped_attention", "GroupedAttentionError"]
 
 # ``R.nn.attention`` with a bias argument is a separate op in TVM 0.27 (same attributes, the bias
 # is the 4th argument, broadcastable to (B, H, S_q, S_kv): it does not depend on the K/V heads).
 _ATTENTION_OPS = ("relax.nn.attention", "relax.nn.attention_bias")
-_SKIP_ATTRS = ("Codegen", "Composite")
+# the fill of masked scores in a window bias: the float16 minimum, representable in every float type
+_MASKED_FILL = -65504.0
 
 
 class GroupedAttentionError(ValueError):
     """A grouped attention whose head counts cannot be grouped (H % H_kv != 0, or not static)."""
 
 
-def _is_offloaded(func: relax.Function) -> bool:
-    attrs = func.attrs
-    return attrs is not None and any(key in attrs for key in _SKIP_ATTRS)
-
-
 def _attention_op_name(call) -> str | None:
-    if isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op):
-        name = call.op.name
-        if name in _ATTENTION_OPS:
-            return name
-    return None
+    name = op_name(call)
+    return name if name in _ATTENTION_OPS else None
 
 
 def _heads(expr, what: str):
@@ -107,11 +102,12 @@ class _FindGrouped(PyExprVisitor):
         self.found = False
 
     def visit_function_(self, op: relax.Function) -> None:
-        if not _is_offloaded(op):
+        if not is_offloaded(op):
             super().visit_function_(op)
 
     def visit_call_(self, op: relax.Call) -> None:
-        if _attention_op_name(op) is not None and (_group_size(op) > 1 or _half_with_scale(op)):
+        if _attention_op_name(op) is not None and (_group_size(op) > 1 or _half_with_scale(op)
+                                                     or op.attrs.window_size is not None):
             self.found = True
         super().visit_call_(op)
 
@@ -126,7 +122,7 @@ def _half_with_scale(call) -> bool:
 @mutator
 class _RepeatKV(PyExprMutator):
     def visit_function_(self, op: relax.Function) -> relax.Expr:
-        if _is_offloaded(op):
+        if is_offloaded(op):
             return op
         return super().visit_function_(op)
 
@@ -136,7 +132,8 @@ class _RepeatKV(PyExprMutator):
         if name is None:
             return call
         r = _group_size(call)
-        if r == 1 and not _half_with_scale(call):
+        window = None if call.attrs.window_size is None else int(call.attrs.window_size)
+        if r == 1 and not _half_with_scale(call) and window is None:
             return call
         q, k, v = call.args[:3]
         if r > 1:
@@ -150,15 +147,35 @@ class _RepeatKV(PyExprMutator):
             factor = relax.const(float(scale.value) * d ** 0.5, str(q.ty.dtype))
             q = self.builder_.emit(relax.op.multiply(q, factor), name_hint="q_scaled")
             scale = None
-        window = None if attrs.window_size is None else int(attrs.window_size)
         bias = call.args[3] if name == "relax.nn.attention_bias" else None
-        return relax.op.nn.attention(
-            q, k, v, bias=bias, scale=scale, causal_mask=attrs.causal_mask, window_size=window
-        )
+        causal = attrs.causal_mask
+        if window is not None:
+            # TVM 0.27 cannot lower a window: spell it (and the causal mask it implies) as a bias
+            window_bias = self._window_bias(q, k, window, causal)
+            bias = window_bias if bias is None else self.builder_.emit(relax.op.add(bias, window_bias))
+            causal = None
+        return relax.op.nn.attention(q, k, v, bias=bias, scale=scale, causal_mask=causal)
+
+    def _window_bias(self, q, k, window: int, causal) -> relax.Expr:
+        """(1, 1, S_q, S_kv) bias: 0 where query i sees key j, a large negative value elsewhere.
+
+        Bottom-right aligned like FA2 (``TopLeft`` aligns at 0): with ``i' = i + S_kv - S_q`` the
+        key j is visible when ``0 <= i' - j < window``."""
+        emit = self.builder_.emit
+        s_q, s_kv = q.ty.shape.values[1], k.ty.shape.values[1]
+        first = 0 if causal == "TopLeft" else s_kv - s_q
+        rows = emit(relax.op.reshape(relax.op.arange(first, first + s_q, 1, "int64"), [s_q, 1]))
+        cols = emit(relax.op.reshape(relax.op.arange(0, s_kv, 1, "int64"), [1, s_kv]))
+        dist = emit(relax.op.subtract(rows, cols))
+        visible = emit(relax.op.logical_and(
+            relax.op.greater_equal(dist, relax.const(0, "int64")), relax.op.less(dist, relax.const(window, "int64"))))
+        fill = relax.op.where(visible, relax.const(0.0, "float32"), relax.const(_MASKED_FILL, "float32"))
+        bias = emit(relax.op.astype(fill, str(q.ty.dtype)))
+        return emit(relax.op.reshape(bias, [1, 1, s_q, s_kv]))
 
 
 def _rewrite_function(func: relax.Function, mod: tvm.IRModule | None) -> relax.Function:
-    if _is_offloaded(func):
+    if is_offloaded(func):
         return func
     finder = _FindGrouped()
     finder.visit_expr(func)

@@ -49,22 +49,48 @@ def _check_spec(symbol: str, spec: AttentionSpec) -> None:
             raise ValueError(f"{symbol}: {name} must be >= -1")
 
 
-def _export_line(shape_args: int) -> str:
-    if not shape_args:
+def _export_lines(symbol: str, arg_map, num_inputs: int, shape_params) -> str:
+    """The export of ``run(q, k, v, out)`` under the function's own parameter list: the Codegen
+    function passes its parameters in the order ``FuseOpsByPattern`` gave them (an operand used
+    twice comes once; length shapes may follow), so a wrapper maps them onto q, k, v."""
+    if tuple(arg_map) == (0, 1, 2) and num_inputs == 3:
         return "TVM_FFI_DLL_EXPORT_TYPED_FUNC(@SYMBOL@, run);"
-    shapes = "".join(f"tvm::ffi::Shape, " for _ in range(shape_args))
+    if sorted(set(arg_map) | set(shape_params)) != list(range(num_inputs)) or set(arg_map) & set(shape_params):
+        raise ValueError(f"{symbol}: inputs {num_inputs} with q, k, v at {tuple(arg_map)} and shapes at "
+                         f"{tuple(shape_params)} do not cover each input once")
+    params = ", ".join(f"tvm::ffi::Shape in{i}" if i in shape_params else f"DLTensor* in{i}"
+                       for i in range(num_inputs))
+    q, k, v = (f"in{i}" for i in arg_map)
     return ("namespace {\n"
-            f"int run_with_lengths(DLTensor* q, DLTensor* k, DLTensor* v, {shapes}DLTensor* out) "
-            "{ return run(q, k, v, out); }\n"
+            f"int run_params({params}, DLTensor* out) {{ return run({q}, {k}, {v}, out); }}\n"
             "}  // namespace\n"
-            "TVM_FFI_DLL_EXPORT_TYPED_FUNC(@SYMBOL@, run_with_lengths);")
+            "TVM_FFI_DLL_EXPORT_TYPED_FUNC(@SYMBOL@, run_params);")
 
 
-def emit_native_source(symbol: str, spec: AttentionSpec, shape_args: int = 0) -> NativeSource:
+def emit_native_source(symbol: str, spec: AttentionSpec, shape_args: int = 0, *, arg_map=(0, 1, 2),
+                       num_inputs: int | None = None, shape_params=()) -> NativeSource:
     """C++ for ``TVM_FFI_DLL_EXPORT_TYPED_FUNC(symbol, ...)`` calling FA2 with ``spec`` baked in.
 
-    ``shape_args``: number of ``R.Shape`` inputs after q, k, v (the fused function's ``tir_vars``),
-    accepted and ignored."""
+    Parameters
+    ----------
+    symbol, spec
+        The exported name and the attention it computes.
+    shape_args
+        Shorthand for ``R.Shape`` inputs after q, k, v (the fused function's ``tir_vars``).
+    arg_map, num_inputs, shape_params
+        The exported function's parameter list: q, k, v are inputs ``arg_map`` (an input may serve
+        twice), ``R.Shape`` inputs are at ``shape_params`` and are ignored (lengths are read off the
+        tensors); ``out`` comes last. Default: ``(q, k, v, <shape_args shapes>, out)``.
+
+    Returns
+    -------
+    NativeSource
+        The C++ source and the FA2 kernel families it needs at link time.
+    """
+    if shape_args and not shape_params:
+        shape_params = tuple(range(3, 3 + shape_args))
+    if num_inputs is None:
+        num_inputs = max(tuple(arg_map) + tuple(shape_params)) + 1
     _check_spec(symbol, spec)
     kernels = plan_kernels(spec)
     type_code, type_name = _DL_DTYPE[spec.dtype]
@@ -83,7 +109,7 @@ def emit_native_source(symbol: str, spec: AttentionSpec, shape_args: int = 0) ->
     for key, value in {
         "@MARKER@": marker_line(kernels),
         "@SPEC@": spec_line,
-        "@EXPORT@": _export_line(shape_args),
+        "@EXPORT@": _export_lines(symbol, arg_map, num_inputs, set(shape_params)),
         "@SYMBOL@": symbol,
         "@H@": str(int(spec.num_q_heads)),
         "@HKV@": str(int(spec.num_kv_heads)),

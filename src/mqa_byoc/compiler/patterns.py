@@ -1,28 +1,35 @@
 """Pattern table for the ``flash_attn`` BYOC backend.
 
-The canonicalization (:mod:`.partition`) leaves one form per offloadable site:
+The canonicalization (:mod:`.canonicalize`) leaves one form per offloadable site:
 ``R.nn.attention(q, k, v)`` whose operands are plain BSNH tensors or ``permute_dims`` of BNSH ones,
-optionally followed by a permute of the result. One check decides both composites, so the pattern
+optionally followed by a permute of the result. One check decides every composite, so the pattern
 table and :func:`mqa_byoc.offload_report` agree.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 from tvm.relax.backend.utils import has_leaking_intermediate_variables
 from tvm.relax.dpl import is_op, wildcard
 from tvm.relax.transform import FusionPattern, PatternCheckContext
 
+from mqa_byoc.contract import ATTENTION_COMPOSITES, composite_name
+
 from .analysis import check_attention_call
 from .varlen import var_len_fusion_pattern
-
-COMPOSITE_MQA = "flash_attn.attention_mqa"
-COMPOSITE_MHA = "flash_attn.attention"
 
 
 def make_attention_pattern(with_output_permute: bool):
     """``R.nn.attention`` with each operand either a tensor or its [0, 2, 1, 3] permute.
 
-    Returns (pattern, annotations) like ``tvm.relax.backend.patterns``.
+    Returns
+    -------
+    pattern : DFPattern
+        The root of the match (the output permute, when asked for, else the attention).
+    annotations : dict
+        Named sub-patterns (``query_permute`` ... ``attention``, ``output_permute``, ``root``),
+        like ``tvm.relax.backend.patterns``.
     """
     annotations = {}
     operands = []
@@ -41,39 +48,43 @@ def make_attention_pattern(with_output_permute: bool):
     return root, annotations
 
 
-def _check(context: PatternCheckContext, want_mqa: bool) -> bool:
+def check_attention(composite: str, length_facts: dict, context: PatternCheckContext) -> bool:
+    """The check of every ``flash_attn`` attention pattern: the analysis accepts the call and its
+    head counts make it ``composite``. ``length_facts``: the module's match_cast facts."""
     if has_leaking_intermediate_variables(context):
         return False
     call = context.annotated_expr["attention"]
     out_perm = context.annotated_expr.get("output_permute")
     if out_perm is not None and [int(a) for a in out_perm.attrs.axes] != [0, 2, 1, 3]:
         return False
-    site = check_attention_call(call, dict(context.matched_bindings))
-    if site.reason is not None:
-        return False
-    return (site.num_kv_heads != site.num_q_heads) == want_mqa
+    site = check_attention_call(call, dict(context.matched_bindings), length_facts)
+    return site.reason is None and composite_name(site.num_q_heads, site.num_kv_heads) == composite
 
 
-def _check_mqa(context: PatternCheckContext) -> bool:
-    return _check(context, want_mqa=True)
-
-
-def _check_mha(context: PatternCheckContext) -> bool:
-    return _check(context, want_mqa=False)
-
-
-def flash_attn_patterns(mqa=(True, False), output_permute: bool = True) -> list[FusionPattern]:
+def flash_attn_patterns(composites=ATTENTION_COMPOSITES, output_permute: bool = True,
+                        length_facts: dict | None = None) -> list[FusionPattern]:
     """The pattern table; highest priority first: the larger pattern (with the output permute) wins.
 
-    ``mqa``: which composites to include (True: ``attention_mqa``, False: ``attention``);
-    ``output_permute``: include the variants that also take a permute of the result.
+    Parameters
+    ----------
+    composites : sequence of str
+        Which composites to include.
+    output_permute : bool
+        Include the variants that also take a permute of the result.
+    length_facts : dict, optional
+        ``{shape var: expression}`` from the module's match_casts (``Bindings.length_facts``), so
+        that the check proves S_q <= S_kv like the analysis does.
+
+    Returns
+    -------
+    list of FusionPattern
+        For ``relax.transform.FuseOpsByPattern``.
     """
+    facts = dict(length_facts or {})
     table = []
     for with_out in ((True, False) if output_permute else (False,)):
         pattern, annotations = make_attention_pattern(with_out)
-        if True in mqa:
-            table.append(FusionPattern(COMPOSITE_MQA, pattern, annotations, _check_mqa))
-        if False in mqa:
-            table.append(FusionPattern(COMPOSITE_MHA, pattern, annotations, _check_mha))
+        for name in composites:
+            table.append(FusionPattern(name, pattern, annotations, partial(check_attention, name, facts)))
     table.append(var_len_fusion_pattern())  # matches R.nn.attention_var_len only: cheap
     return table

@@ -42,42 +42,64 @@ class AttentionSpec:
 def spec_from_composite(func) -> AttentionSpec:
     """Read an :class:`AttentionSpec` off a ``flash_attn.*`` composite (see docs/design.md).
 
+    Returns
+    -------
+    AttentionSpec
+        What :func:`read_composite` reads, without the operand positions.
+    """
+    return read_composite(func)[0]
+
+
+def read_composite(func) -> tuple[AttentionSpec, tuple[int, int, int]]:
+    """Walk a ``flash_attn.*`` composite once: its attention parameters and where q, k, v come in.
+
     The composite body is ``R.nn.attention`` on BSNH operands; an operand may be
     ``permute_dims(param, [0, 2, 1, 3])`` (a BNSH parameter) and the result may be permuted
     the same way (a BNSH output).
+
+    Returns
+    -------
+    spec : AttentionSpec
+        Heads, head dim, dtype, scale, mask and the layout of each operand and of the output.
+    operand_params : tuple of int
+        For q, k, v: the index of the composite parameter each one is. ``FuseOpsByPattern`` orders
+        parameters by first use and passes an operand used twice once, so this is not always (0, 1, 2).
+
+    Raises
+    ------
+    ValueError
+        When the body is not one such attention, or FA2 cannot compute it.
     """
-    import tvm  # compile time only
-    from tvm import relax
+    from tvm import relax  # compile time only
+
+    from .exprs import binding_values, op_name, value_of
 
     if not isinstance(func, relax.Function):
         raise ValueError(f"expected a flash_attn.* composite relax.Function, got {type(func).__name__}")
-    bindings = {b.var: b.value for block in func.body.blocks for b in block.bindings}
-
-    def value_of(e):
-        while isinstance(e, relax.Var) and e in bindings:
-            e = bindings[e]
-        return e
-
-    def op_name(e):
-        return e.op.name if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) else ""
-
+    values = binding_values(func)
     out_layout = "BSNH"
-    call = value_of(func.body.body)
+    call = value_of(func.body.body, values)
     if op_name(call) == "relax.permute_dims":
         _require_swap_13(call)
         out_layout = "BNSH"
-        call = value_of(call.args[0])
+        call = value_of(call.args[0], values)
     if op_name(call) != "relax.nn.attention":
         raise ValueError(f"composite body is not a single R.nn.attention call:\n{func}")
 
-    layouts = []
-    for arg in call.args[:3]:
-        a = value_of(arg)
+    layouts, operand_params = [], []
+    params = list(func.params)
+    for name, arg in zip("qkv", call.args[:3]):
+        a = value_of(arg, values)
+        layouts.append("BSNH")
         if op_name(a) == "relax.permute_dims":
             _require_swap_13(a)
-            layouts.append("BNSH")
-        else:
-            layouts.append("BSNH")
+            layouts[-1] = "BNSH"
+            a = a.args[0]
+        index = next((j for j, p in enumerate(params) if p.same_as(a)), None)
+        if index is None:
+            raise ValueError(f"attention operand {name} is `{arg}`, not a composite parameter "
+                             "(optionally through permute_dims)")
+        operand_params.append(index)
     q, k, v = (a.ty for a in call.args[:3])
     _, _, h, d = _static(q, "q")
     _, _, hkv, dk = _static(k, "k")
@@ -103,7 +125,8 @@ def spec_from_composite(func) -> AttentionSpec:
     if window is not None and int(window) < 1:
         raise ValueError(f"window_size must be >= 1, got {int(window)}")
     wl, wr = (-1, -1) if window is None else (int(window) - 1, 0)
-    return AttentionSpec(h, hkv, d, dv, dtype, scale, causal, wl, wr, *layouts, out_layout)
+    spec = AttentionSpec(h, hkv, d, dv, dtype, scale, causal, wl, wr, *layouts, out_layout)
+    return spec, tuple(operand_params)
 
 
 def _require_swap_13(call):

@@ -12,20 +12,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import tvm
 from tvm import relax, tirx
 from tvm.ir.expr import Constant
 from tvm.sym import Analyzer
+
+from .exprs import op_name  # noqa: F401 - re-exported for the analysis
 
 _ANALYZER = Analyzer()
 
 # Expansion kinds. "repeat" and "broadcast" give query head h the K/V head h // r (what FA2 computes);
 # "tile" gives h % H_kv, which is only the same when H_kv == 1.
 REPEAT, BROADCAST, TILE = "repeat", "broadcast", "tile"
-
-
-def op_name(expr) -> str:
-    return expr.op.name if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) else ""
 
 
 def shape_of(expr):

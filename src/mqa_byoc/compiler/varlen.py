@@ -21,12 +21,14 @@ import tvm
 from tvm import relax, tirx
 from tvm.ir.expr import Constant
 
+from mqa_byoc.contract import COMPOSITE_VAR_LEN
+
 from . import analysis
 from .trace import as_int, shape_of, trace
 
 VAR_LEN_OP = "relax.nn.attention_var_len"
 FORM = "R.nn.attention_var_len"
-COMPOSITE = "flash_attn.attention_var_len"
+COMPOSITE = COMPOSITE_VAR_LEN
 _BSNH = ["B", "S", "H", "D"]
 # appended to the reason of every var-len site left in the graph (offload_report)
 NOT_LOWERABLE = ("; TVM cannot lower R.nn.attention_var_len itself (LegalizeOps: not supported yet), "

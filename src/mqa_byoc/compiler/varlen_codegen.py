@@ -26,11 +26,12 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax
 
+from mqa_byoc.contract import PY_VAR_LEN_FORWARD_FUNC
+
 from .spec import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttentionSpec, _static
 from .varlen import COMPOSITE, VAR_LEN_OP
 
 OPERANDS = ("q", "k", "v", "seqstart_q", "seqstart_k", "max_seqlen_q", "max_seqlen_k")
-PY_VARLEN_FUNC = "mqa_byoc.flash_attn_varlen_forward"
 
 
 class VarLenCodegenError(ValueError):
@@ -147,18 +148,15 @@ _PY_HELPERS = r"""
 #ifndef MQA_BYOC_VARLEN_PY_HELPERS
 #define MQA_BYOC_VARLEN_PY_HELPERS
 namespace {
-const tvm::ffi::Function& MqaByocPyVarLenForward() {
-  static std::mutex mu;
-  static std::optional<tvm::ffi::Function> fn;
-  std::lock_guard<std::mutex> lock(mu);
+// Looked up at every call, not cached: a cached reference to the Python callable would outlive the
+// interpreter (static destructors run after it) and crash the process at exit.
+tvm::ffi::Function MqaByocPyVarLenForward() {
+  std::optional<tvm::ffi::Function> fn = tvm::ffi::Function::GetGlobal("@PYFUNC@");
   if (!fn.has_value()) {
-    fn = tvm::ffi::Function::GetGlobal("@PYFUNC@");
-    if (!fn.has_value()) {
-      TVM_FFI_THROW(RuntimeError)
-          << "mqa_byoc: the global function \"@PYFUNC@\" is not registered. This library was "
-          << "built with the python FA2 provider: run `import mqa_byoc.runtime.providers` in this process "
-          << "before calling it, or rebuild with provider=\"native\".";
-    }
+    TVM_FFI_THROW(RuntimeError)
+        << "mqa_byoc: the global function \"@PYFUNC@\" is not registered. This library was "
+        << "built with the python FA2 provider: run `import mqa_byoc.runtime.providers` in this process "
+        << "before calling it, or rebuild with provider=\"native\".";
   }
   return *fn;
 }
@@ -171,7 +169,7 @@ def emit_python_forwarder(site: VarLenSite) -> str:
     """C++ exporting ``symbol(inputs..., out)`` that forwards to ``mqa_byoc.flash_attn_varlen_forward``
     (the checks are the Python function's)."""
     spec = site.spec
-    return _PY_HELPERS.replace("@PYFUNC@", PY_VARLEN_FUNC) + f"""
+    return _PY_HELPERS.replace("@PYFUNC@", PY_VAR_LEN_FORWARD_FUNC) + f"""
 // ---- {site.symbol}: var-len, {spec.num_q_heads} query heads over {spec.num_kv_heads} K/V heads, head dim {spec.head_dim}, {spec.dtype}
 namespace {{
 namespace mqa_byoc_{site.symbol} {{

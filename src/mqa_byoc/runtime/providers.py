@@ -38,6 +38,8 @@ import threading
 
 import tvm_ffi
 
+from mqa_byoc.contract import PY_FORWARD_FUNC
+
 __all__ = [
     "BACKENDS",
     "ENV_VAR",
@@ -54,7 +56,7 @@ __all__ = [
     "select_backend",
 ]
 
-FORWARD_FUNC = "mqa_byoc.flash_attn_forward"
+FORWARD_FUNC = PY_FORWARD_FUNC  # the name the codegen's forwarders call (mqa_byoc.contract)
 ENV_VAR = "MQA_BYOC_PY_PROVIDER"
 BACKENDS = ("flash_attn", "torch")
 INSTALL_HINT = 'pip install "mqa-byoc[gpu]"'

@@ -9,47 +9,48 @@ from __future__ import annotations
 
 import tvm_ffi
 
+from mqa_byoc.contract import PY_VAR_LEN_FORWARD_FUNC
+
 from . import providers as _p
 
-VARLEN_FORWARD_FUNC = "mqa_byoc.flash_attn_varlen_forward"
 
 
 def _max_length(torch, t, name: str, total: int) -> int:
     """A host tensor's value (clamped to ``total``); a device tensor is not read (that would
     synchronize the stream): ``total`` bounds every sequence."""
     if t.numel() != 1 or t.dtype != torch.int32:
-        raise TypeError(f"{VARLEN_FORWARD_FUNC}: {name} must be an int32 tensor with one element, "
+        raise TypeError(f"{PY_VAR_LEN_FORWARD_FUNC}: {name} must be an int32 tensor with one element, "
                         f"got {t.dtype} of shape {tuple(t.shape)}")
     if t.device.type == "cuda":
         return total
     value = int(t.reshape(()).item())
     if value < 0 or (value == 0 and total > 0):
-        raise ValueError(f"{VARLEN_FORWARD_FUNC}: {name} is {value} but the sequences hold {total} rows")
+        raise ValueError(f"{PY_VAR_LEN_FORWARD_FUNC}: {name} is {value} but the sequences hold {total} rows")
     return min(value, total)
 
 
 def _check(torch, q, k, v, out, cq, ck, heads, kv_heads, head_dim):
     for name, t, h in (("q", q, heads), ("k", k, kv_heads), ("v", v, kv_heads), ("out", out, heads)):
         if t.device.type != "cuda" or t.device != q.device:
-            raise _p.ProviderUnavailableError(f"{VARLEN_FORWARD_FUNC}: {name} is on {t.device}; FA2 needs "
+            raise _p.ProviderUnavailableError(f"{PY_VAR_LEN_FORWARD_FUNC}: {name} is on {t.device}; FA2 needs "
                                               f"every tensor on the CUDA device of q ({q.device})")
         if t.dim() != 4 or t.shape[0] != 1 or t.shape[2] != h or t.shape[3] != head_dim:
-            raise ValueError(f"{VARLEN_FORWARD_FUNC}: {name} has shape {tuple(t.shape)}, compiled for "
+            raise ValueError(f"{PY_VAR_LEN_FORWARD_FUNC}: {name} has shape {tuple(t.shape)}, compiled for "
                              f"(1, total, {h}, {head_dim})")
         if t.dtype not in (torch.float16, torch.bfloat16) or t.dtype != q.dtype:
-            raise TypeError(f"{VARLEN_FORWARD_FUNC}: {name} has dtype {t.dtype}; q, k, v, out must all be "
+            raise TypeError(f"{PY_VAR_LEN_FORWARD_FUNC}: {name} has dtype {t.dtype}; q, k, v, out must all be "
                             "float16 or all bfloat16")
         if t.stride(-1) != 1:
-            raise ValueError(f"{VARLEN_FORWARD_FUNC}: {name} needs a contiguous last (head dim) axis")
+            raise ValueError(f"{PY_VAR_LEN_FORWARD_FUNC}: {name} needs a contiguous last (head dim) axis")
     if k.shape != v.shape or out.shape != q.shape:
-        raise ValueError(f"{VARLEN_FORWARD_FUNC}: k {tuple(k.shape)} / v {tuple(v.shape)} or q {tuple(q.shape)} / "
+        raise ValueError(f"{PY_VAR_LEN_FORWARD_FUNC}: k {tuple(k.shape)} / v {tuple(v.shape)} or q {tuple(q.shape)} / "
                          f"out {tuple(out.shape)} differ")
     for name, t in (("seqstart_q", cq), ("seqstart_k", ck)):
         if t.dim() != 1 or t.dtype != torch.int32 or t.device != q.device or not t.is_contiguous():
-            raise ValueError(f"{VARLEN_FORWARD_FUNC}: {name} must be a contiguous 1-D int32 tensor on {q.device}, "
+            raise ValueError(f"{PY_VAR_LEN_FORWARD_FUNC}: {name} must be a contiguous 1-D int32 tensor on {q.device}, "
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
     if cq.shape != ck.shape or cq.shape[0] < 1:
-        raise ValueError(f"{VARLEN_FORWARD_FUNC}: seqstart_q has {cq.shape[0]} entries, seqstart_k "
+        raise ValueError(f"{PY_VAR_LEN_FORWARD_FUNC}: seqstart_q has {cq.shape[0]} entries, seqstart_k "
                          f"{ck.shape[0]}; both need batch + 1")
 
 
@@ -114,4 +115,4 @@ def flash_attn_varlen_forward(q, k, v, seqstart_q, seqstart_k, max_seqlen_q, max
             torch.cuda.nvtx.range_pop()
 
 
-tvm_ffi.register_global_func(VARLEN_FORWARD_FUNC, flash_attn_varlen_forward, override=True)
+tvm_ffi.register_global_func(PY_VAR_LEN_FORWARD_FUNC, flash_attn_varlen_forward, override=True)

@@ -1,0 +1,53 @@
+"""Small readers of Relax expressions shared by the analysis, the partition and the codegen."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import tvm
+from tvm import relax
+
+from mqa_byoc.contract import CODEGEN
+
+
+def op_name(expr) -> str:
+    """The name of the operator ``expr`` calls (``"relax.permute_dims"``), or ``""``.
+
+    Returns
+    -------
+    str
+        The op name for a call of a ``tvm.ir.Op``; ``""`` for anything else.
+    """
+    return expr.op.name if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) else ""
+
+
+def binding_values(func: relax.Function) -> dict:
+    """``{var: bound value}`` of every ``VarBinding`` in ``func``'s body (top-level blocks)."""
+    return {b.var: b.value for block in func.body.blocks for b in block.bindings
+            if isinstance(b, relax.VarBinding)}
+
+
+def value_of(expr, values: Mapping):
+    """Follow ``expr`` through var-to-var bindings in ``values`` to the value it stands for.
+
+    Returns
+    -------
+    relax.Expr
+        The first expression on the chain that is not a var bound in ``values``.
+    """
+    while isinstance(expr, relax.Var) and expr in values:
+        expr = values[expr]
+    return expr
+
+
+def is_offloaded(func) -> bool:
+    """True for a function already handed to a backend: it has a ``Codegen`` or ``Composite`` attribute."""
+    attrs = func.attrs
+    return attrs is not None and ("Codegen" in attrs or "Composite" in attrs)
+
+
+def is_flash_attn_function(func) -> bool:
+    """True for a function that ``RunCodegen`` hands to our codegen (``Codegen == CODEGEN``)."""
+    attrs = getattr(func, "attrs", None)
+    return isinstance(func, relax.Function) and attrs is not None and "Codegen" in attrs \
+        and str(attrs["Codegen"]) == CODEGEN
