@@ -59,6 +59,9 @@ BUILDERS = {
     "upstream_3d_chain": {"inputs": "BSNH", "output": "BSNH", "merged": False, "reference_matmul_rule": False},
     "mlc_4d_chain": {"inputs": "BSNH", "output": "BSNH", "merged": True, "reference_matmul_rule": False},
     "hf_repeat_kv_chain": {"inputs": "BNSH", "output": "BSNH", "merged": True, "reference_matmul_rule": False},
+    # (B, S, D) in and out: one head, no head axis ("merged" (B, S, 1*D))
+    "bsh_chain": {"inputs": "BSH", "output": "BSNH", "merged": True, "reference_matmul_rule": False,
+                  "single_head": True},
 }
 # TVM 0.27's dlight gpu.Matmul rule on the explicit chains' fp16 score matmuls: with apache-tvm-ffi
 # 0.1.15 it segfaulted at build time; with 0.1.14 it builds a kernel that faults at run time
@@ -82,11 +85,11 @@ class Case:
 
     @property
     def h(self) -> int:
-        return self.kwargs["h"]
+        return 1 if BUILDERS[self.builder].get("single_head") else self.kwargs["h"]
 
     @property
     def hkv(self) -> int:
-        return self.kwargs["hkv"]
+        return 1 if BUILDERS[self.builder].get("single_head") else self.kwargs["hkv"]
 
     @property
     def d(self) -> int:
@@ -109,6 +112,10 @@ class Case:
         elif self.builder == "hf_repeat_kv_chain":
             assert not kw.get("outer")
             causal = "BottomRight"  # key j > query i masked, S_q == S_kv
+        elif self.builder == "bsh_chain":
+            assert kw.get("mask", "none") != "runtime"
+            causal = None if kw.get("mask", "none") == "none" else "BottomRight"
+            scale = default_scale if kw.get("scale") is None else kw["scale"]
         else:
             raise ValueError(self.builder)
         return {"num_q_heads": self.h, "num_kv_heads": self.hkv, "head_dim": self.d, "causal": causal,
@@ -166,6 +173,10 @@ CASES = [
          dict(GQA, b=1, s=64, s_kv=192, window=48, dtype="bfloat16")),
     Case("window_gqa_f16_decode", "1 repeat+window", "attention_repeat_bsnh",
          dict(GQA, b=2, s=1, s_kv=300, window=128)),
+    # the 3-D single-head chain (upstream's BSH form): (B, S, D) operands, divide by an astype'd
+    # constant, causal where-mask with S_q < S_kv, float32 softmax
+    Case("bsh_f16_causal_chunked", "8 bsh single-head", "bsh_chain",
+         dict(d=D, b=2, s=64, s_kv=192, mask="where", divide=True)),
 ]
 
 
@@ -201,15 +212,16 @@ def describe_io(case: Case, mod) -> tuple[list[dict], dict]:
         shape = _concrete(p.ty.shape, case)
         spec = {"name": p.name, "shape": shape, "dtype": str(p.ty.dtype), "layout": lay["inputs"]}
         heads = case.h if p.name == "q" else case.hkv
-        hax = 2 if lay["inputs"] == "BSNH" else 1
-        if p.name not in ("q", "k", "v") or len(shape) != 4 or shape[hax] != heads or shape[3] != case.d:
+        bsnh = shape[:2] + [1] + shape[2:] if lay["inputs"] == "BSH" else shape  # BSH: one head
+        hax = 1 if lay["inputs"] == "BNSH" else 2
+        if p.name not in ("q", "k", "v") or len(bsnh) != 4 or bsnh[hax] != heads or bsnh[3] != case.d:
             raise SystemExit(f"{case.name}: input {spec} does not match {lay['inputs']} with {heads} heads, "
                              f"head dim {case.d}")
         inputs.append(spec)
     q = next(i for i in inputs if i["name"] == "q")
     k = next(i for i in inputs if i["name"] == "k")
-    b, sq = (q["shape"][0], q["shape"][1]) if lay["inputs"] == "BSNH" else (q["shape"][0], q["shape"][2])
-    skv = k["shape"][1] if lay["inputs"] == "BSNH" else k["shape"][2]
+    seq_axis = 2 if lay["inputs"] == "BNSH" else 1
+    b, sq, skv = q["shape"][0], q["shape"][seq_axis], k["shape"][seq_axis]
     want = [b, sq, case.h * case.d] if lay["merged"] else (
         [b, sq, case.h, case.d] if lay["output"] == "BSNH" else [b, case.h, sq, case.d])
     shape = _concrete(func.ret_ty.shape, case)
