@@ -422,3 +422,50 @@ def reference_attention(q, k, v, layouts=("BSNH", "BSNH", "BSNH"), out_layout="B
     if out_layout == "merged":
         return o.reshape(o.shape[0], o.shape[1], -1)
     return o
+def bsh_chain(d=64, s=16, s_kv=None, b=1, dtype=F16, scale=None, divide=False, cast_scale=True,
+              mask="none", softmax_dtype="float32"):
+    """The 3-D single-head chain (upstream ``test_attention_rewrite_offload``'s BSH form): Q, K, V of
+    shape (B, S, D) with no head axis; ``matmul(q, permute_dims(k, [0, 2, 1]))``; multiply by the scale
+    (``divide``: divide by its inverse), a float32 constant astype'd to ``dtype`` when ``cast_scale``;
+    an optional causal mask; softmax (in ``softmax_dtype`` with astype around it; None: in ``dtype``);
+    ``matmul(probs, v)`` -> (B, S, D).
+    ``mask``: "none" | "add" | "where" (constant (1, S, S_kv) causal masks, static lengths) |
+    "positions" (an additive (S, S_kv) mask built from arange, any lengths) | "runtime" (a mask input).
+    ``scale``: the scale the graph applies (default 1/sqrt(d))."""
+    syms = {}
+    s_kv = s if s_kv is None else s_kv
+    s_, skv_, b_ = _dim(s, syms), _dim(s_kv, syms), _dim(b, syms)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", _tensor([b_, s_, d], dtype))
+    k = relax.Var("k", _tensor([b_, skv_, d], dtype))
+    v = relax.Var("v", _tensor([b_, skv_, d], dtype))
+    params = [q, k, v]
+    if mask == "runtime":
+        params.append(relax.Var("mask", _tensor([b_, s_, skv_], dtype)))
+    fmin = float(np.finfo(np.float16).min)
+    with bb.function("main", params):
+        with bb.dataflow():
+            sc = bb.emit(R.matmul(q, bb.emit(R.permute_dims(k, [0, 2, 1]))))
+            c = 1.0 / scale if divide else scale
+            c = bb.emit(R.astype(relax.const(c, "float32"), dtype)) if cast_scale else relax.const(c, dtype)
+            sc = bb.emit(R.divide(sc, c) if divide else R.multiply(sc, c))
+            if mask == "add":
+                sc = bb.emit(R.add(sc, relax.const(causal_mask_np(s, s_kv, 0, fmin, dtype)[0])))
+            elif mask == "where":
+                keep = relax.const(causal_mask_np(s, s_kv, True, False, "bool")[0])
+                sc = bb.emit(R.where(keep, sc, relax.const(fmin, dtype)))
+            elif mask == "positions":
+                # key j is in the future of query i when j > i + S_kv - S_q (bottom-right aligned)
+                rows = bb.emit(R.reshape(bb.emit(R.arange(skv_ - s_, skv_, 1, "int64")), [s_, 1]))
+                future = bb.emit(R.greater(bb.emit(R.arange(0, skv_, 1, "int64")), rows))
+                sc = bb.emit(R.add(sc, bb.emit(R.where(future, relax.const(fmin, dtype), relax.const(0.0, dtype)))))
+            elif mask == "runtime":
+                sc = bb.emit(R.add(sc, params[3]))
+            if softmax_dtype is None:
+                p = bb.emit(R.nn.softmax(sc, axis=-1))
+            else:
+                p = bb.emit(R.astype(R.nn.softmax(bb.emit(R.astype(sc, softmax_dtype)), axis=-1), dtype))
+            o = bb.emit_output(R.matmul(p, v))
+        bb.emit_func_output(o)
+    return _finish(bb)

@@ -72,6 +72,8 @@ def to_bsnh(x, layout: str):
         return x
     if layout == "BNSH":
         return x.permute(0, 2, 1, 3)
+    if layout == "BSH":  # (B, S, D): one head
+        return x.unsqueeze(2)
     raise ValueError(f"unknown layout {layout!r}")
 
 

@@ -25,6 +25,7 @@ CPU_CASES = [
     "hf_gqa_f16_causal",  # BNSH in, (B, S, H*D) out
     "mlc4d_gqa_bf16_add_chunked",  # BSNH in, (B, S, H*D) out, bottom-right causal with S_q < S_kv
     "fewer_mqa_f16_decode_sym",  # symbolic S_kv, H_kv = 1
+    "bsh_f16_causal_chunked",  # (B, S, D) in and out, one head
 ]
 
 
@@ -84,6 +85,7 @@ def test_layout_round_trip():
     x = torch.arange(2 * 3 * 4 * 5).reshape(2, 3, 4, 5)
     assert torch.equal(gc.to_bsnh(x, "BNSH"), x.permute(0, 2, 1, 3))
     assert gc.to_bsnh(x, "BSNH") is x
+    assert torch.equal(gc.to_bsnh(x[:, :, 0], "BSH"), x[:, :, :1])  # (B, S, D) is one head
 
 
 def test_bfloat16_rounding():
@@ -105,9 +107,10 @@ def test_manifests_are_consistent():
             continue
         att, out = m["attention"], m["output"]
         for spec in m["inputs"]:
-            hax = 2 if spec["layout"] == "BSNH" else 1
+            shape = spec["shape"][:2] + [1] + spec["shape"][2:] if spec["layout"] == "BSH" else spec["shape"]
+            hax = 1 if spec["layout"] == "BNSH" else 2
             heads = att["num_q_heads"] if spec["name"] == "q" else att["num_kv_heads"]
-            if spec["shape"][hax] != heads or spec["shape"][3] != att["head_dim"]:
+            if len(shape) != 4 or shape[hax] != heads or shape[3] != att["head_dim"]:
                 problems.append(f"{name}: input {spec} vs attention {att}")
         b, sq, h, d = out["batch"], out["seq_q"], att["num_q_heads"], att["head_dim"]
         want = [b, sq, h * d] if out["heads_merged"] else ([b, sq, h, d] if out["layout"] == "BSNH" else [b, h, sq, d])

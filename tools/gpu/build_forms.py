@@ -61,6 +61,9 @@ BUILDERS = {
     "hf_repeat_kv_chain": {"inputs": "BNSH", "output": "BSNH", "merged": True, "reference_matmul_rule": False},
     # per-input layouts from the case's kwargs (Case.layouts)
     "attention_mixed_layouts": {"inputs": None, "output": None, "merged": False},
+    # (B, S, D) in and out: one head, no head axis ("merged" (B, S, 1*D))
+    "bsh_chain": {"inputs": "BSH", "output": "BSNH", "merged": True, "reference_matmul_rule": False,
+                  "single_head": True},
 }
 # TVM 0.27's dlight gpu.Matmul rule on the explicit chains' fp16 score matmuls: with apache-tvm-ffi
 # 0.1.15 it segfaulted at build time; with 0.1.14 it builds a kernel that faults at run time
@@ -84,11 +87,11 @@ class Case:
 
     @property
     def h(self) -> int:
-        return self.kwargs["h"]
+        return 1 if BUILDERS[self.builder].get("single_head") else self.kwargs["h"]
 
     @property
     def hkv(self) -> int:
-        return self.kwargs["hkv"]
+        return 1 if BUILDERS[self.builder].get("single_head") else self.kwargs["hkv"]
 
     @property
     def d(self) -> int:
@@ -118,6 +121,10 @@ class Case:
         elif self.builder == "hf_repeat_kv_chain":
             assert not kw.get("outer")
             causal = "BottomRight"  # key j > query i masked, S_q == S_kv
+        elif self.builder == "bsh_chain":
+            assert kw.get("mask", "none") != "runtime"
+            causal = None if kw.get("mask", "none") == "none" else "BottomRight"
+            scale = default_scale if kw.get("scale") is None else kw["scale"]
         else:
             raise ValueError(self.builder)
         return {"num_q_heads": self.h, "num_kv_heads": self.hkv, "head_dim": self.d, "causal": causal,
@@ -186,6 +193,10 @@ CASES = [
          dict(h=H, hkv=1, d=D, b=2, s=1, s_kv=200, layouts="BNSH,BNSH,BSNH", causal=None)),
     Case("mixed_q_bnsh_v_bnsh_fewer_f16_causal", "6 fewer mixed layouts", "attention_mixed_layouts",
          dict(GQA, b=1, s=64, layouts="BNSH,BSNH,BNSH", out_layout="BNSH", expand="none")),
+    # the 3-D single-head chain (upstream's BSH form): (B, S, D) operands, divide by an astype'd
+    # constant, causal where-mask with S_q < S_kv, float32 softmax
+    Case("bsh_f16_causal_chunked", "8 bsh single-head", "bsh_chain",
+         dict(d=D, b=2, s=64, s_kv=192, mask="where", divide=True)),
 ]
 
 
@@ -212,6 +223,11 @@ def _concrete(shape, case: Case) -> list[int]:
     return out
 
 
+def _seq_len(spec: dict) -> int:
+    """Sequence length of an input described by :func:`describe_io` (BNSH: axis 2; BSNH, BSH: axis 1)."""
+    return spec["shape"][2 if spec["layout"] == "BNSH" else 1]
+
+
 def describe_io(case: Case, mod) -> tuple[list[dict], dict]:
     """Input specs (with layout) and output spec, checked against the heads / head dim of the case."""
     lay = dict(BUILDERS[case.builder], **case.layouts())
@@ -222,15 +238,15 @@ def describe_io(case: Case, mod) -> tuple[list[dict], dict]:
         layout = lay.get(p.name, lay["inputs"])
         spec = {"name": p.name, "shape": shape, "dtype": str(p.ty.dtype), "layout": layout}
         heads = case.h if p.name == "q" else case.hkv
-        hax = 2 if layout == "BSNH" else 1
-        if p.name not in ("q", "k", "v") or len(shape) != 4 or shape[hax] != heads or shape[3] != case.d:
+        bsnh = shape[:2] + [1] + shape[2:] if layout == "BSH" else shape  # BSH: one head
+        hax = 1 if layout == "BNSH" else 2
+        if p.name not in ("q", "k", "v") or len(bsnh) != 4 or bsnh[hax] != heads or bsnh[3] != case.d:
             raise SystemExit(f"{case.name}: input {spec} does not match {layout} with {heads} heads, "
                              f"head dim {case.d}")
         inputs.append(spec)
     q = next(i for i in inputs if i["name"] == "q")
     k = next(i for i in inputs if i["name"] == "k")
-    b, sq = (q["shape"][0], q["shape"][1]) if q["layout"] == "BSNH" else (q["shape"][0], q["shape"][2])
-    skv = k["shape"][1] if k["layout"] == "BSNH" else k["shape"][2]
+    b, sq, skv = q["shape"][0], _seq_len(q), _seq_len(k)
     want = [b, sq, case.h * case.d] if lay["merged"] else (
         [b, sq, case.h, case.d] if lay["output"] == "BSNH" else [b, case.h, sq, case.d])
     shape = _concrete(func.ret_ty.shape, case)

@@ -4,7 +4,7 @@ Two kinds of roots are recognized:
 - ``R.nn.attention`` / ``R.nn.attention_bias`` calls (BSNH operands);
 - explicit chains ``matmul(softmax(mask/scale(matmul(Q, K^T))), V)`` in 4-D (B, N, S, D) or in
   3-D batched-matmul form (B*N, S, D), as emitted by TVM's own rewrite, mlc-llm and TVM's PyTorch
-  frontend.
+  frontend; a 3-D chain whose operands were never (B, N, ...) is single-head attention on (B, S, D).
 Operands are traced back with :mod:`.trace` to their pre-expansion sources; everything FA2 would
 compute differently becomes a readable ``reason``.
 """
@@ -17,7 +17,8 @@ from tvm import relax, tirx
 
 from . import masks
 from .spec import MAX_HEAD_DIM, SUPPORTED_DTYPES
-from .trace import BROADCAST, TILE, Bindings, Traced, as_int, op_name, prove_equal, shape_of, trace
+from .trace import (BROADCAST, SINGLE_HEAD, TILE, Bindings, Traced, as_int, op_name, prove_equal, shape_of,
+                    trace)
 
 _ELEMENTWISE_BETWEEN = (
     "relax.astype", "relax.multiply", "relax.divide", "relax.add", "relax.maximum", "relax.minimum",
@@ -366,6 +367,8 @@ def _chain_site(func_name, var, value, bindings, evaluator, allow_kv_expansion=T
     site.v = trace(v_expr, v_lab, bindings, allow_expansion=allow_kv_expansion)
     site.scale = post_scale * site.q.scale * site.k.scale
     site.mask_ops = [(kind, m) for kind, m, _ in mask_ops]
+    if site.q.layout() == "BSH":
+        site.out_labels = list(SINGLE_HEAD)  # the output is (B, S, D) as well
     _common_checks(site)
     if site.reason:
         return site
@@ -379,6 +382,8 @@ def _seq_len(t: Traced):
 
 
 def _heads(t: Traced):
+    if t.layout() == "BSH":
+        return 1
     return shape_of(t.source)[t.labels.index("Hkv" if "Hkv" in t.labels else "H")]
 
 
@@ -393,6 +398,9 @@ def _common_checks(site: AttentionSite):
             return site.reject(f"{name} reaches attention through an unsupported layout {t.labels}")
         if shape_of(t.source) is None:
             return site.reject(f"{name} has an unknown shape")
+    if len({t.layout() == "BSH" for t in (q, k, v)}) > 1:
+        return site.reject("Q, K and V mix (B, S, D) single-head operands with operands that have a head axis "
+                           f"({', '.join(f'{n} {t.layout()}' for n, t in zip('QKV', (q, k, v)))})")
     if "Hkv" in q.labels:
         return site.reject("the query is expanded")
     if (k.expansion, k.factor) != (v.expansion, v.factor):

@@ -75,6 +75,9 @@ class _Canonicalize(PyExprMutator):
             x = self.builder_.emit(relax.op.astype(x, dtype))
         if traced.layout() == "BNSH":
             x = self.builder_.emit(relax.op.permute_dims(x, [0, 2, 1, 3]))
+        elif traced.layout() == "BSH":  # one head: a (B, S, 1, D) view
+            b, s, d = traced.source.ty.shape.values
+            x = self.builder_.emit(relax.op.reshape(x, [b, s, 1, d]))
         if heads_target is not None:
             # the mqa=False baseline keeps an expansion: K/V repeated to the query heads
             x = self.builder_.emit(relax.op.repeat(x, heads_target, axis=2))
@@ -98,7 +101,7 @@ class _Canonicalize(PyExprMutator):
         steps = []
         if labels[:2] in (["B", "H"], ["BH", "S"]):
             steps.append(lambda x: relax.op.permute_dims(x, [0, 2, 1, 3]))
-        if labels[0] == "BH":
+        if len(labels) == 3:  # (B*H, S, D), or (B, S, D) of one head
             steps.append(lambda x: relax.op.reshape(x, root_ty.shape))
         if str(root_ty.dtype) != site.dtype:
             steps.append(lambda x: relax.op.astype(x, root_ty.dtype))

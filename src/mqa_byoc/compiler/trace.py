@@ -6,6 +6,8 @@ Instead of one dataflow pattern per sequence, we walk backwards and keep a *labe
 "B" batch, "H" query-head count, "Hkv" K/V heads, "R" the repeat factor axis, "S"/"D" sequence and
 head dim, "BH" a merged batch*head axis. Any sequence of ops whose labels end as a permutation of
 (B, S, Hkv|H, D) on a source tensor is a K/V expansion we can remove, whatever its spelling.
+A 3-D operand whose merged axis is never split has no head axis: its labels end as (B, S, D), one head
+(upstream's BSH form).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ _ANALYZER = Analyzer()
 # Expansion kinds. "repeat" and "broadcast" give query head h the K/V head h // r (what FA2 computes);
 # "tile" gives h % H_kv, which is only the same when H_kv == 1.
 REPEAT, BROADCAST, TILE = "repeat", "broadcast", "tile"
+
+# labels of a (B, S, D) operand: no head axis, one head
+SINGLE_HEAD = ["B", "S", "D"]
 
 
 def shape_of(expr):
@@ -78,6 +83,8 @@ class Traced:
             return "BSNH"
         if core == ["B", head, "S", "D"]:
             return "BNSH"
+        if core == SINGLE_HEAD:
+            return "BSH"
         return None
 
 
@@ -251,6 +258,10 @@ def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: b
 
     if any(lab in ("H0", "H1", "R") for lab in t.labels):
         t.problem = "K/V head axis reshaped without a recognized expansion"
+    if t.labels == ["BH", "S", "D"]:
+        # the merged axis was never split into (batch, heads): a batched matmul over it is attention
+        # with one head per batch entry, whatever the tensor was before
+        t.labels = list(SINGLE_HEAD)
     return t
 
 
