@@ -20,6 +20,8 @@ import tempfile
 import time
 from contextlib import contextmanager
 
+from .contract import COMPOSITE_MQA
+
 
 @contextmanager
 def step(label: str):
@@ -48,7 +50,7 @@ def format_report(sites) -> str:
     removed = sum(s.expansion_ops_removed for s in sites)
     lines.append("")
     lines.append(f"attention sites found: {len(sites)}; offloaded: {len(offloaded)} "
-                 f"({sum(s.composite == 'flash_attn.attention_mqa' for s in offloaded)} with native K/V heads); "
+                 f"({sum(s.composite == COMPOSITE_MQA for s in offloaded)} with native K/V heads); "
                  f"rejected: {len(sites) - len(offloaded)}; K/V expansion ops removed: {removed}")
     return "\n".join(lines)
 

@@ -48,6 +48,7 @@ from builder_paths import ROOT  # noqa: E402 - sys.path for mqa_byoc, the graphs
 from bundle import (TARGET, add_functions, build_library, check_exports, codegen_symbols,  # noqa: E402
                     main_ops, unique_symbols)
 from gpu_inputs import MANIFEST_FORMAT  # noqa: E402
+from mqa_byoc.contract import composite_name  # noqa: E402
 
 DEFAULT_OUT = ROOT / ".gpu-artifacts" / "tests"
 EXPANSION_OPS = {"relax.repeat", "relax.broadcast_to", "relax.tile", "relax.concat", "relax.expand_dims"}
@@ -263,7 +264,7 @@ def partition_checked(case: Case, mod, mqa: bool, provider: str, function: str =
 
     part = mqa_byoc.partition_for_cutlass(mod, mqa=mqa, provider=provider)
     report = [s.as_dict() for s in mqa_byoc.offload_report(mod, mqa=mqa)]
-    want = "flash_attn.attention_mqa" if (mqa and case.hkv < case.h) else "flash_attn.attention"
+    want = composite_name(case.h, case.hkv if mqa else case.h)
     if not report or not all(s["offloaded"] and s["composite"] == want for s in report):
         raise SystemExit(f"{case.name}/mqa={mqa}: expected every site offloaded as {want}, report: {report}")
     att = case.attention()

@@ -77,6 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from builder_paths import ROOT  # noqa: E402 - sys.path for mqa_byoc, the graphs and the manifest format
 from bundle import (TARGET, add_functions, build_library, check_exports, codegen_symbols,  # noqa: E402
                     cuda_kernel_names, main_ops, unique_symbols, vm_calls)
+from mqa_byoc.contract import CODEGEN, COMPOSITE_MHA, COMPOSITE_MQA  # noqa: E402
 DEFAULT_OUT = ROOT / ".gpu-artifacts" / "hf"
 FORMAT = 1
 LIBRARY = "hf.so"
@@ -241,7 +242,7 @@ def check_reports(spec: HFModel, fname: str, mode: str, mod) -> dict:
     out = {}
     for variant, mqa in (("mqa", True), ("nomqa", False)):
         report = [s.as_dict() for s in mqa_byoc.offload_report(mod, mqa=mqa)]
-        want = "flash_attn.attention_mqa" if mqa else "flash_attn.attention"
+        want = COMPOSITE_MQA if mqa else COMPOSITE_MHA
         causal = "BottomRight" if mode == "prefill" else None  # one decode query sees every cached key
         window = spec.window if mode == "prefill" else None  # decode: the sliding cache holds <= w keys
         kv_heads = spec.kv_heads if mqa else spec.heads  # mqa=False: FA2 sees the expanded K/V
@@ -272,7 +273,7 @@ def check_partitioned(spec: HFModel, fname: str, part, mqa: bool) -> dict:
             if len(s) != 4 or s[3] != spec.head_dim or not ok:
                 raise SystemExit(f"{fname} mqa={mqa}: FA2 call {gv.name_hint} gets K {k}, V {v}; expected "
                                  f"{spec.kv_heads if mqa else spec.heads} K/V heads")
-    n_fa2 = sum(c for name, c in ops.items() if name.startswith("call:") and name.endswith("flash_attn"))
+    n_fa2 = sum(c for name, c in ops.items() if name.startswith("call:") and name.endswith(CODEGEN))
     if n_fa2 != spec.layers:
         raise SystemExit(f"{fname} mqa={mqa}: {n_fa2} FA2 calls, expected {spec.layers}: {dict(ops)}")
     left = {op: ops[op] for op in KV_EXPANSION_OPS if ops[op]}

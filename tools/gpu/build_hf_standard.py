@@ -57,6 +57,7 @@ for p in (ROOT / "src", ROOT / "tests", ROOT / "tests" / "gpu", ROOT / "tools" /
 
 import build_hf as bh  # noqa: E402
 import bundle as ba  # noqa: E402
+from mqa_byoc.contract import CODEGEN  # noqa: E402
 
 DEFAULT_OUT = ROOT / ".gpu-artifacts" / "hf-standard"
 LIBRARY = "hf_standard.so"
@@ -175,7 +176,7 @@ def variant_function(spec, mode: str, main, variant: str, provider: str):
             raise SystemExit(f"{fname}: FA2 call {gv.name_hint} gets K {k}, V {v}; want {spec.kv_heads} heads")
         mod[gv] = func.with_attr("global_symbol", f"{fname}__{gv.name_hint}")
     ops = collections.Counter(ba.main_ops(mod, fname))
-    n_fa2 = sum(c for name, c in ops.items() if name.startswith("call:") and name.endswith("flash_attn"))
+    n_fa2 = sum(c for name, c in ops.items() if name.startswith("call:") and name.endswith(CODEGEN))
     left = hf.kv_expansions_left(mod, fname)
     if n_fa2 != spec.layers or left:
         raise SystemExit(f"{fname}: {n_fa2} FA2 calls (want {spec.layers}); K/V expansions left: {left}")

@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from varlen_graphs import seqstarts, var_len_attention  # noqa: E402
+from mqa_byoc.contract import COMPOSITE_VAR_LEN  # noqa: E402
 
 TARGET = {"kind": "cuda", "arch": "sm_90"}
 SEED = 20261130
@@ -125,7 +126,7 @@ def _partition(case, variant: str, mqa: bool, provider: str):
     got = {"num_q_heads": site.num_q_heads, "num_kv_heads": site.num_kv_heads if mqa else att["num_kv_heads"],
            "head_dim": site.head_dim, "dtype": site.dtype, "causal": site.causal, "window": site.window}
     want = {k: att[k] for k in got}
-    if not site.offloaded or site.composite != "flash_attn.attention_var_len" or got != want or \
+    if not site.offloaded or site.composite != COMPOSITE_VAR_LEN or got != want or \
             abs(site.scale - att["scale"]) > 1e-9:
         raise SystemExit(f"{fname}: report {site.as_dict()} does not match the case {att}")
     mod = tvm.IRModule({fname: mod["main"].with_attr("global_symbol", fname)})

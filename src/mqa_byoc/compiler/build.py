@@ -16,6 +16,8 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
+from mqa_byoc.contract import CODEGEN
+
 from . import codegen
 
 
@@ -60,7 +62,7 @@ def build(mod: tvm.IRModule, target, *, mqa: bool | None = True, provider: str |
     if mqa is not None:
         mod = partition_for_cutlass(mod, mqa=mqa)
     with target:
-        mod = relax.transform.RunCodegen({codegen.CODEGEN_NAME: {codegen.PROVIDER_OPTION: provider}})(mod)
+        mod = relax.transform.RunCodegen({CODEGEN: {codegen.PROVIDER_OPTION: provider}})(mod)
         return relax.build(mod, target=target, relax_pipeline="default" if pipeline is None else pipeline)
 
 
@@ -76,7 +78,7 @@ def native_kernel_keys(mod: tvm.IRModule) -> tuple:
     """
     from .export import collect_kernel_keys
 
-    generated = relax.transform.RunCodegen({codegen.CODEGEN_NAME: {codegen.PROVIDER_OPTION: "native"}})(mod)
+    generated = relax.transform.RunCodegen({CODEGEN: {codegen.PROVIDER_OPTION: "native"}})(mod)
     keys = set()
     for m in (generated.attrs or {}).get("external_mods", []):
         keys.update(collect_kernel_keys(m))

@@ -14,6 +14,8 @@ import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from ..contract import CODEGEN
+
 MODES = {True: "mqa", False: "repeat"}
 
 
@@ -33,7 +35,7 @@ def offloaded_composites(mod) -> dict[str, int]:
     offloaded = {}
     for gv, func in mod.functions.items():
         attrs = getattr(func, "attrs", None)
-        if attrs is not None and "Codegen" in attrs and str(attrs["Codegen"]) == "flash_attn":
+        if attrs is not None and "Codegen" in attrs and str(attrs["Codegen"]) == CODEGEN:
             offloaded[gv.name_hint] = find_site(func).composite_name
     counts = Counter()
 
