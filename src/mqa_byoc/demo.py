@@ -100,9 +100,10 @@ def run_demo(args) -> int:
     print(f"mqa-byoc demo: {preset.name} attention ({config.num_heads} query heads, "
           f"{config.num_kv_heads} K/V heads, head dim {config.head_dim}), {config.num_layers} layers, "
           f"hidden {config.hidden_size}, vocab {config.vocab_size}, {args.dtype}, K/V expanded by "
-          f"'{args.kv_expand}'")
+          f"'{args.kv_expand}', {args.kv_cache} KV cache")
     with step("building the Relax decoder (prefill + decode with a KV cache)"):
-        mod, param_spec = build_decoder(config, dtype=args.dtype, kv_expand=args.kv_expand, batch=1, logits="all")
+        mod, param_spec = build_decoder(config, dtype=args.dtype, kv_expand=args.kv_expand, batch=1, logits="all",
+                                        kv_cache=args.kv_cache)
     with step("partition_for_cutlass(mod, mqa=True)"):
         report = offload_report(mod, mqa=True)
         part = partition_for_cutlass(mod, mqa=True)
