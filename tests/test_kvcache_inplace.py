@@ -154,40 +154,6 @@ def _lowered(mod, mqa: bool):
         return cuda_decoder_pipeline(target)(part), symbols
 
 
-def _cache_readers(func, attention_symbols):
-    """What reads the cache views of a lowered function (following zero-copy reshapes and
-    match_casts): Counter of "attention", "reshape" and ``tir:<PrimFunc>`` / ``other:<op>``."""
-    views, readers = set(), Counter()
-    for block in func.body.blocks:
-        for b in block.bindings:
-            value = b.value
-            if isinstance(b, relax.MatchCast):
-                if value in views:
-                    views.add(b.var)
-                continue
-            if not isinstance(value, relax.Call):
-                if isinstance(value, relax.Var) and value in views:
-                    views.add(b.var)
-                continue
-            name = str(value.op.global_symbol) if isinstance(value.op, relax.ExternFunc) else ""
-            if name == kv_inplace.VIEW:
-                views.add(b.var)
-                continue
-            read = [a for a in value.args if isinstance(a, relax.Var) and a in views]
-            if not read:
-                continue
-            if name == "vm.builtin.reshape":
-                views.add(b.var)
-                readers["reshape"] += 1
-            elif name in attention_symbols:
-                readers["attention"] += len(read)
-            elif isinstance(value.op, relax.GlobalVar):
-                readers[f"tir:{value.op.name_hint}"] += len(read)
-            elif getattr(value.op, "name", "") != "relax.vm.kill_object":
-                readers[f"other:{name or value.op}"] += len(read)
-    return readers
-
-
 @pytest.mark.parametrize("mqa", [True, False])
 def test_only_attention_reads_the_cache_after_the_cuda_pipeline(mqa):
     """Every kernel the VM launches on the cache: mqa=True, FA2 alone (the view and its reshape are
@@ -197,7 +163,7 @@ def test_only_attention_reads_the_cache_after_the_cuda_pipeline(mqa):
     mod, _ = build_decoder(cfg, kv_cache="inplace", functions=("prefill", "decode"))
     low, symbols = _lowered(mod, mqa)
     for fname in ("prefill", "decode"):
-        readers = _cache_readers(low[fname], symbols)
+        readers = Counter(kv_inplace.cache_readers(low[fname], symbols))
         assert _names(low[fname])[kv_inplace.APPEND] == n
         assert readers["reshape"] == n, readers
         if mqa:

@@ -518,6 +518,7 @@ def test_profile_build_writes_both_libraries(tmp_path, capsys):
     metas = [json.loads(open(p + ".json").read()) for p in libs]
     for meta, mqa in zip(metas, (True, False)):
         assert meta["mqa"] is mqa and meta["provider"] == "python" and meta["functions"] == ["prefill", "decode"]
+        assert meta["kv_cache"] == "inplace"  # the default: both modes on TVM's in-place cache
         assert (meta["num_heads"], meta["num_kv_heads"], meta["head_dim"], meta["num_layers"]) == (32, 8, 128, 1)
         assert meta["preset"] == "llama3-8b" and meta["vocab_size"] == 256 and meta["hidden_size"] == 256
         names = [p[0] for p in meta["params"]]

@@ -144,3 +144,43 @@ def with_create_function(mod, num_layers: int, num_kv_heads: int, head_dim: int,
             caches.append(bb.emit(call, f"{'kv'[i % 2]}_cache_{i // 2}"))
         bb.emit_func_output(relax.Tuple(caches))
     return bb.finalize()
+
+
+def cache_readers(func, attention_symbols) -> dict:
+    """What reads the cache of a function lowered for the VM (after ``relax.build``'s pipeline, before
+    code generation), following its zero-copy views (``attention_kv_cache_view``, then
+    ``vm.builtin.reshape`` / match_cast): {"reshape": n, "attention": n (calls of the offloaded
+    functions named in ``attention_symbols``), "tir:<PrimFunc>": n (kernels reading the cache, e.g. a
+    repeat or a copy), "other:<callee>": n}. A decode whose readers are reshapes and attention only
+    launches no kernel that copies the cache."""
+    from collections import Counter
+
+    from tvm import relax
+
+    views, readers = set(), Counter()
+    for block in func.body.blocks:
+        for b in block.bindings:
+            value = b.value
+            if isinstance(b, relax.MatchCast) or isinstance(value, relax.Var):
+                if value in views:
+                    views.add(b.var)
+                continue
+            if not isinstance(value, relax.Call):
+                continue
+            name = str(value.op.global_symbol) if isinstance(value.op, relax.ExternFunc) else ""
+            if name == VIEW:
+                views.add(b.var)
+                continue
+            read = [a for a in value.args if isinstance(a, relax.Var) and a in views]
+            if not read:
+                continue
+            if name == "vm.builtin.reshape":
+                views.add(b.var)
+                readers["reshape"] += 1
+            elif name in attention_symbols:
+                readers["attention"] += len(read)
+            elif isinstance(value.op, relax.GlobalVar):
+                readers[f"tir:{value.op.name_hint}"] += len(read)
+            elif getattr(value.op, "name", "") != "relax.vm.kill_object":
+                readers[f"other:{name or value.op}"] += len(read)
+    return dict(readers)
