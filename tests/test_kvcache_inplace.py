@@ -14,7 +14,7 @@ tvm = pytest.importorskip("tvm")
 from tvm import relax  # noqa: E402
 
 import mqa_byoc  # noqa: E402
-from mqa_byoc.models import kv_inplace  # noqa: E402
+from mqa_byoc.models import kv_caches  # noqa: E402
 from mqa_byoc.models.decoder_libs import offloaded_composites  # noqa: E402
 from mqa_byoc.models.llama import KV_EXPAND_FORMS, build_decoder, random_params  # noqa: E402
 from mqa_byoc.models.presets import scaled  # noqa: E402
@@ -61,7 +61,7 @@ def test_inplace_decoder_functions_and_signatures():
     create = mod["create_kv_cache"]
     assert [type(p.ty) for p in create.params] == [relax.ShapeType] and not create.is_pure
     assert len(create.ret_ty.fields) == n_caches
-    assert _names(create)[kv_inplace.CREATE] == n_caches
+    assert _names(create)[kv_caches.CREATE] == n_caches
     inputs = {"prefill": ["input_ids", "packed_effects"], "decode": ["input_id", "past_len", "packed_effects"],
               "extend": ["input_ids", "past_len", "packed_effects"]}
     for fname in FUNCS:
@@ -73,7 +73,7 @@ def test_inplace_decoder_functions_and_signatures():
         logits_ty, caches_ty = func.ret_ty.fields
         assert len(caches_ty.fields) == n_caches  # ... and out
         names = _names(func)
-        assert names[kv_inplace.APPEND] == names[kv_inplace.VIEW] == n_caches
+        assert names[kv_caches.APPEND] == names[kv_caches.VIEW] == n_caches
         # no concatenation of the cache: what is concatenated (RoPE's halves) is the new tokens only
         for name, call in _calls(func):
             if name == "relax.concat" and fname == "decode":
@@ -112,7 +112,7 @@ def test_offloaded_over_the_views_with_native_kv_heads(form):
     for fname in FUNCS:
         names = _names(part[fname])
         assert not {"relax.repeat", "relax.broadcast_to", "relax.expand_dims"} & set(names), fname
-        assert names[kv_inplace.APPEND] == names[kv_inplace.VIEW] == 2 * cfg.num_layers
+        assert names[kv_caches.APPEND] == names[kv_caches.VIEW] == 2 * cfg.num_layers
 
 
 def test_mqa_false_keeps_the_repeat_on_the_same_cache():
@@ -124,7 +124,7 @@ def test_mqa_false_keeps_the_repeat_on_the_same_cache():
     for fname in FUNCS:
         names = _names(base[fname])
         assert names["relax.repeat"] == 2 * cfg.num_layers
-        for op in (kv_inplace.APPEND, kv_inplace.VIEW):
+        for op in (kv_caches.APPEND, kv_caches.VIEW):
             assert names[op] == _names(mqa[fname])[op] == 2 * cfg.num_layers
 
 
@@ -163,8 +163,8 @@ def test_only_attention_reads_the_cache_after_the_cuda_pipeline(mqa):
     mod, _ = build_decoder(cfg, kv_cache="inplace", functions=("prefill", "decode"))
     low, symbols = _lowered(mod, mqa)
     for fname in ("prefill", "decode"):
-        readers = Counter(kv_inplace.cache_readers(low[fname], symbols))
-        assert _names(low[fname])[kv_inplace.APPEND] == n
+        readers = Counter(kv_caches.cache_readers(low[fname], symbols))
+        assert _names(low[fname])[kv_caches.APPEND] == n
         assert readers["reshape"] == n, readers
         if mqa:
             assert readers == Counter(reshape=n, attention=n), (fname, readers)
@@ -203,7 +203,7 @@ def _run_inplace(vm, ids, params, capacity):
     out = vm["extend"](t(ids[:, n:]), _shape(n), out[1], *params)
     logits.append(out[0].numpy())
     n += TAIL
-    view = tvm.get_global_func(kv_inplace.VIEW)
+    view = tvm.get_global_func(kv_caches.VIEW)
     contents = [view(c).numpy() for c in out[1]]  # all filled rows
     assert all(c.shape[0] == n for c in contents)
     return np.concatenate(logits, axis=1), contents

@@ -14,7 +14,7 @@ import gpu_common
 ARTIFACTS = gpu_common.ROOT / ".gpu-artifacts" / "inplace"
 PROMPT = 40
 DECODE_STEPS = 3
-VIEW = "vm.builtin.attention_kv_cache_view"  # mqa_byoc.models.kv_inplace.VIEW (that module needs tvm.relax)
+VIEW = "vm.builtin.attention_kv_cache_view"  # mqa_byoc.models.kv_caches.VIEW (that module needs tvm.relax)
 
 
 def _manifest():

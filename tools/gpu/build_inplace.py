@@ -9,7 +9,7 @@ runs both with the same random weights and compares prefill and decode logits an
 
 The build also proves, on the lowered decode of the mqa=True library, that nothing but the
 offloaded attention reads the cache (its views go through zero-copy reshapes into FA2 only:
-:func:`mqa_byoc.models.kv_inplace.cache_readers`), and records the PrimFuncs the decode calls, so
+:func:`mqa_byoc.models.kv_caches.cache_readers`), and records the PrimFuncs the decode calls, so
 that the test can check under CUPTI that every kernel it launches is one of them or FA2.
 """
 
@@ -40,7 +40,7 @@ def _lowered_cache_readers(part, target, fname: str) -> dict:
 
     from mqa_byoc.compiler import codegen
     from mqa_byoc.compiler.pipeline import cuda_decoder_pipeline
-    from mqa_byoc.models.kv_inplace import cache_readers
+    from mqa_byoc.models.kv_caches import cache_readers
 
     symbols = {str(f.attrs["global_symbol"]) for f in part.functions.values()
                if f.attrs is not None and "Codegen" in f.attrs}

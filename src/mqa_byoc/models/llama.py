@@ -100,6 +100,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .kv_caches import FRESH_LEN_FORMS, FunctionalKV
 from .presets import DecoderConfig
 
 KV_EXPAND_FORMS = ("repeat", "repeat-chain", "hf-broadcast", "native")
@@ -281,58 +282,6 @@ def attention(q, k, v, *, kv_expand: str, mask=None, causal_mask="BottomRight", 
 # --------------------------------------------------------------------------------------------
 # the decoder
 # --------------------------------------------------------------------------------------------
-
-
-# forms whose R.nn.attention needs S_kv as one symbolic variable (TVM's TE legalization of an
-# attention with S_kv = past_len + S fails: "shapes of x and y are inconsistent")
-FRESH_LEN_FORMS = ("repeat", "native")
-
-
-def match_len(x, kv_len_var, name):
-    """``R.match_cast(x, R.Tensor((B, kv_len, H_kv, D)))``: give a cache's K/V a fresh length."""
-    nn, _ = _nn()
-    from tvm import relax
-    from tvm.relax.frontend.nn.core import BlockBuilder
-
-    shape = list(x.shape)
-    shape[-3] = kv_len_var
-    ty = relax.TensorType(shape, x.dtype)
-    return nn.Tensor(_expr=BlockBuilder.current().match_cast(x._expr, ty, name))
-
-
-class FunctionalKV:
-    """The functional cache of one decoder call: K/V tensors in, ``R.concat((past, new), axis=1)``
-    out (the whole cache is copied per call).
-
-    ``past``: the ``2 * num_layers`` cache tensors, or None (prefill). ``fresh_len``: bind the
-    concatenated K/V to a fresh symbolic ``kv_len`` (``build_decoder(fresh_kv_len=)``).
-    """
-
-    def __init__(self, past, fresh_len: bool):
-        self.past = list(past) if past is not None else None
-        self.past_len = past[0].shape[1] if past is not None else 0
-        self.kv_len_var = None
-        if past is not None and fresh_len:
-            from tvm import tirx
-
-            self.kv_len_var = tirx.Var("kv_len", "int64")
-        self._layer = 0
-
-    def kv_len(self, seq_len):
-        return self.kv_len_var if self.kv_len_var is not None else _simplify(self.past_len + seq_len)
-
-    def update(self, attn, k, v):
-        """(k, v for attention, k, v returned as the new cache) of the next layer."""
-        _, op = _nn()
-        i, self._layer = self._layer, self._layer + 1
-        if self.past is not None:
-            k = op.concat([self.past[2 * i], k], dim=1)
-            v = op.concat([self.past[2 * i + 1], v], dim=1)
-        k_cache, v_cache = k, v  # returned with the signature's length, past_len + S
-        if self.kv_len_var is not None:
-            k = match_len(k, self.kv_len_var, "k_all")
-            v = match_len(v, self.kv_len_var, "v_all")
-        return k, v, k_cache, v_cache
 
 
 def _rope_tables(positions_start, seq_len, head_dim: int, theta: float, dtype: str):
@@ -527,7 +476,7 @@ def build_decoder(
       "shapes of x and y are inconsistent". The explicit-mask forms never need it.
     - ``kv_cache``: "functional" (K/V tensors in and out, above) or "inplace" (TVM's in-place
       cache objects, batch 1, plus a ``create_kv_cache`` function; see
-      :mod:`mqa_byoc.models.kv_inplace`; ``fresh_kv_len`` then binds each cache view).
+      :mod:`mqa_byoc.models.kv_caches`; ``fresh_kv_len`` then binds each cache view).
     """
     _check_common(kv_expand, dtype)
     if kv_cache not in KV_CACHES:
@@ -550,14 +499,14 @@ def build_decoder(
     nn, _ = _nn()
     Decoder, _ = _make_module_classes()
     if kv_cache == "inplace":
-        from . import kv_inplace
+        from . import kv_caches
 
-        model = kv_inplace.inplace_decoder_class(Decoder, FRESH_LEN_FORMS)(
+        model = kv_caches.inplace_decoder_class(Decoder)(
             config, dtype, kv_expand, window, logits, fresh_kv_len
         )
-        kv_inplace.attach_caches(model, config, dtype)
-        mod, params = model.export_tvm(spec=kv_inplace.method_specs(functions))
-        mod = kv_inplace.with_create_function(
+        kv_caches.attach_caches(model, config, dtype)
+        mod, params = model.export_tvm(spec=kv_caches.method_specs(functions))
+        mod = kv_caches.with_create_function(
             mod, config.num_layers, config.num_kv_heads, config.head_dim, dtype
         )
         return mod, [ParamInfo(n, tuple(int(x) for x in p.shape), str(p.dtype)) for n, p in params]

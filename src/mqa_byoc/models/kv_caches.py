@@ -1,13 +1,17 @@
-"""The in-place KV cache of :func:`mqa_byoc.models.llama.build_decoder` (``kv_cache="inplace"``).
+"""Where the K/V of :func:`mqa_byoc.models.llama.build_decoder` live between calls (``kv_cache=``).
 
-K/V live in TVM's in-place cache objects (``vm.builtin.attention_kv_cache_*``, the runtime's
-``AttentionKVCacheLegacy``: a buffer reserved once, a fill count) as in mlc-llm's 2023 Llama, the
-model the original MQA offload was profiled on. A step appends its new K/V rows in place and reads
-the cache through a zero-copy view: no op copies the cache (the functional cache's ``R.concat``
-copies all of it on every token). One cache object per layer and K/V, ``(capacity, H_kv, D)``
-with no batch axis: batch 1.
+Each decoder call makes one cache-state object; every attention layer hands it its new K/V (after
+RoPE) and gets back the K/V to attend over (``update``):
 
-Functions (weights trail the inputs, ``num_input`` attr; ``caches`` is a tuple of
+- :class:`FunctionalKV` (``"functional"``): K/V tensors in, ``R.concat((past, new), axis=1)`` out;
+  every call copies the whole cache (see ``llama``'s module docstring for the signatures).
+- :class:`InplaceKV` (``"inplace"``): TVM's in-place cache objects (``vm.builtin.attention_kv_cache_*``,
+  the runtime's ``AttentionKVCacheLegacy``: a buffer reserved once, a fill count), as in mlc-llm's
+  2023 Llama, the model the original MQA offload was profiled on. A call appends its new K/V rows
+  in place and reads the cache through a zero-copy view: no op copies the cache. One cache object
+  per layer and K/V, ``(capacity, H_kv, D)`` with no batch axis: batch 1.
+
+In-place functions (weights trail the inputs, ``num_input`` attr; ``caches`` is a tuple of
 ``2 * num_layers`` cache objects ``(k_0, v_0, k_1, v_1, ...)``, returned by every call: the same
 objects, appended to)::
 
@@ -40,21 +44,42 @@ VIEW = "vm.builtin.attention_kv_cache_view"
 CREATE = "vm.builtin.attention_kv_cache_create"
 CREATE_FUNCTION = "create_kv_cache"
 
+# forms whose R.nn.attention needs S_kv as one symbolic variable (TVM's TE legalization of an
+# attention with S_kv = past_len + S fails: "shapes of x and y are inconsistent")
+FRESH_LEN_FORMS = ("repeat", "native")
 
-class InplaceKV:
-    """The in-place cache state of one decoder call (the counterpart of ``llama.FunctionalKV``).
 
-    ``past_len``: 0 (prefill) or the function's ``past_len`` shape variable. ``fresh_len``: bind
-    each view to a fresh symbolic ``kv_len`` (decode / extend of the repeat and native forms).
+def match_len(x, kv_len_var, name):
+    """``R.match_cast(x, R.Tensor((..., kv_len, H_kv, D)))``: give a cache's K/V a fresh length."""
+    from tvm import relax
+    from tvm.relax.frontend import nn
+    from tvm.relax.frontend.nn.core import BlockBuilder
+
+    shape = list(x.shape)
+    shape[-3] = kv_len_var
+    ty = relax.TensorType(shape, x.dtype)
+    return nn.Tensor(_expr=BlockBuilder.current().match_cast(x._expr, ty, name))
+
+
+def _fresh_len():
+    from tvm import tirx
+
+    return tirx.Var("kv_len", "int64")
+
+
+class FunctionalKV:
+    """The functional cache of one decoder call: K/V tensors in, ``R.concat((past, new), axis=1)``
+    out (the whole cache is copied per call).
+
+    ``past``: the ``2 * num_layers`` cache tensors, or None (prefill). ``fresh_len``: bind the
+    concatenated K/V to a fresh symbolic ``kv_len`` (``build_decoder(fresh_kv_len=)``).
     """
 
-    def __init__(self, past_len, fresh_len: bool):
-        self.past_len = past_len
-        self.kv_len_var = None
-        if fresh_len and not isinstance(past_len, int):
-            from tvm import tirx
-
-            self.kv_len_var = tirx.Var("kv_len", "int64")
+    def __init__(self, past, fresh_len: bool):
+        self.past = list(past) if past is not None else None
+        self.past_len = past[0].shape[1] if past is not None else 0
+        self.kv_len_var = _fresh_len() if past is not None and fresh_len else None
+        self._layer = 0
 
     def kv_len(self, seq_len):
         from .llama import _simplify
@@ -62,21 +87,49 @@ class InplaceKV:
         return self.kv_len_var if self.kv_len_var is not None else _simplify(self.past_len + seq_len)
 
     def update(self, attn, k, v):
+        """(k, v for attention, k, v returned as the new cache) of the next layer."""
+        from tvm.relax.frontend.nn import op
+
+        i, self._layer = self._layer, self._layer + 1
+        if self.past is not None:
+            k = op.concat([self.past[2 * i], k], dim=1)
+            v = op.concat([self.past[2 * i + 1], v], dim=1)
+        k_cache, v_cache = k, v  # returned with the signature's length, past_len + S
+        if self.kv_len_var is not None:
+            k = match_len(k, self.kv_len_var, "k_all")
+            v = match_len(v, self.kv_len_var, "v_all")
+        return k, v, k_cache, v_cache
+
+
+class InplaceKV:
+    """The in-place cache state of one decoder call.
+
+    ``past_len``: 0 (prefill) or the function's ``past_len`` shape variable. ``fresh_len``: bind
+    each view to a fresh symbolic ``kv_len`` (decode / extend of the repeat and native forms).
+    """
+
+    def __init__(self, past_len, fresh_len: bool):
+        self.past_len = past_len
+        self.kv_len_var = _fresh_len() if fresh_len and not isinstance(past_len, int) else None
+
+    kv_len = FunctionalKV.kv_len
+
+    def update(self, attn, k, v):
         """Append k, v ``(1, S, H_kv, D)`` to the layer's caches; (k, v views for attention, None, None):
-        the caches are returned by the function (they are its effects), not per layer."""
-        return self._append_view(attn.k_cache, k, "k") + self._append_view(attn.v_cache, v, "v") + (None, None)
+        the caches are the function's effects, returned by it, not per layer."""
+        return self._append_view(attn.k_cache, k, "k"), self._append_view(attn.v_cache, v, "v"), None, None
 
     def _append_view(self, cache, x, name):
         from tvm.relax.frontend.nn import op
 
-        from .llama import _simplify, match_len
+        from .llama import _simplify
 
         _, s, hkv, d = x.shape
         cache.append(op.reshape(x, (s, hkv, d)))
         view = cache.view(_simplify(self.past_len + s))
         if self.kv_len_var is not None:
             view = match_len(view, self.kv_len_var, f"{name}_view")
-        return (op.reshape(view, (1, view.shape[0], hkv, d)),)
+        return op.reshape(view, (1, view.shape[0], hkv, d))
 
 
 def attach_caches(model, config, dtype: str) -> None:
@@ -89,12 +142,12 @@ def attach_caches(model, config, dtype: str) -> None:
         layer.self_attn.v_cache = nn.KVCache(1, [config.num_kv_heads, config.head_dim], dtype)
 
 
-def inplace_decoder_class(decoder_class, fresh_len_forms):
+def inplace_decoder_class(decoder_class):
     """The decoder module with in-place caches: ``decoder_class`` (``llama``'s) with other signatures."""
 
     class InplaceDecoder(decoder_class):
         def _inplace(self, past_len):
-            return InplaceKV(past_len, self.fresh_kv_len and self.kv_expand in fresh_len_forms)
+            return InplaceKV(past_len, self.fresh_kv_len and self.kv_expand in FRESH_LEN_FORMS)
 
         def prefill(self, input_ids):
             return self._run(input_ids, self._inplace(0))[0]
