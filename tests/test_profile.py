@@ -228,8 +228,13 @@ class _FakeRunner:
             ks.append(("repeat_kernel", 900.0 if phase == "prefill" else 200.0))
         _SINK.extend(_FakeEvent(n, t) for n, t in ks)
 
-    def prefill(self, batch, length, ids=None):
+    def new_caches(self, capacity):
+        self.reserved = capacity  # made before the profiled region, room for prompt + steps
+        return "empty caches"
+
+    def prefill(self, batch, length, ids=None, caches=None):
         assert ids == ("ids", 1, length)  # made before the profiled region
+        assert caches == "empty caches" and self.reserved >= length
         self._launch("prefill")
         return "logits", "caches"
 
