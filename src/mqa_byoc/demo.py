@@ -2,7 +2,8 @@
 
 The decoder has real attention shapes (default: CodeLlama-34B, 64 query heads, 8 K/V heads, head
 dim 128) and a few layers with random weights; K/V are expanded with ``R.repeat`` before attention
-as real compiled graphs do.
+as real compiled graphs do, and live in TVM's in-place KV cache between steps (``--kv-cache
+functional``: K/V tensors in and out, concatenated every step).
 
 What runs depends on the machine, and the demo says what it skipped and the command that does it:
 
