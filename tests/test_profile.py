@@ -228,8 +228,13 @@ class _FakeRunner:
             ks.append(("repeat_kernel", 900.0 if phase == "prefill" else 200.0))
         _SINK.extend(_FakeEvent(n, t) for n, t in ks)
 
-    def prefill(self, batch, length, ids=None):
+    def new_caches(self, capacity):
+        self.reserved = capacity  # made before the profiled region, room for prompt + steps
+        return "empty caches"
+
+    def prefill(self, batch, length, ids=None, caches=None):
         assert ids == ("ids", 1, length)  # made before the profiled region
+        assert caches == "empty caches" and self.reserved >= length
         self._launch("prefill")
         return "logits", "caches"
 
@@ -518,6 +523,7 @@ def test_profile_build_writes_both_libraries(tmp_path, capsys):
     metas = [json.loads(open(p + ".json").read()) for p in libs]
     for meta, mqa in zip(metas, (True, False)):
         assert meta["mqa"] is mqa and meta["provider"] == "python" and meta["functions"] == ["prefill", "decode"]
+        assert meta["kv_cache"] == "inplace"  # the default: both modes on TVM's in-place cache
         assert (meta["num_heads"], meta["num_kv_heads"], meta["head_dim"], meta["num_layers"]) == (32, 8, 128, 1)
         assert meta["preset"] == "llama3-8b" and meta["vocab_size"] == 256 and meta["hidden_size"] == 256
         names = [p[0] for p in meta["params"]]

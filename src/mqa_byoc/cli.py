@@ -6,6 +6,11 @@ import argparse
 import sys
 
 
+KV_CACHE_HELP = ("where K/V live between steps: inplace (TVM's in-place cache objects: append the new K/V, "
+                 "attend over a zero-copy view; batch 1) or functional (K/V tensors in and out, concatenated "
+                 "every step)")
+
+
 def _demo_parser(sub):
     p = sub.add_parser("demo", help="partition a real GQA decoder, print the offload report, build it "
                                     "for CUDA (and run it when a GPU is present)")
@@ -18,6 +23,7 @@ def _demo_parser(sub):
     p.add_argument("--kv-expand", default="repeat",
                    choices=["repeat", "repeat-chain", "hf-broadcast", "native"],
                    help="how the graph expands K/V before attention")
+    p.add_argument("--kv-cache", default="inplace", choices=["inplace", "functional"], help=KV_CACHE_HELP)
     p.add_argument("--arch", default="sm_90", help="CUDA arch to build for")
     p.add_argument("--provider", default="auto", choices=["auto", "native", "python"],
                    help="FA2 kernel provider (auto: native on a GPU machine with nvcc, or where its kernels are "
@@ -47,6 +53,7 @@ def _profile_parser(sub):
     b.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     b.add_argument("--kv-expand", default="repeat", choices=["repeat", "repeat-chain", "hf-broadcast", "native"],
                    help="how the graph expands K/V before attention")
+    b.add_argument("--kv-cache", default="inplace", choices=["inplace", "functional"], help=KV_CACHE_HELP)
     b.add_argument("--provider", default="native", choices=["native", "python"], help="FA2 kernel provider")
     b.add_argument("--arch", default="sm_90")
     b.add_argument("--logits", default="last", choices=["last", "all"],
@@ -164,10 +171,11 @@ def _profile(args, argv) -> int:
                         hidden_size=args.hidden_size, intermediate_size=args.intermediate_size)
         print(f"mqa-byoc profile build: {config.name}, {config.num_layers} layers, H={config.num_heads} "
               f"H_kv={config.num_kv_heads} D={config.head_dim}, hidden {config.hidden_size}, MLP "
-              f"{config.intermediate_size}, vocab {config.vocab_size}, {args.dtype}, {args.provider} provider",
-              flush=True)
+              f"{config.intermediate_size}, vocab {config.vocab_size}, {args.dtype}, {args.provider} provider, "
+              f"{args.kv_cache} KV cache", flush=True)
         build_decoder_libraries(config, args.out, functions=("prefill", "decode"), dtype=args.dtype,
-                                kv_expand=args.kv_expand, provider=args.provider, arch=args.arch,
+                                kv_expand=args.kv_expand, kv_cache=args.kv_cache, provider=args.provider,
+                                arch=args.arch,
                                 logits=args.logits, extra={"preset": args.preset},
                                 progress=lambda m: print(m, flush=True))
         print(f"next, on the GPU (a runtime-only TVM is enough; --setup MODULE imports its set-up first):\n"

@@ -2,7 +2,8 @@
 
 The decoder has real attention shapes (default: CodeLlama-34B, 64 query heads, 8 K/V heads, head
 dim 128) and a few layers with random weights; K/V are expanded with ``R.repeat`` before attention
-as real compiled graphs do.
+as real compiled graphs do, and live in TVM's in-place KV cache between steps (``--kv-cache
+functional``: K/V tensors in and out, concatenated every step).
 
 What runs depends on the machine, and the demo says what it skipped and the command that does it:
 
@@ -102,9 +103,10 @@ def run_demo(args) -> int:
     print(f"mqa-byoc demo: {preset.name} attention ({config.num_heads} query heads, "
           f"{config.num_kv_heads} K/V heads, head dim {config.head_dim}), {config.num_layers} layers, "
           f"hidden {config.hidden_size}, vocab {config.vocab_size}, {args.dtype}, K/V expanded by "
-          f"'{args.kv_expand}'")
+          f"'{args.kv_expand}', {args.kv_cache} KV cache")
     with step("building the Relax decoder (prefill + decode with a KV cache)"):
-        mod, param_spec = build_decoder(config, dtype=args.dtype, kv_expand=args.kv_expand, batch=1, logits="all")
+        mod, param_spec = build_decoder(config, dtype=args.dtype, kv_expand=args.kv_expand, batch=1, logits="all",
+                                        kv_cache=args.kv_cache)
     with step("partition_for_cutlass(mod, mqa=True)"):
         report = offload_report(mod, mqa=True)
         part = partition_for_cutlass(mod, mqa=True)

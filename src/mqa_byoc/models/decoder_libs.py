@@ -56,6 +56,7 @@ def build_decoder_libraries(
     functions: Sequence[str] = ("prefill", "decode"),
     dtype: str = "float16",
     kv_expand: str = "repeat",
+    kv_cache: str = "inplace",
     provider: str = "native",
     arch: str = "sm_90",
     logits: str = "last",
@@ -65,9 +66,12 @@ def build_decoder_libraries(
 ) -> list[str]:
     """Build ``config`` (batch 1) once per mode in ``modes``; returns the exported library paths.
 
-    Each library ``out_dir/<config.name>.{mqa,repeat}.so`` gets a sidecar ``<lib>.json`` with the
-    parameter shapes plus ``mqa``, ``provider``, ``kv_expand``, ``functions``, ``arch``, ``logits``,
-    ``num_heads``, ``offloaded`` (composite name -> count) and ``extra``.
+    Both modes are partitions of one graph, so they share its KV cache (``kv_cache``: "inplace",
+    TVM's in-place cache objects, or "functional", K/V tensors concatenated per step; see
+    :func:`mqa_byoc.models.llama.build_decoder`). Each library ``out_dir/<config.name>.{mqa,repeat}.so``
+    gets a sidecar ``<lib>.json`` with the parameter shapes plus ``mqa``, ``provider``, ``kv_expand``,
+    ``kv_cache``, ``functions``, ``arch``, ``logits``, ``num_heads``, ``offloaded`` (composite name ->
+    count) and ``extra``.
     """
     import tvm
 
@@ -82,7 +86,7 @@ def build_decoder_libraries(
     if provider not in ("native", "python"):
         raise ValueError(f"provider must be 'native' or 'python', got {provider!r}")
     mod, spec = build_decoder(config, dtype=dtype, kv_expand=kv_expand, batch=1, logits=logits,
-                              functions=tuple(functions))
+                              functions=tuple(functions), kv_cache=kv_cache)
     target = tvm.target.Target({"kind": "cuda", "arch": arch})
     os.makedirs(out_dir, exist_ok=True)
     paths = []
@@ -93,11 +97,12 @@ def build_decoder_libraries(
         path = os.path.join(out_dir, library_name(config.name, mqa))
         export_library(ex, path, arch=arch)  # a plain export without native kernels
         write_sidecar(path, config, spec, dtype, {
-            "mqa": bool(mqa), "provider": provider, "kv_expand": kv_expand, "functions": list(functions),
+            "mqa": bool(mqa), "provider": provider, "kv_expand": kv_expand, "kv_cache": kv_cache,
+            "functions": list(functions),
             "arch": arch, "logits": logits, "num_heads": config.num_heads, "hidden_size": config.hidden_size,
             "intermediate_size": config.intermediate_size, "offloaded": offloaded, **(extra or {}),
         })
-        progress(f"built {path} (mqa={mqa}, {provider} provider, offloaded: "
+        progress(f"built {path} (mqa={mqa}, {provider} provider, {kv_cache} KV cache, offloaded: "
                  + (", ".join(f"{n} x {c}" for c, n in offloaded.items()) or "nothing") + ")")
         paths.append(path)
     return paths

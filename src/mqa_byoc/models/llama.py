@@ -100,9 +100,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .kv_caches import FRESH_LEN_FORMS, FunctionalKV
 from .presets import DecoderConfig
 
 KV_EXPAND_FORMS = ("repeat", "repeat-chain", "hf-broadcast", "native")
+KV_CACHES = ("functional", "inplace")
 _MASK_FORMS = ("repeat-chain", "hf-broadcast")
 
 
@@ -282,17 +284,6 @@ def attention(q, k, v, *, kv_expand: str, mask=None, causal_mask="BottomRight", 
 # --------------------------------------------------------------------------------------------
 
 
-def _match_len(x, kv_len_var, name):
-    """``R.match_cast(x, R.Tensor((B, kv_len, H_kv, D)))``: give the concatenated cache a fresh length."""
-    nn, _ = _nn()
-    from tvm import relax
-    from tvm.relax.frontend.nn.core import BlockBuilder
-
-    b, _, n, d = x.shape
-    ty = relax.TensorType([b, kv_len_var, n, d], x.dtype)
-    return nn.Tensor(_expr=BlockBuilder.current().match_cast(x._expr, ty, name))
-
-
 def _rope_tables(positions_start, seq_len, head_dim: int, theta: float, dtype: str):
     """cos / sin tables ``(1, S, 1, D)`` in ``dtype`` for positions start .. start + S - 1."""
     nn, op = _nn()
@@ -331,7 +322,7 @@ def _make_module_classes():
             self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=False, dtype=dtype)
             self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False, dtype=dtype)
 
-        def forward(self, x, cos, sin, past_k, past_v, mask, kv_expand, window, kv_len_var):
+        def forward(self, x, cos, sin, kv, mask, kv_expand, window):
             cfg = self.cfg
             b, s, _ = x.shape
             q = op.reshape(self.q_proj(x), (b, s, cfg.num_heads, cfg.head_dim))
@@ -339,16 +330,10 @@ def _make_module_classes():
             v = op.reshape(self.v_proj(x), (b, s, cfg.num_kv_heads, cfg.head_dim))
             q = _apply_rope(q, cos, sin)
             k = _apply_rope(k, cos, sin)
-            if past_k is not None:
-                k = op.concat([past_k, k], dim=1)
-                v = op.concat([past_v, v], dim=1)
-            k_cache, v_cache = k, v  # returned with the signature's length, past_len + S
-            if kv_len_var is not None:
-                k = _match_len(k, kv_len_var, "k_all")
-                v = _match_len(v, kv_len_var, "v_all")
+            k, v, k_out, v_out = kv.update(self, k, v)
             o = attention(q, k, v, kv_expand=kv_expand, mask=mask, window=window)
             o = op.reshape(o, (b, s, cfg.q_size))
-            return self.o_proj(o), k_cache, v_cache
+            return self.o_proj(o), k_out, v_out
 
     class MLP(nn.Module):
         def __init__(self, cfg: DecoderConfig, dtype: str):
@@ -368,10 +353,8 @@ def _make_module_classes():
             )
             self.mlp = MLP(cfg, dtype)
 
-        def forward(self, x, cos, sin, past_k, past_v, mask, kv_expand, window, kv_len_var):
-            a, k, v = self.self_attn(
-                self.input_layernorm(x), cos, sin, past_k, past_v, mask, kv_expand, window, kv_len_var
-            )
+        def forward(self, x, cos, sin, kv, mask, kv_expand, window):
+            a, k, v = self.self_attn(self.input_layernorm(x), cos, sin, kv, mask, kv_expand, window)
             x = op.add(x, a)
             x = op.add(x, self.mlp(self.post_attention_layernorm(x)))
             return x, k, v
@@ -391,27 +374,18 @@ def _make_module_classes():
             self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_eps, bias=False, dtype=dtype)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
 
-        def _run(self, input_ids, past):
+        def _run(self, input_ids, kv):
+            """Logits and the per-layer cache outputs of ``kv.update`` (see :class:`FunctionalKV`)."""
             cfg = self.cfg
             b, s = input_ids.shape
-            past_len = past[0].shape[1] if past is not None else 0
-            kv_len = _simplify(past_len + s)
-            kv_len_var = None
-            if past is not None and self.fresh_kv_len and self.kv_expand in ("repeat", "native"):
-                from tvm import tirx
-
-                kv_len_var = tirx.Var("kv_len", "int64")
-                kv_len = kv_len_var
             x = self.embed_tokens(input_ids)
-            cos, sin = _rope_tables(past_len, s, cfg.head_dim, cfg.rope_theta, self.dtype)
+            cos, sin = _rope_tables(kv.past_len, s, cfg.head_dim, cfg.rope_theta, self.dtype)
             mask = build_mask(
-                self.kv_expand, b, s, kv_len, self.dtype, "BottomRight", self.window
+                self.kv_expand, b, s, kv.kv_len(s), self.dtype, "BottomRight", self.window
             )
             caches = []
-            for i, layer in enumerate(self.layers):
-                pk = past[2 * i] if past is not None else None
-                pv = past[2 * i + 1] if past is not None else None
-                x, k, v = layer(x, cos, sin, pk, pv, mask, self.kv_expand, self.window, kv_len_var)
+            for layer in self.layers:
+                x, k, v = layer(x, cos, sin, kv, mask, self.kv_expand, self.window)
                 caches += [k, v]
             if self.logits_mode == "last":
                 from tvm import relax
@@ -427,14 +401,17 @@ def _make_module_classes():
                 logits = op.astype(logits, "float32")
             return logits, tuple(caches)
 
+        def _functional(self, past):
+            return FunctionalKV(past, self.fresh_kv_len and self.kv_expand in FRESH_LEN_FORMS)
+
         def prefill(self, input_ids):
-            return self._run(input_ids, None)
+            return self._run(input_ids, self._functional(None))
 
         def decode(self, input_id, past):
-            return self._run(input_id, past)
+            return self._run(input_id, self._functional(past))
 
         def extend(self, input_ids, past):
-            return self._run(input_ids, past)
+            return self._run(input_ids, self._functional(past))
 
     class AttentionBlock(nn.Module):
         def __init__(self, kv_expand, causal_mask, window):
@@ -478,6 +455,7 @@ def build_decoder(
     logits: str = "last",
     functions: Sequence[str] = ("prefill", "decode"),
     fresh_kv_len: bool = True,
+    kv_cache: str = "functional",
 ):
     """Build the decoder as an IRModule; returns ``(mod, param_spec)``.
 
@@ -496,8 +474,15 @@ def build_decoder(
       length ``past_len + S``. Without it, S_kv is the expression ``past_len + S`` and
       TVM's TE legalization of ``R.nn.attention`` (CPU, or any non-offloaded build) fails with
       "shapes of x and y are inconsistent". The explicit-mask forms never need it.
+    - ``kv_cache``: "functional" (K/V tensors in and out, above) or "inplace" (TVM's in-place
+      cache objects, batch 1, plus a ``create_kv_cache`` function; see
+      :mod:`mqa_byoc.models.kv_caches`; ``fresh_kv_len`` then binds each cache view).
     """
     _check_common(kv_expand, dtype)
+    if kv_cache not in KV_CACHES:
+        raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
+    if kv_cache == "inplace" and batch not in (None, 1):
+        raise ValueError(f"the in-place cache has no batch axis: batch must be 1, got {batch}")
     if logits not in ("last", "all"):
         raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
     bad = set(functions) - {"prefill", "decode", "extend"}
@@ -513,6 +498,18 @@ def build_decoder(
         window = int(sliding_window)
     nn, _ = _nn()
     Decoder, _ = _make_module_classes()
+    if kv_cache == "inplace":
+        from . import kv_caches
+
+        model = kv_caches.inplace_decoder_class(Decoder)(
+            config, dtype, kv_expand, window, logits, fresh_kv_len
+        )
+        kv_caches.attach_caches(model, config, dtype)
+        mod, params = model.export_tvm(spec=kv_caches.method_specs(functions))
+        mod = kv_caches.with_create_function(
+            mod, config.num_layers, config.num_kv_heads, config.head_dim, dtype
+        )
+        return mod, [ParamInfo(n, tuple(int(x) for x in p.shape), str(p.dtype)) for n, p in params]
     model = Decoder(config, dtype, kv_expand, window, logits, fresh_kv_len)
     bdim = "batch" if batch is None else int(batch)
     cache = nn.spec.Tensor([bdim, "past_len", config.num_kv_heads, config.head_dim], dtype)

@@ -91,10 +91,11 @@ def _profiled_phases(runner: DecoderRunner, prompt_len: int, steps: int, nvtx: b
     rng = torch.cuda.nvtx.range if nvtx else (lambda _name: contextlib.nullcontext())
     prompt = runner.make_ids(1, prompt_len)
     tokens = [runner.make_ids(1, 1) for _ in range(steps)]
+    caches = runner.new_caches(prompt_len + steps)  # in-place caches: made outside the profile
     torch.cuda.synchronize()
     with capture_kernels() as prefill:
         with rng(f"prefill[{prompt_len}]"):
-            _, caches = runner.prefill(1, prompt_len, ids=prompt)
+            _, caches = runner.prefill(1, prompt_len, ids=prompt, caches=caches)
     with capture_kernels() as decode:
         for i in range(steps):
             with rng(f"decode[{i}]"):
@@ -117,8 +118,8 @@ def profile_library(lib_path: str, prompt_len: int, steps: int, *, warmup: int =
     prefill, decode = _profiled_phases(runner, prompt_len, steps, nvtx) if cupti else ([], [])
     del runner
     gc.collect()
-    keys = ("preset", "mqa", "provider", "kv_expand", "dtype", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-            "hidden_size", "intermediate_size", "vocab_size", "logits", "arch", "offloaded")
+    keys = ("preset", "mqa", "provider", "kv_expand", "kv_cache", "dtype", "num_layers", "num_heads", "num_kv_heads",
+            "head_dim", "hidden_size", "intermediate_size", "vocab_size", "logits", "arch", "offloaded")
     rec = {"library": os.path.basename(lib_path), "mode": mode_of(meta, lib_path),
            **{k: meta[k] for k in keys if k in meta},
            "phases": {"prefill": phase_record(prefill, times["prefill"], 1),
@@ -141,6 +142,8 @@ def _describe(rec: dict) -> str:
         words.append(f"H={rec.get('num_heads', '?')} H_kv={rec['num_kv_heads']} D={rec.get('head_dim', '?')}")
     if "dtype" in rec:
         words.append(rec["dtype"])
+    if "kv_cache" in rec:
+        words.append(f"{rec['kv_cache']} KV cache")
     if rec.get("offloaded"):
         words.append("offloaded " + ", ".join(f"{n} x {c}" for c, n in rec["offloaded"].items()))
     return ", ".join(words)

@@ -56,8 +56,23 @@ def kernel_summary(stats: list[KernelStat]) -> str:
     return format_summary([stat_row(s) for s in stats])
 
 
+class InplaceCaches:
+    """The cache objects of a decoder built with ``kv_cache="inplace"`` and how many tokens they hold
+    (the ``past_len`` its decode takes); the objects are appended to in place by every call."""
+
+    def __init__(self, objects, length: int):
+        self.objects = objects
+        self.length = int(length)
+
+
 class DecoderRunner:
-    """Prefill + decode through the Relax VM, with random weights made on the GPU."""
+    """Prefill + decode through the Relax VM, with random weights made on the GPU.
+
+    Both caches of :func:`mqa_byoc.models.llama.build_decoder` (the sidecar's ``kv_cache``): the
+    functional one passes K/V tensors in and out; the in-place one passes :class:`InplaceCaches`,
+    made by the library's ``create_kv_cache`` with room for the prompt and ``max_new_tokens``
+    (beyond it the runtime reallocates and copies the cache: correct, but not what to time).
+    """
 
     def __init__(self, lib_path: str, device_id: int = 0, seed: int = 0):
         import torch
@@ -65,6 +80,7 @@ class DecoderRunner:
         import tvm.runtime.vm  # noqa: F401 - not loaded by tvm.runtime itself
 
         self.meta = read_sidecar(lib_path)
+        self.kv_cache = self.meta.get("kv_cache", "functional")
         self.torch = torch
         self.tvm = tvm
         self.dev = tvm.cuda(device_id)
@@ -89,12 +105,36 @@ class DecoderRunner:
         self._keep.append(ids)
         return self.tvm.runtime.from_dlpack(ids)
 
-    def prefill(self, batch, length, ids=None):
-        out = self.vm["prefill"](self.make_ids(batch, length) if ids is None else ids, *self.params)
-        return out[0], out[1]
+    def new_caches(self, capacity: int):
+        """Empty in-place caches with room for ``capacity`` tokens (``create_kv_cache``); None for a
+        functional-cache library. Make them before a profiled region: creating them launches kernels."""
+        if self.kv_cache != "inplace":
+            return None
+        shape = self.tvm.runtime.ShapeTuple([max(int(capacity), 1)])
+        return InplaceCaches(self.vm["create_kv_cache"](shape), 0)
+
+    def prefill(self, batch, length, ids=None, *, caches=None, max_new_tokens: int = 0):
+        """Logits and caches of a prompt of ``length`` tokens. In-place: into ``caches`` (empty, from
+        :meth:`new_caches`), or new ones with room for ``length + max_new_tokens`` tokens."""
+        ids = self.make_ids(batch, length) if ids is None else ids
+        if self.kv_cache != "inplace":
+            out = self.vm["prefill"](ids, *self.params)
+            return out[0], out[1]
+        if batch != 1:
+            raise ValueError(f"the in-place cache holds one sequence: batch must be 1, got {batch}")
+        caches = self.new_caches(length + max_new_tokens) if caches is None else caches
+        if caches.length:
+            raise ValueError(f"prefill needs empty caches; these hold {caches.length} tokens")
+        out = self.vm["prefill"](ids, caches.objects, *self.params)
+        return out[0], InplaceCaches(out[1], length)
 
     def decode(self, caches, batch=1, ids=None):
-        out = self.vm["decode"](self.make_ids(batch, 1) if ids is None else ids, caches, *self.params)
+        ids = self.make_ids(batch, 1) if ids is None else ids
+        if isinstance(caches, InplaceCaches):
+            past_len = self.tvm.runtime.ShapeTuple([caches.length])
+            out = self.vm["decode"](ids, past_len, caches.objects, *self.params)
+            return out[0], InplaceCaches(out[1], caches.length + 1)
+        out = self.vm["decode"](ids, caches, *self.params)
         return out[0], out[1]
 
     def run(self, prompt_len: int, steps: int, batch: int = 1, nvtx: bool = True):
@@ -105,10 +145,11 @@ class DecoderRunner:
         times = {"prefill": [], "decode": []}
         prompt = self.make_ids(batch, prompt_len)
         tokens = [self.make_ids(batch, 1) for _ in range(steps)]
+        caches = self.new_caches(prompt_len + steps)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with rng(f"prefill[{prompt_len}]"):
-            logits, caches = self.prefill(batch, prompt_len, ids=prompt)
+            logits, caches = self.prefill(batch, prompt_len, ids=prompt, caches=caches)
         self.dev.sync()
         times["prefill"].append(time.perf_counter() - t0)
         for i in range(steps):
@@ -123,7 +164,8 @@ class DecoderRunner:
         """ms per decode step at context ``prompt_len``: ``steps`` steps back to back between CUDA
         events (no host synchronization between steps, as a serving loop runs), after a prefill
         of ``prompt_len`` tokens and ``warmup`` steps."""
-        _, caches = self.prefill(batch, prompt_len, ids=self.make_ids(batch, prompt_len))
+        _, caches = self.prefill(batch, prompt_len, ids=self.make_ids(batch, prompt_len),
+                                 max_new_tokens=steps + warmup)
         tokens = [self.make_ids(batch, 1) for _ in range(max(steps, warmup))]
         state = {"caches": caches, "i": 0}
 
@@ -145,7 +187,7 @@ def run_and_profile(lib_path, config, param_spec, args) -> None:
     """The GPU half of ``mqa-byoc demo``."""
     from ..sidecar import write_sidecar
 
-    write_sidecar(lib_path, config, param_spec, args.dtype)
+    write_sidecar(lib_path, config, param_spec, args.dtype, {"kv_cache": args.kv_cache})
     runner = DecoderRunner(lib_path)
     times, stats = runner.profile(args.prompt_len, args.decode_steps)
     print(f"\nprefill {args.prompt_len} tokens: {times['prefill'][0] * 1e3:.2f} ms; "

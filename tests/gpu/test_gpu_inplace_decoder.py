@@ -1,0 +1,117 @@
+"""Decoders on TVM's in-place KV cache (``kv_cache="inplace"``), offloaded to FA2 (mqa=True, native
+provider), against the same graph lowered by TVM alone: a prompt, then decode steps; and what a
+decode step launches (no kernel copies the cache). Artifacts: ``python tools/gpu/build_inplace.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+import gpu_common
+
+ARTIFACTS = gpu_common.ROOT / ".gpu-artifacts" / "inplace"
+PROMPT = 40
+DECODE_STEPS = 3
+VIEW = "vm.builtin.attention_kv_cache_view"  # mqa_byoc.models.kv_caches.VIEW (that module needs tvm.relax)
+
+
+def _manifest():
+    path = ARTIFACTS / "manifest.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+MANIFEST = _manifest()
+
+
+@pytest.fixture(scope="module")
+def runners(rt):
+    if not MANIFEST:
+        pytest.skip(f"no artifacts in {ARTIFACTS}: run `python tools/gpu/build_inplace.py` on the build "
+                    "machine and carry .gpu-artifacts/inplace")
+    from mqa_byoc.runtime.runner import DecoderRunner
+
+    return {(name, variant): DecoderRunner(os.path.join(ARTIFACTS, f), seed=0)
+            for name, case in MANIFEST.items() for variant, f in case["files"].items()}
+
+
+def _steps(rt, runner, ids):
+    """prefill(ids[:, :PROMPT]) into caches reserved for all of ids, then one decode step per remaining
+    id: logits (float32) per call and the caches' contents (S, H_kv, D) at the end."""
+    torch, tvm = rt.torch, rt.tvm
+    caches = runner.new_caches(ids.shape[1])
+    out, caches = runner.prefill(1, PROMPT, ids=tvm.runtime.from_dlpack(ids[:, :PROMPT].clone()), caches=caches)
+    logits = [torch.from_dlpack(out).clone()]
+    for t in range(PROMPT, ids.shape[1]):
+        out, caches = runner.decode(caches, 1, ids=tvm.runtime.from_dlpack(ids[:, t:t + 1].clone()))
+        logits.append(torch.from_dlpack(out).clone())
+    assert caches.length == ids.shape[1]
+    view = tvm.get_global_func(VIEW)
+    return logits, [torch.from_dlpack(view(c)).clone() for c in caches.objects]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(MANIFEST) or ["(no artifacts)"])
+def test_inplace_decoder_matches_tvm(rt, runners, name):
+    torch = rt.torch
+    mqa, ref = runners[(name, "mqa")], runners[(name, "reference")]
+    assert mqa.kv_cache == ref.kv_cache == "inplace"
+    for a, b in zip(mqa._keep, ref._keep):  # same seed, same device: the same weights
+        assert torch.equal(a, b)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, mqa.meta["vocab_size"], (1, PROMPT + DECODE_STEPS), generator=g, device="cuda",
+                        dtype=torch.int32)
+    got_logits, got_caches = _steps(rt, mqa, ids)
+    want_logits, want_caches = _steps(rt, ref, ids)
+    errors = []
+    for step, (g_l, w_l) in enumerate(zip(got_logits, want_logits)):
+        assert g_l.shape == w_l.shape and torch.isfinite(g_l).all()
+        scale = float(w_l.abs().max())
+        err = float((g_l - w_l).abs().max())
+        errors.append(err / scale)
+        # fp16 attention with different accumulation orders: a few fp16 ulps of the logit range
+        assert err <= 2e-2 * scale, (name, "prefill" if step == 0 else f"decode {step}", err, scale)
+        top2 = w_l.topk(2, dim=-1).values  # the same next token, where the reference is not a near-tie
+        decided = (top2[..., 0] - top2[..., 1]) > 4e-2 * scale
+        assert torch.equal(g_l.argmax(-1)[decided], w_l.argmax(-1)[decided])
+    assert len(got_caches) == 2 * MANIFEST[name]["num_layers"]
+    for g_c, w_c in zip(got_caches, want_caches):
+        assert g_c.shape == w_c.shape == (PROMPT + DECODE_STEPS, mqa.meta["num_kv_heads"], mqa.meta["head_dim"])
+        assert float((g_c.float() - w_c.float()).abs().max()) <= 2e-2 * float(w_c.abs().max().float())
+    rt.results.setdefault("inplace_decoder", {})[name] = {
+        "max_rel_logit_err_per_step": [round(e, 6) for e in errors], "form": MANIFEST[name]["form"]}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(MANIFEST) or ["(no artifacts)"])
+def test_inplace_decode_step_copies_no_cache(rt, runners, name):
+    """Under CUPTI, mqa=True decode steps launch FA2 and kernels of the decode's own PrimFuncs only
+    (the build proved none of those reads the cache), and copy memory only for the appends: one
+    device-to-device copy of the new token's row per layer and K/V."""
+    torch = rt.torch
+    from mqa_byoc.testing import capture_kernels
+
+    case = MANIFEST[name]
+    assert case["mqa_decode_cache_readers"] == {"reshape": 2 * case["num_layers"], "attention": 2 * case["num_layers"]}
+    mqa = runners[(name, "mqa")]
+    ids = torch.zeros((1, PROMPT + 2 * DECODE_STEPS), dtype=torch.int32, device="cuda")
+    _steps(rt, mqa, ids[:, :PROMPT + DECODE_STEPS])  # warm-up
+    caches = mqa.new_caches(ids.shape[1])
+    _, caches = mqa.prefill(1, PROMPT, ids=rt.tvm.runtime.from_dlpack(ids[:, :PROMPT].clone()), caches=caches)
+    tokens = [rt.tvm.runtime.from_dlpack(ids[:, t:t + 1].clone()) for t in range(DECODE_STEPS)]
+    torch.cuda.synchronize()
+    with capture_kernels() as cap:
+        for tok in tokens:
+            _, caches = mqa.decode(caches, 1, ids=tok)
+    names = cap.names()
+    copies = [n for n in names if n.startswith("Memcpy")]
+    kernels = [n for n in names if not n.startswith(("Memcpy", "Memset"))]
+    assert any("flash" in n for n in kernels), sorted(set(kernels))
+    own = [c for c in case["decode_calls"]["mqa"] if "flash" not in c]
+    foreign = sorted({n for n in kernels if "flash" not in n and not any(n.startswith(f"{c}_kernel") for c in own)})
+    assert not foreign, (foreign, own)
+    assert not [n for n in kernels if any(w in n for w in ("repeat", "broadcast_to", "expand_dims"))]
+    dtod = [n for n in copies if "DtoD" in n]
+    assert len(dtod) == 2 * case["num_layers"] * DECODE_STEPS and len(copies) == len(dtod), copies
+    rt.results.setdefault("inplace_decoder", {}).setdefault(name, {})["decode_step_kernels"] = sorted(set(kernels))

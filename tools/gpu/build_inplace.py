@@ -1,0 +1,119 @@
+"""Build the in-place KV cache decoders for tests/gpu/test_gpu_inplace_decoder.py.
+
+    MQA_BYOC_KERNEL_DIR=/work/kernels/fa2 python tools/gpu/build_inplace.py [--out .gpu-artifacts/inplace]
+
+For each case: the decoder with ``kv_cache="inplace"`` (batch 1, prefill + decode, the form the
+presets, ``mqa-byoc demo`` and ``mqa-byoc profile`` build) partitioned with ``mqa=True`` and the
+native provider, and the same graph unpartitioned, lowered by TVM's own CUDA pipeline. The test
+runs both with the same random weights and compares prefill and decode logits and the caches.
+
+The build also proves, on the lowered decode of the mqa=True library, that nothing but the
+offloaded attention reads the cache (its views go through zero-copy reshapes into FA2 only:
+:func:`mqa_byoc.models.kv_caches.cache_readers`), and records the PrimFuncs the decode calls, so
+that the test can check under CUPTI that every kernel it launches is one of them or FA2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from builder_paths import ROOT  # noqa: E402 - sys.path for mqa_byoc
+from bundle import vm_calls  # noqa: E402
+
+CASES = {
+    # name: (preset, kv_expand form)
+    "llama3-inplace-repeat": ("llama3-8b", "repeat"),  # R.nn.attention on repeated views, as profile builds
+    "llama3-inplace-hf-broadcast": ("llama3-8b", "hf-broadcast"),  # an explicit chain: TVM's reference lowering
+}
+
+
+def _lowered_cache_readers(part, target, fname: str) -> dict:
+    """:func:`cache_readers` of ``fname`` after the decoders' CUDA pipeline (no kernel compiled)."""
+    import tvm
+    from tvm import relax
+
+    from mqa_byoc.compiler import codegen
+    from mqa_byoc.compiler.pipeline import cuda_decoder_pipeline
+    from mqa_byoc.models.kv_caches import cache_readers
+
+    symbols = {str(f.attrs["global_symbol"]) for f in part.functions.values()
+               if f.attrs is not None and "Codegen" in f.attrs}
+    with target:
+        low = relax.transform.RunCodegen({codegen.CODEGEN_NAME: {codegen.PROVIDER_OPTION: "native"}})(part)
+        low = cuda_decoder_pipeline(target)(low)
+    return cache_readers(low[fname], symbols)
+
+
+def build(out: Path, arch: str, names=None) -> None:
+    import tvm
+    from tvm import relax
+
+    import mqa_byoc
+    from mqa_byoc.compiler.pipeline import cuda_decoder_pipeline
+    from mqa_byoc.models.llama import build_decoder
+    from mqa_byoc.models.presets import scaled
+    from mqa_byoc.sidecar import write_sidecar
+
+    target = tvm.target.Target({"kind": "cuda", "arch": arch})
+    out.mkdir(parents=True, exist_ok=True)
+    manifest_path = out / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    manifest = {k: v for k, v in manifest.items() if k in CASES}
+    for name, (preset, form) in CASES.items():
+        if names and name not in names:
+            continue
+        t0 = time.time()
+        cfg = scaled(preset, num_layers=2, vocab_size=256, hidden_size=256, intermediate_size=512)
+        mod, spec = build_decoder(cfg, kv_expand=form, logits="all", functions=("prefill", "decode"),
+                                  batch=1, kv_cache="inplace")
+        report = mqa_byoc.offload_report(mod)
+        bad = [s for s in report if not s.offloaded or s.composite != "flash_attn.attention_mqa"]
+        if bad or len(report) != 2 * cfg.num_layers:
+            raise SystemExit(f"{name}: not offloaded as expected: {bad or report}")
+        part = mqa_byoc.partition_for_cutlass(mod, mqa=True)
+        n = 2 * cfg.num_layers
+        readers = _lowered_cache_readers(part, target, "decode")
+        if readers != {"reshape": n, "attention": n}:
+            raise SystemExit(f"{name}: the mqa=True decode reads the cache outside attention: {readers}")
+        files, decode_calls = {}, {}
+        for variant in ("mqa", "reference"):
+            path = out / f"{name}.{variant}.so"
+            if variant == "mqa":
+                ex = mqa_byoc.build(part, target, mqa=None, provider="native", pipeline=cuda_decoder_pipeline(target))
+                mqa_byoc.export_library(ex, str(path), arch=arch)
+            else:
+                with target:
+                    ex = relax.build(mod, target=target, relax_pipeline=cuda_decoder_pipeline(target))
+                ex.export_library(str(path))
+            decode_calls[variant] = vm_calls(ex)["decode"]
+            write_sidecar(str(path), cfg, spec, "float16",
+                          {"case": name, "variant": variant, "kv_cache": "inplace", "functions": ["prefill", "decode"]})
+            files[variant] = path.name
+        manifest[name] = {"preset": preset, "form": form, "files": files, "num_layers": cfg.num_layers,
+                          "mqa_decode_cache_readers": readers, "decode_calls": decode_calls,
+                          "sites": [{"function": s.function, "causal": s.causal, "num_kv_heads": s.num_kv_heads,
+                                     "composite": s.composite} for s in report]}
+        print(f"{name}: {len(report)} sites offloaded; mqa=True decode cache readers {readers}; built in "
+              f"{time.time() - t0:.0f}s", flush=True)
+        manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(ROOT / ".gpu-artifacts" / "inplace"))
+    p.add_argument("--arch", default="sm_90")
+    p.add_argument("--cases", nargs="*", help=f"build only these (of {', '.join(CASES)})")
+    args = p.parse_args(argv)
+    build(Path(args.out), args.arch, args.cases)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TVM_NUM_THREADS", "2")
+    sys.exit(main())
