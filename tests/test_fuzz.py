@@ -1,14 +1,11 @@
 """The fuzzer's short profile (issue 10 item 8): random attention graphs, every invariant.
 
 One property test per invariant family, all drawing the same seeded examples (their checks are
-computed once and shared), so that a known bug marks exactly one test ``xfail(strict=True)``: when
-the bug is fixed the test XPASSes and the mark must go. The long run is ``tools/fuzz.py``.
+computed once and shared), the graphs of every bug found so far first. The long run is ``tools/fuzz.py``.
 
 Profiles (environment variable ``MQA_FUZZ_PROFILE``): ``mqa-fuzz-ci`` (the default: the known-bug
 graphs below plus 10 seeded random graphs, no shrinking, sm_90 builds for every 2nd random graph) and
 ``mqa-fuzz-dev`` (200 graphs drawn through hypothesis, shrunk on failure, every graph built).
-While a test is marked xfail, a new bug of the same invariant family does not show in it: the long
-run (``tools/fuzz.py``) reports every violation by kind.
 """
 
 from __future__ import annotations
@@ -16,7 +13,6 @@ from __future__ import annotations
 import os
 import random
 
-import pytest
 from hypothesis import HealthCheck, Phase, example, given, seed, settings
 from hypothesis import strategies as st
 
@@ -51,8 +47,8 @@ def _result(spec):
     return _RESULTS[spec]
 
 
-# The shrunk graphs of the known bugs (tests/fuzz/known_violations.md), checked first by every
-# property test: the xfail marks below flip exactly when these are fixed.
+# The shrunk graphs of the bugs the first long runs found (tests/fuzz/known_violations.md, all fixed),
+# checked first by every property test so that none comes back.
 KNOWN = (
     # native RunCodegen: composite parameters (2, 0, 1) when only V is BNSH
     GraphSpec(groups=(KVGroup(hkv=1, v_layout="BNSH", s_kv=4),), sites=(Site(h=2, s_q=4),)),
@@ -85,36 +81,18 @@ def _property(*invariants):
     return seed(SEED)(settings(settings.get_profile(PROFILE))(test))
 
 
-# Known bugs on main (issue 10 item 2 and 4), being fixed in other branches: remove each mark when
-# its test XPASSes.
-NATIVE_PARAMETER_ORDER = ("issue 10 item 2: the native provider's RunCodegen fails when the composite's parameters "
-                          "are not (q, k, v) (mixed BSNH/BNSH operands)")
-REPORT_PARTITION = ("issue 10 item 2: reported offloaded but not partitioned (a 3-D chain and another site sharing BNSH K/V; "
-                    "window_size without causal)")
-WINDOW_BUILD = ("issue 10 item 2: R.nn.attention with window_size and no causal mask where S_q <= S_kv is not "
-                "provable is reported offloaded, left to TVM, and the module cannot be built")
-ASTYPE_SCALE = "issue 10 item 4: a float32 scale astype'd to fp16/bf16 is reported and passed to FA2 unrounded"
-VERDICTS = ("issue 10 item 4: a mask applied before the scale is rejected (and its reason hides the real one); "
-            "a tile-expanded site rejected for another reason reports the tile; a runtime bias with S_q > S_kv "
-            "is rejected for 'no sample sequence lengths'")
-
-
-@pytest.mark.xfail(strict=True, reason=REPORT_PARTITION)
 def test_report_and_partition_agree():
     _property("report")()
 
 
-@pytest.mark.xfail(strict=True, reason=NATIVE_PARAMETER_ORDER)
 def test_offloaded_sites_build_with_native_provider():
     _property("build-native")()
 
 
-@pytest.mark.xfail(strict=True, reason=WINDOW_BUILD)
 def test_offloaded_sites_build_with_python_provider():
     _property("build-python")()
 
 
-@pytest.mark.xfail(strict=True, reason=ASTYPE_SCALE)
 def test_reported_parameters_equal_the_generators():
     _property("truth")()
 
@@ -123,7 +101,6 @@ def test_rewrite_numerics_equal_the_reference():
     _property("numerics")()
 
 
-@pytest.mark.xfail(strict=True, reason=VERDICTS)
 def test_verdicts_and_reasons_are_accurate():
     _property("verdict", "reason")()
 

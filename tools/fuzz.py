@@ -31,8 +31,8 @@ def main(argv=None) -> int:
     ap.add_argument("--build-every", type=int, default=1, help="build every Nth graph for sm_90 (0: never)")
     ap.add_argument("--no-numerics", action="store_true", help="skip the CPU numerics check")
     ap.add_argument("--no-shrink", action="store_true", help="do not shrink violating graphs")
-    ap.add_argument("--varlen", action="store_true",
-                    help="also draw R.nn.attention_var_len sites (off by default: main does not support them yet)")
+    ap.add_argument("--no-varlen", dest="varlen", action="store_false",
+                    help="draw no R.nn.attention_var_len sites (drawn by default)")
     ap.add_argument("--only", type=int, help="check graph number ONLY of this seed and print it")
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--markdown", type=Path, help="with --from-json: write the distinct violations as Markdown")

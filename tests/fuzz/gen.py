@@ -50,7 +50,7 @@ class KVGroup:
 @dataclass(frozen=True, repr=False)
 class Site:
     """One attention. ``form``: "fused" (R.nn.attention), "chain4d", "chain3d" ((B*H, S, D) batched
-    matmuls), "varlen" (R.nn.attention_var_len, behind a flag).
+    matmuls), "varlen" (R.nn.attention_var_len; ``varlen=False`` leaves it out).
 
     ``expand``: how K/V reach the query head count: "repeat", "hf" (expand_dims -> 5-D
     broadcast_to -> reshape), "broadcast" (size-1 head), "tile", "none" (fused: fewer heads given
@@ -210,7 +210,7 @@ def _draw_site(c, gi, g: KVGroup, varlen: bool) -> Site:
     return Site(**site)
 
 
-def draw_graph(c, varlen: bool = False) -> GraphSpec:
+def draw_graph(c, varlen: bool = True) -> GraphSpec:
     """One random graph: 1-2 K/V groups, 1-3 sites."""
     groups = [_draw_group(c)]
     if c.chance(0.3):

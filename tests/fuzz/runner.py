@@ -15,7 +15,7 @@ def graph_seed(seed: int, index: int) -> int:
     return seed * 1_000_003 + index
 
 
-def draw(seed: int, index: int, varlen: bool = False) -> GraphSpec:
+def draw(seed: int, index: int, varlen: bool = True) -> GraphSpec:
     return draw_graph(RandomChooser(random.Random(graph_seed(seed, index))), varlen=varlen)
 
 
@@ -182,7 +182,7 @@ class Summary:
         return "\n".join(lines)
 
 
-def run(graphs: int, seed: int, build_every: int = 1, numerics: bool = True, varlen: bool = False,
+def run(graphs: int, seed: int, build_every: int = 1, numerics: bool = True, varlen: bool = True,
         shrink_violations: bool = True, progress=None) -> Summary:
     summary = Summary()
     t0 = time.time()

@@ -295,9 +295,12 @@ def spec_of(func: relax.Function) -> AttentionSpec:
     Returns
     -------
     AttentionSpec
-        ``find_site(func).spec`` for a ``Codegen`` function; read off ``func`` for a composite.
+        ``find_site(func).spec`` for a ``Codegen`` function (the var-len reader's for a var-len
+        one); read off ``func`` for a composite.
     """
     if _get(func.attrs, "Codegen") is not None:
+        if varlen_codegen.is_var_len(func):
+            return varlen_codegen.find_var_len_site(func).spec
         return find_site(func).spec
     return _read(func, str(_get(func.attrs, "global_symbol") or "composite"))[0]
 
