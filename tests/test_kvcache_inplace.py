@@ -14,6 +14,7 @@ tvm = pytest.importorskip("tvm")
 from tvm import relax  # noqa: E402
 
 import mqa_byoc  # noqa: E402
+from mqa_byoc.contract import CODEGEN  # noqa: E402
 from mqa_byoc.models import kv_caches  # noqa: E402
 from mqa_byoc.models.decoder_libs import offloaded_composites  # noqa: E402
 from mqa_byoc.models.llama import KV_EXPAND_FORMS, build_decoder, random_params  # noqa: E402
@@ -150,7 +151,7 @@ def _lowered(mod, mqa: bool):
                if f.attrs is not None and "Codegen" in f.attrs}
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
     with target:
-        part = relax.transform.RunCodegen({codegen.CODEGEN_NAME: {codegen.PROVIDER_OPTION: "python"}})(part)
+        part = relax.transform.RunCodegen({CODEGEN: {codegen.PROVIDER_OPTION: "python"}})(part)
         return cuda_decoder_pipeline(target)(part), symbols
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from builder_paths import ROOT  # noqa: E402 - sys.path for mqa_byoc
 from bundle import vm_calls  # noqa: E402
+from mqa_byoc.contract import CODEGEN  # noqa: E402
 
 CASES = {
     # name: (preset, kv_expand form)
@@ -45,7 +46,7 @@ def _lowered_cache_readers(part, target, fname: str) -> dict:
     symbols = {str(f.attrs["global_symbol"]) for f in part.functions.values()
                if f.attrs is not None and "Codegen" in f.attrs}
     with target:
-        low = relax.transform.RunCodegen({codegen.CODEGEN_NAME: {codegen.PROVIDER_OPTION: "native"}})(part)
+        low = relax.transform.RunCodegen({CODEGEN: {codegen.PROVIDER_OPTION: "native"}})(part)
         low = cuda_decoder_pipeline(target)(low)
     return cache_readers(low[fname], symbols)
 
