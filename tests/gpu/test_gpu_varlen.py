@@ -66,23 +66,15 @@ def _tensors(rt, varlen, name):
     for spec in MANIFEST["cases"][name]["inputs"]:
         arr = varlen["inputs"][f"{name}/{spec['name']}"]
         t = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16) if spec["dtype"] == "bfloat16" else \
-            torch.from_numpy(np.ascontiguousarray(arr))
+            torch.from_numpy(arr.copy())  # not ascontiguousarray: it makes a 0-d max_seqlen 1-d
         out.append(t.to(spec["device"], copy=True))
     return out
-
-
-def _to_tvm(rt, t):
-    """Zero-copy for tensors; a 0-d tensor (max_seqlen) is copied: DLPack can hand it over as 1-d."""
-    if t.dim() == 0:
-        dev = rt.tvm.cuda(0) if t.is_cuda else rt.tvm.cpu(0)
-        return rt.tvm.runtime.tensor(t.cpu().numpy(), dev)
-    return rt.tvm.runtime.from_dlpack(t)
 
 
 def _run(rt, varlen, name, variant, tensors):
     provider = variant.split("_", 1)[1]
     fn = varlen["vms"][provider][MANIFEST["cases"][name]["functions"][variant]]
-    out = fn(*[_to_tvm(rt, t) for t in tensors])
+    out = fn(*[rt.tvm.runtime.from_dlpack(t) for t in tensors])
     return rt.torch.from_dlpack(out).clone()
 
 
