@@ -148,19 +148,7 @@ _PY_HELPERS = r"""
 #ifndef MQA_BYOC_VARLEN_PY_HELPERS
 #define MQA_BYOC_VARLEN_PY_HELPERS
 namespace {
-// Looked up at every call, not cached: a cached reference to the Python callable would outlive the
-// interpreter (static destructors run after it) and crash the process at exit.
-tvm::ffi::Function MqaByocPyVarLenForward() {
-  std::optional<tvm::ffi::Function> fn = tvm::ffi::Function::GetGlobal("@PYFUNC@");
-  if (!fn.has_value()) {
-    TVM_FFI_THROW(RuntimeError)
-        << "mqa_byoc: the global function \"@PYFUNC@\" is not registered. This library was "
-        << "built with the python FA2 provider: run `import mqa_byoc.runtime.providers` in this process "
-        << "before calling it, or rebuild with provider=\"native\".";
-  }
-  return *fn;
-}
-}  // namespace
+@LOOKUP@}  // namespace
 #endif
 """
 
@@ -168,8 +156,11 @@ tvm::ffi::Function MqaByocPyVarLenForward() {
 def emit_python_forwarder(site: VarLenSite) -> str:
     """C++ exporting ``symbol(inputs..., out)`` that forwards to ``mqa_byoc.flash_attn_varlen_forward``
     (the checks are the Python function's)."""
+    from .codegen import py_function_lookup
+
     spec = site.spec
-    return _PY_HELPERS.replace("@PYFUNC@", PY_VAR_LEN_FORWARD_FUNC) + f"""
+    lookup = py_function_lookup("MqaByocPyVarLenForward", PY_VAR_LEN_FORWARD_FUNC)
+    return _PY_HELPERS.replace("@LOOKUP@", lookup) + f"""
 // ---- {site.symbol}: var-len, {spec.num_q_heads} query heads over {spec.num_kv_heads} K/V heads, head dim {spec.head_dim}, {spec.dtype}
 namespace {{
 namespace mqa_byoc_{site.symbol} {{
