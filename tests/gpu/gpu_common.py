@@ -328,3 +328,12 @@ def check_decoder_steps(torch, name, got_logits, want_logits, got_caches, want_c
         assert g_c.shape == w_c.shape
         assert float((g_c.float() - w_c.float()).abs().max()) <= 2e-2 * float(w_c.abs().max().float())
     return errors
+
+
+def decoder_ids(torch, mqa, ref, batch: int, length: int):
+    """Random token ids (seed 1) for a pair of decoders built with one seed: their weights must be
+    equal (same seed, same device), so any difference in their outputs is the offload's."""
+    for a, b in zip(mqa._keep, ref._keep):
+        assert torch.equal(a, b)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    return torch.randint(0, mqa.meta["vocab_size"], (batch, length), generator=g, device="cuda", dtype=torch.int32)

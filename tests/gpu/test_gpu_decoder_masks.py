@@ -36,11 +36,7 @@ def _steps(rt, runner, ids):
 def test_offloaded_decoder_matches_tvm(rt, runners, name):
     torch = rt.torch
     mqa, ref = runners[(name, "mqa")], runners[(name, "reference")]
-    for a, b in zip(mqa._keep, ref._keep):  # same seed, same device: the same weights
-        assert torch.equal(a, b)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    ids = torch.randint(0, mqa.meta["vocab_size"], (2, PROMPT + DECODE_STEPS), generator=g, device="cuda",
-                        dtype=torch.int32)
+    ids = gpu_common.decoder_ids(torch, mqa, ref, 2, PROMPT + DECODE_STEPS)
     got_logits, got_caches = _steps(rt, mqa, ids)
     want_logits, want_caches = _steps(rt, ref, ids)
     errors = gpu_common.check_decoder_steps(torch, name, got_logits, want_logits, got_caches, want_caches)

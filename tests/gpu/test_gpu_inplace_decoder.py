@@ -41,11 +41,7 @@ def test_inplace_decoder_matches_tvm(rt, runners, name):
     torch = rt.torch
     mqa, ref = runners[(name, "mqa")], runners[(name, "reference")]
     assert mqa.kv_cache == ref.kv_cache == "inplace"
-    for a, b in zip(mqa._keep, ref._keep):  # same seed, same device: the same weights
-        assert torch.equal(a, b)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    ids = torch.randint(0, mqa.meta["vocab_size"], (1, PROMPT + DECODE_STEPS), generator=g, device="cuda",
-                        dtype=torch.int32)
+    ids = gpu_common.decoder_ids(torch, mqa, ref, 1, PROMPT + DECODE_STEPS)
     got_logits, got_caches = _steps(rt, mqa, ids)
     want_logits, want_caches = _steps(rt, ref, ids)
     assert len(got_caches) == 2 * MANIFEST[name]["num_layers"]
