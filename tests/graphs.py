@@ -469,3 +469,32 @@ def bsh_chain(d=64, s=16, s_kv=None, b=1, dtype=F16, scale=None, divide=False, c
             o = bb.emit_output(R.matmul(p, v))
         bb.emit_func_output(o)
     return _finish(bb)
+
+
+# ---- a graph that calls one offloaded site by name, for export tests of the native wrapper ----
+
+def site_call_executable(symbol: str = "mqa_site0"):
+    """``main(q (1, 4, 8, 64), k, v (1, 4, 2, 64))``, float16, calling the external ``symbol`` by
+    ``call_dps_packed`` (as a partitioned graph calls its offloaded attention), compiled for llvm;
+    with its inputs (zeros: the wrapper's checks reject them before any kernel runs)."""
+    import tvm
+    from tvm.script import relax as RS
+
+    @tvm.script.ir_module
+    class Mod:
+        @RS.function
+        def main(q: RS.Tensor((1, 4, 8, 64), "float16"), k: RS.Tensor((1, 4, 2, 64), "float16"),
+                 v: RS.Tensor((1, 4, 2, 64), "float16")):
+            out = RS.call_dps_packed(symbol, (q, k, v), out_ty=RS.Tensor((1, 4, 8, 64), "float16"))
+            return out
+
+    q = tvm.runtime.tensor(np.zeros((1, 4, 8, 64), "float16"))
+    kv = tvm.runtime.tensor(np.zeros((1, 4, 2, 64), "float16"))
+    return tvm.compile(Mod, target="llvm"), q, kv
+
+
+def import_c_source(ex, code: str, symbols: list[str]) -> None:
+    """Add C++ ``code`` exporting ``symbols`` to ``ex`` (compiled and linked at export)."""
+    import tvm
+
+    ex.mod.import_module(tvm.get_global_func("runtime.CSourceModuleCreate")(code, "cc", symbols, []))

@@ -47,17 +47,28 @@ def test_non_module_input_raises_type_error(entry):
         entry(func)
 
 
+# ----------------------------------------------------------------------------- graph pieces
+def _qkv(h, hkv, d, s_q, s_kv, dtype=F16, bnsh=True):
+    """The q, k, v parameters of a test graph: (1, H, S, D) when ``bnsh``, else (1, S, H, D)."""
+    def var(name, heads, s):
+        return relax.Var(name, relax.TensorType([1, heads, s, d] if bnsh else [1, s, heads, d], dtype))
+
+    return var("q", h, s_q), var("k", hkv, s_kv), var("v", hkv, s_kv)
+
+
+def _repeat_kv(bb, k, v, times, axis):
+    """K and V expanded to the query heads with ``R.repeat`` along the heads axis."""
+    return bb.emit(R.repeat(k, times, axis=axis)), bb.emit(R.repeat(v, times, axis=axis))
+
+
 # ----------------------------------------------------------------------------- runtime bias
 def _bias_attention(s_q, s_kv, h=8, hkv=2, d=64):
     bb = relax.BlockBuilder()
-    q = relax.Var("q", relax.TensorType([1, s_q, h, d], F16))
-    k = relax.Var("k", relax.TensorType([1, s_kv, hkv, d], F16))
-    v = relax.Var("v", relax.TensorType([1, s_kv, hkv, d], F16))
+    q, k, v = _qkv(h, hkv, d, s_q, s_kv, bnsh=False)
     bias = relax.Var("bias", relax.TensorType([1, h, s_q, s_kv], F16))
     with bb.function("main", [q, k, v, bias]):
         with bb.dataflow():
-            kk = bb.emit(R.repeat(k, h // hkv, axis=2))
-            vv = bb.emit(R.repeat(v, h // hkv, axis=2))
+            kk, vv = _repeat_kv(bb, k, v, h // hkv, axis=2)
             o = bb.emit_output(R.nn.attention(q, kk, vv, bias))
         bb.emit_func_output(o)
     return bb.get()
@@ -105,14 +116,11 @@ def test_tile_site_otherwise_fine_is_offloaded_on_the_tiled_heads():
 def _mask_then_scale(form, fill, scale_value=None, h=8, hkv=2, d=64, s=16):
     """softmax((scores + mask) * scale) or softmax(where(keep, scores, fill) / sqrt(D)), 4-D BNSH."""
     bb = relax.BlockBuilder()
-    q = relax.Var("q", relax.TensorType([1, h, s, d], F16))
-    k = relax.Var("k", relax.TensorType([1, hkv, s, d], F16))
-    v = relax.Var("v", relax.TensorType([1, hkv, s, d], F16))
+    q, k, v = _qkv(h, hkv, d, s, s)
     keep = np.tril(np.ones((s, s), bool))[None, None]
     with bb.function("main", [q, k, v]):
         with bb.dataflow():
-            kk = bb.emit(R.repeat(k, h // hkv, axis=1))
-            vv = bb.emit(R.repeat(v, h // hkv, axis=1))
+            kk, vv = _repeat_kv(bb, k, v, h // hkv, axis=1)
             scores = bb.emit(R.matmul(q, R.permute_dims(kk, [0, 1, 3, 2])))
             if form == "add-then-multiply":
                 mask = relax.const(np.where(keep, 0, fill).astype(F16))
@@ -166,13 +174,10 @@ def test_scale_cast_from_float32_reaches_fa2_rounded(dtype, rounded):
     h, hkv, d, s = 8, 2, 96, 16
     assert rounded != pytest.approx(96 ** -0.5, rel=1e-6)
     bb = relax.BlockBuilder()
-    q = relax.Var("q", relax.TensorType([1, h, s, d], dtype))
-    k = relax.Var("k", relax.TensorType([1, hkv, s, d], dtype))
-    v = relax.Var("v", relax.TensorType([1, hkv, s, d], dtype))
+    q, k, v = _qkv(h, hkv, d, s, s, dtype)
     with bb.function("main", [q, k, v]):
         with bb.dataflow():
-            kk = bb.emit(R.repeat(k, h // hkv, axis=1))
-            vv = bb.emit(R.repeat(v, h // hkv, axis=1))
+            kk, vv = _repeat_kv(bb, k, v, h // hkv, axis=1)
             scores = bb.emit(R.matmul(q, R.permute_dims(kk, [0, 1, 3, 2])))
             scale = bb.emit(R.astype(relax.const(96 ** -0.5, "float32"), dtype))
             p = bb.emit(R.nn.softmax(R.multiply(scores, scale), axis=-1))
@@ -191,9 +196,7 @@ def _packed_sequence_mask_chain(flag_below, s=8, h=8, hkv=2, d=64):
     ``cumsum`` of bools typed bool (torch: int64), keys visible when causal and in the same segment.
     ``flag_below``: positions < this start a new segment (0: none, what positions 0..S-1 give)."""
     bb = relax.BlockBuilder()
-    q = relax.Var("q", relax.TensorType([1, h, s, d], F16))
-    k = relax.Var("k", relax.TensorType([1, hkv, s, d], F16))
-    v = relax.Var("v", relax.TensorType([1, hkv, s, d], F16))
+    q, k, v = _qkv(h, hkv, d, s, s)
     with bb.function("main", [q, k, v]):
         with bb.dataflow():
             pos = bb.emit(R.arange(0, s, 1, "int64"))
@@ -203,8 +206,7 @@ def _packed_sequence_mask_chain(flag_below, s=8, h=8, hkv=2, d=64):
             causal = bb.emit(R.less_equal(R.expand_dims(pos, [0]), R.expand_dims(pos, [1])))
             same = bb.emit(R.equal(R.expand_dims(segment, [1]), R.expand_dims(segment, [0])))
             ok = bb.emit(R.logical_and(causal, same))
-            kk = bb.emit(R.repeat(k, h // hkv, axis=1))
-            vv = bb.emit(R.repeat(v, h // hkv, axis=1))
+            kk, vv = _repeat_kv(bb, k, v, h // hkv, axis=1)
             scores = bb.emit(R.multiply(R.matmul(q, R.permute_dims(kk, [0, 1, 3, 2])), relax.const(d ** -0.5, F16)))
             masked = bb.emit(R.where(ok, scores, relax.const(-65504.0, F16)))
             o = bb.emit_output(R.matmul(R.nn.softmax(masked, axis=-1), vv))

@@ -45,9 +45,8 @@ def test_prebuilt_dir_has_this_codes_dispatcher_and_kernels(monkeypatch):
 def test_export_links_prebuilt_kernels_without_toolchain(monkeypatch, tmp_path):
     keys, _ = _prebuilt_or_skip()
     tvm = pytest.importorskip("tvm")
-    import numpy as np
+    from graphs import import_c_source, site_call_executable
     from tvm import relax
-    from tvm.script import relax as R
 
     from mqa_byoc.compiler import export as E
     from mqa_byoc.compiler.native_codegen import emit_native_source
@@ -56,17 +55,8 @@ def test_export_links_prebuilt_kernels_without_toolchain(monkeypatch, tmp_path):
     monkeypatch.setenv("MQA_BYOC_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.delenv("MQA_BYOC_FLASH_ATTN_SRC", raising=False)
 
-    @tvm.script.ir_module
-    class Mod:
-        @R.function
-        def main(q: R.Tensor((1, 4, 8, 64), "float16"), k: R.Tensor((1, 4, 2, 64), "float16"),
-                 v: R.Tensor((1, 4, 2, 64), "float16")):
-            out = R.call_dps_packed("mqa_site0", (q, k, v), out_ty=R.Tensor((1, 4, 8, 64), "float16"))
-            return out
-
-    ex = tvm.compile(Mod, target="llvm")
-    code = emit_native_source("mqa_site0", SPEC).code
-    ex.mod.import_module(tvm.get_global_func("runtime.CSourceModuleCreate")(code, "cc", ["mqa_site0"], []))
+    ex, q, kv = site_call_executable("mqa_site0")
+    import_c_source(ex, emit_native_source("mqa_site0", SPEC).code, ["mqa_site0"])
     path = tmp_path / "native.so"
     E.export_library(ex, path, arch="sm_90", build=False, progress=None)
     syms = subprocess.run(["nm", str(path)], capture_output=True, text=True).stdout
@@ -75,7 +65,5 @@ def test_export_links_prebuilt_kernels_without_toolchain(monkeypatch, tmp_path):
     assert re.search(r" [Tt] mqa_byoc_fa2_forward\b", syms)
     lib = tvm.runtime.load_module(str(path))
     vm = relax.VirtualMachine(lib, tvm.cpu())
-    q = tvm.runtime.tensor(np.zeros((1, 4, 8, 64), "float16"))
-    kv = tvm.runtime.tensor(np.zeros((1, 4, 2, 64), "float16"))
     with pytest.raises(Exception, match="mqa_site0: q must be on a CUDA device"):
         vm["main"](q, kv, kv)

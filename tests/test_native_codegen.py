@@ -363,29 +363,17 @@ def test_dispatcher_compiles_and_links(clean_env):
 @needs_gxx
 def test_export_links_native_wrapper_and_loads(clean_env):
     tvm = pytest.importorskip("tvm")
-    import numpy as np
+    from graphs import import_c_source, site_call_executable
     from tvm import relax
-    from tvm.script import relax as R
 
     from mqa_byoc.compiler import export as E
 
-    @tvm.script.ir_module
-    class Mod:
-        @R.function
-        def main(q: R.Tensor((1, 4, 8, 64), "float16"), k: R.Tensor((1, 4, 2, 64), "float16"),
-                 v: R.Tensor((1, 4, 2, 64), "float16")):
-            out = R.call_dps_packed("mqa_site0", (q, k, v), out_ty=R.Tensor((1, 4, 8, 64), "float16"))
-            return out
-
-    q = tvm.runtime.tensor(np.zeros((1, 4, 8, 64), "float16"))
-    kv = tvm.runtime.tensor(np.zeros((1, 4, 2, 64), "float16"))
-    ex = tvm.compile(Mod, target="llvm")
+    ex, q, kv = site_call_executable("mqa_site0")
     path = clean_env / "plain.so"
     E.export_library(ex, path, arch="sm_90", build=False)  # no markers: exported unchanged
     assert path.is_file()
 
-    code = emit_native_source("mqa_site0", spec(h=8, hkv=2, d=64)).code
-    ex.mod.import_module(tvm.get_global_func("runtime.CSourceModuleCreate")(code, "cc", ["mqa_site0"], []))
+    import_c_source(ex, emit_native_source("mqa_site0", spec(h=8, hkv=2, d=64)).code, ["mqa_site0"])
     # TVM's own export does not link the dispatcher: the library loads, the call explains
     ex.export_library(str(clean_env / "tvm_export.so"))
     vm = relax.VirtualMachine(tvm.runtime.load_module(str(clean_env / "tvm_export.so")), tvm.cpu())

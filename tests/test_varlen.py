@@ -65,12 +65,17 @@ def test_report_lists_var_len_sites(form, causal, window):
     assert (site.expansion_ops_removed > 0) == expands
 
 
+def _partitioned_site(kw, mqa):
+    """The graph of FORMS entry ``kw`` partitioned with ``mqa``, and its one var-len site."""
+    mod = mqa_byoc.partition_for_cutlass(var_len_attention(**kw), mqa=mqa)
+    (func,) = _codegen_funcs(mod).values()
+    return mod, varlen_codegen.find_var_len_site(func)
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_partition_removes_expansion_with_mqa(form):
     kw = FORMS[form]
-    mod = mqa_byoc.partition_for_cutlass(var_len_attention(**kw), mqa=True)
-    (func,) = _codegen_funcs(mod).values()
-    site = varlen_codegen.find_var_len_site(func)
+    mod, site = _partitioned_site(kw, mqa=True)
     assert (site.spec.num_q_heads, site.spec.num_kv_heads) == (kw["h"], kw["hkv"])
     assert not EXPANSION_OPS & set(_ops(mod["main"])), mod["main"]
     assert "relax.nn.attention_var_len" not in _ops(mod["main"])
@@ -79,9 +84,7 @@ def test_partition_removes_expansion_with_mqa(form):
 @pytest.mark.parametrize("form", [f for f in FORMS if FORMS[f]["expand"] != "none"])
 def test_partition_keeps_expansion_without_mqa(form):
     kw = FORMS[form]
-    mod = mqa_byoc.partition_for_cutlass(var_len_attention(**kw), mqa=False)
-    (func,) = _codegen_funcs(mod).values()
-    site = varlen_codegen.find_var_len_site(func)
+    mod, site = _partitioned_site(kw, mqa=False)
     assert (site.spec.num_q_heads, site.spec.num_kv_heads) == (kw["h"], kw["h"])
     assert EXPANSION_OPS & set(_ops(mod["main"]))
     (report,) = mqa_byoc.offload_report(var_len_attention(**kw), mqa=False)

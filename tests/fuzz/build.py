@@ -174,6 +174,13 @@ class _SiteEmitter:
     def _swap(bb, x):
         return bb.emit(R.permute_dims(x, [0, 2, 1, 3]))
 
+    def _swap_stored(self, layout, site, g, q, k, v):
+        """q, k, v with those stored in ``layout`` swapped to the other of BSNH / BNSH."""
+        q = self._swap(self.bb, q) if site.q_layout == layout else q
+        k = self._swap(self.bb, k) if g.k_layout == layout else k
+        v = self._swap(self.bb, v) if g.v_layout == layout else v
+        return q, k, v
+
     def emit(self, i, site: Site, q, extra):
         spec = self.built.spec
         g = spec.groups[site.group]
@@ -200,12 +207,7 @@ class _SiteEmitter:
 
     def _fused(self, i, site, g, q, k, v, extra):
         bb = self.bb
-        if site.q_layout == "BNSH":
-            q = self._swap(bb, q)
-        if g.k_layout == "BNSH":
-            k = self._swap(bb, k)
-        if g.v_layout == "BNSH":
-            v = self._swap(bb, v)
+        q, k, v = self._swap_stored("BNSH", site, g, q, k, v)
         if site.q_prescale is not None:
             q = bb.emit(R.multiply(q, _const(site.q_prescale, g.dtype)))
         causal = site.causal if not site.window_without_causal else None
@@ -240,12 +242,7 @@ class _SiteEmitter:
         dt = g.dtype
         sq, skv = self.built.s_q(site), self.built.s_kv(g)
         h, d = site.h, g.d
-        if site.q_layout == "BSNH":
-            q = self._swap(bb, q)
-        if g.k_layout == "BSNH":
-            k = self._swap(bb, k)
-        if g.v_layout == "BSNH":
-            v = self._swap(bb, v)
+        q, k, v = self._swap_stored("BSNH", site, g, q, k, v)
         three = site.form == "chain3d"
         if three:
             q = bb.emit(R.reshape(q, [b * h, sq, d]))

@@ -285,3 +285,55 @@ class Runtime:
 
     def record(self, m, provider) -> dict:
         return self.results.setdefault(f"{m['case']['name']}-{provider}", {})
+
+
+# ---- decoders built by tools/gpu/build_decoders.py and build_inplace.py ----
+
+def decoder_manifest(artifacts: Path) -> dict:
+    """The manifest.json a decoder builder wrote into artifacts; {} when it has not run."""
+    path = artifacts / "manifest.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def decoder_runners(artifacts: Path, manifest: dict, builder: str) -> dict:
+    """A DecoderRunner (seed 0: the same weights for every variant) per (case name, variant); skips
+    the module when builder (tools/gpu/<builder>) has not written artifacts."""
+    import pytest
+
+    if not manifest:
+        pytest.skip(f"no artifacts in {artifacts}: run `python tools/gpu/{builder}` on the build machine "
+                    f"and carry .gpu-artifacts/{artifacts.name}")
+    from mqa_byoc.runtime.runner import DecoderRunner
+
+    return {(name, variant): DecoderRunner(os.path.join(artifacts, f), seed=0)
+            for name, case in manifest.items() for variant, f in case["files"].items()}
+
+
+def check_decoder_steps(torch, name, got_logits, want_logits, got_caches, want_caches) -> list[float]:
+    """Offloaded decoder steps against the reference's: logits within a few fp16 ulps of their range
+    and the same next token where the reference is decided; caches as close. The relative logit
+    error per step."""
+    errors = []
+    for step, (g_l, w_l) in enumerate(zip(got_logits, want_logits)):
+        assert g_l.shape == w_l.shape and torch.isfinite(g_l).all()
+        scale = float(w_l.abs().max())
+        err = float((g_l - w_l).abs().max())
+        errors.append(err / scale)
+        # fp16 attention with different accumulation orders: a few fp16 ulps of the logit range
+        assert err <= 2e-2 * scale, (name, "prefill" if step == 0 else f"decode {step}", err, scale)
+        top2 = w_l.topk(2, dim=-1).values  # the same next token, where the reference is not a near-tie
+        decided = (top2[..., 0] - top2[..., 1]) > 4e-2 * scale
+        assert torch.equal(g_l.argmax(-1)[decided], w_l.argmax(-1)[decided])
+    for g_c, w_c in zip(got_caches, want_caches):
+        assert g_c.shape == w_c.shape
+        assert float((g_c.float() - w_c.float()).abs().max()) <= 2e-2 * float(w_c.abs().max().float())
+    return errors
+
+
+def decoder_ids(torch, mqa, ref, batch: int, length: int):
+    """Random token ids (seed 1) for a pair of decoders built with one seed: their weights must be
+    equal (same seed, same device), so any difference in their outputs is the offload's."""
+    for a, b in zip(mqa._keep, ref._keep):
+        assert torch.equal(a, b)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    return torch.randint(0, mqa.meta["vocab_size"], (batch, length), generator=g, device="cuda", dtype=torch.int32)

@@ -4,9 +4,6 @@ Artifacts: ``python tools/gpu/build_decoders.py`` (see tests/gpu/README.md)."""
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 
 import gpu_common
@@ -14,25 +11,12 @@ import gpu_common
 ARTIFACTS = gpu_common.ROOT / ".gpu-artifacts" / "decoders"
 PROMPT = 40  # longer than the windowed case's window (24)
 DECODE_STEPS = 3
-
-
-def _manifest():
-    path = ARTIFACTS / "manifest.json"
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-MANIFEST = _manifest()
+MANIFEST = gpu_common.decoder_manifest(ARTIFACTS)
 
 
 @pytest.fixture(scope="module")
 def runners(rt):
-    if not MANIFEST:
-        pytest.skip(f"no artifacts in {ARTIFACTS}: run `python tools/gpu/build_decoders.py` on the "
-                    "build machine and carry .gpu-artifacts/decoders")
-    from mqa_byoc.runtime.runner import DecoderRunner
-
-    return {(name, variant): DecoderRunner(os.path.join(ARTIFACTS, f), seed=0)
-            for name, case in MANIFEST.items() for variant, f in case["files"].items()}
+    return gpu_common.decoder_runners(ARTIFACTS, MANIFEST, "build_decoders.py")
 
 
 def _steps(rt, runner, ids):
@@ -52,28 +36,10 @@ def _steps(rt, runner, ids):
 def test_offloaded_decoder_matches_tvm(rt, runners, name):
     torch = rt.torch
     mqa, ref = runners[(name, "mqa")], runners[(name, "reference")]
-    for a, b in zip(mqa._keep, ref._keep):  # same seed, same device: the same weights
-        assert torch.equal(a, b)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    ids = torch.randint(0, mqa.meta["vocab_size"], (2, PROMPT + DECODE_STEPS), generator=g, device="cuda",
-                        dtype=torch.int32)
+    ids = gpu_common.decoder_ids(torch, mqa, ref, 2, PROMPT + DECODE_STEPS)
     got_logits, got_caches = _steps(rt, mqa, ids)
     want_logits, want_caches = _steps(rt, ref, ids)
-    errors = []
-    for step, (g_l, w_l) in enumerate(zip(got_logits, want_logits)):
-        assert g_l.shape == w_l.shape and torch.isfinite(g_l).all()
-        scale = float(w_l.abs().max())
-        err = float((g_l - w_l).abs().max())
-        errors.append(err / scale)
-        # fp16 attention with different accumulation orders: a few fp16 ulps of the logit range
-        assert err <= 2e-2 * scale, (name, "prefill" if step == 0 else f"decode {step}", err, scale)
-        # the same next token, where the reference is not a near-tie
-        top2 = w_l.topk(2, dim=-1).values
-        decided = (top2[..., 0] - top2[..., 1]) > 4e-2 * scale
-        assert torch.equal(g_l.argmax(-1)[decided], w_l.argmax(-1)[decided])
-    for g_c, w_c in zip(got_caches, want_caches):
-        assert g_c.shape == w_c.shape
-        assert float((g_c.float() - w_c.float()).abs().max()) <= 2e-2 * float(w_c.abs().max().float())
+    errors = gpu_common.check_decoder_steps(torch, name, got_logits, want_logits, got_caches, want_caches)
     rt.results.setdefault("decoder_masks", {})[name] = {
         "max_rel_logit_err_per_step": [round(e, 6) for e in errors], "window": MANIFEST[name]["window"],
         "form": MANIFEST[name]["form"]}

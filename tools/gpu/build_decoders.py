@@ -12,7 +12,6 @@ The windowed case uses a window (24) shorter than the test's prompt, so the wind
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -20,7 +19,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from builder_paths import ROOT  # noqa: E402 - sys.path for mqa_byoc
+import builder_paths  # noqa: E402,F401 - sys.path for mqa_byoc
+from bundle import decoder_builder_main, decoder_manifest, export_decoder_variants  # noqa: E402
 
 CASES = {
     # name: (preset, kv_expand form, sliding window)
@@ -33,19 +33,14 @@ CASES = {
 
 def build(out: Path, arch: str, names=None) -> None:
     import tvm
-    from tvm import relax
 
     import mqa_byoc
-    from mqa_byoc.compiler.pipeline import cuda_decoder_pipeline
     from mqa_byoc.models.llama import build_decoder
     from mqa_byoc.models.presets import scaled
-    from mqa_byoc.sidecar import write_sidecar
 
     target = tvm.target.Target({"kind": "cuda", "arch": arch})
     out.mkdir(parents=True, exist_ok=True)
-    manifest_path = out / "manifest.json"
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
-    manifest = {k: v for k, v in manifest.items() if k in CASES}
+    manifest_path, manifest = decoder_manifest(out, CASES)
     for name, (preset, form, window) in CASES.items():
         if names and name not in names:
             continue
@@ -57,18 +52,7 @@ def build(out: Path, arch: str, names=None) -> None:
         bad = [s for s in report if not s.offloaded or s.window != window]
         if bad:
             raise SystemExit(f"{name}: not offloaded as expected: {bad}")
-        files = {}
-        for variant in ("mqa", "reference"):
-            path = out / f"{name}.{variant}.so"
-            if variant == "mqa":
-                ex = mqa_byoc.build(mod, target, mqa=True, provider="native", pipeline=cuda_decoder_pipeline(target))
-                mqa_byoc.export_library(ex, str(path), arch=arch)
-            else:
-                with target:
-                    ex = relax.build(mod, target=target, relax_pipeline=cuda_decoder_pipeline(target))
-                ex.export_library(str(path))
-            write_sidecar(str(path), cfg, spec, "float16", {"case": name, "variant": variant})
-            files[variant] = path.name
+        files, _ = export_decoder_variants(out, name, target, arch, cfg, spec, mod, mod, mqa=True)
         manifest[name] = {"preset": preset, "form": form, "window": window, "files": files,
                           "sites": [{"function": s.function, "causal": s.causal, "window": s.window,
                                      "composite": s.composite} for s in report]}
@@ -77,13 +61,7 @@ def build(out: Path, arch: str, names=None) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(ROOT / ".gpu-artifacts" / "decoders"))
-    p.add_argument("--arch", default="sm_90")
-    p.add_argument("--cases", nargs="*", help=f"build only these (of {', '.join(CASES)})")
-    args = p.parse_args(argv)
-    build(Path(args.out), args.arch, args.cases)
-    return 0
+    return decoder_builder_main(__doc__, "decoders", CASES, build, argv)
 
 
 if __name__ == "__main__":

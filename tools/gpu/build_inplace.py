@@ -15,7 +15,6 @@ that the test can check under CUPTI that every kernel it launches is one of them
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -23,8 +22,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from builder_paths import ROOT  # noqa: E402 - sys.path for mqa_byoc
-from bundle import vm_calls  # noqa: E402
+import builder_paths  # noqa: E402,F401 - sys.path for mqa_byoc
+from bundle import decoder_builder_main, decoder_manifest, export_decoder_variants, vm_calls  # noqa: E402
 from mqa_byoc.contract import CODEGEN  # noqa: E402
 
 CASES = {
@@ -53,19 +52,14 @@ def _lowered_cache_readers(part, target, fname: str) -> dict:
 
 def build(out: Path, arch: str, names=None) -> None:
     import tvm
-    from tvm import relax
 
     import mqa_byoc
-    from mqa_byoc.compiler.pipeline import cuda_decoder_pipeline
     from mqa_byoc.models.llama import build_decoder
     from mqa_byoc.models.presets import scaled
-    from mqa_byoc.sidecar import write_sidecar
 
     target = tvm.target.Target({"kind": "cuda", "arch": arch})
     out.mkdir(parents=True, exist_ok=True)
-    manifest_path = out / "manifest.json"
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
-    manifest = {k: v for k, v in manifest.items() if k in CASES}
+    manifest_path, manifest = decoder_manifest(out, CASES)
     for name, (preset, form) in CASES.items():
         if names and name not in names:
             continue
@@ -82,20 +76,10 @@ def build(out: Path, arch: str, names=None) -> None:
         readers = _lowered_cache_readers(part, target, "decode")
         if readers != {"reshape": n, "attention": n}:
             raise SystemExit(f"{name}: the mqa=True decode reads the cache outside attention: {readers}")
-        files, decode_calls = {}, {}
-        for variant in ("mqa", "reference"):
-            path = out / f"{name}.{variant}.so"
-            if variant == "mqa":
-                ex = mqa_byoc.build(part, target, mqa=None, provider="native", pipeline=cuda_decoder_pipeline(target))
-                mqa_byoc.export_library(ex, str(path), arch=arch)
-            else:
-                with target:
-                    ex = relax.build(mod, target=target, relax_pipeline=cuda_decoder_pipeline(target))
-                ex.export_library(str(path))
-            decode_calls[variant] = vm_calls(ex)["decode"]
-            write_sidecar(str(path), cfg, spec, "float16",
-                          {"case": name, "variant": variant, "kv_cache": "inplace", "functions": ["prefill", "decode"]})
-            files[variant] = path.name
+        files, executables = export_decoder_variants(
+            out, name, target, arch, cfg, spec, part, mod, mqa=None,
+            meta={"kv_cache": "inplace", "functions": ["prefill", "decode"]})
+        decode_calls = {variant: vm_calls(ex)["decode"] for variant, ex in executables.items()}
         manifest[name] = {"preset": preset, "form": form, "files": files, "num_layers": cfg.num_layers,
                           "mqa_decode_cache_readers": readers, "decode_calls": decode_calls,
                           "sites": [{"function": s.function, "causal": s.causal, "num_kv_heads": s.num_kv_heads,
@@ -106,13 +90,7 @@ def build(out: Path, arch: str, names=None) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(ROOT / ".gpu-artifacts" / "inplace"))
-    p.add_argument("--arch", default="sm_90")
-    p.add_argument("--cases", nargs="*", help=f"build only these (of {', '.join(CASES)})")
-    args = p.parse_args(argv)
-    build(Path(args.out), args.arch, args.cases)
-    return 0
+    return decoder_builder_main(__doc__, "inplace", CASES, build, argv)
 
 
 if __name__ == "__main__":

@@ -125,3 +125,57 @@ def build_library(funcs: dict, path: Path, provider: str, args, pipeline=None):
     mqa_byoc.export_library(ex, str(path), arch=TARGET["arch"], build=args.build_native_kernels,
                             jobs=args.jobs, progress=print)
     return ex, {"build": round(t1 - t0, 1), "export": round(time.time() - t1, 1)}
+
+
+# ---- decoder builders (build_decoders.py, build_inplace.py): one decoder per case, two libraries ----
+
+def decoder_manifest(out: Path, cases) -> tuple[Path, dict]:
+    """``out/manifest.json`` and what it holds for the cases still in ``cases``."""
+    import json
+
+    path = out / "manifest.json"
+    manifest = json.loads(path.read_text()) if path.exists() else {}
+    return path, {k: v for k, v in manifest.items() if k in cases}
+
+
+def export_decoder_variants(out: Path, name: str, target, arch: str, cfg, spec, mqa_mod, ref_mod,
+                            mqa=True, meta=None) -> tuple[dict, dict]:
+    """``<name>.mqa.so``: ``mqa_mod`` through ``mqa_byoc.build`` (``mqa`` passed on; native provider)
+    and ``mqa_byoc.export_library``; ``<name>.reference.so``: ``ref_mod`` through TVM's ``relax.build``
+    alone; both with the decoders' CUDA pipeline and a sidecar (``meta`` added to its case entry).
+    Returns ``({variant: file name}, {variant: executable})``."""
+    from tvm import relax
+
+    import mqa_byoc
+    from mqa_byoc.compiler.pipeline import cuda_decoder_pipeline
+    from mqa_byoc.sidecar import write_sidecar
+
+    files, executables = {}, {}
+    for variant in ("mqa", "reference"):
+        path = out / f"{name}.{variant}.so"
+        if variant == "mqa":
+            ex = mqa_byoc.build(mqa_mod, target, mqa=mqa, provider="native", pipeline=cuda_decoder_pipeline(target))
+            mqa_byoc.export_library(ex, str(path), arch=arch)
+        else:
+            with target:
+                ex = relax.build(ref_mod, target=target, relax_pipeline=cuda_decoder_pipeline(target))
+            ex.export_library(str(path))
+        write_sidecar(str(path), cfg, spec, "float16", {"case": name, "variant": variant, **(meta or {})})
+        files[variant], executables[variant] = path.name, ex
+    return files, executables
+
+
+def decoder_builder_main(doc: str, out_name: str, cases, build, argv=None) -> int:
+    """The command line of a decoder builder: ``--out`` (default ``.gpu-artifacts/<out_name>``),
+    ``--arch``, ``--cases``; calls ``build(out, arch, names)``."""
+    import argparse
+
+    from builder_paths import ROOT
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(ROOT / ".gpu-artifacts" / out_name))
+    p.add_argument("--arch", default="sm_90")
+    p.add_argument("--cases", nargs="*", help=f"build only these (of {', '.join(cases)})")
+    args = p.parse_args(argv)
+    build(Path(args.out), args.arch, args.cases)
+    return 0

@@ -49,6 +49,33 @@ def _check_spec(symbol: str, spec: AttentionSpec) -> None:
             raise ValueError(f"{symbol}: {name} must be >= -1")
 
 
+def spec_fields(symbol: str, spec: AttentionSpec) -> dict[str, str]:
+    """The template fields :data:`WRAPPER_PRELUDE` bakes from the spec (and the dtype names the
+    operand checks use)."""
+    type_code, type_name = _DL_DTYPE[spec.dtype]
+    return {
+        "@SYMBOL@": symbol,
+        "@H@": str(int(spec.num_q_heads)),
+        "@HKV@": str(int(spec.num_kv_heads)),
+        "@D@": str(int(spec.head_dim)),
+        "@DTYPE_CODE@": type_code,
+        "@DTYPE_NAME@": type_name,
+        "@IS_BF16@": "1" if spec.dtype == "bfloat16" else "0",
+        "@SCALE@": repr(float(spec.scale)),
+        "@CAUSAL@": "1" if spec.causal else "0",
+        "@WL@": str(int(spec.window_left)),
+        "@WR@": str(int(spec.window_right)),
+    }
+
+
+def fill_template(template: str, fields: dict[str, str]) -> str:
+    """``template`` with :data:`WRAPPER_PRELUDE` at ``@PRELUDE@`` and every field replaced."""
+    code = template.replace("@PRELUDE@", WRAPPER_PRELUDE)
+    for key, value in fields.items():
+        code = code.replace(key, value)
+    return code
+
+
 def _export_lines(symbol: str, arg_map, num_inputs: int, shape_params) -> str:
     """The export of ``run(q, k, v, out)`` under the function's own parameter list: the Codegen
     function passes its parameters in the order ``FuseOpsByPattern`` gave them (an operand used
@@ -93,42 +120,73 @@ def emit_native_source(symbol: str, spec: AttentionSpec, shape_args: int = 0, *,
         num_inputs = max(tuple(arg_map) + tuple(shape_params)) + 1
     _check_spec(symbol, spec)
     kernels = plan_kernels(spec)
-    type_code, type_name = _DL_DTYPE[spec.dtype]
     layouts = {x: str(getattr(spec, f"{x}_layout", "BSNH")) for x in ("q", "k", "v", "out")}
     for x, lay in layouts.items():
         if lay not in ("BSNH", "BNSH"):
             raise ValueError(f"{symbol}: {x} layout {lay!r} is neither BSNH nor BNSH")
-    scale = repr(float(spec.scale))
     spec_line = (
         f"{SPEC_MARKER} symbol={symbol} H={spec.num_q_heads} H_kv={spec.num_kv_heads} "
-        f"D={spec.head_dim} dtype={spec.dtype} scale={scale} causal={int(spec.causal)} "
+        f"D={spec.head_dim} dtype={spec.dtype} scale={float(spec.scale)!r} causal={int(spec.causal)} "
         f"window=({spec.window_left},{spec.window_right}) layouts=q:{layouts['q']},k:{layouts['k']},"
         f"v:{layouts['v']},out:{layouts['out']}"
     )
-    code = _TEMPLATE
-    for key, value in {
+    code = fill_template(_TEMPLATE, {
         "@MARKER@": marker_line(kernels),
         "@SPEC@": spec_line,
         "@EXPORT@": _export_lines(symbol, arg_map, num_inputs, set(shape_params)),
-        "@SYMBOL@": symbol,
-        "@H@": str(int(spec.num_q_heads)),
-        "@HKV@": str(int(spec.num_kv_heads)),
-        "@D@": str(int(spec.head_dim)),
+        **spec_fields(symbol, spec),
         "@DV@": str(int(spec.head_dim_v)),
-        "@DTYPE_CODE@": type_code,
-        "@DTYPE_NAME@": type_name,
-        "@IS_BF16@": "1" if spec.dtype == "bfloat16" else "0",
-        "@SCALE@": scale,
-        "@CAUSAL@": "1" if spec.causal else "0",
-        "@WL@": str(int(spec.window_left)),
-        "@WR@": str(int(spec.window_right)),
         "@Q_BNSH@": "true" if layouts["q"] == "BNSH" else "false",
         "@K_BNSH@": "true" if layouts["k"] == "BNSH" else "false",
         "@V_BNSH@": "true" if layouts["v"] == "BNSH" else "false",
         "@O_BNSH@": "true" if layouts["out"] == "BNSH" else "false",
-    }.items():
-        code = code.replace(key, value)
+    })
     return NativeSource(code, kernels)
+
+
+# C++ that both native wrappers (this module's and varlen_codegen's) open their anonymous namespace
+# with: the baked spec, and the helpers every wrapper needs.
+WRAPPER_PRELUDE = r"""constexpr int64_t kHeads = @H@;
+constexpr int64_t kKvHeads = @HKV@;
+constexpr int64_t kHeadDim = @D@;
+constexpr int kIsBf16 = @IS_BF16@;
+constexpr float kScale = static_cast<float>(@SCALE@);
+constexpr int kCausal = @CAUSAL@;
+constexpr int kWindowLeft = @WL@;
+constexpr int kWindowRight = @WR@;
+constexpr const char* kSymbol = "@SYMBOL@";
+
+const void* data_of(const DLTensor* t) { return static_cast<const char*>(t->data) + t->byte_offset; }
+
+// The dispatcher is referenced weakly: its address is null in a library exported without it.
+void require_linked(bool linked) {
+  if (!linked) {
+    TVM_FFI_THROW(RuntimeError)
+        << kSymbol << ": the native FA2 kernels are not linked into this library. Export it with "
+        << "mqa_byoc.export_library(executable, path) (plain export_library / jit do not link them), "
+        << "or build with provider=\"python\".";
+  }
+}
+
+// The four strides of t in elements (compact row-major when it carries none).
+void strides4(const DLTensor* t, int64_t* st) {
+  if (t->strides == nullptr) {
+    st[3] = 1;
+    for (int i = 2; i >= 0; --i) st[i] = st[i + 1] * t->shape[i + 1];
+  } else {
+    for (int i = 0; i < 4; ++i) st[i] = t->strides[i];
+  }
+}
+
+// The CUDA device of q, which k, v and out must share.
+int common_device(const DLTensor* q, const DLTensor* k, const DLTensor* v, const DLTensor* out) {
+  const int dev = q->device.device_id;
+  if (k->device.device_id != dev || v->device.device_id != dev || out->device.device_id != dev) {
+    TVM_FFI_THROW(ValueError) << kSymbol << ": q, k, v and out must be on the same CUDA device";
+  }
+  return dev;
+}
+"""
 
 
 _TEMPLATE = r"""// Generated by mqa_byoc.compiler.native_codegen: FA2 forward for one offloaded attention.
@@ -154,20 +212,12 @@ extern "C" __attribute__((weak)) const char* mqa_byoc_fa2_last_error(void);
 
 namespace {
 
-constexpr int64_t kHeads = @H@;
-constexpr int64_t kKvHeads = @HKV@;
-constexpr int64_t kHeadDim = @D@;
+@PRELUDE@
 constexpr int64_t kHeadDimV = @DV@;
-constexpr int kIsBf16 = @IS_BF16@;
-constexpr float kScale = static_cast<float>(@SCALE@);
-constexpr int kCausal = @CAUSAL@;
-constexpr int kWindowLeft = @WL@;
-constexpr int kWindowRight = @WR@;
 constexpr bool kQBnsh = @Q_BNSH@;  // layouts: false = BSNH, true = BNSH
 constexpr bool kKBnsh = @K_BNSH@;
 constexpr bool kVBnsh = @V_BNSH@;
 constexpr bool kOBnsh = @O_BNSH@;
-constexpr const char* kSymbol = "@SYMBOL@";
 
 const char* shape_str(const DLTensor* t, char* buf, int n) {
   int pos = 0;
@@ -204,12 +254,7 @@ void check_tensor(const DLTensor* t, const char* name, int64_t heads, int64_t di
                               << (bnsh ? ", S, " : ", ") << dim << ")";
   }
   int64_t st[4];
-  if (t->strides == nullptr) {
-    st[3] = 1;
-    for (int i = 2; i >= 0; --i) st[i] = st[i + 1] * t->shape[i + 1];
-  } else {
-    for (int i = 0; i < 4; ++i) st[i] = t->strides[i];
-  }
+  strides4(t, st);
   if (st[3] != 1) {
     TVM_FFI_THROW(ValueError) << kSymbol << ": " << name << " needs a contiguous last axis, stride is "
                               << st[3];
@@ -225,17 +270,8 @@ void check_tensor(const DLTensor* t, const char* name, int64_t heads, int64_t di
   strides[3] = 1;
 }
 
-const void* data_of(const DLTensor* t) {
-  return static_cast<const char*>(t->data) + t->byte_offset;
-}
-
 int run(DLTensor* q, DLTensor* k, DLTensor* v, DLTensor* out) {
-  if (&mqa_byoc_fa2_forward == nullptr || &mqa_byoc_fa2_last_error == nullptr) {
-    TVM_FFI_THROW(RuntimeError)
-        << kSymbol << ": the native FA2 kernels are not linked into this library. Export it with "
-        << "mqa_byoc.export_library(executable, path) (plain export_library / jit do not link them), "
-        << "or build with provider=\"python\".";
-  }
+  require_linked(&mqa_byoc_fa2_forward != nullptr && &mqa_byoc_fa2_last_error != nullptr);
   int64_t qn[4], kn[4], vn[4], on[4], qs[4], ks[4], vs[4], os[4];
   check_tensor(q, "q", kHeads, kHeadDim, kQBnsh, qn, qs);
   check_tensor(k, "k", kKvHeads, kHeadDim, kKBnsh, kn, ks);
@@ -248,10 +284,7 @@ int run(DLTensor* q, DLTensor* k, DLTensor* v, DLTensor* out) {
                               << shape_str(k, b2, 160) << ", v " << shape_str(v, b3, 160) << ", out "
                               << shape_str(out, b4, 160);
   }
-  const int dev = q->device.device_id;
-  if (k->device.device_id != dev || v->device.device_id != dev || out->device.device_id != dev) {
-    TVM_FFI_THROW(ValueError) << kSymbol << ": q, k, v and out must be on the same CUDA device";
-  }
+  const int dev = common_device(q, k, v, out);
   void* stream = TVMFFIEnvGetStream(kDLCUDA, dev);
   int rc = mqa_byoc_fa2_forward(data_of(q), data_of(k), data_of(v), const_cast<void*>(data_of(out)),
                                 batch, seqlen_q, seqlen_k, kHeads, kKvHeads, kHeadDim, qs, ks, vs, os,

@@ -148,19 +148,7 @@ _PY_HELPERS = r"""
 #ifndef MQA_BYOC_VARLEN_PY_HELPERS
 #define MQA_BYOC_VARLEN_PY_HELPERS
 namespace {
-// Looked up at every call, not cached: a cached reference to the Python callable would outlive the
-// interpreter (static destructors run after it) and crash the process at exit.
-tvm::ffi::Function MqaByocPyVarLenForward() {
-  std::optional<tvm::ffi::Function> fn = tvm::ffi::Function::GetGlobal("@PYFUNC@");
-  if (!fn.has_value()) {
-    TVM_FFI_THROW(RuntimeError)
-        << "mqa_byoc: the global function \"@PYFUNC@\" is not registered. This library was "
-        << "built with the python FA2 provider: run `import mqa_byoc.runtime.providers` in this process "
-        << "before calling it, or rebuild with provider=\"native\".";
-  }
-  return *fn;
-}
-}  // namespace
+@LOOKUP@}  // namespace
 #endif
 """
 
@@ -168,8 +156,11 @@ tvm::ffi::Function MqaByocPyVarLenForward() {
 def emit_python_forwarder(site: VarLenSite) -> str:
     """C++ exporting ``symbol(inputs..., out)`` that forwards to ``mqa_byoc.flash_attn_varlen_forward``
     (the checks are the Python function's)."""
+    from .codegen import py_function_lookup
+
     spec = site.spec
-    return _PY_HELPERS.replace("@PYFUNC@", PY_VAR_LEN_FORWARD_FUNC) + f"""
+    lookup = py_function_lookup("MqaByocPyVarLenForward", PY_VAR_LEN_FORWARD_FUNC)
+    return _PY_HELPERS.replace("@LOOKUP@", lookup) + f"""
 // ---- {site.symbol}: var-len, {spec.num_q_heads} query heads over {spec.num_kv_heads} K/V heads, head dim {spec.head_dim}, {spec.dtype}
 namespace {{
 namespace mqa_byoc_{site.symbol} {{
@@ -192,7 +183,7 @@ def emit_native_source(site: VarLenSite):
     """:class:`~.native_codegen.NativeSource` of the wrapper calling ``mqa_byoc_fa2_varlen_forward``."""
     from mqa_byoc.kernels import marker_line, plan_kernels
 
-    from .native_codegen import SPEC_MARKER, NativeSource, _check_spec
+    from .native_codegen import SPEC_MARKER, NativeSource, _check_spec, fill_template, spec_fields
 
     spec = site.spec
     _check_spec(site.symbol, spec)
@@ -201,25 +192,13 @@ def emit_native_source(site: VarLenSite):
     spec_line = (f"{SPEC_MARKER} symbol={site.symbol} var_len=1 H={spec.num_q_heads} H_kv={spec.num_kv_heads} "
                  f"D={spec.head_dim} dtype={spec.dtype} scale={float(spec.scale)!r} causal={int(spec.causal)} "
                  f"window=({spec.window_left},{spec.window_right})")
-    code = _NATIVE_TEMPLATE
-    for key, value in {
+    code = fill_template(_NATIVE_TEMPLATE, {
         "@MARKER@": marker_line(kernels),
         "@SPEC@": spec_line,
         "@INPUTS@": _inputs(site, "DLTensor*"),
         "@OPERANDS@": _operand_lines(site, "DLTensor*"),
-        "@SYMBOL@": site.symbol,
-        "@H@": str(spec.num_q_heads),
-        "@HKV@": str(spec.num_kv_heads),
-        "@D@": str(spec.head_dim),
-        "@DTYPE_CODE@": "kDLBfloat" if spec.dtype == "bfloat16" else "kDLFloat",
-        "@DTYPE_NAME@": spec.dtype,
-        "@IS_BF16@": "1" if spec.dtype == "bfloat16" else "0",
-        "@SCALE@": repr(float(spec.scale)),
-        "@CAUSAL@": "1" if spec.causal else "0",
-        "@WL@": str(int(spec.window_left)),
-        "@WR@": str(int(spec.window_right)),
-    }.items():
-        code = code.replace(key, value)
+        **spec_fields(site.symbol, spec),
+    })
     return NativeSource(code, kernels)
 
 
@@ -244,18 +223,7 @@ extern "C" __attribute__((weak)) const char* mqa_byoc_fa2_last_error(void);
 
 namespace {
 
-constexpr int64_t kHeads = @H@;
-constexpr int64_t kKvHeads = @HKV@;
-constexpr int64_t kHeadDim = @D@;
-constexpr int kIsBf16 = @IS_BF16@;
-constexpr float kScale = static_cast<float>(@SCALE@);
-constexpr int kCausal = @CAUSAL@;
-constexpr int kWindowLeft = @WL@;
-constexpr int kWindowRight = @WR@;
-constexpr const char* kSymbol = "@SYMBOL@";
-
-const void* data_of(const DLTensor* t) { return static_cast<const char*>(t->data) + t->byte_offset; }
-
+@PRELUDE@
 // (1, total, heads, dim), @DTYPE_NAME@, on CUDA, contiguous last axis; fills the (row, head, dim) strides.
 int64_t check_rows(const DLTensor* t, const char* name, int64_t heads, int64_t* strides) {
   if (t == nullptr) TVM_FFI_THROW(ValueError) << kSymbol << ": " << name << " is null";
@@ -270,12 +238,7 @@ int64_t check_rows(const DLTensor* t, const char* name, int64_t heads, int64_t* 
     TVM_FFI_THROW(ValueError) << kSymbol << ": " << name << " must be on a CUDA device";
   }
   int64_t st[4];
-  if (t->strides == nullptr) {
-    st[3] = 1;
-    for (int i = 2; i >= 0; --i) st[i] = st[i + 1] * t->shape[i + 1];
-  } else {
-    for (int i = 0; i < 4; ++i) st[i] = t->strides[i];
-  }
+  strides4(t, st);
   if (st[3] != 1) TVM_FFI_THROW(ValueError) << kSymbol << ": " << name << " needs a contiguous last axis";
   strides[0] = st[1];
   strides[1] = st[2];
@@ -315,12 +278,7 @@ int64_t max_length(const DLTensor* t, const char* name, int64_t total) {
 }
 
 int run(@INPUTS@, DLTensor* out) {
-  if (&mqa_byoc_fa2_varlen_forward == nullptr || &mqa_byoc_fa2_last_error == nullptr) {
-    TVM_FFI_THROW(RuntimeError)
-        << kSymbol << ": the native FA2 kernels are not linked into this library. Export it with "
-        << "mqa_byoc.export_library(executable, path) (plain export_library / jit do not link them), "
-        << "or build with provider=\"python\".";
-  }
+  require_linked(&mqa_byoc_fa2_varlen_forward != nullptr && &mqa_byoc_fa2_last_error != nullptr);
 @OPERANDS@
   int64_t qs[3], ks[3], vs[3], os[3];
   const int64_t total_q = check_rows(q, "q", kHeads, qs);
@@ -328,10 +286,7 @@ int run(@INPUTS@, DLTensor* out) {
   if (check_rows(v, "v", kKvHeads, vs) != total_k || check_rows(out, "out", kHeads, os) != total_q) {
     TVM_FFI_THROW(ValueError) << kSymbol << ": v must have as many rows as k, out as many as q";
   }
-  const int dev = q->device.device_id;
-  if (k->device.device_id != dev || v->device.device_id != dev || out->device.device_id != dev) {
-    TVM_FFI_THROW(ValueError) << kSymbol << ": q, k, v and out must be on the same CUDA device";
-  }
+  const int dev = common_device(q, k, v, out);
   const int64_t n_q = check_seqstart(seqstart_q, "seqstart_q", dev);
   const int64_t n_k = check_seqstart(seqstart_k, "seqstart_k", dev);
   if (n_q != n_k || n_q < 1) {

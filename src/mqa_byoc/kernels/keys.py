@@ -53,10 +53,8 @@ class KernelKey:
 
     @property
     def flash_attn_file(self) -> str:
-        """flash-attn's own translation unit instantiating this kernel family."""
-        split = "_split" if self.split else ""
-        causal = "_causal" if self.causal else ""
-        return f"flash_fwd{split}_hdim{self.head_dim}_{self.dtype}{causal}_sm80.cu"
+        """flash-attn's own translation unit instantiating this kernel family (named like :attr:`stem`)."""
+        return f"flash_{self.stem}_sm80.cu"
 
     @property
     def label(self) -> str:

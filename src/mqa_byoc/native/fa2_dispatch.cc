@@ -213,6 +213,129 @@ bool nvtx_enabled() {
   return enabled;
 }
 
+// ---- pieces both entry points share ----------------------------------------------------------
+
+// The head-count, head-dim and stride checks of both entry points; last_axis is the index of the
+// head-dim stride (3 for (B, S, H, D), 2 for var-len's (total, H, D)). 0 when they pass.
+int check_heads_and_strides(int64_t num_heads, int64_t num_heads_k, int64_t head_dim,
+                            const int64_t* q_stride, const int64_t* k_stride,
+                            const int64_t* v_stride, const int64_t* o_stride, int last_axis) {
+  if (head_dim <= 0 || head_dim > 256 || head_dim % 8 != 0) {
+    return fail("FA2 needs a head dim that is a multiple of 8 and at most 256, got " +
+                std::to_string(head_dim));
+  }
+  if (num_heads % num_heads_k != 0) {
+    return fail("H=" + std::to_string(num_heads) + " is not a multiple of H_kv=" +
+                std::to_string(num_heads_k));
+  }
+  if (q_stride == nullptr || k_stride == nullptr || v_stride == nullptr || o_stride == nullptr) {
+    return fail("null stride array");
+  }
+  if (q_stride[last_axis] != 1 || k_stride[last_axis] != 1 || v_stride[last_axis] != 1 ||
+      o_stride[last_axis] != 1) {
+    return fail("q, k, v and out must have a contiguous last (head dim) axis");
+  }
+  return 0;
+}
+
+// Makes device_id current for the guard's lifetime and clears a stale error of this runtime, so
+// it is not blamed on the launch. 0 on success.
+int select_device(DeviceGuard& guard, int device_id) {
+  cudaError_t err = guard.set(device_id);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return fail(std::string("cannot select CUDA device ") + std::to_string(device_id) + ": " +
+                cudaGetErrorString(err));
+  }
+  cudaGetLastError();
+  return 0;
+}
+
+// Fills the Flash_fwd_params fields both entry points set alike: data pointers, sizes (seqlen_q /
+// seqlen_k: the lengths the grid is sized by, the max lengths for var-len), the softmax scale, no
+// dropout, no softcap, and flash-attn's last window step: (-1, 0) is the causal mask, and a
+// one-sided window gets its open side set to seqlen_k. wl / wr: the caller's normalised window.
+void fill_shared_params(Params& p, const void* q, const void* k, const void* v, void* out,
+                        int is_bf16, int64_t batch, int64_t num_heads, int64_t num_heads_k,
+                        int64_t seqlen_q, int64_t seqlen_k, int64_t head_dim, float softmax_scale,
+                        int wl, int wr) {
+  p.is_bf16 = is_bf16 != 0;
+  p.q_ptr = const_cast<void*>(q);
+  p.k_ptr = const_cast<void*>(k);
+  p.v_ptr = const_cast<void*>(v);
+  p.o_ptr = out;
+  p.b = int(batch);
+  p.h = int(num_heads);
+  p.h_k = int(num_heads_k);
+  p.h_h_k_ratio = int(num_heads / num_heads_k);
+  p.seqlen_q = int(seqlen_q);
+  p.seqlen_k = int(seqlen_k);
+  p.seqlen_q_rounded = int(round_up(seqlen_q, 128));
+  p.seqlen_k_rounded = int(round_up(seqlen_k, 128));
+  p.d = int(head_dim);
+  p.d_rounded = int(round_up(head_dim, head_dim <= 128 ? 32 : 64));
+  p.softcap = 0.f;
+  p.scale_softmax = softmax_scale;
+  p.scale_softmax_log2 = float(double(softmax_scale) * 1.4426950408889634);  // log2(e)
+  p.p_dropout = 1.f;  // probability to keep
+  p.p_dropout_in_uint8_t = 255;
+  p.rp_dropout = 1.f;
+  p.scale_softmax_rp_dropout = softmax_scale;
+  p.is_causal = wl < 0 && wr == 0;
+  if (wl < 0 && wr >= 0) wl = int(seqlen_k);
+  if (wl >= 0 && wr < 0) wr = int(seqlen_k);
+  p.window_size_left = wl;
+  p.window_size_right = wr;
+  p.is_seqlens_k_cumulative = true;
+  p.seqlenq_ngroups_swapped = false;
+}
+
+// The failure for a kernel family this library was linked without, with the command that builds it.
+int fail_not_built(int hdim, int is_bf16, bool causal, int device_id) {
+  std::string arch = arch_of(device_id);
+  return fail("FA2 kernel " + kernel_name(hdim, is_bf16, causal) +
+              " not built: run `mqa-byoc build-kernels" + (arch.empty() ? "" : " --arch " + arch) +
+              " --head-dims " + std::to_string(hdim) + " --dtypes " + (is_bf16 ? "bf16" : "fp16") +
+              "` and export again");
+}
+
+// Allocates `bytes` of workspace on `stream`, from the device's pool when it has one. 0 on success.
+int alloc_workspace(void** ws, size_t bytes, int device_id, cudaStream_t stream) {
+  cudaMemPool_t pool = workspace_pool(device_id);
+  cudaError_t err = pool != nullptr ? cudaMallocFromPoolAsync(ws, bytes, pool, stream)
+                                    : cudaMallocAsync(ws, bytes, stream);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return fail("cannot allocate " + std::to_string(bytes) + " bytes of FA2 workspace: " +
+                cudaGetErrorString(err));
+  }
+  return 0;
+}
+
+// Runs fn(p) (inside an NVTX range "<range>[h=..,kv=..,d=..]" when MQA_BYOC_NVTX is on) and frees
+// the workspace behind it; `what` names the kernel in a launch failure. 0 on success.
+int launch_and_free(EntryFn fn, Params* p, cudaStream_t stream, void* ws, const char* range,
+                    int64_t num_heads, int64_t num_heads_k, int64_t head_dim, const std::string& what) {
+  const bool nvtx = nvtx_enabled();
+  if (nvtx) {
+    char name[96];
+    std::snprintf(name, sizeof(name), "%s[h=%lld,kv=%lld,d=%lld]", range,
+                  static_cast<long long>(num_heads), static_cast<long long>(num_heads_k),
+                  static_cast<long long>(head_dim));
+    nvtxRangePushA(name);
+  }
+  fn(p, stream);
+  if (nvtx) nvtxRangePop();
+  cudaError_t launch = cudaGetLastError();
+  cudaError_t err = cudaFreeAsync(ws, stream);
+  if (launch != cudaSuccess) return fail(what + " launch failed: " + cudaGetErrorString(launch));
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return fail(std::string("cudaFreeAsync: ") + cudaGetErrorString(err));
+  }
+  return 0;
+}
+
 }  // namespace
 
 extern "C" const char* mqa_byoc_fa2_last_error(void) { return g_last_error.c_str(); }
@@ -238,19 +361,9 @@ extern "C" int mqa_byoc_fa2_forward(const void* q, const void* k, const void* v,
                 " S_kv=" + std::to_string(seqlen_k) + " H=" + std::to_string(num_heads) +
                 " H_kv=" + std::to_string(num_heads_k));
   }
-  if (head_dim <= 0 || head_dim > 256 || head_dim % 8 != 0) {
-    return fail("FA2 needs a head dim that is a multiple of 8 and at most 256, got " +
-                std::to_string(head_dim));
-  }
-  if (num_heads % num_heads_k != 0) {
-    return fail("H=" + std::to_string(num_heads) + " is not a multiple of H_kv=" +
-                std::to_string(num_heads_k));
-  }
-  if (q_stride == nullptr || k_stride == nullptr || v_stride == nullptr || o_stride == nullptr) {
-    return fail("null stride array");
-  }
-  if (q_stride[3] != 1 || k_stride[3] != 1 || v_stride[3] != 1 || o_stride[3] != 1) {
-    return fail("q, k, v and out must have a contiguous last (head dim) axis");
+  if (int rc = check_heads_and_strides(num_heads, num_heads_k, head_dim, q_stride, k_stride, v_stride,
+                                       o_stride, 3)) {
+    return rc;
   }
   if (batch == 0 || seqlen_q == 0) return 0;
   if (q == nullptr || k == nullptr || v == nullptr || out == nullptr) return fail("null data pointer");
@@ -258,18 +371,12 @@ extern "C" int mqa_byoc_fa2_forward(const void* q, const void* k, const void* v,
 
   cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
   DeviceGuard guard;
-  cudaError_t err = guard.set(device_id);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return fail(std::string("cannot select CUDA device ") + std::to_string(device_id) + ": " +
-                cudaGetErrorString(err));
-  }
-  cudaGetLastError();  // clear a stale error of this runtime so it is not blamed on the launch
+  if (int rc = select_device(guard, device_id)) return rc;
 
   if (seqlen_k == 0) {  // no keys: FA2 defines the output as zeros
     const int64_t compact[4] = {seqlen_q * num_heads * head_dim, num_heads * head_dim, head_dim, 1};
     if (std::memcmp(o_stride, compact, sizeof(compact)) != 0) return fail("S_kv == 0 needs a compact out");
-    err = cudaMemsetAsync(out, 0, size_t(batch * seqlen_q * num_heads * head_dim) * 2, stream);
+    cudaError_t err = cudaMemsetAsync(out, 0, size_t(batch * seqlen_q * num_heads * head_dim) * 2, stream);
     return err == cudaSuccess ? 0 : fail(std::string("cudaMemsetAsync: ") + cudaGetErrorString(err));
   }
 
@@ -297,14 +404,10 @@ extern "C" int mqa_byoc_fa2_forward(const void* q, const void* k, const void* v,
   }
 
   const int hdim = kernel_hdim(head_dim);
-  const int64_t d_rounded = round_up(head_dim, head_dim <= 128 ? 32 : 64);
 
   Params p{};
-  p.is_bf16 = is_bf16 != 0;
-  p.q_ptr = const_cast<void*>(q);
-  p.k_ptr = const_cast<void*>(k);
-  p.v_ptr = const_cast<void*>(v);
-  p.o_ptr = out;
+  fill_shared_params(p, q, k, v, out, is_bf16, batch, h, num_heads_k, sq, seqlen_k, head_dim,
+                     softmax_scale, wl, wr);
   p.q_batch_stride = q_b;
   p.q_row_stride = q_r;
   p.q_head_stride = q_h;
@@ -317,33 +420,9 @@ extern "C" int mqa_byoc_fa2_forward(const void* q, const void* k, const void* v,
   p.o_batch_stride = o_b;
   p.o_row_stride = o_r;
   p.o_head_stride = o_h;
-  p.b = int(batch);
-  p.h = int(h);
-  p.h_k = int(num_heads_k);
-  p.h_h_k_ratio = int(h / num_heads_k);
-  p.seqlen_q = int(sq);
-  p.seqlen_k = int(seqlen_k);
-  p.seqlen_q_rounded = int(round_up(sq, 128));
-  p.seqlen_k_rounded = int(round_up(seqlen_k, 128));
-  p.d = int(head_dim);
-  p.d_rounded = int(d_rounded);
-  p.softcap = 0.f;
-  p.scale_softmax = softmax_scale;
-  p.scale_softmax_log2 = float(double(softmax_scale) * 1.4426950408889634);  // log2(e)
-  p.p_dropout = 1.f;  // probability to keep
-  p.p_dropout_in_uint8_t = 255;
-  p.rp_dropout = 1.f;
-  p.scale_softmax_rp_dropout = softmax_scale;
-  p.is_causal = wl < 0 && wr == 0;
-  if (wl < 0 && wr >= 0) wl = int(seqlen_k);
-  if (wl >= 0 && wr < 0) wr = int(seqlen_k);
-  p.window_size_left = wl;
-  p.window_size_right = wr;
-  p.is_seqlens_k_cumulative = true;
   p.alibi_slopes_ptr = nullptr;
   p.rng_state = nullptr;
   p.unpadded_lse = false;
-  p.seqlenq_ngroups_swapped = false;
 
   // ---- split-KV decision (must match run_mha_fwd_splitkv_dispatch's kBlockN) ----
   const int block_n = head_dim <= 64 ? 256 : (head_dim <= 128 ? 128 : 64);
@@ -369,13 +448,7 @@ extern "C" int mqa_byoc_fa2_forward(const void* q, const void* k, const void* v,
       splits = 1;
     }
   }
-  if (fn == nullptr) {
-    std::string arch = arch_of(device_id);
-    return fail("FA2 kernel " + kernel_name(hdim, is_bf16, p.is_causal) +
-                " not built: run `mqa-byoc build-kernels" + (arch.empty() ? "" : " --arch " + arch) +
-                " --head-dims " + std::to_string(hdim) + " --dtypes " + (is_bf16 ? "bf16" : "fp16") +
-                "` and export again");
-  }
+  if (fn == nullptr) return fail_not_built(hdim, is_bf16, p.is_causal, device_id);
   p.num_splits = splits;
 
   // ---- workspaces: softmax LSE (always written) and the split accumulators ----
@@ -383,17 +456,11 @@ extern "C" int mqa_byoc_fa2_forward(const void* q, const void* k, const void* v,
   auto align = [](size_t x) { return (x + 255) / 256 * 256; };
   const size_t lse_bytes = align(rows * sizeof(float));
   const size_t lse_acc_bytes = splits > 1 ? align(size_t(splits) * rows * sizeof(float)) : 0;
-  const size_t o_acc_bytes = splits > 1 ? align(size_t(splits) * rows * d_rounded * sizeof(float)) : 0;
+  const size_t o_acc_bytes =
+      splits > 1 ? align(size_t(splits) * rows * size_t(p.d_rounded) * sizeof(float)) : 0;
   const size_t total = lse_bytes + lse_acc_bytes + o_acc_bytes;
   void* ws = nullptr;
-  cudaMemPool_t pool = workspace_pool(device_id);
-  err = pool != nullptr ? cudaMallocFromPoolAsync(&ws, total, pool, stream)
-                        : cudaMallocAsync(&ws, total, stream);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return fail("cannot allocate " + std::to_string(total) + " bytes of FA2 workspace: " +
-                cudaGetErrorString(err));
-  }
+  if (int rc = alloc_workspace(&ws, total, device_id, stream)) return rc;
   char* base = static_cast<char*>(ws);
   p.softmax_lse_ptr = base;
   if (splits > 1) {
@@ -401,26 +468,9 @@ extern "C" int mqa_byoc_fa2_forward(const void* q, const void* k, const void* v,
     p.oaccum_ptr = base + lse_bytes + lse_acc_bytes;
   }
 
-  const bool nvtx = nvtx_enabled();
-  if (nvtx) {
-    char range[64];
-    std::snprintf(range, sizeof(range), "flash_attn[h=%lld,kv=%lld,d=%lld]", static_cast<long long>(num_heads),
-                  static_cast<long long>(num_heads_k), static_cast<long long>(head_dim));
-    nvtxRangePushA(range);
-  }
-  fn(&p, stream);
-  if (nvtx) nvtxRangePop();
-  cudaError_t launch = cudaGetLastError();
-  err = cudaFreeAsync(ws, stream);
-  if (launch != cudaSuccess) {
-    return fail(std::string("FA2 ") + kernel_name(hdim, is_bf16, p.is_causal) +
-                (splits > 1 ? " split" : "") + " launch failed: " + cudaGetErrorString(launch));
-  }
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return fail(std::string("cudaFreeAsync: ") + cudaGetErrorString(err));
-  }
-  return 0;
+  return launch_and_free(fn, &p, stream, ws, "flash_attn", num_heads, num_heads_k, head_dim,
+                         std::string("FA2 ") + kernel_name(hdim, is_bf16, p.is_causal) +
+                             (splits > 1 ? " split" : ""));
 }
 
 // ---- var-len forward (R.nn.attention_var_len) ------------------------------------------------
@@ -449,17 +499,9 @@ extern "C" int mqa_byoc_fa2_varlen_forward(const void* q, const void* k, const v
                 " max_seqlen_k=" + std::to_string(max_seqlen_k) + " H=" + std::to_string(num_heads) +
                 " H_kv=" + std::to_string(num_heads_k));
   }
-  if (head_dim <= 0 || head_dim > 256 || head_dim % 8 != 0) {
-    return fail("FA2 needs a head dim that is a multiple of 8 and at most 256, got " + std::to_string(head_dim));
-  }
-  if (num_heads % num_heads_k != 0) {
-    return fail("H=" + std::to_string(num_heads) + " is not a multiple of H_kv=" + std::to_string(num_heads_k));
-  }
-  if (q_stride == nullptr || k_stride == nullptr || v_stride == nullptr || o_stride == nullptr) {
-    return fail("null stride array");
-  }
-  if (q_stride[2] != 1 || k_stride[2] != 1 || v_stride[2] != 1 || o_stride[2] != 1) {
-    return fail("q, k, v and out must have a contiguous last (head dim) axis");
+  if (int rc = check_heads_and_strides(num_heads, num_heads_k, head_dim, q_stride, k_stride, v_stride,
+                                       o_stride, 2)) {
+    return rc;
   }
   if (batch == 0 || total_q == 0 || max_seqlen_q == 0) return 0;
   if (q == nullptr || k == nullptr || v == nullptr || out == nullptr || cu_seqlens_q == nullptr ||
@@ -470,17 +512,11 @@ extern "C" int mqa_byoc_fa2_varlen_forward(const void* q, const void* k, const v
 
   cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
   DeviceGuard guard;
-  cudaError_t err = guard.set(device_id);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return fail(std::string("cannot select CUDA device ") + std::to_string(device_id) + ": " +
-                cudaGetErrorString(err));
-  }
-  cudaGetLastError();
+  if (int rc = select_device(guard, device_id)) return rc;
 
   if (max_seqlen_k == 0 || total_k == 0) {  // no keys anywhere: FA2 defines the output as zeros
     if (o_stride[0] != num_heads * head_dim || o_stride[1] != head_dim) return fail("no keys needs a compact out");
-    err = cudaMemsetAsync(out, 0, size_t(total_q * num_heads * head_dim) * 2, stream);
+    cudaError_t err = cudaMemsetAsync(out, 0, size_t(total_q * num_heads * head_dim) * 2, stream);
     return err == cudaSuccess ? 0 : fail(std::string("cudaMemsetAsync: ") + cudaGetErrorString(err));
   }
 
@@ -493,14 +529,10 @@ extern "C" int mqa_byoc_fa2_varlen_forward(const void* q, const void* k, const v
   if (wr >= max_seqlen_k) wr = -1;
 
   const int hdim = kernel_hdim(head_dim);
-  const int64_t d_rounded = round_up(head_dim, head_dim <= 128 ? 32 : 64);
 
   Params p{};
-  p.is_bf16 = is_bf16 != 0;
-  p.q_ptr = const_cast<void*>(q);
-  p.k_ptr = const_cast<void*>(k);
-  p.v_ptr = const_cast<void*>(v);
-  p.o_ptr = out;
+  fill_shared_params(p, q, k, v, out, is_bf16, batch, num_heads, num_heads_k, max_seqlen_q,
+                     max_seqlen_k, head_dim, softmax_scale, wl, wr);
   p.q_row_stride = q_stride[0];
   p.q_head_stride = q_stride[1];
   p.k_row_stride = k_stride[0];
@@ -512,75 +544,19 @@ extern "C" int mqa_byoc_fa2_varlen_forward(const void* q, const void* k, const v
   p.cu_seqlens_q = const_cast<int*>(reinterpret_cast<const int*>(cu_seqlens_q));
   p.cu_seqlens_k = const_cast<int*>(reinterpret_cast<const int*>(cu_seqlens_k));
   p.seqused_k = nullptr;
-  p.b = int(batch);
-  p.h = int(num_heads);
-  p.h_k = int(num_heads_k);
-  p.h_h_k_ratio = int(num_heads / num_heads_k);
-  p.seqlen_q = int(max_seqlen_q);
-  p.seqlen_k = int(max_seqlen_k);
-  p.seqlen_q_rounded = int(round_up(max_seqlen_q, 128));
-  p.seqlen_k_rounded = int(round_up(max_seqlen_k, 128));
-  p.d = int(head_dim);
-  p.d_rounded = int(d_rounded);
   p.total_q = int(total_q);
-  p.softcap = 0.f;
-  p.scale_softmax = softmax_scale;
-  p.scale_softmax_log2 = float(double(softmax_scale) * 1.4426950408889634);  // log2(e)
-  p.p_dropout = 1.f;  // probability to keep
-  p.p_dropout_in_uint8_t = 255;
-  p.rp_dropout = 1.f;
-  p.scale_softmax_rp_dropout = softmax_scale;
-  p.is_causal = wl < 0 && wr == 0;
-  if (wl < 0 && wr >= 0) wl = int(max_seqlen_k);
-  if (wl >= 0 && wr < 0) wr = int(max_seqlen_k);
-  p.window_size_left = wl;
-  p.window_size_right = wr;
-  p.is_seqlens_k_cumulative = true;
   p.unpadded_lse = true;  // LSE as (H, total_q)
-  p.seqlenq_ngroups_swapped = false;
   p.num_splits = 1;
 
   const Entry* e = find_entry(hdim, is_bf16, p.is_causal);
   EntryFn fn = e == nullptr ? nullptr : (e->fwd != nullptr ? e->fwd : e->split);
-  if (fn == nullptr) {
-    std::string arch = arch_of(device_id);
-    return fail("FA2 kernel " + kernel_name(hdim, is_bf16, p.is_causal) +
-                " not built: run `mqa-byoc build-kernels" + (arch.empty() ? "" : " --arch " + arch) +
-                " --head-dims " + std::to_string(hdim) + " --dtypes " + (is_bf16 ? "bf16" : "fp16") +
-                "` and export again");
-  }
+  if (fn == nullptr) return fail_not_built(hdim, is_bf16, p.is_causal, device_id);
 
   const size_t lse_bytes = (size_t(num_heads) * size_t(total_q) * sizeof(float) + 255) / 256 * 256;
   void* ws = nullptr;
-  cudaMemPool_t pool = workspace_pool(device_id);
-  err = pool != nullptr ? cudaMallocFromPoolAsync(&ws, lse_bytes, pool, stream)
-                        : cudaMallocAsync(&ws, lse_bytes, stream);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return fail("cannot allocate " + std::to_string(lse_bytes) + " bytes of FA2 workspace: " +
-                cudaGetErrorString(err));
-  }
+  if (int rc = alloc_workspace(&ws, lse_bytes, device_id, stream)) return rc;
   p.softmax_lse_ptr = ws;
 
-  const bool nvtx = nvtx_enabled();
-  if (nvtx) {
-    char range[80];
-    std::snprintf(range, sizeof(range), "flash_attn_varlen[h=%lld,kv=%lld,d=%lld]",
-                  static_cast<long long>(num_heads), static_cast<long long>(num_heads_k),
-                  static_cast<long long>(head_dim));
-    nvtxRangePushA(range);
-  }
-  fn(&p, stream);
-  if (nvtx) nvtxRangePop();
-  cudaError_t launch = cudaGetLastError();
-  err = cudaFreeAsync(ws, stream);
-  if (launch != cudaSuccess) {
-    return fail(std::string("FA2 var-len ") + kernel_name(hdim, is_bf16, p.is_causal) +
-                " launch failed: " + cudaGetErrorString(launch));
-  }
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return fail(std::string("cudaFreeAsync: ") + cudaGetErrorString(err));
-  }
-  return 0;
+  return launch_and_free(fn, &p, stream, ws, "flash_attn_varlen", num_heads, num_heads_k, head_dim,
+                         std::string("FA2 var-len ") + kernel_name(hdim, is_bf16, p.is_causal));
 }
