@@ -82,7 +82,7 @@ class FunctionalKV:
         self._layer = 0
 
     def kv_len(self, seq_len):
-        from .llama import _simplify
+        from .attention_forms import _simplify
 
         return self.kv_len_var if self.kv_len_var is not None else _simplify(self.past_len + seq_len)
 
@@ -122,7 +122,7 @@ class InplaceKV:
     def _append_view(self, cache, x, name):
         from tvm.relax.frontend.nn import op
 
-        from .llama import _simplify
+        from .attention_forms import _simplify
 
         _, s, hkv, d = x.shape
         cache.append(op.reshape(x, (s, hkv, d)))
