@@ -66,6 +66,10 @@ KNOWN = (
     GraphSpec(groups=(KVGroup(hkv=4, s_kv=4),), sites=(Site(expand="tile", s_q=9, causal="BottomRight"),)),
     # runtime bias with S_q > S_kv: the reason is "no sample sequence lengths", not the runtime bias
     GraphSpec(groups=(KVGroup(s_kv=4),), sites=(Site(form="chain4d", s_q=6, scale=0.125, mask_op="runtime_bias"),)),
+    # constant bias with static S_q > S_kv (long run, seed 7, graph 508): the reason named the lengths, not the bias
+    GraphSpec(groups=(KVGroup(hkv=1, s_kv=4), KVGroup(hkv=1, s_kv=4)),
+              sites=(Site(group=1, form="chain3d", h=2, s_q=11, scale=0.125, mask_op="const_bias", fill="-inf",
+                          mask_dims=3),)),
 )
 
 

@@ -474,8 +474,8 @@ def _prove_masks(site, bindings, evaluator, post_scale=None, scales=None):
             thresholds |= evaluator.thresholds(mask_expr, bindings)
         for values in masks.sample_bindings(sym, thresholds):
             sq, skv = (_substitute(e, values) for e in (s_q, s_kv))
-            if sq is None or skv is None or sq > skv:
-                continue  # lengths a decode/prefill graph never has (more queries than keys)
+            if sq is None or skv is None:
+                continue
             if sq * skv > masks.MAX_SAMPLE_ELEMENTS:
                 raise masks.MaskError(
                     f"checking the mask needs it at {sq} x {skv} positions (around a constant of its "
@@ -485,7 +485,13 @@ def _prove_masks(site, bindings, evaluator, post_scale=None, scales=None):
                 value = evaluator.evaluate(mask_expr, bindings, values)
                 a = masks.allowed_from_mask(kind, value, sq, skv, scale)
                 allowed = a if allowed is None else allowed & a
+            if sq > skv:
+                continue  # its values are checked (a bias is named), but not its shape: lengths a
+                # decode/prefill graph never has (more queries than keys)
             samples.append(allowed)
+        if not samples:
+            raise masks.MaskError(f"no sample sequence lengths with S_q <= S_kv to check the mask at "
+                                  f"(S_q {s_q}, S_kv {s_kv})")
         site.mask = masks.classify_samples(samples)
     except masks.MaskError as err:
         site.reject(str(err))
