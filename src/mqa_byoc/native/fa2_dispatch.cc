@@ -312,16 +312,16 @@ int alloc_workspace(void** ws, size_t bytes, int device_id, cudaStream_t stream)
   return 0;
 }
 
-// Runs fn(p) (inside an NVTX range "<range>[h=..,kv=..,d=..]" when MQA_BYOC_NVTX is on) and frees
-// the workspace behind it; `what` names the kernel in a launch failure. 0 on success.
-int launch_and_free(EntryFn fn, Params* p, cudaStream_t stream, void* ws, const char* range,
+// Runs fn(p) (inside an NVTX range named by `range_format`, a "<name>[h=%lld,kv=%lld,d=%lld]" format,
+// when MQA_BYOC_NVTX is on) and frees the workspace behind it; `what` names the kernel in a launch
+// failure. 0 on success.
+int launch_and_free(EntryFn fn, Params* p, cudaStream_t stream, void* ws, const char* range_format,
                     int64_t num_heads, int64_t num_heads_k, int64_t head_dim, const std::string& what) {
   const bool nvtx = nvtx_enabled();
   if (nvtx) {
     char name[96];
-    std::snprintf(name, sizeof(name), "%s[h=%lld,kv=%lld,d=%lld]", range,
-                  static_cast<long long>(num_heads), static_cast<long long>(num_heads_k),
-                  static_cast<long long>(head_dim));
+    std::snprintf(name, sizeof(name), range_format, static_cast<long long>(num_heads),
+                  static_cast<long long>(num_heads_k), static_cast<long long>(head_dim));
     nvtxRangePushA(name);
   }
   fn(p, stream);
@@ -468,7 +468,7 @@ extern "C" int mqa_byoc_fa2_forward(const void* q, const void* k, const void* v,
     p.oaccum_ptr = base + lse_bytes + lse_acc_bytes;
   }
 
-  return launch_and_free(fn, &p, stream, ws, "flash_attn", num_heads, num_heads_k, head_dim,
+  return launch_and_free(fn, &p, stream, ws, "flash_attn[h=%lld,kv=%lld,d=%lld]", num_heads, num_heads_k, head_dim,
                          std::string("FA2 ") + kernel_name(hdim, is_bf16, p.is_causal) +
                              (splits > 1 ? " split" : ""));
 }
@@ -557,6 +557,6 @@ extern "C" int mqa_byoc_fa2_varlen_forward(const void* q, const void* k, const v
   if (int rc = alloc_workspace(&ws, lse_bytes, device_id, stream)) return rc;
   p.softmax_lse_ptr = ws;
 
-  return launch_and_free(fn, &p, stream, ws, "flash_attn_varlen", num_heads, num_heads_k, head_dim,
+  return launch_and_free(fn, &p, stream, ws, "flash_attn_varlen[h=%lld,kv=%lld,d=%lld]", num_heads, num_heads_k, head_dim,
                          std::string("FA2 var-len ") + kernel_name(hdim, is_bf16, p.is_causal));
 }
