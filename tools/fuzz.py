@@ -20,7 +20,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
-os.environ.setdefault("MQA_BYOC_KERNEL_DIR", "/work/kernels/fa2")
 
 
 def main(argv=None) -> int:

@@ -31,7 +31,7 @@ Checks here (the build fails otherwise): every site of every function is offload
 ``flash_attn.attention_mqa`` with the model's heads / causal / window / scale; no K/V expansion op is
 left and each FA2 call gets H_kv heads; the library exports its FA2 functions.
 
-    MQA_BYOC_KERNEL_DIR=/work/kernels/fa2 nice python tools/gpu/build_hf_standard.py
+    MQA_BYOC_KERNEL_DIR=.gpu-artifacts/fa2 nice python tools/gpu/build_hf_standard.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Build the in-place KV cache decoders for tests/gpu/test_gpu_inplace_decoder.py.
 
-    MQA_BYOC_KERNEL_DIR=/work/kernels/fa2 python tools/gpu/build_inplace.py [--out .gpu-artifacts/inplace]
+    MQA_BYOC_KERNEL_DIR=.gpu-artifacts/fa2 python tools/gpu/build_inplace.py [--out .gpu-artifacts/inplace]
 
 For each case: the decoder with ``kv_cache="inplace"`` (batch 1, prefill + decode, the form the
 presets, ``mqa-byoc demo`` and ``mqa-byoc profile`` build) partitioned with ``mqa=True`` and the
