@@ -498,3 +498,24 @@ def import_c_source(ex, code: str, symbols: list[str]) -> None:
     import tvm
 
     ex.mod.import_module(tvm.get_global_func("runtime.CSourceModuleCreate")(code, "cc", symbols, []))
+
+
+def native_export_skip_reason() -> str | None:
+    """Why a native export cannot run here (None when it can): it links FA2 kernel objects from a
+    prebuilt ``MQA_BYOC_KERNEL_DIR`` (compiling one takes minutes), with g++, and compiles the
+    dispatcher when that dir's is not this code's (seconds; nvcc and flash-attn's sources)."""
+    import os
+    import shutil
+
+    from mqa_byoc import kernels as K
+
+    if not os.environ.get("MQA_BYOC_KERNEL_DIR"):
+        return "no prebuilt FA2 kernels: set MQA_BYOC_KERNEL_DIR (a `mqa-byoc build-kernels --out DIR` directory)"
+    if shutil.which("g++") is None:
+        return "g++ not found (export links the kernels)"
+    try:
+        K.find_nvcc()
+        K.flash_attn_source(download=False, progress=lambda _m: None)
+    except K.NativeKernelsUnavailable as err:
+        return str(err)
+    return None

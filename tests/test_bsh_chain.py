@@ -9,9 +9,7 @@ is not single-head, still partitioned as grouped attention.
 from __future__ import annotations
 
 import math
-import os
 import re
-import shutil
 import subprocess
 
 import ml_dtypes
@@ -240,15 +238,7 @@ def test_python_provider_builds_for_cuda(name, tmp_path):
     assert (tmp_path / "python.so").stat().st_size > 0
 
 
-def _native_export_ready():
-    if not os.environ.get("MQA_BYOC_KERNEL_DIR"):
-        return "no prebuilt FA2 kernels: set MQA_BYOC_KERNEL_DIR (a `mqa-byoc build-kernels --out DIR` directory)"
-    if shutil.which("g++") is None:
-        return "g++ not found (export links the kernels)"
-    return None
-
-
-@pytest.mark.skipif(_native_export_ready() is not None, reason=str(_native_export_ready()))
+@pytest.mark.skipif(G.native_export_skip_reason() is not None, reason=str(G.native_export_skip_reason()))
 @pytest.mark.parametrize("name", sorted(BUILDS))
 def test_native_provider_builds_and_links(name, tmp_path):
     mod = G.bsh_chain(**BUILDS[name])

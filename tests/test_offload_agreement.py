@@ -11,7 +11,6 @@ site that is not offloaded stays buildable.
 from __future__ import annotations
 
 import itertools
-import os
 import subprocess
 
 import pytest
@@ -126,10 +125,7 @@ def test_report_and_partition_agree(make, mqa):
     assert G.report_partition_disagreement(make(), mqa=mqa) == []
 
 
-KERNEL_DIR = os.environ.get("MQA_BYOC_KERNEL_DIR")
-
-
-@pytest.mark.skipif(not KERNEL_DIR, reason="needs prebuilt FA2 kernel objects: set MQA_BYOC_KERNEL_DIR")
+@pytest.mark.skipif(G.native_export_skip_reason() is not None, reason=str(G.native_export_skip_reason()))
 @pytest.mark.parametrize("layouts", ["BSNH,BNSH,BNSH", "BNSH,BSNH,BNSH"])
 def test_mixed_layouts_export_native(layouts, tmp_path):
     """The native library links its wrapper, the dispatcher and the kernels (no GPU needed to export)."""

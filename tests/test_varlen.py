@@ -9,7 +9,6 @@ original graph runs it on the expanded K/V (plain MHA), the rewritten one on the
 from __future__ import annotations
 
 import itertools
-import os
 
 import numpy as np
 import pytest
@@ -21,7 +20,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 import mqa_byoc
 from mqa_byoc.compiler import varlen, varlen_codegen
 from mqa_byoc.compiler.partition import canonicalize_attention
-from mqa_byoc import kernels as K
+import graphs as G
 from varlen_graphs import seqstarts, var_len_attention, var_len_reference
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
@@ -293,18 +292,7 @@ def test_native_wrapper_plans_plain_kernels_only():
     assert "mqa_byoc_fa2_varlen_forward" in source.code and "var_len=1" in source.code
 
 
-def _native_export_ready():
-    try:
-        K.find_nvcc()
-        K.flash_attn_source(download=False, progress=lambda _m: None)
-    except K.NativeKernelsUnavailable as err:
-        return str(err)
-    if not os.environ.get("MQA_BYOC_KERNEL_DIR"):
-        return "no prebuilt FA2 kernels: set MQA_BYOC_KERNEL_DIR (a `mqa-byoc build-kernels --out DIR` directory)"
-    return None
-
-
-@pytest.mark.skipif(_native_export_ready() is not None, reason=str(_native_export_ready()))
+@pytest.mark.skipif(G.native_export_skip_reason() is not None, reason=str(G.native_export_skip_reason()))
 def test_native_provider_exports_and_links(tmp_path):
     ex = _build(var_len_attention(h=8, hkv=1, expand="broadcast", d=64), "native")
     path = tmp_path / "varlen_native.so"
@@ -356,6 +344,6 @@ def test_kv_cache_bnsh_query_shared_kv(tmp_path):
     np.testing.assert_allclose(_run_cpu(canonicalize_attention(mod), args).astype("float32"),
                                _run_cpu(mod, args).astype("float32"), atol=2e-3, rtol=2e-3)
     _build(mod, "python").export_library(str(tmp_path / "python.so"))
-    if _native_export_ready() is None:
+    if G.native_export_skip_reason() is None:
         mqa_byoc.export_library(_build(mod, "native"), str(tmp_path / "native.so"), arch="sm_90", build=False,
                                 progress=None)
