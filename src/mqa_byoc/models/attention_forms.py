@@ -50,6 +50,14 @@ def _emit(expr, name):
     return wrap_nested(expr, name)
 
 
+def _float32_softmax(op, scores, dtype: str):
+    """Softmax over the keys in float32, cast back to ``dtype`` (what both chain forms emit)."""
+    if dtype != "float32":
+        scores = op.astype(scores, "float32")
+    probs = op.softmax(scores, axis=-1)
+    return probs if dtype == "float32" else op.astype(probs, dtype)
+
+
 def build_mask(kv_expand: str, batch, seq_len, kv_len, dtype: str, causal_mask, window):
     """The explicit mask the ``repeat-chain`` / ``hf-broadcast`` forms use (None for the others).
 
@@ -135,11 +143,7 @@ def attention(q, k, v, *, kv_expand: str, mask=None, causal_mask="BottomRight", 
         if mask is not None:
             scores = op.maximum(scores, nn.Tensor.from_scalar(_min_value(dtype), dtype))
             scores = op.minimum(scores, mask)
-        if dtype != "float32":
-            scores = op.astype(scores, "float32")
-        probs = op.softmax(scores, axis=-1)
-        if dtype != "float32":
-            probs = op.astype(probs, dtype)
+        probs = _float32_softmax(op, scores, dtype)
         out = op.matmul(probs, v)
         return op.permute_dims(out, [0, 2, 1, 3])
 
@@ -161,10 +165,6 @@ def attention(q, k, v, *, kv_expand: str, mask=None, causal_mask="BottomRight", 
     scores = op.multiply(scores, nn.Tensor.from_scalar(d**-0.5, dtype))
     if mask is not None:
         scores = op.add(scores, mask)
-    if dtype != "float32":
-        scores = op.astype(scores, "float32")
-    probs = op.softmax(scores, axis=-1)
-    if dtype != "float32":
-        probs = op.astype(probs, dtype)
+    probs = _float32_softmax(op, scores, dtype)
     out = bmm(probs, v, (b, h, s, skv), (b, h, skv, d), (b, h, s, d))
     return op.permute_dims(out, [0, 2, 1, 3])
