@@ -19,8 +19,11 @@ COMPOSITE_VAR_LEN = "flash_attn.attention_var_len"
 #: Every composite name the codegen accepts; a new composite is added here and in the pattern table.
 COMPOSITES = ATTENTION_COMPOSITES + (COMPOSITE_VAR_LEN,)
 
-#: Kernel providers of the codegen (see :mod:`mqa_byoc.compiler.codegen`).
-PROVIDERS = ("native", "python")
+#: Kernel providers of the codegen (see :mod:`mqa_byoc.compiler.codegen`): "native" links FA2,
+#: "hopper" links FA4's sm90 kernel for prefill and FA2 for decode, "python" calls a registered function.
+PROVIDERS = ("native", "hopper", "python")
+#: The providers whose kernels are linked into the exported library.
+LINKED_PROVIDERS = ("native", "hopper")
 #: Function attribute recording the provider chosen at partition time.
 PROVIDER_ATTR = "mqa_byoc.provider"
 #: Global function the python provider's forwarders call (registered by ``mqa_byoc.runtime.providers``).

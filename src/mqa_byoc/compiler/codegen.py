@@ -11,6 +11,10 @@ depends on the *provider*:
 ``"native"``
     source from :func:`mqa_byoc.compiler.native_codegen.emit_native_source`, which launches FA2
     forward kernels compiled from flash-attn's sources; export with ``mqa_byoc.export_library``.
+``"hopper"``
+    the native wrapper with FA4's sm90 kernel (flash-attn-4, compiled ahead of time by
+    :mod:`mqa_byoc.kernels.hopper`) for calls with enough query rows (prefill) and FA2 for the
+    others (split-KV decode) and for var-len attention; sm_90 only, exported the same way.
 ``"python"``
     a forwarder that calls the global function ``mqa_byoc.flash_attn_forward`` (registered by
     ``import mqa_byoc.runtime.providers``; backed by the ``flash-attn`` package or by PyTorch's FA2)
@@ -26,7 +30,9 @@ Provider selection, first match wins:
 4. the environment variable ``MQA_BYOC_PROVIDER``;
 5. the default rule (:func:`default_provider`): ``"native"`` when ``nvcc`` is found at compile time
    and the target is CUDA (the target from the option ``target``, else ``Target.current()``; no
-   target known counts as CUDA since both providers run only there), else ``"python"``.
+   target known counts as CUDA since both providers run only there), else ``"python"``; and
+   ``"hopper"`` instead of ``"native"`` when the target's arch is sm_90 and FA4 objects can be had
+   (prebuilt under ``MQA_BYOC_KERNEL_DIR`` or flash-attn-4 installed to compile them).
 
 The value ``"auto"`` at any level means "use the default rule". ``tvm.transform.PassContext``
 config keys cannot be registered from Python in TVM 0.27 (unknown keys are rejected), so there
@@ -47,6 +53,7 @@ import tvm_ffi
 from tvm import relax
 
 from mqa_byoc.contract import (
+    LINKED_PROVIDERS,
     CODEGEN,
     COMPOSITES,
     PROVIDER_ATTR,
@@ -126,8 +133,28 @@ def _target_kind(target) -> str | None:
     return str(target.kind.name)
 
 
+def target_arch(target) -> str | None:
+    """The ``arch`` attribute of a CUDA target (``sm_90``), None when it has none."""
+    if target is None:
+        target = tvm.target.Target.current(allow_none=True)
+    if target is None:
+        return None
+    if isinstance(target, (dict, str)):
+        target = tvm.target.Target(target)
+    arch = target.attrs.get("arch") if str(target.kind.name) == "cuda" else None
+    return None if arch is None else str(arch)
+
+
+def hopper_unavailable(target) -> str | None:
+    """Why the default rule does not pick the hopper provider for ``target`` (None: it does)."""
+    from ..kernels import hopper
+
+    return hopper.available(target_arch(target))
+
+
 def default_provider(target=None, *, nvcc: bool | None = None, native: bool | None = None) -> str:
-    """The default rule: ``"native"`` when nvcc is found and the target is CUDA, else ``"python"``.
+    """The default rule: ``"native"`` when nvcc is found and the target is CUDA, else ``"python"``;
+    ``"hopper"`` for native on an sm_90 target when FA4 objects can be had (:func:`hopper_unavailable`).
 
     ``target``: a Target (or its dict/str form); None means ``Target.current()``, and no target at
     all counts as CUDA. ``nvcc`` / ``native`` override the detection of nvcc and of
@@ -146,7 +173,7 @@ def default_provider(target=None, *, nvcc: bool | None = None, native: bool | No
             "nvcc found but mqa_byoc.compiler.native_codegen is not importable; using the python provider"
         )
         return "python"
-    return "native"
+    return "hopper" if hopper_unavailable(target) is None else "native"
 
 
 def _get(mapping, key):
@@ -437,7 +464,7 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC({symbol}, mqa_byoc_{symbol}::Run);
 # --------------------------------------------------------------------------- native provider
 
 
-def _native_module(site: CodegenSite):
+def _native_module(site: CodegenSite, hopper: bool = False):
     try:
         from . import native_codegen
     except ImportError as err:
@@ -450,7 +477,7 @@ def _native_module(site: CodegenSite):
     # The source carries a marker line naming its FA2 kernel families (NativeSource.kernels);
     # mqa_byoc.export_library reads it from the C source module and links those kernels.
     source = native_codegen.emit_native_source(site.symbol, site.spec, arg_map=site.arg_map, num_inputs=site.num_inputs,
-                                                shape_params=site.shape_params)
+                                                shape_params=site.shape_params, hopper=hopper)
     return _csource_module(source.code, [site.symbol])
 
 
@@ -469,7 +496,7 @@ def flash_attn_codegen(funcs, options=None, constant_names=None) -> list:
     for func in funcs:
         if varlen_codegen.is_var_len(func):
             vl = varlen_codegen.find_var_len_site(func)
-            if resolve_provider(func, options) == "native":
+            if resolve_provider(func, options) in LINKED_PROVIDERS:  # hopper: var-len stays on FA2
                 modules.append(_csource_module(varlen_codegen.emit_native_source(vl).code, [vl.symbol]))
             else:
                 python_parts.append(varlen_codegen.emit_python_forwarder(vl))
@@ -479,8 +506,8 @@ def flash_attn_codegen(funcs, options=None, constant_names=None) -> list:
         spec = site.spec
         provider = resolve_provider(func, options)
         logger.debug("flash_attn codegen: %s -> %s provider (%s)", site.symbol, provider, spec)
-        if provider == "native":
-            modules.append(_native_module(site))
+        if provider in LINKED_PROVIDERS:
+            modules.append(_native_module(site, hopper=provider == "hopper"))
         else:
             python_parts.append(
                 emit_python_forwarder(site.symbol, spec, site.arg_map, site.num_inputs, prelude=False,

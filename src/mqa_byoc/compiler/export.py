@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 
 from mqa_byoc import kernels as _kernels
 from mqa_byoc.kernels import KernelKey, NativeKernelsUnavailable  # noqa: F401 (re-export)
+from mqa_byoc.kernels import hopper as _hopper
 
 _FCOMPILE_ATTRS = ("object_format", "output_format", "need_system_lib", "get_target_triple")
 
@@ -50,6 +51,14 @@ def native_sources(executable) -> list[str]:
         if _kernels.MARKER in src:
             out.append(src)
     return out
+
+
+def collect_hopper_keys(executable) -> tuple:
+    """FA4 objects (:class:`~mqa_byoc.kernels.hopper.HopperKernelKey`) named by the hopper wrappers."""
+    keys = set()
+    for src in native_sources(executable):
+        keys.update(_hopper.parse_markers(src))
+    return tuple(sorted(keys))
 
 
 def collect_kernel_keys(executable) -> tuple[KernelKey, ...]:
@@ -106,6 +115,10 @@ def export_library(
         if not build:
             keys = tuple(k for k in keys if k in found)
     objects, libs = _kernels.link_inputs(keys, arch, build=build, jobs=jobs, progress=progress)
+    hopper_keys = collect_hopper_keys(executable)
+    if hopper_keys:
+        # FA4 objects, our glue, then the DSL's static shim archive: before the static cudart in libs
+        libs = _hopper.link_inputs(hopper_keys, arch, build=build, progress=progress) + libs
 
     from tvm.support import cc as _cc  # compile time only
 

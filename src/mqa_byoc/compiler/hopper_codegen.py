@@ -1,0 +1,126 @@
+"""The ``hopper`` provider's part of a native wrapper: FA4's sm90 kernel for prefill, FA2 for decode.
+
+A native wrapper emitted for the hopper provider (:func:`mqa_byoc.compiler.native_codegen.emit_native_source`
+with ``hopper=True``) calls the FA4 object of its :class:`~mqa_byoc.kernels.hopper.HopperKernelKey`
+when the call has enough query rows to fill the GPU, and FA2 (the native provider's dispatcher, with its
+split-KV decode) otherwise: FA4's sm90 forward has no split-KV, so at decode one CTA per K/V head would
+read the whole cache alone. :func:`fa4_rejection` says why a site stays on FA2 altogether.
+
+This module does not import TVM.
+"""
+
+from __future__ import annotations
+
+from mqa_byoc.compiler.spec import AttentionSpec
+from mqa_byoc.kernels import hopper
+
+#: FA4 runs a call when it has at least this many query tiles (batch x K/V heads x tiles of packed
+#: query rows): about half the SMs of an H100/H200 (132). Below, FA2's split-KV is faster (measured in
+#: benchmarks/results: the decode and short-chunk rows).
+MIN_FA4_TILES = 66
+#: query rows per tile of the FA4 kernels we build (tile_m of flash-attn-4's sm90 config, hdim 64/128)
+FA4_TILE_M = 128
+
+
+def fa4_rejection(spec: AttentionSpec) -> str | None:
+    """Why the hopper provider runs this attention on FA2 only; None when FA4 can take its prefill."""
+    if spec.dtype not in ("float16", "bfloat16"):
+        return f"dtype {spec.dtype}"
+    if spec.head_dim not in hopper.HEAD_DIMS or spec.head_dim_v != spec.head_dim:
+        return f"head dim {spec.head_dim}/{spec.head_dim_v} (FA4 objects are built for {hopper.HEAD_DIMS})"
+    return None
+
+
+def kernel_key(spec: AttentionSpec) -> hopper.HopperKernelKey | None:
+    """The FA4 object a site needs, or None when it stays on FA2 (:func:`fa4_rejection`)."""
+    if fa4_rejection(spec) is not None:
+        return None
+    return hopper.HopperKernelKey(
+        spec.dtype, int(spec.head_dim), int(spec.num_q_heads // spec.num_kv_heads),
+        hopper.mask_kind(bool(spec.causal), int(spec.window_left), int(spec.window_right)),
+    )
+
+
+def fragments(key: hopper.HopperKernelKey | None) -> dict[str, str]:
+    """Template fields of the wrapper: the FA4 declaration, marker and call (empty for FA2 only)."""
+    if key is None:
+        return {"@HOPPER_MARKER@": "", "@HOPPER_DECL@": "", "@HOPPER_CALL@": ""}
+    # FA2's windows use -1 for "unbounded" and causal means a right window of 0; FA4 takes both bounds
+    window_args = ("\n  args[5] = kWindowLeft < 0 ? unbounded : static_cast<int64_t>(kWindowLeft);"
+                   "\n  args[6] = kCausal ? 0 : (kWindowRight < 0 ? unbounded : static_cast<int64_t>(kWindowRight));"
+                   if key.mask == "local" else "")
+    decl = _DECL.replace("@FA4SYM@", key.symbol).replace("@NARGS@", str(key.num_args)).replace(
+        "@WINDOW_ARGS@", window_args).replace("@MIN_TILES@", str(MIN_FA4_TILES)).replace(
+        "@TILE_M@", str(FA4_TILE_M)).replace("@CAUSAL_CHECK@", "true" if key.mask != "none" else "false")
+    return {
+        "@HOPPER_MARKER@": hopper.marker_line([key]),
+        "@HOPPER_DECL@": decl,
+        "@HOPPER_CALL@": _CALL,
+    }
+
+
+_DECL = r"""
+// FA4's sm90 forward (flash-attn-4, compiled by mqa_byoc.kernels.hopper_aot): a TVM-FFI function of
+// (q, k, v, out, scale[, window_left, window_right]) over (B, S, N, D) tensors; it launches on TVM's
+// current stream. Weak, like the FA2 dispatcher: a library exported without it fails with a hint.
+extern "C" __attribute__((weak)) int __tvm_ffi_@FA4SYM@(void* self, const TVMFFIAny* args, int32_t num_args,
+                                                         TVMFFIAny* result);
+constexpr int64_t kFa4MinTiles = @MIN_TILES@;
+constexpr int64_t kFa4TileM = @TILE_M@;
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// FA4 takes the call when it has a GPU's worth of query tiles (pack_gqa: the query heads of a K/V head
+// share a tile); its TMA loads need 16-byte aligned data and strides. Otherwise FA2 (split-KV for decode).
+bool use_fa4(int64_t batch, int64_t seqlen_q, int64_t seqlen_k, const DLTensor* const* ts,
+             const int64_t* const* strides) {
+  const int64_t rows = seqlen_q * (kHeads / kKvHeads);
+  const int64_t tiles = batch * kKvHeads * ((rows + kFa4TileM - 1) / kFa4TileM);
+  if (tiles < kFa4MinTiles || rows <= kFa4TileM) return false;
+  // a causal query row with no key (S_q > S_kv) is FA2's case: it writes zeros there
+  if (@CAUSAL_CHECK@ && seqlen_q > seqlen_k) return false;
+  if (seqlen_q > INT32_MAX || seqlen_k > INT32_MAX || batch > INT32_MAX) return false;
+  for (int i = 0; i < 4; ++i) {
+    if (!aligned16(data_of(ts[i]))) return false;
+    for (int d = 0; d < 3; ++d) {
+      if (strides[i][d] % 8 != 0 || strides[i][d] > INT32_MAX) return false;
+    }
+  }
+  return true;
+}
+
+// unbounded: a window bound no row reaches (S_q + S_kv)
+void run_fa4(DLTensor* const* ts, int64_t* const* shapes, int64_t* const* strides, int64_t unbounded) {
+  if (&__tvm_ffi_@FA4SYM@ == nullptr) {
+    TVM_FFI_THROW(RuntimeError)
+        << kSymbol << ": the FA4 sm90 object @FA4SYM@ is not linked into this library. Export it with "
+        << "mqa_byoc.export_library(executable, path), or build with provider=\"native\".";
+  }
+  DLTensor views[4];
+  for (int i = 0; i < 4; ++i) {  // (B, S, N, D) views of the operands: BNSH ones through their strides
+    views[i] = *ts[i];
+    views[i].data = const_cast<void*>(data_of(ts[i]));
+    views[i].byte_offset = 0;
+    views[i].shape = shapes[i];
+    views[i].strides = strides[i];
+  }
+  tvm::ffi::AnyView args[@NARGS@];
+  for (int i = 0; i < 4; ++i) args[i] = &views[i];
+  args[4] = static_cast<double>(kScale);@WINDOW_ARGS@
+  (void)unbounded;
+  tvm::ffi::Any result;
+  TVM_FFI_CHECK_SAFE_CALL(__tvm_ffi_@FA4SYM@(nullptr, reinterpret_cast<const TVMFFIAny*>(args), @NARGS@,
+                                             reinterpret_cast<TVMFFIAny*>(&result)));
+}
+"""
+
+_CALL = r"""
+  {
+    DLTensor* ts[4] = {q, k, v, out};
+    int64_t* shapes[4] = {qn, kn, vn, on};
+    int64_t* strides[4] = {qs, ks, vs, os};
+    if (use_fa4(batch, seqlen_q, seqlen_k, ts, strides)) {
+      run_fa4(ts, shapes, strides, seqlen_q + seqlen_k);
+      return 0;
+    }
+  }"""
