@@ -207,15 +207,28 @@ def test_provider_selection_order(monkeypatch):
         resolve_provider(func, {"provider": "cutlass"})
 
 
-def test_default_rule():
+def test_default_rule(monkeypatch):
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    assert codegen.default_provider(cuda, nvcc=True, native=True, hopper=False) == "native"
+    # sm_90 with FA4 objects at hand: the hopper provider; any other arch keeps FA2
+    assert codegen.default_provider(cuda, nvcc=True, native=True, hopper=True) == "hopper"
+    sm80 = tvm.target.Target({"kind": "cuda", "arch": "sm_80"})
+    assert codegen.default_provider(sm80, nvcc=True, native=True, hopper=True) == "native"
+    assert codegen.default_provider(sm80, nvcc=True, native=True) == "native"
+    # detection: no flash-attn-4 and no prebuilt FA4 objects -> native, and the reason says how to get them
+    from mqa_byoc.kernels import hopper as hopper_kernels
+
+    monkeypatch.setattr(hopper_kernels, "compiler_available", lambda: False)
+    monkeypatch.delenv("MQA_BYOC_KERNEL_DIR", raising=False)
     assert codegen.default_provider(cuda, nvcc=True, native=True) == "native"
+    assert "flash-attn-4" in codegen.hopper_unavailable(cuda)
+    assert "sm_90" in codegen.hopper_unavailable(sm80)
     assert codegen.default_provider(None, nvcc=True, native=True) == "native"  # no target: CUDA assumed
     assert codegen.default_provider(cuda, nvcc=False, native=True) == "python"
     assert codegen.default_provider(cuda, nvcc=True, native=False) == "python"
     assert codegen.default_provider({"kind": "llvm"}, nvcc=True, native=True) == "python"
     with cuda:
-        assert codegen.default_provider(nvcc=True, native=True) == "native"
+        assert codegen.default_provider(nvcc=True, native=True, hopper=False) == "native"
     with tvm.target.Target("llvm"):
         assert codegen.default_provider(nvcc=True, native=True) == "python"
 

@@ -66,6 +66,10 @@ def main(argv=None):
     r.add_argument("--max-call-s", type=float, default=5.0, help="a first call slower than this is not repeated")
     r.add_argument("--cases", default=None, help="regex on case names")
     r.add_argument("--skip-variants", default=None, help="comma list of glob patterns, e.g. 'tvm-llm-*,stock-tvm'")
+    r.add_argument("--kernel-time", action="store_true",
+                   help="also record each variant's GPU kernel time per call (CUPTI, torch.profiler)")
+    r.add_argument("--fp32-reference", action="store_true",
+                   help="also check every variant against an fp32 reference computed on the GPU")
     r.add_argument("--verbose", action="store_true")
     r.add_argument("--setup", action="append", default=None, metavar="MODULE",
                    help="import MODULE first (a runtime-only TVM's set-up; default $MQA_BYOC_RUNTIME_SETUP)")

@@ -119,15 +119,52 @@ class Libraries:
         return self.vms[lib][func]
 
 
-def measure(call, args, ref=None, dtype=None, warmup=3, extra=None):
-    """One variant: the first call (checked against ``ref``), then back-to-back calls for about
-    ``args.budget_ms``. Returns its record entry (``error`` instead of a time when it fails)."""
+def reference_fp32(q, k, v, causal, scale, rows=256):
+    """fp32 attention of BSNH ``q`` (1, S_q, H, D) over ``k``/``v`` (1, S_kv, H_kv, D), query head h on
+    K/V head h // (H / H_kv), causal bottom-right; computed ``rows`` query rows at a time."""
+    import torch
+
+    s_q, h, s_kv, hkv = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
+    kf = k[0].float().repeat_interleave(h // hkv, dim=1).transpose(0, 1)  # (H, S_kv, D)
+    vf = v[0].float().repeat_interleave(h // hkv, dim=1).transpose(0, 1)
+    out = torch.empty(s_q, h, v.shape[-1], device=q.device, dtype=torch.float32)
+    cols = torch.arange(s_kv, device=q.device)
+    for i in range(0, s_q, rows):
+        qc = q[0, i:i + rows].float().transpose(0, 1)  # (H, r, D)
+        sc = torch.matmul(qc, kf.transpose(1, 2)) * scale
+        if causal:
+            last = torch.arange(i, i + qc.shape[1], device=q.device) + (s_kv - s_q)
+            sc.masked_fill_(cols[None, None, :] > last[None, :, None], float("-inf"))
+        out[i:i + rows] = torch.matmul(torch.softmax(sc, dim=-1), vf).transpose(0, 1)
+        del sc
+    return out.reshape(1, s_q, h, -1)
+
+
+def kernel_time_us(call, calls=3):
+    """GPU kernel time of one call (CUPTI: every kernel and copy it launches, summed), over ``calls``."""
+    from mqa_byoc.testing.cupti import capture_kernels
+
+    call()
+    with capture_kernels() as cap:
+        for _ in range(calls):
+            call()
+    return sum(t for _, t in cap.events) / calls, sorted({n for n, _ in cap.events})
+
+
+def measure(call, args, ref=None, dtype=None, warmup=3, extra=None, ref32=None):
+    """One variant: the first call (checked against ``ref`` and the fp32 ``ref32``), then back-to-back
+    calls for about ``args.budget_ms`` (and, with ``args.kernel_time``, its CUPTI kernel time).
+    Returns its record entry (``error`` instead of a time when it fails)."""
     entry = dict(extra or {})
     budget_us, max_call_us = args.budget_ms * 1e3, args.max_call_s * 1e6
     try:
         o, first_us = time_call_us(call)
         if ref is not None:
             entry.update(compare_outputs(o, ref, dtype))
+        if ref32 is not None:
+            c = compare_outputs(o, ref32, dtype)
+            entry.update(max_abs_err_vs_fp32=c["max_abs_err_vs_fa2"], rel_err_vs_fp32=c["rel_err_vs_fa2"],
+                         numerics_ok_vs_fp32=c["numerics_ok"])
         del o
         est_us = first_us
         if 1e3 < first_us <= max_call_us:
@@ -140,6 +177,9 @@ def measure(call, args, ref=None, dtype=None, warmup=3, extra=None):
         else:
             us = cuda_time_us(call, n, warmup=w)
         entry.update(us=us, iters=n, first_call_us=round(first_us, 2))
+        if getattr(args, "kernel_time", False) and first_us <= max_call_us:
+            k_us, names = kernel_time_us(call)
+            entry.update(kernel_us=round(k_us, 2), kernels=names[:8])
     except Exception as ex:  # noqa: BLE001
         entry["error"] = _short_error(ex)
         if args.verbose:
@@ -162,9 +202,12 @@ def run_case(case, meta, libs, args, skipped):
     scale = 1.0 / math.sqrt(d)
     results, ref = {}, None
 
+    ref32 = reference_fp32(q, k, v, case["causal"], scale) if getattr(args, "fp32_reference", False) else None
+
     def run_variant(variant, call, check=True, warmup=3, extra=None):
         if not skipped(variant):
-            results[variant] = measure(call, args, ref if check else None, case["dtype"], warmup, extra)
+            results[variant] = measure(call, args, ref if check else None, case["dtype"], warmup, extra,
+                                       ref32=ref32 if variant != "cublas-qk-gemm" else None)
 
     def fa2_direct():
         return torch.ops.aten._flash_attention_forward(
@@ -220,7 +263,7 @@ def run_case(case, meta, libs, args, skipped):
                     extra={"kernel": vv["kernel"], "page_size": meta.get("page_size", PAGE_SIZE)})
         del args_llm, targs, llm_out
     elt = q.element_size()
-    del q, k, v, qt, kt, vt, args_tvm, ref
+    del q, k, v, qt, kt, vt, args_tvm, ref, ref32
     if s_q * s_kv >= 4096 * 4096:
         torch.cuda.empty_cache()
     return results, elt
@@ -262,10 +305,19 @@ def case_records(case, meta, results, elt):
             rec["max_abs_err_vs_fa2"] = 0.0
         records.append(rec)
         err, num = entry.get("error"), entry.get("rel_err_vs_fa2")
+        if entry.get("kernel_us") is not None:
+            rec["kernel_us"] = entry["kernel_us"]
+            if case["mode"] == "decode":
+                rec["kernel_hbm_limit_ratio"] = round(entry["kernel_us"] / (kv_bytes / (HBM_PEAK_TB_S * 1e12) * 1e6), 3)
+            elif variant != "cublas-qk-gemm":
+                rec["kernel_tflops"] = round(flops / (entry["kernel_us"] * 1e-6) / 1e12, 1)
         print(f"{case['name']:30s} {variant:16s} "
               + (f"{us:12.1f} us  x{us / base:8.3f} vs FA2" if (us is not None and base) else
                  f"{us:12.1f} us" if us is not None else f"{'FAILED':>12s}")
               + (f"  rel err {num:.1e}" if num is not None else "")
+              + (f"  kernel {entry['kernel_us']:.1f} us" if entry.get("kernel_us") is not None else "")
+              + (f"  vs fp32 {entry['rel_err_vs_fp32']:.1e}" if entry.get("rel_err_vs_fp32") is not None else "")
+              + ("" if entry.get("numerics_ok_vs_fp32", True) else "  NUMERICS-FP32")
               + ("" if entry.get("numerics_ok", True) else "  NUMERICS")
               + (f"  [{err.splitlines()[0][:100]}]" if err else ""), flush=True)
     return records

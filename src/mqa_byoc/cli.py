@@ -129,6 +129,10 @@ def _build_kernels_parser(sub):
                    help="link fa2_link_check (a Python-free test program; `fa2_link_check --run` needs a GPU) "
                         "against the objects; into --out DIR when given")
     p.add_argument("--print-dir", action="store_true", help="print the cache directory and exit")
+    p.add_argument("--hopper", nargs="*", default=None, metavar="LABEL",
+                   help="compile FA4 sm90 objects for the hopper provider instead (flash-attn-4 + nvidia-cutlass-dsl, "
+                        "no GPU needed, seconds each): labels like 'fp16 h128 g8 causal' (dtype, head dim, query "
+                        "heads per K/V head, none|causal|local); none given: what the model presets need")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan (kernels, cache dir, nvcc commands) without compiling or fetching")
 
@@ -224,6 +228,10 @@ def main(argv=None) -> int:
         from .demo import run_demo
 
         return run_demo(args)
+    if args.command == "build-kernels" and args.hopper is not None:
+        from .kernels import hopper
+
+        return hopper.run_build(args.hopper, arch=args.arch, out=args.out, dry_run=args.dry_run)
     if args.command == "build-kernels":
         from .kernels import run_build_kernels
 

@@ -146,7 +146,7 @@ def native_libraries() -> dict[str, list[tuple[dict, str]]]:
     """Native library path -> [(manifest, variant key)] of the case functions it holds."""
     libs: dict[str, list[tuple[dict, str]]] = {}
     for m in MANIFESTS:
-        for key in ("mqa_native", "nomqa_native"):
+        for key in ("mqa_native", "nomqa_native", "mqa_hopper", "nomqa_hopper"):
             if key in m["modules"]:
                 libs.setdefault(gi.module_path(m, key), []).append((m, key))
     return libs

@@ -10,7 +10,8 @@ RESULT gets what was imported and any error.
 import importlib.abc
 import sys
 
-BLOCKED = ("torch", "mqa_byoc")
+# hopper libraries: nor the CuTe DSL (cutlass) or flash-attn-4 (flash_attn) that compiled their FA4 objects
+BLOCKED = ("torch", "mqa_byoc", "cutlass", "flash_attn")
 ATTEMPTS = []
 
 

@@ -2,7 +2,7 @@
 
 Runs with a runtime-only TVM (``tvm.relax`` absent): loads each case's libraries with
 ``tvm.runtime.load_module`` + ``tvm.runtime.vm.VirtualMachine``, feeds the same random inputs
-(``gpu_inputs.make_inputs``) and checks, per case and provider (python; native when built):
+(``gpu_inputs.make_inputs``) and checks, per case and provider (python; native and hopper when built):
 
 - ``mqa=True`` and ``mqa=False`` outputs match the unpartitioned TVM reference (where TVM can lower
   the graph: not for sliding windows) and an fp32 PyTorch reference built from the manifest (inputs
@@ -102,6 +102,11 @@ def test_mqa_launches_no_kv_expansion(rt, m, provider):
     record["kernels"] = {"mqa": mqa, "nomqa": nomqa}
     record["time_us"] = {"mqa": rt.time_us(m, f"mqa_{provider}"), "nomqa": rt.time_us(m, f"nomqa_{provider}")}
     backend = rt.providers.active_backend().name if provider == "python" else "native"
+    for variant, kernels in (("mqa", mqa), ("nomqa", nomqa)):
+        # hopper: FA4's sm90 kernel runs every call it can (MQA_BYOC_HOPPER_FA4=always, conftest.py)
+        if m.get("fa4_expected", {}).get(f"{variant}_{provider}"):
+            assert any("FlashAttentionForwardSm90" in n for n in kernels), \
+                f"hopper provider, {variant}: no FA4 sm90 kernel launched: {kernels}"
     record["backend"] = backend
 
     assert mqa, "no CUDA activity recorded for the mqa=True run"

@@ -48,7 +48,7 @@ from builder_paths import ROOT  # noqa: E402 - sys.path for mqa_byoc, the graphs
 from bundle import (TARGET, add_functions, build_library, check_exports, codegen_symbols,  # noqa: E402
                     main_ops, unique_symbols)
 from gpu_inputs import MANIFEST_FORMAT  # noqa: E402
-from mqa_byoc.contract import composite_name  # noqa: E402
+from mqa_byoc.contract import LINKED_PROVIDERS, composite_name  # noqa: E402
 
 DEFAULT_OUT = ROOT / ".gpu-artifacts" / "tests"
 EXPANSION_OPS = {"relax.repeat", "relax.broadcast_to", "relax.tile", "relax.concat", "relax.expand_dims"}
@@ -388,11 +388,21 @@ def _renamed_partition(case: Case, variant: str, mqa: bool, provider: str):
     return unique_symbols(part, fname), fname, report, ops
 
 
+def fa4_keys(part) -> list[str | None]:
+    """The FA4 object of each offloaded function (None: the hopper provider keeps it on FA2)."""
+    from mqa_byoc.compiler import hopper_codegen
+    from mqa_byoc.compiler.codegen import spec_of
+
+    keys = [hopper_codegen.kernel_key(spec_of(f)) for f in part.functions.values()
+            if f.attrs is not None and "Codegen" in f.attrs]
+    return [k.label if k is not None else None for k in keys]
+
+
 def build_bundle(provider: str, group: str, cases: list[Case], out_dir: Path, args) -> tuple[dict, str | None]:
     """``<out>/_<provider>-<group>/<provider>.so``: ``<case>__mqa`` and ``<case>__nomqa`` of every case
     of one kernel group, each exactly ``partition_for_cutlass(<case graph>, mqa=..., provider=...)``
     (main renamed). Native: FA2 kernels linked once per group, not twice per case."""
-    from mqa_byoc.compiler.export import collect_kernel_keys
+    from mqa_byoc.compiler.export import collect_hopper_keys, collect_kernel_keys
 
     t0 = time.time()
     name = f"_{provider}-{group}"
@@ -407,18 +417,19 @@ def build_bundle(provider: str, group: str, cases: list[Case], out_dir: Path, ar
             symbols += codegen_symbols(part)
             add_functions(funcs, part, f"bundle {name}")
             entries[fname] = {"case": case.name, "variant": f"{variant}_{provider}", "report": report,
-                              "ops_after_partition": ops}
+                              "ops_after_partition": ops, "fa4_keys": fa4_keys(part) if provider == "hopper" else []}
     path = bundle_dir / f"{provider}.so"
     try:
         ex, _seconds = build_library(funcs, path, provider, args)
     except Exception as err:  # noqa: BLE001 - native kernels may be unavailable here
-        if provider != "native":
+        if provider not in LINKED_PROVIDERS:
             raise
         shutil.rmtree(bundle_dir)
         why = f"{name} not built: {type(err).__name__}: {err}"
         print(f"  {why}", flush=True)
         return {}, why
     keys = collect_kernel_keys(ex)
+    fa4 = collect_hopper_keys(ex)
     info = {
         "provider": provider,
         "group": group,
@@ -426,8 +437,10 @@ def build_bundle(provider: str, group: str, cases: list[Case], out_dir: Path, ar
         "size": path.stat().st_size,
         "cases": [c.name for c in cases],
         "functions": {f: {k: v for k, v in e.items() if k != "report"} for f, e in entries.items()},
-        "exports": check_exports(path, symbols, [k.entry_symbol for k in keys] if provider == "native" else None),
-        "fa2_kernels_linked": [k.label for k in keys] if provider == "native" else [],
+        "exports": check_exports(path, symbols, ([k.entry_symbol for k in keys] + [f"__tvm_ffi_{k.symbol}" for k in fa4])
+                                 if provider in LINKED_PROVIDERS else None),
+        "fa2_kernels_linked": [k.label for k in keys] if provider in LINKED_PROVIDERS else [],
+        "fa4_kernels_linked": [k.label for k in fa4],
         "note": f"each function is partition_for_cutlass(<case graph>, mqa=..., provider={provider!r}) with main "
                 "renamed; the cases of one kernel group share one library",
     }
@@ -456,6 +469,12 @@ def attach_bundles(provider: str, manifests: dict[str, dict], out_dir: Path, arg
                     m["modules"][key] = rel
                     m["functions"][key] = fname
                     m["ops_after_partition"][key] = entry["ops_after_partition"]
+                    if provider == "hopper":
+                        # FA4 runs the call when every site has an object and no causal row lacks a key
+                        # (the GPU test forces FA4 with MQA_BYOC_HOPPER_FA4=always)
+                        out = m["output"]
+                        m.setdefault("fa4_expected", {})[key] = bool(entry["fa4_keys"]) and all(
+                            entry["fa4_keys"]) and (not m["attention"]["causal"] or out["seq_q"] <= out["seq_kv"])
                     m["reports"].setdefault(variant, entry["report"])
                 m["bundles"][provider] = {"folder": info["dir"].name, "size": info["size"],
                                           "shared_with": [c.name for c in cases if c.name != case.name]}
@@ -464,7 +483,7 @@ def attach_bundles(provider: str, manifests: dict[str, dict], out_dir: Path, arg
 
 def _ours(d: Path) -> bool:
     """A folder this script wrote (case or bundle), not e.g. a prebuilt-kernel folder."""
-    if (d / "bundle.json").exists() or d.name.startswith(("_python-", "_native-")):
+    if (d / "bundle.json").exists() or d.name.startswith(("_python-", "_native-", "_hopper-")):
         return True
     try:
         return "case" in json.loads((d / "manifest.json").read_text())
@@ -485,6 +504,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", nargs="*", help="build only these cases (the folder then holds only them)")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
     ap.add_argument("--native", action="store_true", help="also build the native-provider libraries")
+    ap.add_argument("--hopper", action="store_true",
+                    help="also build the hopper-provider libraries (FA4 sm90 objects: prebuilt, or compiled "
+                         "here in seconds when flash-attn-4 is installed; FA2 kernels as for --native)")
     ap.add_argument("--build-native-kernels", action="store_true",
                     help="with --native: compile missing FA2 kernel objects (minutes each)")
     ap.add_argument("--jobs", type=int, default=None, help="parallel nvcc jobs for native kernels")
@@ -511,12 +533,13 @@ def main(argv=None) -> int:
         m["dir"] = str(args.out / case.name)
         manifests[case.name] = m
     attach_bundles("python", manifests, args.out, args)
-    if args.native:
-        attach_bundles("native", manifests, args.out, args)
-    else:
-        for m in manifests.values():
-            m["skipped"]["native"] = "built without --native"
-            write_manifest(Path(m["dir"]), m)
+    for provider, flag in (("native", args.native), ("hopper", args.hopper)):
+        if flag:
+            attach_bundles(provider, manifests, args.out, args)
+        else:
+            for m in manifests.values():
+                m["skipped"][provider] = f"built without --{provider}"
+                write_manifest(Path(m["dir"]), m)
     files = artifact_files(args.out)
     total = sum(files.values())
     folder = sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file())

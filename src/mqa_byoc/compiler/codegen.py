@@ -152,7 +152,8 @@ def hopper_unavailable(target) -> str | None:
     return hopper.available(target_arch(target))
 
 
-def default_provider(target=None, *, nvcc: bool | None = None, native: bool | None = None) -> str:
+def default_provider(target=None, *, nvcc: bool | None = None, native: bool | None = None,
+                     hopper: bool | None = None) -> str:
     """The default rule: ``"native"`` when nvcc is found and the target is CUDA, else ``"python"``;
     ``"hopper"`` for native on an sm_90 target when FA4 objects can be had (:func:`hopper_unavailable`).
 
@@ -173,7 +174,20 @@ def default_provider(target=None, *, nvcc: bool | None = None, native: bool | No
             "nvcc found but mqa_byoc.compiler.native_codegen is not importable; using the python provider"
         )
         return "python"
-    return "hopper" if hopper_unavailable(target) is None else "native"
+    if hopper is None:
+        hopper = hopper_unavailable(target) is None
+    else:
+        hopper = hopper and _is_sm90(target_arch(target))
+    return "hopper" if hopper else "native"
+
+
+def _is_sm90(arch) -> bool:
+    from ..kernels import normalize_arch
+
+    try:
+        return arch is not None and normalize_arch(arch) == "sm_90"
+    except ValueError:
+        return False
 
 
 def _get(mapping, key):

@@ -118,7 +118,8 @@ def export_library(
     hopper_keys = collect_hopper_keys(executable)
     if hopper_keys:
         # FA4 objects, our glue, then the DSL's static shim archive: before the static cudart in libs
-        libs = _hopper.link_inputs(hopper_keys, arch, build=build, progress=progress) + libs
+        # compiled even with build=False when flash-attn-4 is installed: seconds each, like the dispatcher
+        libs = _hopper.link_inputs(hopper_keys, arch, build=True, progress=progress) + libs
 
     from tvm.support import cc as _cc  # compile time only
 

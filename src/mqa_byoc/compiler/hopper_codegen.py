@@ -70,13 +70,28 @@ constexpr int64_t kFa4TileM = @TILE_M@;
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
+// MQA_BYOC_HOPPER_FA4: "auto" (default: the tile rule below), "always" (every call FA4 can compute
+// correctly: tests, crossover benchmarks) or "never" (FA2 only). Read once per process.
+int fa4_mode() {
+  static const int mode = [] {
+    const char* v = std::getenv("MQA_BYOC_HOPPER_FA4");
+    if (v == nullptr || std::strcmp(v, "auto") == 0 || v[0] == '\0') return 0;
+    if (std::strcmp(v, "always") == 0) return 1;
+    if (std::strcmp(v, "never") == 0) return 2;
+    TVM_FFI_THROW(ValueError) << "MQA_BYOC_HOPPER_FA4=" << v << ": expected auto, always or never";
+  }();
+  return mode;
+}
+
 // FA4 takes the call when it has a GPU's worth of query tiles (pack_gqa: the query heads of a K/V head
 // share a tile); its TMA loads need 16-byte aligned data and strides. Otherwise FA2 (split-KV for decode).
 bool use_fa4(int64_t batch, int64_t seqlen_q, int64_t seqlen_k, const DLTensor* const* ts,
              const int64_t* const* strides) {
+  const int mode = fa4_mode();
+  if (mode == 2) return false;
   const int64_t rows = seqlen_q * (kHeads / kKvHeads);
   const int64_t tiles = batch * kKvHeads * ((rows + kFa4TileM - 1) / kFa4TileM);
-  if (tiles < kFa4MinTiles || rows <= kFa4TileM) return false;
+  if (mode == 0 && (tiles < kFa4MinTiles || rows <= kFa4TileM)) return false;
   // a causal query row with no key (S_q > S_kv) is FA2's case: it writes zeros there
   if (@CAUSAL_CHECK@ && seqlen_q > seqlen_k) return false;
   if (seqlen_q > INT32_MAX || seqlen_k > INT32_MAX || batch > INT32_MAX) return false;
