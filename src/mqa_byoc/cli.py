@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .contract import PROVIDERS
+
 
 KV_CACHE_HELP = ("where K/V live between steps: inplace (TVM's in-place cache objects: append the new K/V, "
                  "attend over a zero-copy view; batch 1) or functional (K/V tensors in and out, concatenated "
@@ -25,9 +27,9 @@ def _demo_parser(sub):
                    help="how the graph expands K/V before attention")
     p.add_argument("--kv-cache", default="inplace", choices=["inplace", "functional"], help=KV_CACHE_HELP)
     p.add_argument("--arch", default="sm_90", help="CUDA arch to build for")
-    p.add_argument("--provider", default="auto", choices=["auto", "native", "python"],
-                   help="FA2 kernel provider (auto: native on a GPU machine with nvcc, or where its kernels are "
-                        "already built; else python)")
+    p.add_argument("--provider", default="auto", choices=["auto", *PROVIDERS],
+                   help="kernel provider (auto: native on a GPU machine with nvcc, or where its kernels are "
+                        "already built; else python; hopper: FA4's sm90 kernel for prefill, FA2 for decode)")
     p.add_argument("--build-kernels", action="store_true",
                    help="compile the FA2 kernels the native library needs if missing (minutes per file)")
     p.add_argument("--out", default=None, help="directory for the exported library")
@@ -54,7 +56,8 @@ def _profile_parser(sub):
     b.add_argument("--kv-expand", default="repeat", choices=["repeat", "repeat-chain", "hf-broadcast", "native"],
                    help="how the graph expands K/V before attention")
     b.add_argument("--kv-cache", default="inplace", choices=["inplace", "functional"], help=KV_CACHE_HELP)
-    b.add_argument("--provider", default="native", choices=["native", "python"], help="FA2 kernel provider")
+    b.add_argument("--provider", default="native", choices=list(PROVIDERS),
+                   help="kernel provider (hopper: FA4's sm90 kernel for prefill, FA2 for decode; sm_90 only)")
     b.add_argument("--arch", default="sm_90")
     b.add_argument("--logits", default="last", choices=["last", "all"],
                    help="prefill returns the last position's logits (serving) or all of them")

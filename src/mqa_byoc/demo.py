@@ -68,21 +68,23 @@ def _gpu_present() -> bool:
 def choose_provider(requested: str, *, gpu: bool, build_kernels: bool, missing_kernels) -> tuple:
     """``(provider, compile missing kernels?, what was not done or None)`` for the demo.
 
-    ``requested``: "python" / "native" (asked for), or what the provider rule gives when the user
-    did not ask ("auto-native": nvcc found; "auto-python": no nvcc, or ``MQA_BYOC_PROVIDER``).
+    ``requested``: "python" / "native" / "hopper" (asked for), or what the provider rule gives when the
+    user did not ask ("auto-native": nvcc found; "auto-hopper": also an sm_90 target with FA4 objects at
+    hand; "auto-python": no nvcc, or ``MQA_BYOC_PROVIDER``). Both linked providers need FA2 kernels.
     ``missing_kernels``: a callable giving the FA2 kernels the native library needs that are not
     built (called only when it decides: it runs the native codegen).
     """
     if requested in ("python", "auto-python"):
         return "python", False, None if requested == "python" else (
             "native provider: not selected here (no nvcc, or MQA_BYOC_PROVIDER); built with the python provider")
-    if requested == "native" or build_kernels or gpu:
-        return "native", True, None
+    linked = requested.removeprefix("auto-")
+    if requested in ("native", "hopper") or build_kernels or gpu:
+        return linked, True, None
     missing = missing_kernels()
     if not missing:
-        return "native", False, None
+        return linked, False, None
     return "python", False, (
-        f"native provider: {len(missing)} FA2 kernel file(s) not built ({', '.join(k.label for k in missing)}; "
+        f"{linked} provider: {len(missing)} FA2 kernel file(s) not built ({', '.join(k.label for k in missing)}; "
         "minutes each on a small machine, and no GPU here to run them), so the library uses the python "
         "provider. For the native library: `mqa-byoc demo --build-kernels` (or `mqa-byoc build-kernels` first, "
         "see the README)")

@@ -41,8 +41,17 @@ def kernel_key(spec: AttentionSpec) -> hopper.HopperKernelKey | None:
     )
 
 
-def fragments(key: hopper.HopperKernelKey | None) -> dict[str, str]:
-    """Template fields of the wrapper: the FA4 declaration, marker and call (empty for FA2 only)."""
+def decode_key(spec: AttentionSpec) -> hopper.HopperKernelKey | None:
+    """The "splitkv" FA4 object of the split-KV decode (``native/fa4_decode.cu``): sites without a
+    sliding window (a causal mask lets a single query row see every key)."""
+    key = kernel_key(spec)
+    if key is None or key.mask == "local":
+        return None
+    return hopper.HopperKernelKey(key.dtype, key.head_dim, key.group, "splitkv")
+
+
+def fragments(key: hopper.HopperKernelKey | None, decode: hopper.HopperKernelKey | None = None) -> dict[str, str]:
+    """Template fields of the wrapper: the FA4 declarations, marker and calls (empty for FA2 only)."""
     if key is None:
         return {"@HOPPER_MARKER@": "", "@HOPPER_DECL@": "", "@HOPPER_CALL@": ""}
     # FA2's windows use -1 for "unbounded" and causal means a right window of 0; FA4 takes both bounds
@@ -52,10 +61,14 @@ def fragments(key: hopper.HopperKernelKey | None) -> dict[str, str]:
     decl = _DECL.replace("@FA4SYM@", key.symbol).replace("@NARGS@", str(key.num_args)).replace(
         "@WINDOW_ARGS@", window_args).replace("@MIN_TILES@", str(MIN_FA4_TILES)).replace(
         "@TILE_M@", str(FA4_TILE_M)).replace("@CAUSAL_CHECK@", "true" if key.mask != "none" else "false")
+    call = _CALL
+    if decode is not None:
+        decl += _DECODE_DECL.replace("@DECSYM@", decode.symbol)
+        call = _DECODE_CALL + call
     return {
-        "@HOPPER_MARKER@": hopper.marker_line([key]),
+        "@HOPPER_MARKER@": hopper.marker_line([key] + ([decode] if decode is not None else [])),
         "@HOPPER_DECL@": decl,
-        "@HOPPER_CALL@": _CALL,
+        "@HOPPER_CALL@": call,
     }
 
 
@@ -138,4 +151,48 @@ _CALL = r"""
       run_fa4(ts, shapes, strides, seqlen_q + seqlen_k);
       return 0;
     }
+  }"""
+
+_DECODE_DECL = r"""
+// Split-KV decode around FA4 (native/fa4_decode.cu) with the "splitkv" object: batch 1, one query row.
+extern "C" __attribute__((weak)) int __tvm_ffi_@DECSYM@(void* self, const TVMFFIAny* args, int32_t num_args,
+                                                         TVMFFIAny* result);
+extern "C" __attribute__((weak)) int mqa_byoc_fa4_decode(
+    int (*fa4)(void*, const TVMFFIAny*, int32_t, TVMFFIAny*), const void* q, int64_t q_head_stride, const void* k,
+    const int64_t* k_stride, const void* v, const int64_t* v_stride, void* out, int64_t out_head_stride,
+    int64_t s_kv, int64_t num_heads, int64_t num_heads_k, int64_t head_dim, int is_bf16, double scale, int num_sms,
+    int device_id, void* stream);
+extern "C" __attribute__((weak)) int mqa_byoc_fa2_num_sms(int device_id);
+
+bool use_fa4_decode(int64_t batch, int64_t seqlen_q, int64_t seqlen_k, const DLTensor* k, const DLTensor* v,
+                    const int64_t* ks, const int64_t* vs) {
+  if (fa4_mode() == 2 || batch != 1 || seqlen_q != 1 || seqlen_k < 1 || seqlen_k > INT32_MAX) return false;
+  if (!aligned16(data_of(k)) || !aligned16(data_of(v))) return false;
+  for (int d = 1; d < 3; ++d) {
+    if (ks[d] % 8 != 0 || vs[d] % 8 != 0) return false;
+  }
+  return true;
+}
+
+void run_fa4_decode(DLTensor* q, DLTensor* k, DLTensor* v, DLTensor* out, const int64_t* qs, const int64_t* ks,
+                    const int64_t* vs, const int64_t* os, int64_t seqlen_k, int dev) {
+  if (&__tvm_ffi_@DECSYM@ == nullptr || &mqa_byoc_fa4_decode == nullptr || &mqa_byoc_fa2_num_sms == nullptr) {
+    TVM_FFI_THROW(RuntimeError)
+        << kSymbol << ": the FA4 split-KV decode (@DECSYM@, fa4_decode.cu) is not linked into this library. "
+        << "Export it with mqa_byoc.export_library(executable, path), or build with provider=\"native\".";
+  }
+  const int64_t kst[2] = {ks[1], ks[2]}, vst[2] = {vs[1], vs[2]};
+  int rc = mqa_byoc_fa4_decode(&__tvm_ffi_@DECSYM@, data_of(q), qs[2], data_of(k), kst, data_of(v), vst,
+                               const_cast<void*>(data_of(out)), os[2], seqlen_k, kHeads, kKvHeads, kHeadDim, kIsBf16,
+                               static_cast<double>(kScale), mqa_byoc_fa2_num_sms(dev), dev,
+                               TVMFFIEnvGetStream(kDLCUDA, dev));
+  if (rc == -1) throw ::tvm::ffi::details::MoveFromSafeCallRaised();
+  if (rc != 0) TVM_FFI_THROW(RuntimeError) << kSymbol << ": FA4 split-KV decode: " << mqa_byoc_fa2_last_error();
+}
+"""
+
+_DECODE_CALL = r"""
+  if (use_fa4_decode(batch, seqlen_q, seqlen_k, k, v, ks, vs)) {
+    run_fa4_decode(q, k, v, out, qs, ks, vs, os, seqlen_k, dev);
+    return 0;
   }"""

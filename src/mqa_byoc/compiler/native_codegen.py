@@ -136,7 +136,7 @@ def emit_native_source(symbol: str, spec: AttentionSpec, shape_args: int = 0, *,
     )
     fa4 = hopper_codegen.kernel_key(spec) if hopper else None
     code = fill_template(_TEMPLATE, {
-        **hopper_codegen.fragments(fa4),
+        **hopper_codegen.fragments(fa4, hopper_codegen.decode_key(spec) if hopper else None),
         "@MARKER@": marker_line(kernels),
         "@SPEC@": spec_line,
         "@EXPORT@": _export_lines(symbol, arg_map, num_inputs, set(shape_params)),

@@ -39,8 +39,10 @@ CUTLASS_DSL_VERSION = "4.8.1"
 PIP_REQUIREMENTS = (f"flash-attn-4=={FA4_VERSION}", f"nvidia-cutlass-dsl[cu13]=={CUTLASS_DSL_VERSION}", "triton")
 #: head dims the hopper provider runs on FA4 (tested); others stay on FA2
 HEAD_DIMS = (64, 128)
-#: "none": no mask; "causal": bottom-right causal; "local": a sliding window (both bounds at run time)
-MASKS = ("none", "causal", "local")
+#: "none": no mask; "causal": bottom-right causal; "local": a sliding window (both bounds at run time);
+#: "splitkv": no mask, K/V var-len (cu_seqlens_k) and the LSE written: one query row per chunk of the
+#: keys, the split-KV decode of :mod:`mqa_byoc.native.fa4_decode` (FA4's sm90 path has none of its own)
+MASKS = ("none", "causal", "local", "splitkv")
 #: arches the objects are built for (FA4's sm90 path needs sm_90a)
 ARCHES = ("sm_90",)
 #: marker line of the native wrappers that call an FA4 object; export reads it back
@@ -48,6 +50,7 @@ MARKER = "// mqa_byoc-hopper-kernels:"
 MANIFEST = "manifest.json"
 RUNTIME_ARCHIVE = "libcuda_dialect_runtime_static.a"
 GLUE_SOURCE = NATIVE_DIR / "fa4_glue.cc"
+DECODE_SOURCE = NATIVE_DIR / "fa4_decode.cu"
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -88,8 +91,9 @@ class HopperKernelKey:
 
     @property
     def num_args(self) -> int:
-        """Arguments of the exported function: q, k, v, out, scale (+ window_left, window_right)."""
-        return 7 if self.mask == "local" else 5
+        """Arguments of the exported function: q, k, v, out, scale (+ window_left, window_right;
+        splitkv: q, k, v, out, lse, scale, cu_seqlens_k)."""
+        return {"local": 7, "splitkv": 7}.get(self.mask, 5)
 
     @classmethod
     def parse(cls, label: str) -> HopperKernelKey:
@@ -233,61 +237,41 @@ def build_objects(
     return found
 
 
-def glue_object(progress: Callable[[str], None] | None = print) -> Path:
-    """``native/fa4_glue.cc`` compiled (host code, seconds), cached by its source's hash."""
+def support_objects(arch: str = "sm_90", progress: Callable[[str], None] | None = print) -> list[Path]:
+    """Our sources around the FA4 objects, compiled (seconds) and cached by content: ``fa4_glue.cc``
+    (the DSL's error hooks) and ``fa4_decode.cu`` (the split-KV decode: prepare and combine kernels)."""
     import hashlib
+
+    import tvm_ffi.libinfo
 
     from .build import _compile
     from .toolchain import cuda_home, find_nvcc
 
-    digest = hashlib.sha256(GLUE_SOURCE.read_bytes()).hexdigest()[:12]
-    out = cache_root() / "fa4" / f"fa4_glue-{digest}.o"
-    if not out.is_file():
-        nvcc = find_nvcc()
-        cmd = [nvcc, "-O2", "-std=c++17", "-Xcompiler=-fPIC", f"-I{cuda_home(nvcc) / 'include'}", "-c",
-               str(GLUE_SOURCE)]
-        dt = _compile(cmd, out, out.with_suffix(".log"))
-        (progress or (lambda _m: None))(f"[mqa-byoc] FA4 glue: {dt:.0f}s -> {out}")
+    nvcc = find_nvcc()
+    num = normalize_arch(arch)[3:]
+    flags = {
+        GLUE_SOURCE: ["-O2", "-std=c++17", "-Xcompiler=-fPIC", f"-I{cuda_home(nvcc) / 'include'}"],
+        DECODE_SOURCE: ["-O3", "-std=c++17", "-Xcompiler=-fPIC,-fvisibility=hidden", f"-gencode=arch=compute_{num},code=sm_{num}",
+                        f"-I{tvm_ffi.libinfo.find_include_path()}", f"-I{tvm_ffi.libinfo.find_dlpack_include_path()}"],
+    }
+    out = []
+    for src, fl in flags.items():
+        digest = hashlib.sha256(src.read_bytes() + repr(fl[:4]).encode()).hexdigest()[:12]
+        obj = cache_root() / "fa4" / f"{src.stem}-sm_{num}-{digest}.o"
+        if not obj.is_file():
+            dt = _compile([nvcc, *fl, "-c", str(src)], obj, obj.with_suffix(".log"))
+            (progress or (lambda _m: None))(f"[mqa-byoc] {src.name}: {dt:.0f}s -> {obj}")
+        out.append(obj)
     return out
-
-
-def preset_keys(dtypes=("fp16", "bf16"), masks=MASKS) -> list[HopperKernelKey]:
-    """The objects the model presets need: their (head dim, group) and group 1 (``mqa=False`` and
-    plain MHA) for each dtype and mask kind."""
-    from mqa_byoc.models.presets import PRESETS  # TVM-free
-
-    shapes = {(c.head_dim, c.num_heads // c.num_kv_heads) for c in PRESETS.values() if c.head_dim in HEAD_DIMS}
-    shapes |= {(d, 1) for d, _ in shapes}
-    return sorted({HopperKernelKey(dt, d, g, m) for dt in dtypes for d, g in shapes for m in masks})
-
-
-def run_build(labels, *, arch: str | None = None, out: str | None = None, dry_run: bool = False,
-              progress=print) -> int:
-    """``mqa-byoc build-kernels --hopper [LABEL ...]``: compile FA4 objects (default: :func:`preset_keys`)."""
-    keys = [HopperKernelKey.parse(x) for x in labels] if labels else preset_keys()
-    arch = normalize_arch(arch or "sm_90")
-    if arch not in ARCHES:
-        progress(f"mqa-byoc build-kernels --hopper: FA4's sm90 kernel is for sm_90, not {arch}")
-        return 2
-    if dry_run:
-        where = Path(out) / _dir_name(arch) if out else cache_dir(arch)
-        found = {} if out else find_objects(keys, arch)
-        for k in keys:
-            progress(f"{k.label}: " + (f"found {found[k]}" if k in found else f"compile -> {where / k.filename}"))
-        progress("compiler: " + ("flash-attn-4 installed" if compiler_available() else f"missing ({install_hint()})"))
-        return 0
-    objs = build_objects(keys, arch, out=out, progress=progress)
-    progress(f"{len(objs)} FA4 objects in {next(iter(objs.values())).parent}")
-    return 0
 
 
 def link_inputs(keys: Iterable[HopperKernelKey], arch: str = "sm_90", *, build: bool = True,
                 progress=print) -> list[str]:
-    """Objects to link for ``keys``: the FA4 objects, our glue and the DSL's static runtime shim
-    (an archive: put it after the objects, before the static CUDA runtime it calls)."""
+    """Objects to link for ``keys``: the FA4 objects, :func:`support_objects` and the DSL's static
+    runtime shim (an archive: put it after the objects, before the static CUDA runtime it calls)."""
     objs = build_objects(keys, arch, build=build, progress=progress)
     archive = next(iter(objs.values())).parent / RUNTIME_ARCHIVE
-    return [str(p) for _, p in sorted(objs.items())] + [str(glue_object(progress)), str(archive)]
+    return [str(p) for _, p in sorted(objs.items())] + [str(p) for p in support_objects(arch, progress)] + [str(archive)]
 
 
 def write_manifest(directory: Path, entries: dict[str, dict], header: dict) -> None:

@@ -58,10 +58,16 @@ def _configured_kernel(fi, torch, key: HopperKernelKey):
     fi.cute.compile = intercept
     try:
         with FakeTensorMode():
-            q = torch.empty(1, 256, heads_kv * key.group, key.head_dim, dtype=dtype, device="cuda")
-            k = torch.empty(1, 256, heads_kv, key.head_dim, dtype=dtype, device="cuda")
-            fi._flash_attn_fwd(q, k, k.clone(), causal=causal, window_size_left=window[0],
-                               window_size_right=window[1], _arch=90)
+            if key.mask == "splitkv":  # 16 chunks of 1024 keys, one query row each
+                q = torch.empty(16, 1, heads_kv * key.group, key.head_dim, dtype=dtype, device="cuda")
+                k = torch.empty(16 * 1024, heads_kv, key.head_dim, dtype=dtype, device="cuda")
+                cu = torch.empty(17, dtype=torch.int32, device="cuda")
+                fi._flash_attn_fwd(q, k, k.clone(), cu_seqlens_k=cu, max_seqlen_k=1024, return_lse=True, _arch=90)
+            else:
+                q = torch.empty(1, 256, heads_kv * key.group, key.head_dim, dtype=dtype, device="cuda")
+                k = torch.empty(1, 256, heads_kv, key.head_dim, dtype=dtype, device="cuda")
+                fi._flash_attn_fwd(q, k, k.clone(), causal=causal, window_size_left=window[0],
+                                   window_size_right=window[1], _arch=90)
     except _Configured as c:
         return c.args, c.kwargs
     finally:
@@ -77,13 +83,23 @@ def compile_key(key: HopperKernelKey, out_dir: Path) -> dict:
     import torch
     from flash_attn.cute.utils import AuxData
 
+    t0 = time.time()
     (args, kwargs) = _configured_kernel(fi, torch, key)
     # positions of FlashAttentionForwardSm90.__call__'s compile arguments in flash-attn-4 4.0.0b36
-    kernel, q, k, v, o, stream = args[0], args[1], args[2], args[3], args[4], args[-1]
+    kernel, q, k, v, o, lse, cu_k, stream = args[0], args[1], args[2], args[3], args[4], args[5], args[8], args[-1]
     if type(kernel).__name__ != "FlashAttentionForwardSm90":
         raise RuntimeError(f"{key.label}: flash-attn-4 chose {type(kernel).__name__}, not the sm90 kernel")
 
-    if key.mask == "local":
+    if key.mask == "splitkv":
+        @cute.jit
+        def entry(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                  softmax_scale: cutlass.Float32, mCuSeqlensK: cute.Tensor, stream: cuda.CUstream):
+            kernel(mQ, mK, mV, mO, mLSE, softmax_scale, None, mCuSeqlensK, None, None, None, None, None,
+                   None, None, AuxData(), None, None, stream)
+
+        fn = cute.compile(entry, q, k, v, o, lse, cutlass.Float32(1.0), cu_k, stream,
+                          options=kwargs.get("options", "--enable-tvm-ffi"))
+    elif key.mask == "local":
         @cute.jit
         def entry(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                   softmax_scale: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
@@ -100,9 +116,9 @@ def compile_key(key: HopperKernelKey, out_dir: Path) -> dict:
                    None, None, AuxData(), None, None, stream)
 
         extra = ()
-    t0 = time.time()
-    fn = cute.compile(entry, q, k, v, o, cutlass.Float32(1.0), *extra, stream,
-                      options=kwargs.get("options", "--enable-tvm-ffi"))
+    if key.mask != "splitkv":
+        fn = cute.compile(entry, q, k, v, o, cutlass.Float32(1.0), *extra, stream,
+                          options=kwargs.get("options", "--enable-tvm-ffi"))
     path = out_dir / key.filename
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.o")
     fn.export_to_c(object_file_path=str(tmp), function_name=key.symbol)

@@ -83,8 +83,9 @@ def build_decoder_libraries(
     from .llama import build_decoder
 
     progress = progress or (lambda _msg: None)
-    if provider not in ("native", "python"):
-        raise ValueError(f"provider must be 'native' or 'python', got {provider!r}")
+    from ..contract import check_provider
+
+    provider = check_provider(provider, "build_decoder_libraries(provider=)")
     mod, spec = build_decoder(config, dtype=dtype, kv_expand=kv_expand, batch=1, logits=logits,
                               functions=tuple(functions), kv_cache=kv_cache)
     target = tvm.target.Target({"kind": "cuda", "arch": arch})

@@ -340,6 +340,13 @@ int launch_and_free(EntryFn fn, Params* p, cudaStream_t stream, void* ws, const 
 
 extern "C" const char* mqa_byoc_fa2_last_error(void) { return g_last_error.c_str(); }
 
+// For fa4_decode.cu (hopper provider): the same workspace pool, SM count and error message.
+extern "C" int mqa_byoc_fa2_alloc_workspace(void** ws, size_t bytes, int device_id, void* stream) {
+  return alloc_workspace(ws, bytes, device_id, static_cast<cudaStream_t>(stream));
+}
+extern "C" int mqa_byoc_fa2_fail(const char* message) { return fail(message); }
+extern "C" int mqa_byoc_fa2_num_sms(int device_id) { return num_sms(device_id); }
+
 extern "C" int mqa_byoc_fa2_kernel_available(int hdim, int is_bf16, int causal, int split) {
   const Entry* e = find_entry(hdim, is_bf16, causal);
   if (e == nullptr) return 0;

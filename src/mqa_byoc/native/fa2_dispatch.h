@@ -3,6 +3,7 @@
 // The codegen's emitted wrappers repeat these declarations (TVM compiles them without our include
 // path); keep the two in sync (mqa_byoc/compiler/native_codegen.py).
 #pragma once
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -42,6 +43,13 @@ int mqa_byoc_fa2_varlen_forward(const void* q, const void* k, const void* v, voi
 
 // The message of this thread's last failed mqa_byoc_fa2_forward / _varlen_forward ("" if none).
 const char* mqa_byoc_fa2_last_error(void);
+
+// Workspace from the dispatcher's stream-ordered pool (free with cudaFreeAsync on `stream`), the
+// device's SM count (0 if unknown), and setting this thread's error message (returns -1): shared with
+// fa4_decode.cu.
+int mqa_byoc_fa2_alloc_workspace(void** ws, size_t bytes, int device_id, void* stream);
+int mqa_byoc_fa2_num_sms(int device_id);
+int mqa_byoc_fa2_fail(const char* message);
 
 // 1 when the kernel family (hdim in {32,64,96,128,192,256}) was linked in, else 0.
 int mqa_byoc_fa2_kernel_available(int hdim, int is_bf16, int causal, int split);
