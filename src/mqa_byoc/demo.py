@@ -43,6 +43,8 @@ def format_report(sites) -> str:
         what = s.composite if s.offloaded else f"REJECTED: {s.reason}"
         if s.note:
             what += f" ({s.note})"
+        if s.kernel:
+            what += f" -> {s.kernel}"
         rows.append((s.function, s.output, s.form, "yes" if s.offloaded else "no",
                      f"{s.num_q_heads}/{s.num_kv_heads}", str(s.head_dim), str(s.dtype), mask, what))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
@@ -110,7 +112,7 @@ def run_demo(args) -> int:
         mod, param_spec = build_decoder(config, dtype=args.dtype, kv_expand=args.kv_expand, batch=1, logits="all",
                                         kv_cache=args.kv_cache)
     with step("partition_for_cutlass(mod, mqa=True)"):
-        report = offload_report(mod, mqa=True)
+        report = offload_report(mod, mqa=True, target={"kind": "cuda", "arch": args.arch}, provider=args.provider)
         part = partition_for_cutlass(mod, mqa=True)
     print()
     print(format_report(report))

@@ -22,6 +22,32 @@ MIN_FA4_TILES = 66
 FA4_TILE_M = 128
 
 
+def describe_kernel(provider: str, *, dtype, head_dim, num_q_heads, num_kv_heads, causal, window,
+                    var_len: bool = False) -> str:
+    """What an offloaded site runs on with ``provider`` (the ``kernel`` of ``offload_report``)."""
+    if provider == "python":
+        return "FA2 through the python provider (flash-attn or PyTorch at run time)"
+    fa2 = "FA2 var-len forward" if var_len else "FA2 (split-KV when the queries are few)"
+    if provider != "hopper":
+        return fa2 + ", linked"
+    if var_len:
+        return fa2 + " (the hopper provider has no FA4 var-len path)"
+    why = None
+    if dtype not in ("float16", "bfloat16"):
+        why = f"dtype {dtype}"
+    elif head_dim not in hopper.HEAD_DIMS:
+        why = f"head dim {head_dim}; FA4 objects are built for {hopper.HEAD_DIMS}"
+    if why:
+        return f"{fa2}, linked (hopper provider: no FA4 object for {why})"
+    group = num_q_heads // num_kv_heads
+    mask = "local" if window else ("causal" if causal else "none")
+    out = (f"FA4 sm90 (flash-attn-4 {hopper.FA4_VERSION}, group {group}, {mask}) for calls with >= "
+           f"{MIN_FA4_TILES} query tiles")
+    if not window:
+        out += "; batch-1 decode: FA4 split-KV"
+    return out + "; otherwise FA2"
+
+
 def fa4_rejection(spec: AttentionSpec) -> str | None:
     """Why the hopper provider runs this attention on FA2 only; None when FA4 can take its prefill."""
     if spec.dtype not in ("float16", "bfloat16"):

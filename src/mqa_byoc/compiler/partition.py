@@ -60,6 +60,8 @@ class OffloadSite:
     composite: str | None
     reason: str | None  # why not offloaded; None when offloaded
     note: str | None = None  # e.g. why an expansion was kept although the site is offloaded
+    provider: str | None = None  # the kernel provider the build will use (offloaded sites)
+    kernel: str | None = None  # what the site runs on with that provider
 
     def as_dict(self) -> dict:
         """Returns
@@ -76,7 +78,8 @@ def _causal_name(site):
     return "BottomRight" if site.mask.causal else None
 
 
-def offload_report(mod: tvm.IRModule, mqa: bool = True) -> list[OffloadSite]:
+def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider: str | None = None
+                   ) -> list[OffloadSite]:
     """What :func:`partition_for_cutlass` would do with every attention in ``mod``.
 
     Parameters
@@ -85,6 +88,10 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True) -> list[OffloadSite]:
         The module :func:`partition_for_cutlass` would get.
     mqa : bool
         As for :func:`partition_for_cutlass`.
+    target, provider
+        As for :func:`mqa_byoc.build`: each offloaded site then names its ``provider`` and ``kernel``
+        (e.g. on an sm_90 target the hopper provider's FA4 kernel, or why a site stays on FA2).
+        Without either, the provider of the default rule for ``Target.current()``.
 
     Returns
     -------
@@ -100,6 +107,9 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True) -> list[OffloadSite]:
     """
     report = []
     analysis.require_module(mod, "offload_report")
+    from . import codegen, hopper_codegen
+
+    chosen = codegen.resolve_provider(None, {codegen.PROVIDER_OPTION: provider, "target": target})
     for sites in analyze_module(mod, mqa).values():
         for s in sites:
             ok = s.reason is None
@@ -115,6 +125,11 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True) -> list[OffloadSite]:
                 scale=_resolved_scale(s), expansion=s.k.expansion if s.k is not None else None,
                 expansion_ops_removed=len(set(s.expansion_ops)) if removes else 0,
                 composite=composite, reason=s.reason, note=getattr(s, "note", None),
+                provider=chosen if ok else None,
+                kernel=hopper_codegen.describe_kernel(
+                    chosen, dtype=s.dtype, head_dim=s.head_dim, num_q_heads=s.num_q_heads,
+                    num_kv_heads=s.num_kv_heads if mqa else s.num_q_heads, causal=bool(s.mask.causal),
+                    window=s.mask.window, var_len=s.form == varlen.FORM) if ok else None,
             ))
     return varlen.explain_unlowerable(report)
 

@@ -265,6 +265,37 @@ def support_objects(arch: str = "sm_90", progress: Callable[[str], None] | None 
     return out
 
 
+def preset_keys(dtypes=("fp16", "bf16"), masks=MASKS) -> list[HopperKernelKey]:
+    """The objects the model presets need: their (head dim, group) and group 1 (``mqa=False`` and
+    plain MHA) for each dtype and mask kind."""
+    from mqa_byoc.models.presets import PRESETS  # TVM-free
+
+    shapes = {(c.head_dim, c.num_heads // c.num_kv_heads) for c in PRESETS.values() if c.head_dim in HEAD_DIMS}
+    shapes |= {(d, 1) for d, _ in shapes}
+    return sorted({HopperKernelKey(dt, d, g, m) for dt in dtypes for d, g in shapes for m in masks})
+
+
+def run_build(labels, *, arch: str | None = None, out: str | None = None, dry_run: bool = False,
+              progress=print) -> int:
+    """``mqa-byoc build-kernels --hopper [LABEL ...]``: compile FA4 objects (default: :func:`preset_keys`)."""
+    keys = [HopperKernelKey.parse(x) for x in labels] if labels else preset_keys()
+    arch = normalize_arch(arch or "sm_90")
+    if arch not in ARCHES:
+        progress(f"mqa-byoc build-kernels --hopper: FA4's sm90 kernel is for sm_90, not {arch}")
+        return 2
+    if dry_run:
+        where = Path(out) / _dir_name(arch) if out else cache_dir(arch)
+        found = {} if out else find_objects(keys, arch)
+        for k in keys:
+            progress(f"{k.label}: " + (f"found {found[k]}" if k in found else f"compile -> {where / k.filename}"))
+        progress("compiler: " + ("flash-attn-4 installed" if compiler_available() else f"missing ({install_hint()})"))
+        return 0
+    objs = build_objects(keys, arch, out=out, progress=progress)
+    support_objects(arch, progress)
+    progress(f"{len(objs)} FA4 objects in {next(iter(objs.values())).parent}")
+    return 0
+
+
 def link_inputs(keys: Iterable[HopperKernelKey], arch: str = "sm_90", *, build: bool = True,
                 progress=print) -> list[str]:
     """Objects to link for ``keys``: the FA4 objects, :func:`support_objects` and the DSL's static
