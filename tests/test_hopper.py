@@ -87,7 +87,7 @@ def test_wrapper_calls_fa4_and_keeps_fa2():
 def test_offload_report_names_the_kernel():
     mod = graphs.attention_repeat_bsnh(h=64, hkv=8, d=128, s="n")
     site = mqa_byoc.offload_report(mod, target=SM90, provider="hopper")[0]
-    assert site.provider == "hopper" and site.kernel.startswith("FA4 sm90") and "split-KV" in site.kernel
+    assert site.provider == "hopper" and site.kernel.startswith("FA4 sm90") and "FA2 split-KV" in site.kernel
     site = mqa_byoc.offload_report(mod, target={"kind": "cuda", "arch": "sm_80"}, provider="native")[0]
     assert site.provider == "native" and site.kernel.startswith("FA2")
     small = mqa_byoc.offload_report(graphs.attention_repeat_bsnh(h=8, hkv=2, d=32, s="n"), target=SM90,

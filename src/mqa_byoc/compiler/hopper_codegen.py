@@ -43,9 +43,7 @@ def describe_kernel(provider: str, *, dtype, head_dim, num_q_heads, num_kv_heads
     mask = "local" if window else ("causal" if causal else "none")
     out = (f"FA4 sm90 (flash-attn-4 {hopper.FA4_VERSION}, group {group}, {mask}) for calls with >= "
            f"{MIN_FA4_TILES} query tiles")
-    if not window:
-        out += "; batch-1 decode: FA4 split-KV"
-    return out + "; otherwise FA2"
+    return out + "; otherwise (decode) FA2 split-KV"
 
 
 def fa4_rejection(spec: AttentionSpec) -> str | None:
@@ -69,7 +67,9 @@ def kernel_key(spec: AttentionSpec) -> hopper.HopperKernelKey | None:
 
 def decode_key(spec: AttentionSpec) -> hopper.HopperKernelKey | None:
     """The "splitkv" FA4 object of the split-KV decode (``native/fa4_decode.cu``): sites without a
-    sliding window (a causal mask lets a single query row see every key)."""
+    sliding window (a causal mask lets a single query row see every key). It runs only with
+    ``MQA_BYOC_HOPPER_FA4=always``: on the H200 it is 1.1-1.7x slower than FA2's split-KV (one query
+    row per CTA leaves FA4's wgmma pipeline mostly idle), so decode stays on FA2 by default."""
     key = kernel_key(spec)
     if key is None or key.mask == "local":
         return None
@@ -109,8 +109,9 @@ constexpr int64_t kFa4TileM = @TILE_M@;
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-// MQA_BYOC_HOPPER_FA4: "auto" (default: the tile rule below), "always" (every call FA4 can compute
-// correctly: tests, crossover benchmarks) or "never" (FA2 only). Read once per process.
+// MQA_BYOC_HOPPER_FA4: "auto" (default: the tile rule below, decode on FA2), "always" (every call FA4
+// can compute correctly, batch-1 decode through fa4_decode.cu: tests, benchmarks) or "never" (FA2 only).
+// Read once per process.
 int fa4_mode() {
   static const int mode = [] {
     const char* v = std::getenv("MQA_BYOC_HOPPER_FA4");
@@ -192,7 +193,9 @@ extern "C" __attribute__((weak)) int mqa_byoc_fa2_num_sms(int device_id);
 
 bool use_fa4_decode(int64_t batch, int64_t seqlen_q, int64_t seqlen_k, const DLTensor* k, const DLTensor* v,
                     const int64_t* ks, const int64_t* vs) {
-  if (fa4_mode() == 2 || batch != 1 || seqlen_q != 1 || seqlen_k < 1 || seqlen_k > INT32_MAX) return false;
+  // measured slower than FA2's split-KV on the H200 (benchmarks/results/2026-11-30-attention-hopper-*):
+  // only MQA_BYOC_HOPPER_FA4=always takes it
+  if (fa4_mode() != 1 || batch != 1 || seqlen_q != 1 || seqlen_k < 1 || seqlen_k > INT32_MAX) return false;
   if (!aligned16(data_of(k)) || !aligned16(data_of(v))) return false;
   for (int d = 1; d < 3; ++d) {
     if (ks[d] % 8 != 0 || vs[d] % 8 != 0) return false;
