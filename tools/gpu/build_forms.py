@@ -144,8 +144,8 @@ CASES = [
          dict(GQA, b=2, s=1, s_kv=256, causal=None, dtype="bfloat16")),
     # batch-1 decode: the hopper provider's FA4 split-KV decode path (MQA_BYOC_HOPPER_FA4=always in tests)
     Case("repeat_gqa_f16_decode_b1", "1 repeat", "attention_repeat_bsnh", dict(GQA, b=1, s=1, s_kv=1000)),
-    Case("mixed_kv_bnsh_mqa_bf16_hdim64_decode_b1", "1+5 mixed layouts", "attention_mixed_layouts",
-         dict(h=H, hkv=1, d=64, b=1, s=1, s_kv=640, layouts="BSNH,BNSH,BNSH", causal=None, dtype="bfloat16")),
+    Case("mixed_kv_bnsh_mqa_f16_hdim64_decode_b1", "1+5 mixed layouts", "attention_mixed_layouts",
+         dict(h=H, hkv=1, d=64, b=1, s=1, s_kv=640, layouts="BSNH,BNSH,BNSH", causal=None)),
     # form 6: R.nn.attention with fewer K/V heads
     Case("fewer_gqa_bf16_noncausal_prefill", "6 fewer", "attention_repeat_bsnh",
          dict(h=H, hkv=2, d=D, b=1, s=128, causal=None, dtype="bfloat16", expand="none")),

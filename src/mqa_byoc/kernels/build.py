@@ -232,6 +232,32 @@ def build_dispatcher(
     return out
 
 
+def support_object(arch: str, progress: Callable[[str], None] | None = print) -> Path:
+    """``native/split_kv_combine.cu`` compiled for ``arch`` (seconds): the split-KV decode kernels the
+    dispatcher calls. From a prebuilt dir of ``arch`` when it holds this source's object, else the cache
+    (compiled there when missing: needs nvcc, not flash-attn's sources).
+
+    Returns
+    -------
+    Path
+    """
+    import hashlib
+
+    arch = normalize_arch(arch)
+    num = arch[3:]
+    flags = ["-O3", "-std=c++17", "-Xcompiler=-fPIC,-fvisibility=hidden", f"-gencode=arch=compute_{num},code=sm_{num}"]
+    digest = hashlib.sha256(paths.COMBINE_SOURCE.read_bytes() + json.dumps(flags).encode()).hexdigest()[:12]
+    name = f"split_kv_combine-{arch}-{digest}.o"
+    for d in prebuilt_dirs(arch):
+        if (d / name).is_file():
+            return d / name
+    out = paths.cache_root() / "fa2" / "support" / name
+    if not out.is_file():
+        dt = _compile([find_nvcc(), *flags, "-c", str(paths.COMBINE_SOURCE)], out, out.with_suffix(".log"))
+        (progress or (lambda _m: None))(f"[mqa-byoc] split_kv_combine.cu: {dt:.0f}s -> {out}")
+    return out
+
+
 def static_cudart(arch: str | None = None) -> list[str]:
     """Linker inputs for the static CUDA runtime; put them after every object.
 
@@ -278,7 +304,7 @@ def link_inputs(
     arch = normalize_arch(arch or detect_arch())
     kernels = build_kernels(keys, arch, jobs=jobs, niceness=niceness, build=build, fa_src=fa_src, progress=progress)
     disp = build_dispatcher(build=build, fa_src=fa_src, progress=progress, arch=arch)
-    objects = [str(disp)] + [str(kernels[k]) for k in sorted(keys)]
+    objects = [str(disp), str(support_object(arch, progress))] + [str(kernels[k]) for k in sorted(keys)]
     return objects, static_cudart(arch)
 
 
@@ -306,15 +332,16 @@ def copy_artifacts(
     out = Path(dest).expanduser() / f"{arch}-{cfg.tag}"
     out.mkdir(parents=True, exist_ok=True)
     disp = build_dispatcher(build=False, arch=arch, progress=progress)
+    support = support_object(arch, progress)
     cudart = cuda_lib_dir(cfg.nvcc) / "libcudart_static.a"
-    for p in [disp, *kernels.values(), cudart]:
+    for p in [disp, support, *kernels.values(), cudart]:
         shutil.copy2(p, out / p.name)
     manifest = read_manifest(cfg.dir)
     manifest.update({"arch": arch, "tag": cfg.tag, "flash_attn": cfg.fa_version, "dispatcher": disp.name,
-                     "cudart": cudart.name})
+                     "support": support.name, "cudart": cudart.name})
     manifest["kernels"] = {k: v for k, v in manifest.get("kernels", {}).items() if KernelKey.parse(k) in kernels}
     if link_check_binary:
-        link_check([str(out / disp.name)] + [str(out / p.name) for p in kernels.values()],
+        link_check([str(out / disp.name), str(out / support.name)] + [str(out / p.name) for p in kernels.values()],
                    out=out / "fa2_link_check", progress=progress)
         manifest["link_check"] = "fa2_link_check"
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))

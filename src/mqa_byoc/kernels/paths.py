@@ -10,6 +10,8 @@ NATIVE_DIR = Path(__file__).resolve().parent.parent / "native"
 ENTRY_SOURCE = NATIVE_DIR / "fa2_kernel_entry.cu"
 DISPATCH_SOURCE = NATIVE_DIR / "fa2_dispatch.cc"
 LINK_CHECK_SOURCE = NATIVE_DIR / "fa2_link_check.cc"
+#: our split-KV decode kernels (chunk lengths, combine): device code, compiled per arch
+COMBINE_SOURCE = NATIVE_DIR / "split_kv_combine.cu"
 #: stand-ins for the three torch headers flash-attn's forward kernels include
 SHIM_DIR = NATIVE_DIR / "shim"
 

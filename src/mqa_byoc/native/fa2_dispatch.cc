@@ -23,6 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -316,7 +317,8 @@ int alloc_workspace(void** ws, size_t bytes, int device_id, cudaStream_t stream)
 // when MQA_BYOC_NVTX is on) and frees the workspace behind it; `what` names the kernel in a launch
 // failure. 0 on success.
 int launch_and_free(EntryFn fn, Params* p, cudaStream_t stream, void* ws, const char* range_format,
-                    int64_t num_heads, int64_t num_heads_k, int64_t head_dim, const std::string& what) {
+                    int64_t num_heads, int64_t num_heads_k, int64_t head_dim, const std::string& what,
+                    const std::function<int()>& after = nullptr) {
   const bool nvtx = nvtx_enabled();
   if (nvtx) {
     char name[96];
@@ -325,15 +327,73 @@ int launch_and_free(EntryFn fn, Params* p, cudaStream_t stream, void* ws, const 
     nvtxRangePushA(name);
   }
   fn(p, stream);
+  const int after_rc = (after && cudaPeekAtLastError() == cudaSuccess) ? after() : 0;
   if (nvtx) nvtxRangePop();
   cudaError_t launch = cudaGetLastError();
   cudaError_t err = cudaFreeAsync(ws, stream);
   if (launch != cudaSuccess) return fail(what + " launch failed: " + cudaGetErrorString(launch));
+  if (after_rc != 0) return fail(what + ": combining the key chunks failed (" + std::to_string(after_rc) + ")");
   if (err != cudaSuccess) {
     cudaGetLastError();
     return fail(std::string("cudaFreeAsync: ") + cudaGetErrorString(err));
   }
   return 0;
+}
+
+// Split-KV decode of our own (batch 1, grouped query rows swapped into the sequence axis): the keys
+// cut into n chunks of whole kBlockN tiles, one FA2 call of the split family with num_splits = 1 over
+// the chunks as a batch (q batch stride 0; K/V batch stride = one chunk; non-cumulative cu_seqlens_k
+// holding each chunk's length), writing each chunk's output and LSE, then mqa_byoc_combine_chunks
+// (split_kv_combine.cu). Disabled with MQA_BYOC_FA2_COMBINE=fa2 (FA2's own split-KV and combine).
+bool own_combine_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("MQA_BYOC_FA2_COMBINE");
+    return v == nullptr || std::strcmp(v, "fa2") != 0;
+  }();
+  return on;
+}
+
+int chunked_decode(Params& p, EntryFn fn, int splits, int block_n, int64_t seqlen_k, int64_t num_heads,
+                   int64_t num_heads_k, int64_t head_dim, int64_t out_head_stride, int is_bf16, int device_id,
+                   cudaStream_t stream, void* out, const std::string& what) {
+  int64_t chunk = (seqlen_k + splits - 1) / splits;
+  chunk = (chunk + block_n - 1) / block_n * block_n;
+  const int n = int((seqlen_k + chunk - 1) / chunk);
+  const int64_t g = num_heads / num_heads_k;
+  auto align = [](size_t x) { return (x + 255) / 256 * 256; };
+  const size_t len_bytes = align(size_t(n) * 4), o_bytes = align(size_t(n) * num_heads * head_dim * 2),
+               lse_bytes = align(size_t(n) * num_heads * sizeof(float));
+  void* ws = nullptr;
+  if (int rc = alloc_workspace(&ws, len_bytes + o_bytes + lse_bytes, device_id, stream)) return rc;
+  char* base = static_cast<char*>(ws);
+  int32_t* lens = reinterpret_cast<int32_t*>(base);
+  void* o_part = base + len_bytes;
+  float* lse = reinterpret_cast<float*>(base + len_bytes + o_bytes);
+  if (mqa_byoc_chunk_lengths(lens, n, chunk, seqlen_k, stream) != 0) {
+    cudaFreeAsync(ws, stream);
+    return fail("chunk lengths kernel launch failed: " + std::string(cudaGetErrorString(cudaGetLastError())));
+  }
+  p.b = n;
+  p.seqlen_k = int(chunk);
+  p.seqlen_k_rounded = int(round_up(chunk, 128));
+  p.q_batch_stride = 0;  // every chunk reads the same query rows
+  p.k_batch_stride = chunk * p.k_row_stride;
+  p.v_batch_stride = chunk * p.v_row_stride;
+  p.cu_seqlens_k = lens;
+  p.is_seqlens_k_cumulative = false;
+  // o_part (n, H, D): the g rows of K/V head j are query heads j*g .. j*g+g-1; lse (n, H_kv, g) = (n, H)
+  p.o_ptr = o_part;
+  p.o_batch_stride = num_heads * head_dim;
+  p.o_row_stride = head_dim;
+  p.o_head_stride = g * head_dim;
+  p.softmax_lse_ptr = lse;
+  p.unpadded_lse = false;
+  p.num_splits = 1;
+  return launch_and_free(fn, &p, stream, ws, "flash_attn[h=%lld,kv=%lld,d=%lld]", num_heads, num_heads_k, head_dim,
+                         what, [&] {
+                           return mqa_byoc_combine_chunks(o_part, lse, out, out_head_stride, n, int(num_heads),
+                                                          int(head_dim), is_bf16, stream);
+                         });
 }
 
 }  // namespace
@@ -456,6 +516,11 @@ extern "C" int mqa_byoc_fa2_forward(const void* q, const void* k, const void* v,
     }
   }
   if (fn == nullptr) return fail_not_built(hdim, is_bf16, p.is_causal, device_id);
+  if (splits > 1 && swap && batch == 1 && own_combine_enabled()) {
+    return chunked_decode(p, fn, splits, block_n, seqlen_k, num_heads, num_heads_k, head_dim, o_stride[2], is_bf16,
+                          device_id, stream, out, std::string("FA2 ") + kernel_name(hdim, is_bf16, p.is_causal) +
+                                                      " split (chunked)");
+  }
   p.num_splits = splits;
 
   // ---- workspaces: softmax LSE (always written) and the split accumulators ----

@@ -51,6 +51,13 @@ int mqa_byoc_fa2_alloc_workspace(void** ws, size_t bytes, int device_id, void* s
 int mqa_byoc_fa2_num_sms(int device_id);
 int mqa_byoc_fa2_fail(const char* message);
 
+// split_kv_combine.cu (compiled per arch, linked next to the dispatcher): the key count of each of n
+// chunks (lens[i] = min(chunk, s_kv - i * chunk)) and the merge of the chunks' outputs o_part (n, h, d)
+// by their LSEs lse (n, h) into out (h, d), head stride out_head_stride. 0 on success.
+int mqa_byoc_chunk_lengths(int32_t* lens, int n, int64_t chunk, int64_t s_kv, void* stream);
+int mqa_byoc_combine_chunks(const void* o_part, const float* lse, void* out, int64_t out_head_stride, int n, int h,
+                            int d, int is_bf16, void* stream);
+
 // 1 when the kernel family (hdim in {32,64,96,128,192,256}) was linked in, else 0.
 int mqa_byoc_fa2_kernel_available(int hdim, int is_bf16, int causal, int split);
 

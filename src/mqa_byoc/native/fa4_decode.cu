@@ -4,7 +4,7 @@
 // its "splitkv" object (K/V var-len through cu_seqlens_k, the LSE written) computes every chunk as a
 // sequence of its own with the query repeated: n x H_kv tiles of packed query heads, about one per SM,
 // each reading only its chunk. A combine kernel then merges the n partial outputs by their LSEs.
-// Three launches: prepare (chunk offsets, repeated query), FA4, combine.
+// Three launches: prepare (chunk offsets, repeated query), FA4, combine (split_kv_combine.cu).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -32,37 +32,6 @@ __global__ void prepare(int32_t* cu, int n, int64_t chunk, int64_t s_kv, const T
   }
 }
 
-template <typename T>
-__device__ float to_float(T x);
-template <>
-__device__ float to_float<__half>(__half x) { return __half2float(x); }
-template <>
-__device__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T>
-__device__ T from_float(float x);
-template <>
-__device__ __half from_float<__half>(float x) { return __float2half(x); }
-template <>
-__device__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-
-// out[h, :] = sum_i w_i o_part[i, h, :] with w_i = exp(lse[i, h] - max) / sum exp(lse - max): one block
-// per head, one thread per element of the head dim. A chunk without keys has lse = -inf (weight 0).
-template <typename T>
-__global__ void combine(const T* o_part, const float* lse, T* out, int64_t out_head_stride, int n, int h, int d) {
-  const int head = blockIdx.x, col = threadIdx.x;
-  float m = -INFINITY;
-  for (int i = 0; i < n; ++i) m = fmaxf(m, lse[int64_t(i) * h + head]);
-  float total = 0.f, acc = 0.f;
-  if (m != -INFINITY) {
-    for (int i = 0; i < n; ++i) {
-      const float w = __expf(lse[int64_t(i) * h + head] - m);
-      total += w;
-      if (col < d) acc += w * to_float(o_part[(int64_t(i) * h + head) * d + col]);
-    }
-  }
-  if (col < d) out[head * out_head_stride + col] = from_float<T>(total > 0.f ? acc / total : 0.f);
-}
-
 DLTensor tensor(void* data, DLDataType dtype, int device_id, int ndim, int64_t* shape, int64_t* strides) {
   DLTensor t;
   t.data = data;
@@ -87,9 +56,11 @@ TVMFFIAny any_ptr(DLTensor* t) {
 
 extern "C" {
 
-// In fa2_dispatch.cc (fa2_dispatch.h): workspace pool and error message.
+// In fa2_dispatch.cc and split_kv_combine.cu (fa2_dispatch.h): workspace pool, error message, combine.
 int mqa_byoc_fa2_alloc_workspace(void** ws, size_t bytes, int device_id, void* stream);
 int mqa_byoc_fa2_fail(const char* message);
+int mqa_byoc_combine_chunks(const void* o_part, const float* lse, void* out, int64_t out_head_stride, int n, int h,
+                            int d, int is_bf16, void* stream);
 
 typedef int (*mqa_byoc_ffi_fn)(void* self, const TVMFFIAny* args, int32_t num_args, TVMFFIAny* result);
 
@@ -158,21 +129,14 @@ __attribute__((visibility("default"))) int mqa_byoc_fa4_decode(
   result.zero_padding = 0;
   result.v_int64 = 0;
   int rc = fa4(nullptr, args, 7, &result);
+  int combine_rc = 0;
   if (rc == 0) {
-    const int block = int((d + 31) / 32 * 32);
-    if (is_bf16) {
-      combine<__nv_bfloat16><<<int(h), block, 0, stream>>>(static_cast<const __nv_bfloat16*>(o_part), lse,
-                                                          static_cast<__nv_bfloat16*>(out), out_head_stride, n,
-                                                          int(h), int(d));
-    } else {
-      combine<__half><<<int(h), block, 0, stream>>>(static_cast<const __half*>(o_part), lse, static_cast<__half*>(out),
-                                                   out_head_stride, n, int(h), int(d));
-    }
+    combine_rc = mqa_byoc_combine_chunks(o_part, lse, out, out_head_stride, n, int(h), int(d), is_bf16, stream);
   }
   cudaFreeAsync(ws, stream);
   if (rc != 0) return -1;
   cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
+  if (combine_rc != 0 || err != cudaSuccess) {
     mqa_byoc_fa2_fail(cudaGetErrorString(err));
     return -2;
   }
