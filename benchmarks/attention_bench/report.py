@@ -53,6 +53,41 @@ def _cell_legend(mode):
         return ["ratio to FA2 direct", "attention TFLOP/s (cuBLAS column: the GEMM's own TFLOP/s)"]
     return ["ratio to FA2 direct", "K/V bytes per µs as % of the HBM peak"]
 
+KERNEL_VARIANTS = ("mqa-hopper", "mqa-native", "torch-sdpa-gqa", "fa2-direct", "mqa-native-fa2-combine",
+                   "mqa-hopper-fa4-decode")
+
+
+def kernel_time_section(recs):
+    """With ``run --kernel-time``: GPU kernel µs per call (CUPTI) of our providers vs cuDNN (SDPA), the
+    speedup over SDPA, and for decode the ratio to the HBM limit; fp32-reference numerics."""
+    by_case = {}
+    for r in recs:
+        if r.get("kernel_us") is not None:
+            by_case.setdefault(r["case"], {})[r["variant"]] = r
+    if not by_case:
+        return []
+    cols = [v for v in KERNEL_VARIANTS if any(v in c for c in by_case.values())]
+    lines = ["## GPU kernel time per call (CUPTI)", "",
+             "µs of every kernel one call launches, summed; `x SDPA`: SDPA's kernel time / ours (> 1: ours is "
+             "faster); decode: our kernel time / the HBM limit (K/V bytes at 4.8 TB/s); `fp32`: max |Δ| / max |ref| "
+             "against an fp32 reference (worst variant).", "",
+             "| case | " + " | ".join(f"`{v}`" for v in cols) + " | hopper x SDPA | native x SDPA | HBM limit x | fp32 |",
+             "|---|" + "---:|" * (len(cols) + 4)]
+    for case, vs in by_case.items():
+        sdpa = vs.get("torch-sdpa-gqa", {}).get("kernel_us")
+
+        def ratio(v):
+            k = vs.get(v, {}).get("kernel_us")
+            return f"{sdpa / k:.2f}" if (k and sdpa) else "–"
+
+        hbm = vs.get("mqa-hopper", vs.get("mqa-native", {})).get("kernel_hbm_limit_ratio")
+        errs = [r.get("rel_err_vs_fp32") for r in vs.values() if r.get("rel_err_vs_fp32") is not None]
+        lines.append(f"| {case} | " + " | ".join(_fmt_us(vs[v]["kernel_us"]) if v in vs else "–" for v in cols)
+                     + f" | {ratio('mqa-hopper')} | {ratio('mqa-native')} | {hbm if hbm is not None else '–'} | "
+                     + (f"{max(errs):.1e}" if errs else "–") + " |")
+    return lines + [""]
+
+
 def render_markdown(data, plots=()):
     """Markdown report of one run's JSON (``run``'s output)."""
     recs = [r for r in data["records"] if r.get("benchmark", "attention") == "attention"]
@@ -127,6 +162,7 @@ def render_markdown(data, plots=()):
             cells = " | ".join(format_cell(vs.get(v)) for v in variants)
             lines.append(f"| {shape}" + (f" ({model})" if model else "") + f" | {dt} | {label} | {cells} |")
         lines.append("")
+    lines += kernel_time_section(recs)
     notes = sorted({n for r in recs for n in (r.get("notes") or [])})
     if notes:
         lines += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
