@@ -16,11 +16,15 @@ cache's own pages. It keeps on TIR, with a reason (:func:`paged_kv_cache_report`
 
 Page size: FA2's split-KV kernel (the one that reads a block table) loads K/V tiles of kBlockN rows
 from one page, so the page size must be a multiple of kBlockN: 256 for head dim <= 64, 128 for
-<= 128, 64 for <= 256 (flash-attn's Python API asks for 256 for all). The cache's page size is
-normally a run-time value; a served entry called with another page size fails with a ValueError
-naming this rule. TVM's own TIR paged kernels are generated for page size 16 only (``page_size=16``
-in ``_attention_prefill`` / ``_attention_decode``), so a cache whose attention runs on FA2 uses a
-larger page size, and the entries kept on TIR (sliding window, tree attention) cannot run with it.
+<= 128, 64 for <= 256 (flash-attn's Python API asks for 256 for all; :func:`page_unit`). TVM 0.27
+generates its TIR cache kernels for page size 16 only (``page_size=16`` defaults of
+``_kv_cache_transpose_append``, ``_compact_kv_copy``, ``_attention_prefill`` / ``_decode``; the
+cache's run-time ``page_size`` must match them). So the pass also regenerates the append and the
+compaction kernels, with TVM's own generators, for the page size ``page_size`` (default: the unit
+of the cache's head dim), and the cache must then be created with that page size (a served entry
+called with a page size that is not a multiple of the unit fails with a ValueError naming the
+rule). The entries that stay on TIR (sliding window, tree attention) are generated for 16 and so
+cannot run in such a cache; the report says so.
 
 The pass attaches the wrappers' C++ to the module (``external_mods``); the exported library must be
 linked by :func:`mqa_byoc.export_library`, which adds the FA2 objects and ``native/fa2_paged.cu``.
@@ -43,6 +47,8 @@ CREATE = "vm.builtin.paged_attention_kv_cache_create"
 # positions in the create call (after the callee) of TVM 0.27's TIRPagedKVCache for GPU targets
 _ARG_SHAPES, _ARG_H, _ARG_HKV, _ARG_DQK, _ARG_DV, _ARG_KIND, _ARG_ROPE, _ARG_DTYPE = 0, 2, 3, 4, 5, 6, 8, 12
 _PAGE_SIZE = 3  # in the first ShapeExpr
+_ARG_APPEND, _ARG_COMPACT = 13, 27  # kv_cache_transpose_append, compact_kv_copy (page size 16 in TVM)
+_TVM_PAGE = 16  # the page size TVM 0.27's TIR cache kernels are generated for
 _ROPE_INLINE = 2  # RopeMode.INLINE
 _ATTN_MHA, _ATTN_MHA_SLIDING = 0, 3
 _KEPT = {
@@ -95,8 +101,8 @@ def _kernel_name(mod: tvm.IRModule, gv: relax.GlobalVar) -> str:
     return str(sym) if sym is not None else gv.name_hint
 
 
-def _cache_reason(args) -> tuple[PagedConfig | None, str | None]:
-    """The cache's geometry, or why none of its entries can run on FA2."""
+def _cache_reason(args, page_size=None) -> tuple[PagedConfig | None, str | None]:
+    """The cache's geometry, or why none of its entries can run on FA2 with pages of ``page_size``."""
     if len(args) < 25:
         return None, f"create call has {len(args)} arguments, not the layout of TVM 0.27's TIRPagedKVCache"
     h, hkv, dqk, dv = (_int(args[i]) for i in (_ARG_H, _ARG_HKV, _ARG_DQK, _ARG_DV))
@@ -116,17 +122,22 @@ def _cache_reason(args) -> tuple[PagedConfig | None, str | None]:
         return None, f"head dim {dqk}: FA2 needs a multiple of 8 up to {max(KERNEL_HEAD_DIMS)}"
     if hkv <= 0 or h % hkv:
         return None, f"H={h} is not a multiple of H_kv={hkv}"
-    page = _int(args[_ARG_SHAPES].values[_PAGE_SIZE]) if isinstance(args[_ARG_SHAPES], relax.ShapeExpr) else None
+    if not all(isinstance(args[i], relax.GlobalVar) for i in (_ARG_APPEND, _ARG_COMPACT)):
+        return None, "the append / compaction kernels are not PrimFuncs of this module (cannot change the page size)"
+    fixed = _int(args[_ARG_SHAPES].values[_PAGE_SIZE]) if isinstance(args[_ARG_SHAPES], relax.ShapeExpr) else None
+    if fixed is not None and page_size is not None and fixed != page_size:
+        return None, f"the create call fixes page size {fixed}, the pass was asked for {page_size}"
+    page = page_size if page_size is not None else fixed
     if page is not None and page % page_unit(dqk):
         return None, (f"page size {page} is not a multiple of {page_unit(dqk)} (FA2's split-KV tile for head dim "
                       f"{dqk} must lie in one page)")
-    return PagedConfig(h, hkv, dqk, dtype), None
+    return PagedConfig(h, hkv, dqk, dtype, page or page_unit(dqk)), None
 
 
-def _decide(mod, fname, call) -> list[tuple[int, PagedAttentionDecision]]:
+def _decide(mod, fname, call, page_size=None) -> list[tuple[int, PagedAttentionDecision]]:
     """``(argument index, decision)`` for each ``("tirx", GlobalVar)`` attention entry of ``call``."""
     args = list(call.args[1:])
-    cfg, cache_reason = _cache_reason(args)
+    cfg, cache_reason = _cache_reason(args, page_size)
     out = []
     for i, arg in enumerate(args):
         if not (isinstance(arg, relax.Tuple) and len(arg.fields) == 2):
@@ -142,11 +153,13 @@ def _decide(mod, fname, call) -> list[tuple[int, PagedAttentionDecision]]:
         kind = KINDS.get(kernel)
         if kind is None:
             reason = _KEPT.get(kernel, f"{kernel} is not an attention kernel FA2 serves")
+            if cfg is not None and cfg.page_size != _TVM_PAGE:
+                reason += f"; TVM generates it for page size {_TVM_PAGE}, so it cannot run with pages of {cfg.page_size}"
             out.append((i, PagedAttentionDecision(fname, kernel, False, None, reason)))
         elif cache_reason is not None:
             out.append((i, PagedAttentionDecision(fname, kernel, False, None, cache_reason)))
         else:
-            note = None if kind == "ragged" else f"page size must be a multiple of {page_unit(cfg.head_dim)} at run time"
+            note = f"create the cache with page_size={cfg.page_size}"
             out.append((i, PagedAttentionDecision(fname, kernel, True, cfg.symbol(kind), None, note)))
     return out
 
@@ -160,8 +173,8 @@ def _create_calls(mod: tvm.IRModule):
                 yield gv.name_hint, call
 
 
-def paged_kv_cache_report(mod: tvm.IRModule) -> list[PagedAttentionDecision]:
-    """What :class:`UseFlashAttentionForPagedKVCache` does with every paged-cache attention entry.
+def paged_kv_cache_report(mod: tvm.IRModule, page_size: int | None = None) -> list[PagedAttentionDecision]:
+    """What ``UseFlashAttentionForPagedKVCache(page_size)`` does with every paged-cache attention entry.
 
     Returns
     -------
@@ -174,7 +187,7 @@ def paged_kv_cache_report(mod: tvm.IRModule) -> list[PagedAttentionDecision]:
         When ``mod`` is not an IRModule.
     """
     analysis.require_module(mod, "paged_kv_cache_report")
-    return [d for fname, call in _create_calls(mod) for _, d in _decide(mod, fname, call)]
+    return [d for fname, call in _create_calls(mod) for _, d in _decide(mod, fname, call, page_size)]
 
 
 def format_paged_report(decisions) -> str:
@@ -188,12 +201,23 @@ def format_paged_report(decisions) -> str:
     return "\n".join(lines)
 
 
+def _page_kernels(cfg: PagedConfig, target):
+    """TVM's append and compaction PrimFuncs regenerated for ``cfg.page_size`` (TVM's own generators)."""
+    from tvm.relax.frontend.nn.llm.kv_cache import _compact_kv_copy, _kv_cache_transpose_append
+
+    append = _kv_cache_transpose_append(cfg.num_kv_heads, cfg.head_dim, cfg.dtype, page_size=cfg.page_size)
+    compact = _compact_kv_copy(cfg.num_kv_heads, cfg.head_dim, cfg.dtype, target, page_size=cfg.page_size)
+    return append, compact
+
+
 @mutator
 class _Rewriter(PyExprMutator):
-    def __init__(self, mod, fname):
+    """Swaps the served entries of each create call for ExternFuncs and its page-size kernels for
+    ``page_gvs[cfg]``; records what it served in ``served``."""
+
+    def __init__(self, mod, fname, page_size, page_gvs):
         super().__init__(mod)
-        self.mod_ = mod
-        self.fname = fname
+        self.mod_, self.fname, self.page_size, self.page_gvs = mod, fname, page_size, page_gvs
         self.served: dict[PagedConfig, set[str]] = {}
 
     def visit_call_(self, call):
@@ -201,12 +225,13 @@ class _Rewriter(PyExprMutator):
         if not _is_create_call(call):
             return call
         args = list(call.args)
-        for i, d in _decide(self.mod_, self.fname, call):
-            if d.offloaded:
-                cfg, _ = _cache_reason(args[1:])
+        cfg, _ = _cache_reason(args[1:], self.page_size)
+        for i, d in _decide(self.mod_, self.fname, call, self.page_size):
+            if d.offloaded and d.note != "already rewritten":
                 self.served.setdefault(cfg, set()).add(KINDS[d.kernel])
-                tag = args[i + 1].fields[0]
-                args[i + 1] = relax.Tuple([tag, relax.ExternFunc(d.symbol)])
+                args[i + 1] = relax.Tuple([args[i + 1].fields[0], relax.ExternFunc(d.symbol)])
+        if cfg in self.served:
+            args[_ARG_APPEND + 1], args[_ARG_COMPACT + 1] = self.page_gvs[cfg]
         return relax.Call(call.op, args, call.attrs, call.ty_args, call.span)
 
 
@@ -222,38 +247,59 @@ def _used_global_vars(mod: tvm.IRModule) -> set:
 class UseFlashAttentionForPagedKVCache:
     """Run the attention of TVM's PagedKVCache (prefill, decode, ragged prefill) on FA2.
 
+    Parameters
+    ----------
+    page_size : int, optional
+        Page size of the caches (a multiple of :func:`page_unit` of the head dim); default: the
+        create call's constant, else the unit. Create the cache with this page size at run time.
+    target : Target, optional
+        For the regenerated compaction kernel; default the current target, else cuda sm_90.
+
     See the module docstring for what is served and what stays on TIR;
     :func:`paged_kv_cache_report` says it per entry. Export the built module with
     :func:`mqa_byoc.export_library`.
     """
 
+    def __init__(self, page_size: int | None = None, target=None):
+        if page_size is not None and (not isinstance(page_size, int) or page_size <= 0):
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        self.page_size = page_size
+        self.target = target
+
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         analysis.require_module(mod, "UseFlashAttentionForPagedKVCache")
-        served: dict[PagedConfig, set[str]] = {}
+        target = (self.target or tvm.target.Target.current(allow_none=True)
+                  or tvm.target.Target({"kind": "cuda", "arch": "sm_90"}))
+        page_gvs: dict[PagedConfig, tuple] = {}
         replaced = set()
+        for fname, call in list(_create_calls(mod)):
+            for i, d in _decide(mod, fname, call, self.page_size):
+                if d.offloaded and d.note != "already rewritten":
+                    cfg, _ = _cache_reason(list(call.args[1:]), self.page_size)
+                    replaced.update([call.args[i + 1].fields[1], call.args[_ARG_APPEND + 1], call.args[_ARG_COMPACT + 1]])
+                    if cfg not in page_gvs:
+                        gvs = []
+                        for name, func in zip(("kv_cache_transpose_append", "kv_cache_compact_kv_copy"),
+                                              _page_kernels(cfg, target)):
+                            gv = relax.GlobalVar(f"{name}_{cfg.tag}")
+                            mod[gv] = func.with_attr("global_symbol", gv.name_hint)
+                            gvs.append(gv)
+                        page_gvs[cfg] = tuple(gvs)
+        served: dict[PagedConfig, set[str]] = {}
         for gv, func in list(mod.functions.items()):
-            if not isinstance(func, relax.Function):
-                continue
-            calls = []
-            relax.analysis.post_order_visit(func.body, lambda e: calls.append(e) if _is_create_call(e) else None)
-            if not calls:
-                continue
-            for call in calls:
-                for i, d in _decide(mod, gv.name_hint, call):
-                    if d.offloaded:
-                        replaced.add(call.args[i + 1].fields[1])
-            rw = _Rewriter(mod, gv.name_hint)
-            mod[gv] = rw.visit_expr(func)
-            for cfg, kinds in rw.served.items():
-                served.setdefault(cfg, set()).update(kinds)
+            if isinstance(func, relax.Function):
+                rw = _Rewriter(mod, gv.name_hint, self.page_size, page_gvs)
+                new = rw.visit_expr(func)
+                if rw.served:
+                    mod[gv] = new
+                for cfg, kinds in rw.served.items():
+                    served.setdefault(cfg, set()).update(kinds)
         if not served:
             return mod
-        used = _used_global_vars(mod)
-        for gv in replaced - used:
+        for gv in replaced - _used_global_vars(mod):
             del mod[gv]
         ext = list((mod.attrs or {}).get("external_mods", []))
         create = tvm.get_global_func("runtime.CSourceModuleCreate")
         for cfg, kinds in sorted(served.items(), key=lambda kv: kv[0].tag):
-            code = emit_paged_source(cfg, kinds)
-            ext.append(create(code, "cc", [cfg.symbol(k) for k in sorted(kinds)], []))
+            ext.append(create(emit_paged_source(cfg, kinds), "cc", [cfg.symbol(k) for k in sorted(kinds)], []))
         return mod.with_attr("external_mods", ext)

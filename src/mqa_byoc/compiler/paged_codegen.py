@@ -44,13 +44,14 @@ class PagedConfig:
     num_kv_heads: int
     head_dim: int
     dtype: str
+    page_size: int  # the cache's page size (the wrappers check it)
 
     @property
     def tag(self) -> str:
-        return f"h{self.num_q_heads}kv{self.num_kv_heads}d{self.head_dim}_{_DTYPES[self.dtype][0]}"
+        return f"h{self.num_q_heads}kv{self.num_kv_heads}d{self.head_dim}p{self.page_size}_{_DTYPES[self.dtype][0]}"
 
     def symbol(self, kind: str) -> str:
-        """The exported name of the ``kind`` entry (``mqa_byoc_paged_decode_h64kv8d128_fp16``)."""
+        """The exported name of the ``kind`` entry (``mqa_byoc_paged_decode_h64kv8d128p128_fp16``)."""
         return f"mqa_byoc_paged_{kind}_{self.tag}"
 
     def kernel_keys(self, kinds=tuple(_FAMILIES)) -> tuple[KernelKey, ...]:
@@ -68,7 +69,7 @@ def emit_paged_source(cfg: PagedConfig, kinds) -> str:
     for kind in sorted(set(kinds)):
         body += _BODIES[kind].replace("@SYMBOL@", cfg.symbol(kind))
     fields = {"@MARKER@": marker_line(cfg.kernel_keys(kinds)), "@PAGED@": PAGED_MARKER, "@H@": str(cfg.num_q_heads),
-              "@HKV@": str(cfg.num_kv_heads), "@D@": str(cfg.head_dim), "@DTYPE_CODE@": code,
+              "@HKV@": str(cfg.num_kv_heads), "@D@": str(cfg.head_dim), "@PAGE@": str(cfg.page_size), "@DTYPE_CODE@": code,
               "@DTYPE_NAME@": cfg.dtype, "@IS_BF16@": str(is_bf16), "@TAG@": cfg.tag}
     for key, value in fields.items():
         body = body.replace(key, value)
@@ -101,7 +102,7 @@ extern "C" __attribute__((weak)) const char* mqa_byoc_fa2_paged_last_error(void)
 
 namespace {
 namespace paged_@TAG@ {
-constexpr int64_t kHeads = @H@, kKvHeads = @HKV@, kHeadDim = @D@;
+constexpr int64_t kHeads = @H@, kKvHeads = @HKV@, kHeadDim = @D@, kPageSize = @PAGE@;
 constexpr int kIsBf16 = @IS_BF16@;
 
 template <typename T>
@@ -179,6 +180,10 @@ int paged(const char* sym, DLTensor* q, DLTensor* qo_indptr, DLTensor* pages, DL
                               << kHeadDim << ")";
   }
   need(pages->dtype.code == q->dtype.code && pages->dtype.bits == 16, sym, "pages must have q's dtype");
+  if (pages->shape[3] != kPageSize) {
+    TVM_FFI_THROW(ValueError) << sym << ": the cache has pages of " << pages->shape[3] << " tokens; this module "
+                              << "was compiled (UseFlashAttentionForPagedKVCache) for page_size=" << kPageSize;
+  }
   check_i32(page_indptr, sym, "page_indptr");
   check_i32(page_values, sym, "page_values");
   if (length_info->ndim != 1) {
