@@ -268,6 +268,7 @@ class UseFlashAttentionForPagedKVCache:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         analysis.require_module(mod, "UseFlashAttentionForPagedKVCache")
+        mod = mod.clone()  # the edits below are in place; the caller's module stays as it was
         target = (self.target or tvm.target.Target.current(allow_none=True)
                   or tvm.target.Target({"kind": "cuda", "arch": "sm_90"}))
         page_gvs: dict[PagedConfig, tuple] = {}
@@ -278,13 +279,12 @@ class UseFlashAttentionForPagedKVCache:
                     cfg, _ = _cache_reason(list(call.args[1:]), self.page_size)
                     replaced.update([call.args[i + 1].fields[1], call.args[_ARG_APPEND + 1], call.args[_ARG_COMPACT + 1]])
                     if cfg not in page_gvs:
-                        gvs = []
-                        for name, func in zip(("kv_cache_transpose_append", "kv_cache_compact_kv_copy"),
-                                              _page_kernels(cfg, target)):
-                            gv = relax.GlobalVar(f"{name}_{cfg.tag}")
-                            mod[gv] = func.with_attr("global_symbol", gv.name_hint)
-                            gvs.append(gv)
-                        page_gvs[cfg] = tuple(gvs)
+                        bb = relax.BlockBuilder(mod)  # add_func gives the GlobalVars their types
+                        page_gvs[cfg] = tuple(
+                            bb.add_func(func.with_attr("global_symbol", f"{name}_{cfg.tag}"), f"{name}_{cfg.tag}")
+                            for name, func in zip(("kv_cache_transpose_append", "kv_cache_compact_kv_copy"),
+                                                  _page_kernels(cfg, target)))
+                        mod = bb.get()
         served: dict[PagedConfig, set[str]] = {}
         for gv, func in list(mod.functions.items()):
             if isinstance(func, relax.Function):

@@ -136,8 +136,9 @@ def export_paged_llama(c: PagedLlamaConfig, target=None):
             "support_sliding_window": int, "$": {"param_mode": "none", "effect_mode": "none"},
         },
     }
-    for name in ("prefill", "decode", "attend"):
+    for name in ("prefill", "decode"):
         spec[name]["$"] = {"param_mode": "packed", "effect_mode": "none"}
+    spec["attend"]["$"] = {"param_mode": "none", "effect_mode": "none"}
     model = PagedLlama(c)
     model.to(c.dtype)
     with target:
