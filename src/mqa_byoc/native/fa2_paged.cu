@@ -119,6 +119,20 @@ int num_splits(int64_t work, int sms, int n_blocks) {
   return 1;
 }
 
+// The per-element rules of the two bridging kernels, shared with their host twins below (which the
+// CPU tests check against NumPy): one copy of each fact.
+//
+// A sequence's K/V length from its page count and last-page length (TVM's _get_kv_chunk_len).
+__host__ __device__ inline int32_t kv_length(int32_t n_pages, int32_t page_size, int32_t last_page_len) {
+  return n_pages > 0 ? (n_pages - 1) * page_size + last_page_len : 0;
+}
+
+// FA2's natural-log LSE -> TVM's base-2 LSE. FA2 marks a row without keys with +inf; TVM's kernels
+// write -5e4 there (so its merge of attention states gives that part no weight).
+__host__ __device__ inline float lse_base2(float v) {
+  return (isinf(v) || isnan(v)) ? -5e4f : v * 1.4426950408889634f;  // log2(e)
+}
+
 // CSR page list -> padded block table (batch, stride) and per-sequence K/V lengths. One CTA per
 // sequence; entries past a sequence's pages are never read (FA2 stops at its K length).
 __global__ void csr_to_block_table(const int32_t* __restrict__ page_indptr,
@@ -128,19 +142,15 @@ __global__ void csr_to_block_table(const int32_t* __restrict__ page_indptr,
   const int b = blockIdx.x;
   const int start = page_indptr[b], n = page_indptr[b + 1] - start;
   for (int i = threadIdx.x; i < n; i += blockDim.x) table[int64_t(b) * stride + i] = page_values[start + i];
-  if (threadIdx.x == 0) seqlens_k[b] = n > 0 ? (n - 1) * page_size + last_page_len[b] : 0;
+  if (threadIdx.x == 0) seqlens_k[b] = kv_length(n, page_size, last_page_len[b]);
 }
 
-// FA2's natural-log LSE (element (r, h) at r * row_stride + h * head_stride) -> TVM's base-2 LSE,
-// compact (rows, heads). FA2 marks a row without keys with +inf; TVM's kernels write -5e4 there
-// (so its merge of attention states gives that part no weight).
+// LSE element (r, h) at r * row_stride + h * head_stride -> compact (rows, heads), base 2.
 __global__ void lse_to_base2(const float* __restrict__ in, int64_t rows, int heads, int64_t row_stride,
                              int64_t head_stride, float* __restrict__ out) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * heads) return;
-  const int64_t r = i / heads, h = i % heads;
-  const float v = in[r * row_stride + h * head_stride];
-  out[i] = (isinf(v) || isnan(v)) ? -5e4f : v * 1.4426950408889634f;  // log2(e)
+  out[i] = lse_base2(in[(i / heads) * row_stride + (i % heads) * head_stride]);
 }
 
 struct Workspace {
@@ -227,6 +237,24 @@ struct DeviceGuard {
 }  // namespace
 
 extern "C" const char* mqa_byoc_fa2_paged_last_error(void) { return g_error.c_str(); }
+
+// Host twins of the two bridging kernels (same per-element rules), for the CPU tests (exported so
+// that a test can load them with ctypes).
+#define MQA_BYOC_PAGED_EXPORT __attribute__((visibility("default")))
+extern "C" MQA_BYOC_PAGED_EXPORT void mqa_byoc_fa2_paged_host_block_table(const int32_t* page_indptr, const int32_t* page_values,
+                                                    const int32_t* last_page_len, int64_t batch, int page_size,
+                                                    int stride, int32_t* table, int32_t* seqlens_k) {
+  for (int64_t b = 0; b < batch; ++b) {
+    const int start = page_indptr[b], n = page_indptr[b + 1] - start;
+    for (int i = 0; i < n; ++i) table[b * stride + i] = page_values[start + i];
+    seqlens_k[b] = kv_length(n, page_size, last_page_len[b]);
+  }
+}
+
+extern "C" MQA_BYOC_PAGED_EXPORT void mqa_byoc_fa2_paged_host_lse(const float* in, int64_t rows, int heads, int64_t row_stride,
+                                            int64_t head_stride, float* out) {
+  for (int64_t i = 0; i < rows * heads; ++i) out[i] = lse_base2(in[(i / heads) * row_stride + (i % heads) * head_stride]);
+}
 
 extern "C" int mqa_byoc_fa2_paged_page_unit(int64_t head_dim) {
   const int hd = kernel_hdim(head_dim);

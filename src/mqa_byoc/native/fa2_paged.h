@@ -43,6 +43,15 @@ int mqa_byoc_fa2_ragged_forward(const void* q, const void* k, const void* v, voi
 // d <= 128, 64 for d <= 256); -1 for a head dim FA2 has no kernel for.
 int mqa_byoc_fa2_paged_page_unit(int64_t head_dim);
 
+// Host twins of the two bridging kernels (same per-element rules; for the CPU tests):
+//   CSR page list -> table (batch, stride) (entries past a sequence's pages untouched) and K/V lengths;
+//   FA2 LSE (element (r, h) at r * row_stride + h * head_stride, natural log) -> compact base-2 LSE.
+void mqa_byoc_fa2_paged_host_block_table(const int32_t* page_indptr, const int32_t* page_values,
+                                         const int32_t* last_page_len, int64_t batch, int page_size,
+                                         int stride, int32_t* table, int32_t* seqlens_k);
+void mqa_byoc_fa2_paged_host_lse(const float* in, int64_t rows, int heads, int64_t row_stride,
+                                 int64_t head_stride, float* out);
+
 // The message of this thread's last failed call above ("" if none).
 const char* mqa_byoc_fa2_paged_last_error(void);
 
