@@ -52,13 +52,18 @@ def test_block_table_and_lengths_match_numpy(lib):
     stride = int(indptr[-1])
     table = np.full((len(lengths), stride), -7, np.int32)
     seqlens = np.zeros(len(lengths), np.int32)
+    empty = np.full(len(lengths), -1, np.int32)
     lib.mqa_byoc_fa2_paged_host_block_table(_p(indptr, ctypes.c_int32), _p(values, ctypes.c_int32),
                                             _p(last, ctypes.c_int32), ctypes.c_int64(len(lengths)),
                                             ctypes.c_int(page), ctypes.c_int(stride),
-                                            _p(table, ctypes.c_int32), _p(seqlens, ctypes.c_int32))
-    np.testing.assert_array_equal(seqlens, lengths)
+                                            _p(table, ctypes.c_int32), _p(seqlens, ctypes.c_int32),
+                                            _p(empty, ctypes.c_int32))
+    lengths = np.array(lengths)
+    np.testing.assert_array_equal(empty, lengths == 0)
+    # a sequence without K/V reads one key of page 0 (its rows are zeroed afterwards): FA2 never sees 0 keys
+    np.testing.assert_array_equal(seqlens, np.where(lengths == 0, 1, lengths))
     for b in range(len(lengths)):
-        row = values[indptr[b]:indptr[b + 1]]
+        row = values[indptr[b]:indptr[b + 1]] if lengths[b] else np.array([0], np.int32)
         np.testing.assert_array_equal(table[b, :len(row)], row)
         assert (table[b, len(row):] == -7).all()  # padding is never written (nor read by FA2)
 

@@ -10,6 +10,8 @@
 
 #include "fa2_paged.h"
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -133,24 +135,55 @@ __host__ __device__ inline float lse_base2(float v) {
   return (isinf(v) || isnan(v)) ? -5e4f : v * 1.4426950408889634f;  // log2(e)
 }
 
-// CSR page list -> padded block table (batch, stride) and per-sequence K/V lengths. One CTA per
-// sequence; entries past a sequence's pages are never read (FA2 stops at its K length).
+// CSR page list -> padded block table (batch, stride), per-sequence K/V lengths and "no K/V" flags.
+// One CTA per sequence; entries past a sequence's pages are never read (FA2 stops at its K length).
+// A sequence without pages is given one key of page 0 and flagged: FA2's split kernel, on a sequence
+// without keys, writes its LSE at padded offsets (it ignores unpadded_lse on that early exit), outside
+// our var-len LSE buffer; finish_rows then zeroes those rows' output and gives them TVM's empty LSE.
 __global__ void csr_to_block_table(const int32_t* __restrict__ page_indptr,
                                    const int32_t* __restrict__ page_values,
-                                   const int32_t* __restrict__ last_page_len, int page_size,
-                                   int stride, int32_t* __restrict__ table, int32_t* __restrict__ seqlens_k) {
+                                   const int32_t* __restrict__ last_page_len, int page_size, int stride,
+                                   int32_t* __restrict__ table, int32_t* __restrict__ seqlens_k,
+                                   int32_t* __restrict__ empty) {
   const int b = blockIdx.x;
   const int start = page_indptr[b], n = page_indptr[b + 1] - start;
   for (int i = threadIdx.x; i < n; i += blockDim.x) table[int64_t(b) * stride + i] = page_values[start + i];
-  if (threadIdx.x == 0) seqlens_k[b] = kv_length(n, page_size, last_page_len[b]);
+  if (threadIdx.x == 0) {
+    const int32_t len = kv_length(n, page_size, last_page_len[b]);
+    empty[b] = len == 0;
+    seqlens_k[b] = len == 0 ? 1 : len;
+    if (n == 0) table[int64_t(b) * stride] = 0;
+  }
 }
 
-// LSE element (r, h) at r * row_stride + h * head_stride -> compact (rows, heads), base 2.
-__global__ void lse_to_base2(const float* __restrict__ in, int64_t rows, int heads, int64_t row_stride,
-                             int64_t head_stride, float* __restrict__ out) {
+// The sequence of row r: r itself for decode (qo_indptr null), else the b with indptr[b] <= r < indptr[b+1].
+__device__ inline int seq_of_row(const int32_t* __restrict__ qo_indptr, int batch, int64_t r) {
+  if (qo_indptr == nullptr) return int(r);
+  int lo = 0, hi = batch - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (qo_indptr[mid] <= r) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// LSE element (r, h) at r * row_stride + h * head_stride -> TVM's compact (rows, heads), base 2; rows of
+// a sequence flagged empty get TVM's empty LSE and a zero output row (out: row / head strides, D elements).
+template <typename T>
+__global__ void finish_rows(const float* __restrict__ in, int64_t rows, int heads, int64_t row_stride,
+                            int64_t head_stride, float* __restrict__ lse, const int32_t* __restrict__ empty,
+                            const int32_t* __restrict__ qo_indptr, int batch, T* __restrict__ out,
+                            int64_t o_row_stride, int64_t o_head_stride, int head_dim) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * heads) return;
-  out[i] = lse_base2(in[(i / heads) * row_stride + (i % heads) * head_stride]);
+  const int64_t r = i / heads, h = i % heads;
+  if (empty != nullptr && empty[seq_of_row(qo_indptr, batch, r)]) {
+    lse[i] = lse_base2(INFINITY);
+    T* o = out + r * o_row_stride + h * o_head_stride;
+    for (int d = 0; d < head_dim; ++d) o[d] = T(0.f);
+    return;
+  }
+  lse[i] = lse_base2(in[r * row_stride + h * head_stride]);
 }
 
 struct Workspace {
@@ -208,11 +241,22 @@ int launch(EntryFn fn, Params* p, cudaStream_t stream, const std::string& what) 
   return err == cudaSuccess ? 0 : fail(what + " launch failed: " + cudaGetErrorString(err));
 }
 
-int convert_lse(const float* in, int64_t rows, int64_t heads, int64_t row_stride, int64_t head_stride,
-                float* out, cudaStream_t stream) {
+// Launches finish_rows for this call's rows (empty / qo_indptr null: no sequence without keys / decode).
+int finish(const float* in, int64_t rows, int64_t heads, int64_t row_stride, int64_t head_stride, float* lse,
+           const int32_t* empty, const int32_t* qo_indptr, int64_t batch, void* out, const int64_t* o_stride,
+           int64_t head_dim, int is_bf16, cudaStream_t stream) {
   const int64_t n = rows * heads;
   if (n == 0) return 0;
-  lse_to_base2<<<unsigned((n + 255) / 256), 256, 0, stream>>>(in, rows, int(heads), row_stride, head_stride, out);
+  const unsigned grid = unsigned((n + 255) / 256);
+  if (is_bf16) {
+    finish_rows<__nv_bfloat16><<<grid, 256, 0, stream>>>(in, rows, int(heads), row_stride, head_stride, lse, empty,
+                                                         qo_indptr, int(batch), static_cast<__nv_bfloat16*>(out),
+                                                         o_stride[0], o_stride[1], int(head_dim));
+  } else {
+    finish_rows<__half><<<grid, 256, 0, stream>>>(in, rows, int(heads), row_stride, head_stride, lse, empty, qo_indptr,
+                                                  int(batch), static_cast<__half*>(out), o_stride[0], o_stride[1],
+                                                  int(head_dim));
+  }
   cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? 0 : fail(std::string("LSE conversion launch failed: ") + cudaGetErrorString(err));
 }
@@ -241,13 +285,16 @@ extern "C" const char* mqa_byoc_fa2_paged_last_error(void) { return g_error.c_st
 // Host twins of the two bridging kernels (same per-element rules), for the CPU tests (exported so
 // that a test can load them with ctypes).
 #define MQA_BYOC_PAGED_EXPORT __attribute__((visibility("default")))
-extern "C" MQA_BYOC_PAGED_EXPORT void mqa_byoc_fa2_paged_host_block_table(const int32_t* page_indptr, const int32_t* page_values,
-                                                    const int32_t* last_page_len, int64_t batch, int page_size,
-                                                    int stride, int32_t* table, int32_t* seqlens_k) {
+extern "C" MQA_BYOC_PAGED_EXPORT void mqa_byoc_fa2_paged_host_block_table(
+    const int32_t* page_indptr, const int32_t* page_values, const int32_t* last_page_len, int64_t batch,
+    int page_size, int stride, int32_t* table, int32_t* seqlens_k, int32_t* empty) {
   for (int64_t b = 0; b < batch; ++b) {
     const int start = page_indptr[b], n = page_indptr[b + 1] - start;
     for (int i = 0; i < n; ++i) table[b * stride + i] = page_values[start + i];
-    seqlens_k[b] = kv_length(n, page_size, last_page_len[b]);
+    const int32_t len = kv_length(n, page_size, last_page_len[b]);
+    empty[b] = len == 0;
+    seqlens_k[b] = len == 0 ? 1 : len;
+    if (n == 0) table[b * stride] = 0;
   }
 }
 
@@ -282,7 +329,8 @@ extern "C" int mqa_byoc_fa2_paged_forward(const void* q, const int32_t* qo_indpt
   if (q_stride[2] != 1 || o_stride[2] != 1 || page_stride[4] != 1) return fail("q, out and pages need a contiguous head-dim axis");
   if (qo_indptr == nullptr && total_q != batch) return fail("decode needs one query row per sequence");
   if (batch == 0 || total_q == 0) return 0;
-  if (nnz_pages <= 0 || nnz_pages * page_size > INT_MAX) return fail("bad page count " + std::to_string(nnz_pages));
+  if (nnz_pages < 0 || nnz_pages * page_size > INT_MAX) return fail("bad page count " + std::to_string(nnz_pages));
+  const int64_t stride = std::max<int64_t>(nnz_pages, 1);  // a sequence has at most all the pages (or one fake)
 
   cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
   DeviceGuard guard;
@@ -300,7 +348,7 @@ extern "C" int mqa_byoc_fa2_paged_forward(const void* q, const int32_t* qo_indpt
   const bool swap = decode && g > 1;
   const int64_t h = swap ? num_heads_k : num_heads;
   const int64_t sq = decode ? (swap ? g : 1) : total_q;  // total_q bounds every sequence's rows
-  const int64_t seqlen_k_bound = nnz_pages * page_size;   // bounds every sequence's K length
+  const int64_t seqlen_k_bound = stride * page_size;      // bounds every sequence's K length
 
   Params p{};
   fill_common(p, is_bf16, batch, h, num_heads_k, sq, seqlen_k_bound, head_dim, softmax_scale, is_causal);
@@ -330,7 +378,7 @@ extern "C" int mqa_byoc_fa2_paged_forward(const void* q, const int32_t* qo_indpt
   p.k_head_stride = p.v_head_stride = page_stride[2];
   p.k_row_stride = p.v_row_stride = page_stride[3];
   p.page_block_size = int(page_size);
-  p.block_table_batch_stride = nnz_pages;  // a sequence has at most all the pages
+  p.block_table_batch_stride = stride;
   p.is_seqlens_k_cumulative = false;       // cu_seqlens_k holds each sequence's K length
 
   const int n_blocks = int((seqlen_k_bound + unit - 1) / unit);
@@ -340,8 +388,8 @@ extern "C" int mqa_byoc_fa2_paged_forward(const void* q, const int32_t* qo_indpt
   p.num_splits = splits;
 
   const size_t rows = size_t(batch) * size_t(h) * size_t(sq);
-  const size_t table_bytes = align256(size_t(batch) * size_t(nnz_pages) * 4);
-  const size_t seqlen_bytes = align256(size_t(batch) * 4);
+  const size_t table_bytes = align256(size_t(batch) * size_t(stride) * 4);
+  const size_t seqlen_bytes = align256(size_t(batch) * 4) * 2;  // K lengths, then the "no K/V" flags
   const size_t lse_bytes = align256(rows * 4);
   const size_t lse_acc_bytes = splits > 1 ? align256(size_t(splits) * rows * 4) : 0;
   const size_t o_acc_bytes = splits > 1 ? align256(size_t(splits) * rows * size_t(p.d_rounded) * 4) : 0;
@@ -356,6 +404,7 @@ extern "C" int mqa_byoc_fa2_paged_forward(const void* q, const int32_t* qo_indpt
   char* w = static_cast<char*>(ws.ptr);
   int32_t* table = reinterpret_cast<int32_t*>(w);
   int32_t* seqlens_k = reinterpret_cast<int32_t*>(w + table_bytes);
+  int32_t* empty = seqlens_k + seqlen_bytes / 8;
   float* lse_nat = reinterpret_cast<float*>(w + table_bytes + seqlen_bytes);
   p.block_table = table;
   p.cu_seqlens_k = seqlens_k;
@@ -366,12 +415,14 @@ extern "C" int mqa_byoc_fa2_paged_forward(const void* q, const int32_t* qo_indpt
   }
 
   csr_to_block_table<<<unsigned(batch), 128, 0, stream>>>(page_indptr, page_values, last_page_len, int(page_size),
-                                                          int(nnz_pages), table, seqlens_k);
+                                                          int(stride), table, seqlens_k, empty);
   if ((err = cudaGetLastError()) != cudaSuccess) return fail(std::string("block table launch failed: ") + cudaGetErrorString(err));
   if (int rc = launch(e->split, &p, stream, "FA2 paged " + family(hdim, is_bf16, is_causal, true))) return rc;
   // LSE: decode writes (B, h, sq) = (B, H) row-major (also when swapped); prefill (H, total_q).
-  return decode ? convert_lse(lse_nat, batch, num_heads, num_heads, 1, lse, stream)
-                : convert_lse(lse_nat, total_q, num_heads, 1, total_q, lse, stream);
+  return decode ? finish(lse_nat, batch, num_heads, num_heads, 1, lse, empty, nullptr, batch, out, o_stride, head_dim,
+                         is_bf16, stream)
+                : finish(lse_nat, total_q, num_heads, 1, total_q, lse, empty, qo_indptr, batch, out, o_stride, head_dim,
+                         is_bf16, stream);
 }
 
 extern "C" int mqa_byoc_fa2_ragged_forward(const void* q, const void* k, const void* v, void* out, float* lse,
@@ -430,5 +481,6 @@ extern "C" int mqa_byoc_fa2_ragged_forward(const void* q, const void* k, const v
   }
   p.softmax_lse_ptr = ws.ptr;
   if (int rc = launch(fn, &p, stream, "FA2 ragged " + family(hdim, is_bf16, is_causal, false))) return rc;
-  return convert_lse(static_cast<const float*>(ws.ptr), total_q, num_heads, 1, total_q, lse, stream);
+  return finish(static_cast<const float*>(ws.ptr), total_q, num_heads, 1, total_q, lse, nullptr, qo_indptr, batch,
+                out, o_stride, head_dim, is_bf16, stream);
 }

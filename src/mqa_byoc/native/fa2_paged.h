@@ -17,8 +17,9 @@ extern "C" {
 //   page_indptr (batch + 1), page_values (nnz_pages), last_page_len (batch): device int32, TVM's CSR
 //     page list; a sequence's K/V length is (its pages - 1) * page_size + last_page_len (0 without pages).
 //   lse: device float32 (total_q, H), compact; receives TVM's base-2 log-sum-exp of the scaled scores
-//     (-5e4, TVM's own "empty" value, for a row without keys).
-//   causal: bottom-right aligned per sequence (TVM's and FA2's rule alike).
+//     (-5e4, TVM's own "empty" value, and a zero output row, for a sequence without K/V).
+//   causal: bottom-right aligned per sequence (TVM's and FA2's rule alike); it needs every sequence's
+//     K/V length >= its query rows (TVM appends before a causal paged attention, so it always is).
 //   page_size must be a multiple of mqa_byoc_fa2_paged_page_unit(head_dim) (FA2 reads a K/V tile of
 //   that many rows from one page).
 // Returns 0, or nonzero with mqa_byoc_fa2_paged_last_error().
@@ -44,11 +45,12 @@ int mqa_byoc_fa2_ragged_forward(const void* q, const void* k, const void* v, voi
 int mqa_byoc_fa2_paged_page_unit(int64_t head_dim);
 
 // Host twins of the two bridging kernels (same per-element rules; for the CPU tests):
-//   CSR page list -> table (batch, stride) (entries past a sequence's pages untouched) and K/V lengths;
+//   CSR page list -> table (batch, stride) (entries past a sequence's pages untouched), K/V lengths and
+//   "no K/V" flags (such a sequence gets one key of page 0; its rows are zeroed afterwards);
 //   FA2 LSE (element (r, h) at r * row_stride + h * head_stride, natural log) -> compact base-2 LSE.
 void mqa_byoc_fa2_paged_host_block_table(const int32_t* page_indptr, const int32_t* page_values,
                                          const int32_t* last_page_len, int64_t batch, int page_size,
-                                         int stride, int32_t* table, int32_t* seqlens_k);
+                                         int stride, int32_t* table, int32_t* seqlens_k, int32_t* empty);
 void mqa_byoc_fa2_paged_host_lse(const float* in, int64_t rows, int heads, int64_t row_stride,
                                  int64_t head_stride, float* out);
 
