@@ -86,6 +86,41 @@ int not_built(int hdim, int is_bf16, bool causal, bool split) {
 
 std::mutex g_mu;
 std::vector<int> g_sms;
+std::vector<cudaMemPool_t> g_pools;  // per device; null: not made yet or not available
+
+// A private stream-ordered pool per device that keeps its memory: the workspaces are needed on every
+// call, and the default pool would hand them back to the driver at each synchronisation.
+cudaMemPool_t workspace_pool(int device) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (device >= static_cast<int>(g_pools.size())) g_pools.resize(device + 1, nullptr);
+  if (g_pools[device] == nullptr) {
+    cudaMemPoolProps props;
+    std::memset(&props, 0, sizeof(props));
+    props.allocType = cudaMemAllocationTypePinned;
+    props.handleTypes = cudaMemHandleTypeNone;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    cudaMemPool_t pool = nullptr;
+    if (cudaMemPoolCreate(&pool, &props) != cudaSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    uint64_t keep = UINT64_MAX;
+    cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+    g_pools[device] = pool;
+  }
+  return g_pools[device];
+}
+
+// Stream-ordered workspace from the device's pool (the default pool when it has none). 0 on success.
+int alloc(void** ptr, size_t bytes, int device, cudaStream_t stream) {
+  cudaMemPool_t pool = workspace_pool(device);
+  cudaError_t err = pool != nullptr ? cudaMallocFromPoolAsync(ptr, bytes, pool, stream) : cudaMallocAsync(ptr, bytes, stream);
+  if (err == cudaSuccess) return 0;
+  cudaGetLastError();
+  *ptr = nullptr;
+  return fail("cannot allocate " + std::to_string(bytes) + " bytes of FA2 workspace: " + cudaGetErrorString(err));
+}
 
 int num_sms(int device) {
   std::lock_guard<std::mutex> lock(g_mu);
@@ -395,12 +430,10 @@ extern "C" int mqa_byoc_fa2_paged_forward(const void* q, const int32_t* qo_indpt
   const size_t o_acc_bytes = splits > 1 ? align256(size_t(splits) * rows * size_t(p.d_rounded) * 4) : 0;
   Workspace ws;
   ws.stream = stream;
-  cudaError_t err = cudaMallocAsync(&ws.ptr, table_bytes + seqlen_bytes + lse_bytes + lse_acc_bytes + o_acc_bytes, stream);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    ws.ptr = nullptr;
-    return fail(std::string("cannot allocate the paged FA2 workspace: ") + cudaGetErrorString(err));
+  if (int rc = alloc(&ws.ptr, table_bytes + seqlen_bytes + lse_bytes + lse_acc_bytes + o_acc_bytes, device_id, stream)) {
+    return rc;
   }
+  cudaError_t err;
   char* w = static_cast<char*>(ws.ptr);
   int32_t* table = reinterpret_cast<int32_t*>(w);
   int32_t* seqlens_k = reinterpret_cast<int32_t*>(w + table_bytes);
@@ -473,12 +506,7 @@ extern "C" int mqa_byoc_fa2_ragged_forward(const void* q, const void* k, const v
 
   Workspace ws;
   ws.stream = stream;
-  cudaError_t err = cudaMallocAsync(&ws.ptr, align256(size_t(num_heads) * size_t(total_q) * 4), stream);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    ws.ptr = nullptr;
-    return fail(std::string("cannot allocate the ragged FA2 workspace: ") + cudaGetErrorString(err));
-  }
+  if (int rc = alloc(&ws.ptr, align256(size_t(num_heads) * size_t(total_q) * 4), device_id, stream)) return rc;
   p.softmax_lse_ptr = ws.ptr;
   if (int rc = launch(fn, &p, stream, "FA2 ragged " + family(hdim, is_bf16, is_causal, false))) return rc;
   return finish(static_cast<const float*>(ws.ptr), total_q, num_heads, 1, total_q, lse, nullptr, qo_indptr, batch,
