@@ -2,8 +2,9 @@
 
 Artifacts: ``python tools/gpu/build_paged.py`` (``.gpu-artifacts/paged``). Per case (GQA 64/8 d128,
 MQA 71/1 d64, MQA 8/1 d128) and batch (1; 8 with mixed lengths), the same steps on both libraries:
-a prefill (ragged attention only), a second prefill chunk on the filled sequences (paged prefill over
-the prefix + ragged + TVM's LSE merge: checks the base-2 LSE), then decode steps. Every output is
+a prefill (ragged attention only), a second prefill chunk on the filled sequences plus a new one (paged
+prefill over the prefixes, one sequence without any, + ragged + TVM's LSE merge: checks the base-2 LSE
+and the empty-sequence rows), then decode steps. Every output is
 compared with an fp32 reference of the K/V history; TVM's TIR output is recorded against it too, and
 FA2 must agree with TIR wherever TIR agrees with the reference. Then the whole decoder (GQA case):
 prefill and decode logits of both libraries with the same random weights.
@@ -75,23 +76,27 @@ def test_paged_attention_matches_reference_and_tir(env, name, batch):
     dtype = getattr(torch, cfg["dtype"])
     lens, chunk2 = BATCHES[batch], SECOND_CHUNK[batch]
     seqs = list(range(batch))
-    total = sum(lens) + sum(chunk2) + DECODE_STEPS * batch
-    caches = {impl: m.new_cache(batch, total, max(sum(lens), 1024)) for impl, m in models.items()}
+    # the second chunk also starts a new sequence: it has no pages yet, so the paged prefill over the
+    # prefixes sees a sequence without K/V next to the others
+    seqs2, new_len = seqs + [batch], 19
+    total = sum(lens) + sum(chunk2) + new_len + DECODE_STEPS * (batch + 1)
+    caches = {impl: m.new_cache(batch + 1, total, max(sum(lens), 1024)) for impl, m in models.items()}
     for impl, m in models.items():
-        m.add(caches[impl], seqs)
+        m.add(caches[impl], seqs2)
     ref = Reference(torch, cfg)
     gen = torch.Generator(device="cuda").manual_seed(batch)
     heads = cfg["num_q_heads"] + 2 * cfg["num_kv_heads"]
-    steps = [("prefill", lens), ("prefill_chunk2", chunk2)] + [(f"decode{i}", [1] * batch) for i in range(DECODE_STEPS)]
+    steps = [("prefill", seqs, lens), ("prefill_chunk2", seqs2, chunk2 + [new_len])]
+    steps += [(f"decode{i}", seqs2, [1] * len(seqs2)) for i in range(DECODE_STEPS)]
     record = {}
-    for step, lengths in steps:
+    for step, ids, lengths in steps:
         decode = step.startswith("decode")
-        shape = (batch, 1) if decode else (1, sum(lengths))
+        shape = (len(ids), 1) if decode else (1, sum(lengths))
         qkv = torch.randn(*shape, heads, cfg["head_dim"], generator=gen, device="cuda").to(dtype)
-        want = ref.step(seqs, lengths, qkv)
+        want = ref.step(ids, lengths, qkv)
         outs = {}
         for impl, m in models.items():
-            m.begin(caches[impl], seqs, lengths)
+            m.begin(caches[impl], ids, lengths)
             outs[impl] = m.attend(caches[impl], qkv).clone()
             m.end(caches[impl])
         torch.cuda.synchronize()
