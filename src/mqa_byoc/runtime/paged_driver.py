@@ -12,17 +12,19 @@ from pathlib import Path
 
 
 class PagedModel:
-    """One library (``tir.so`` / ``fa2.so``) of a build_paged case, on CUDA device 0."""
+    """One library (``tir.so`` / ``fa2.so``) of a build_paged case, on CUDA device 0 (or ``device``:
+    "cpu" runs an llvm build, which the CPU test of this driver uses; ``path`` may be a loaded module)."""
 
-    def __init__(self, tvm, torch, path: Path, case: dict, impl: str):
+    def __init__(self, tvm, torch, path, case: dict, impl: str, device: str = "cuda"):
         import tvm_ffi
         from tvm.runtime.vm import VirtualMachine
 
         self.tvm, self.torch, self.ffi = tvm, torch, tvm_ffi
-        self.case, self.impl = case, impl
+        self.case, self.impl, self.device = case, impl, device
         self.cfg = case["config"]
         self.page_size = case["page_size"][impl]
-        self.vm = VirtualMachine(tvm.runtime.load_module(str(path)), tvm.cuda(0))
+        lib = tvm.runtime.load_module(str(path)) if isinstance(path, (str, Path)) else path
+        self.vm = VirtualMachine(lib, tvm.cuda(0) if device == "cuda" else tvm.cpu(0))
         g = tvm.get_global_func
         self._add = g("vm.builtin.kv_state_add_sequence")
         self._remove = g("vm.builtin.kv_state_remove_sequence")
@@ -55,21 +57,21 @@ class PagedModel:
 
     # -- calls ---------------------------------------------------------------------------------
     def attend(self, cache, qkv):
-        """Layer 0's attention: qkv (b, s, H + 2 H_kv, D) torch CUDA -> (b, s, H, D) torch (a view)."""
+        """Layer 0's attention: qkv (b, s, H + 2 H_kv, D) torch -> (b, s, H, D) torch (a view)."""
         out = self.vm["attend"](self.tvm.runtime.from_dlpack(qkv), cache)
         return self.torch.from_dlpack(out[0])
 
     def set_params(self, seed: int = 0):
-        """Random weights (normal, std 0.02; norms 1) of the case's parameter list, on the GPU."""
-        torch = self.torch
-        gen = torch.Generator(device="cuda").manual_seed(seed)
+        """Random weights (normal, std 0.02; norms 1) of the case's parameter list, on the device."""
+        torch, dev = self.torch, self.device
+        gen = torch.Generator(device=dev).manual_seed(seed)
         tensors = []
         for name, shape, dtype in self.case["params"]:
             dt = getattr(torch, dtype)
             if "norm" in name:
-                t = torch.ones(shape, dtype=dt, device="cuda")
+                t = torch.ones(shape, dtype=dt, device=dev)
             else:
-                t = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * 0.02).to(dt)
+                t = (torch.randn(shape, generator=gen, device=dev, dtype=torch.float32) * 0.02).to(dt)
             tensors.append(self.tvm.runtime.from_dlpack(t))
         self.params = tensors
 
