@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -23,6 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 ARTIFACTS = ROOT / ".gpu-artifacts" / "paged"
+# the attention work of a call on either side: FA2 (+ its split combine) and our bridging kernels; TVM's
+# TIR attention kernels and its LSE merge. The K/V append and RoPE kernels are the same on both sides.
+ATTENTION_KERNELS = re.compile(r"flash_fwd|csr_to_block_table|finish_rows|batch_(prefill|decode)_(paged|ragged)_kv|merge_state")
 
 
 def _timed(torch, fn, iters):
@@ -81,7 +85,17 @@ def bench_attention(tvm, torch, model, batch, context, prefill, iters):
             model.attend(cache, qkv)
             model.end(cache)
     step()  # warm-up
-    return _timed(torch, step, iters)
+    wall = _timed(torch, step, iters)
+    from mqa_byoc.testing.cupti import capture_kernels
+
+    with capture_kernels() as cap:
+        step()
+        torch.cuda.synchronize()
+    kernels = {}
+    for name, us in cap.events:
+        kernels[name] = kernels.get(name, 0.0) + us
+    attn = sum(us for name, us in kernels.items() if ATTENTION_KERNELS.search(name))
+    return {"wall_us": wall * 1e6, "attention_kernels_us": attn, "kernels_us": kernels}
 
 
 def bench_decoder(tvm, torch, model, batch, context, iters):
@@ -144,9 +158,10 @@ def main(argv=None):
             for batch in (1, 8):
                 for kind, n in (("decode", args.decode_context), ("prefill", args.prefill_len)):
                     key = f"{kind}{n}_b{batch}"
-                    t = bench_attention(tvm, torch, model, batch, n, kind == "prefill", args.iters)
-                    rows.setdefault(key, {})[impl] = t
-                    print(f"{name} {impl} {key}: {t * 1e6:.1f} us", flush=True)
+                    r = bench_attention(tvm, torch, model, batch, n, kind == "prefill", args.iters)
+                    rows.setdefault(key, {})[impl] = r
+                    print(f"{name} {impl} {key}: call {r['wall_us']:.1f} us, attention kernels "
+                          f"{r['attention_kernels_us']:.1f} us", flush=True)
             if name.startswith("gqa"):
                 for batch in (1, 8):
                     key = f"decoder_decode{args.decoder_context}_b{batch}"
@@ -155,8 +170,13 @@ def main(argv=None):
                     print(f"{name} {impl} {key}: {r['tokens_per_second']:.1f} tokens/s", flush=True)
             del model
         for key, v in rows.items():
-            if isinstance(v, dict) and "fa2" in v and "tir" in v and not isinstance(v["fa2"], dict):
-                v["tir_over_fa2"] = v["tir"] / v["fa2"]
+            if isinstance(v, dict) and "fa2" in v and "tir" in v:
+                f, t = v["fa2"], v["tir"]
+                if "attention_kernels_us" in f:
+                    v["tir_over_fa2"] = {"attention_kernels": t["attention_kernels_us"] / max(f["attention_kernels_us"], 1e-9),
+                                         "call": t["wall_us"] / f["wall_us"]}
+                else:
+                    v["fa2_over_tir_tokens_per_second"] = f["tokens_per_second"] / t["tokens_per_second"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {args.out}")
