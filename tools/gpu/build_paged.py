@@ -32,6 +32,8 @@ CASES = {
                         vocab=1024),
     "mqa8_1_d128": dict(num_q_heads=8, num_kv_heads=1, head_dim=128, hidden=1024, intermediate=2048, layers=2,
                         vocab=1024),
+    "gqa32_4_d128_bf16": dict(num_q_heads=32, num_kv_heads=4, head_dim=128, hidden=512, intermediate=1024, layers=1,
+                              vocab=256, dtype="bfloat16"),
 }
 TIR_PAGE = 16  # TVM 0.27 generates its TIR cache kernels for this page size only
 
