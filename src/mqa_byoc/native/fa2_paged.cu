@@ -422,10 +422,13 @@ extern "C" int mqa_byoc_fa2_paged_forward(const void* q, const int32_t* qo_indpt
   const int splits = decode ? num_splits(batch * h * m_blocks, num_sms(device_id) * 2, n_blocks) : 1;
   p.num_splits = splits;
 
-  const size_t rows = size_t(batch) * size_t(h) * size_t(sq);
+  const size_t rows = size_t(batch) * size_t(h) * size_t(sq);  // split accumulators: padded (b, h, sq)
+  // LSE: decode (B, H); var-len prefill (H, total_q), except that a causal call may leave rows without
+  // keys, whose LSE FA2 writes at padded offsets (TVM 0.27 calls the paged prefill non-causal only)
+  const size_t lse_rows = decode || is_causal ? rows : size_t(num_heads) * size_t(total_q);
   const size_t table_bytes = align256(size_t(batch) * size_t(stride) * 4);
   const size_t seqlen_bytes = align256(size_t(batch) * 4) * 2;  // K lengths, then the "no K/V" flags
-  const size_t lse_bytes = align256(rows * 4);
+  const size_t lse_bytes = align256(lse_rows * 4);
   const size_t lse_acc_bytes = splits > 1 ? align256(size_t(splits) * rows * 4) : 0;
   const size_t o_acc_bytes = splits > 1 ? align256(size_t(splits) * rows * size_t(p.d_rounded) * 4) : 0;
   Workspace ws;
@@ -450,6 +453,11 @@ extern "C" int mqa_byoc_fa2_paged_forward(const void* q, const int32_t* qo_indpt
   csr_to_block_table<<<unsigned(batch), 128, 0, stream>>>(page_indptr, page_values, last_page_len, int(page_size),
                                                           int(stride), table, seqlens_k, empty);
   if ((err = cudaGetLastError()) != cudaSuccess) return fail(std::string("block table launch failed: ") + cudaGetErrorString(err));
+  if (is_causal && !decode) {  // rows a causal mask leaves without keys keep NaN here: finish gives them -5e4
+    if ((err = cudaMemsetAsync(lse_nat, 0xFF, lse_bytes, stream)) != cudaSuccess) {
+      return fail(std::string("cudaMemsetAsync: ") + cudaGetErrorString(err));
+    }
+  }
   if (int rc = launch(e->split, &p, stream, "FA2 paged " + family(hdim, is_bf16, is_causal, true))) return rc;
   // LSE: decode writes (B, h, sq) = (B, H) row-major (also when swapped); prefill (H, total_q).
   return decode ? finish(lse_nat, batch, num_heads, num_heads, 1, lse, empty, nullptr, batch, out, o_stride, head_dim,
