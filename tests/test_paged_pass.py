@@ -62,7 +62,7 @@ def test_report_serves_prefill_decode_ragged_and_keeps_the_rest(gqa):
         if d.kernel in SERVED:
             assert d.offloaded and d.reason is None
             assert d.symbol == f"mqa_byoc_paged_{SERVED[d.kernel]}_h8kv2d64p256_fp16"
-            assert d.note == "create the cache with page_size=256"
+            assert d.note == "create the cache with page_size=256, support_sliding_window=0"
         else:
             assert not d.offloaded and d.symbol is None
             assert "page size 16" in d.reason  # TVM's TIR kernels cannot run in a cache of 256-token pages
@@ -117,6 +117,52 @@ def test_unservable_caches_stay_on_tir_with_a_reason(fields, page, reason):
     assert all(reason in d.reason for d in report if d.kernel in SERVED)
     after = UseFlashAttentionForPagedKVCache(page_size=page)(mod)
     tvm.ir.assert_structural_equal(after, mod)
+
+
+def _with_create_args(mod, edit):
+    """``mod`` with the create call's arguments replaced by ``edit(args)`` (args after the callee)."""
+    from tvm.relax.expr_functor import PyExprMutator, mutator
+
+    @mutator
+    class Edit(PyExprMutator):
+        def visit_call_(self, call):
+            call = super().visit_call_(call)
+            if isinstance(call.args[0], relax.ExternFunc) and call.args[0].global_symbol == CREATE:
+                return relax.Call(call.op, [call.args[0], *edit(list(call.args[1:]))], call.attrs, call.ty_args)
+            return call
+
+    out = mod.clone()
+    gv = out.get_global_var("create_paged_kv_cache")
+    out[gv] = Edit(out).visit_expr(out[gv])
+    return out
+
+
+@pytest.mark.parametrize("what, reason", [
+    ("mha_sliding layer", "sliding-window attention (mha_sliding)"),
+    ("support_sliding_window=1", "support_sliding_window=1"),
+    ("page size 64 in the call", "the create call fixes page size 64"),
+])
+def test_sliding_window_caches_and_fixed_page_sizes(gqa, what, reason):
+    def edit(args):
+        shapes = list(args[0].values)
+        if what == "mha_sliding layer":
+            args[6] = relax.ShapeExpr([3])
+        elif what == "support_sliding_window=1":
+            args[0] = relax.ShapeExpr(shapes[:4] + [1] + shapes[5:])
+        else:
+            args[0] = relax.ShapeExpr(shapes[:3] + [64] + shapes[4:])
+        return args
+
+    mod = _with_create_args(gqa, edit)
+    page = 256 if what.startswith("page") else None
+    report = paged_kv_cache_report(mod, page)
+    assert not any(d.offloaded for d in report)
+    assert all(reason in d.reason for d in report if d.kernel in SERVED)
+    if what.startswith("page"):  # a constant page size that is FA2's tile is served as is
+        ok = _with_create_args(gqa, lambda a: [relax.ShapeExpr(list(a[0].values)[:3] + [256] + list(a[0].values)[4:])]
+                               + a[1:])
+        assert {d.symbol for d in paged_kv_cache_report(ok) if d.offloaded} == {
+            f"mqa_byoc_paged_{k}_h8kv2d64p256_fp16" for k in SERVED.values()}
 
 
 def test_page_unit_is_fa2_split_kernel_tile():

@@ -41,12 +41,13 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from mqa_byoc.compiler import analysis
 from mqa_byoc.compiler.paged_codegen import KINDS, PagedConfig, emit_paged_source
-from mqa_byoc.kernels import KERNEL_HEAD_DIMS
+from mqa_byoc.kernels import KERNEL_HEAD_DIMS, kernel_head_dim
 
 CREATE = "vm.builtin.paged_attention_kv_cache_create"
 # positions in the create call (after the callee) of TVM 0.27's TIRPagedKVCache for GPU targets
 _ARG_SHAPES, _ARG_H, _ARG_HKV, _ARG_DQK, _ARG_DV, _ARG_KIND, _ARG_ROPE, _ARG_DTYPE = 0, 2, 3, 4, 5, 6, 8, 12
-_PAGE_SIZE = 3  # in the first ShapeExpr
+_PAGE_SIZE, _SLIDING = 3, 4  # in the first ShapeExpr: page_size, support_sliding_window
+_NUM_ARGS = 28  # of the GPU form of the create call
 _ARG_APPEND, _ARG_COMPACT = 13, 27  # kv_cache_transpose_append, compact_kv_copy (page size 16 in TVM)
 _TVM_PAGE = 16  # the page size TVM 0.27's TIR cache kernels are generated for
 _ROPE_INLINE = 2  # RopeMode.INLINE
@@ -59,10 +60,6 @@ _KEPT = {
     "tree_attn_paged_kv": "tree attention (speculative decoding masks) has no FA2 kernel",
     "batch_tree_attn": "tree attention (speculative decoding masks) has no FA2 kernel",
 }
-
-
-class PagedKVCacheError(ValueError):
-    """A paged-KV-cache create call the pass cannot read (its layout is not TVM 0.27's)."""
 
 
 @dataclass(frozen=True)
@@ -79,8 +76,9 @@ class PagedAttentionDecision:
 
 def page_unit(head_dim: int) -> int:
     """The page-size unit of FA2's paged kernel: kBlockN of its split-KV kernel for ``head_dim``
-    (one fact with ``mqa_byoc_fa2_paged_page_unit`` in native/fa2_paged.cu)."""
-    hd = min(d for d in (32, 64, 96, 128, 192, 256) if d >= head_dim)
+    (``run_mha_fwd_splitkv_dispatch``; the same rule as ``mqa_byoc_fa2_paged_page_unit`` in
+    native/fa2_paged.cu, which checks it at run time)."""
+    hd = kernel_head_dim(head_dim)
     return 256 if hd <= 64 else (128 if hd <= 128 else 64)
 
 
@@ -103,14 +101,21 @@ def _kernel_name(mod: tvm.IRModule, gv: relax.GlobalVar) -> str:
 
 def _cache_reason(args, page_size=None) -> tuple[PagedConfig | None, str | None]:
     """The cache's geometry, or why none of its entries can run on FA2 with pages of ``page_size``."""
-    if len(args) < 25:
-        return None, f"create call has {len(args)} arguments, not the layout of TVM 0.27's TIRPagedKVCache"
+    if len(args) != _NUM_ARGS:
+        return None, f"create call has {len(args)} arguments, not the {_NUM_ARGS} of TVM 0.27's TIRPagedKVCache"
     h, hkv, dqk, dv = (_int(args[i]) for i in (_ARG_H, _ARG_HKV, _ARG_DQK, _ARG_DV))
     if None in (h, hkv, dqk, dv):
         return None, "heads / head dims are not constants"
     kinds = [_int(x) for x in getattr(args[_ARG_KIND], "values", [])]
-    if any(k not in (_ATTN_MHA, _ATTN_MHA_SLIDING) for k in kinds):
+    if any(k != _ATTN_MHA for k in kinds):
+        if _ATTN_MHA_SLIDING in kinds:
+            return None, ("layers with sliding-window attention (mha_sliding) run TVM's sliding-window kernels, "
+                          f"which are generated for page size {_TVM_PAGE} only")
         return None, "MLA layers (attn_kind) have no FA2 kernel here"
+    shapes = args[_ARG_SHAPES].values if isinstance(args[_ARG_SHAPES], relax.ShapeExpr) else None
+    if shapes is not None and _int(shapes[_SLIDING]) == 1:
+        return None, ("the cache supports sliding windows (support_sliding_window=1): TVM then runs its "
+                      f"sliding-window kernels, generated for page size {_TVM_PAGE} only")
     if _int(args[_ARG_ROPE]) == _ROPE_INLINE:
         return None, "RoPE inline mode applies RoPE inside the attention kernel; FA2 has none for paged K"
     dtype = str(getattr(getattr(args[_ARG_DTYPE], "ty", None), "dtype", ""))
@@ -124,7 +129,7 @@ def _cache_reason(args, page_size=None) -> tuple[PagedConfig | None, str | None]
         return None, f"H={h} is not a multiple of H_kv={hkv}"
     if not all(isinstance(args[i], relax.GlobalVar) for i in (_ARG_APPEND, _ARG_COMPACT)):
         return None, "the append / compaction kernels are not PrimFuncs of this module (cannot change the page size)"
-    fixed = _int(args[_ARG_SHAPES].values[_PAGE_SIZE]) if isinstance(args[_ARG_SHAPES], relax.ShapeExpr) else None
+    fixed = _int(shapes[_PAGE_SIZE]) if shapes is not None else None
     if fixed is not None and page_size is not None and fixed != page_size:
         return None, f"the create call fixes page size {fixed}, the pass was asked for {page_size}"
     page = page_size if page_size is not None else fixed
@@ -159,7 +164,7 @@ def _decide(mod, fname, call, page_size=None) -> list[tuple[int, PagedAttentionD
         elif cache_reason is not None:
             out.append((i, PagedAttentionDecision(fname, kernel, False, None, cache_reason)))
         else:
-            note = f"create the cache with page_size={cfg.page_size}"
+            note = f"create the cache with page_size={cfg.page_size}, support_sliding_window=0"
             out.append((i, PagedAttentionDecision(fname, kernel, True, cfg.symbol(kind), None, note)))
     return out
 
