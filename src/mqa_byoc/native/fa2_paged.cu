@@ -419,7 +419,16 @@ extern "C" int mqa_byoc_fa2_paged_forward(const void* q, const int32_t* qo_indpt
   const int n_blocks = int((seqlen_k_bound + unit - 1) / unit);
   const int64_t m_blocks = (sq + 63) / 64;
   // Prefill keeps one split (the var-len LSE path of the split kernel); decode splits K/V to fill the GPU.
-  const int splits = decode ? num_splits(batch * h * m_blocks, num_sms(device_id) * 2, n_blocks) : 1;
+  // FA2 cuts [0, seqlen_k) into equal splits, and our seqlen_k is the bound (all the call's pages), about
+  // `batch` times a mean sequence: choose the split count for a mean sequence, then multiply it by
+  // bound / mean so that each split still covers about the intended share of a sequence (splits past a
+  // sequence's end exit at once and the combine kernel weighs them zero).
+  int splits = 1;
+  if (decode) {
+    const int mean_blocks = int(std::max<int64_t>(1, (n_blocks + batch - 1) / batch));
+    splits = num_splits(batch * h * m_blocks, num_sms(device_id) * 2, mean_blocks);
+    if (splits > 1) splits = int(std::min<int64_t>(128, int64_t(splits) * ((n_blocks + mean_blocks - 1) / mean_blocks)));
+  }
   p.num_splits = splits;
 
   const size_t rows = size_t(batch) * size_t(h) * size_t(sq);  // split accumulators: padded (b, h, sq)
