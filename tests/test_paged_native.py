@@ -101,3 +101,50 @@ def test_wrappers_compile_with_tvm_ffi_headers(tmp_path):
     syms = subprocess.run(["nm", str(tmp_path / "w.o")], capture_output=True, text=True).stdout
     for kind in ("prefill", "decode", "ragged"):
         assert f"__tvm_ffi_mqa_byoc_paged_{kind}_h71kv1d64p256_bf16" in syms
+
+
+def test_extern_func_in_a_tuple_resolves_to_the_library_function(tmp_path):
+    """What the rewritten create call relies on: an ``R.ExternFunc`` inside a ``("tirx", f)`` tuple
+    reaches the callee (here a Python stand-in for the cache) as the exported library's TVM-FFI
+    function, defined by an external C++ module of the IRModule (as the paged wrappers are)."""
+    import numpy as np
+    import tvm
+    import tvm_ffi
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4,), "float32"))
+    with bb.function("main", [x]):
+        entry = relax.Tuple([tvm.ir.StringImm("tirx"), relax.ExternFunc("mqa_byoc_test_twice")])
+        bb.emit_func_output(bb.emit(relax.call_pure_packed("mqa_byoc_test_apply", entry, x,
+                                                           ty_args=relax.TensorType((4,), "float32"))))
+    code = r"""
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/function.h>
+namespace {
+int twice(DLTensor* a) {
+  float* p = static_cast<float*>(a->data);
+  for (int i = 0; i < a->shape[0]; ++i) p[i] *= 2;
+  return 0;
+}
+}  // namespace
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(mqa_byoc_test_twice, twice);
+"""
+    ext = tvm.get_global_func("runtime.CSourceModuleCreate")(code, "cc", ["mqa_byoc_test_twice"], [])
+    mod = bb.get().with_attr("external_mods", [ext])
+    tvm.compile(mod, target=tvm.target.Target({"kind": "llvm"})).export_library(str(tmp_path / "m.so"))
+    seen = []
+
+    def apply(entry, arr):
+        seen.append(str(entry[0]))
+        entry[1](arr)
+        return arr
+
+    tvm_ffi.register_global_func("mqa_byoc_test_apply", apply, override=True)
+    try:
+        vm = tvm.runtime.vm.VirtualMachine(tvm.runtime.load_module(str(tmp_path / "m.so")), tvm.cpu())
+        out = vm["main"](tvm.runtime.tensor(np.arange(4, dtype="float32")))
+    finally:
+        tvm_ffi.remove_global_func("mqa_byoc_test_apply")
+    assert seen == ["tirx"]
+    np.testing.assert_array_equal(out.numpy(), np.arange(4, dtype="float32") * 2)
