@@ -4,7 +4,8 @@ The codegen's native wrappers carry a marker line naming their kernel families
 (``// mqa_byoc-kernels: hdim128 fp16; hdim128 fp16 causal; ...``). :func:`export_library` reads the
 markers from the executable's imported C source modules, gets the dispatcher and kernel objects from
 :mod:`mqa_byoc.kernels` (building missing ones unless ``build=False``) and links them, with the
-static CUDA runtime, into the exported shared library. The result needs only TVM's runtime and the
+static CUDA runtime, into the exported shared library (plus ``native/fa2_paged.cu`` when the paged-KV
+wrappers of :mod:`mqa_byoc.compiler.paged` are there). The result needs only TVM's runtime and the
 NVIDIA driver: no mqa_byoc, no torch, no CUDA toolkit. Executables without markers export unchanged.
 """
 
@@ -14,6 +15,7 @@ import os
 from collections.abc import Callable, Iterable
 
 from mqa_byoc import kernels as _kernels
+from mqa_byoc.compiler.paged_build import PAGED_MARKER, paged_object
 from mqa_byoc.kernels import KernelKey, NativeKernelsUnavailable  # noqa: F401 (re-export)
 from mqa_byoc.kernels import hopper as _hopper
 
@@ -120,6 +122,8 @@ def export_library(
         # FA4 objects, our glue, then the DSL's static shim archive: before the static cudart in libs
         # compiled even with build=False when flash-attn-4 is installed: seconds each, like the dispatcher
         libs = _hopper.link_inputs(hopper_keys, arch, build=True, progress=progress) + libs
+    if any(PAGED_MARKER in src for src in native_sources(executable)):  # FA2 over TVM's KV pages
+        objects.append(str(paged_object(arch, build=build, progress=progress)))
 
     from tvm.support import cc as _cc  # compile time only
 

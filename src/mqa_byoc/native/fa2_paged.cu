@@ -1,0 +1,531 @@
+// mqa_byoc FA2 attention over TVM's PagedKVCache pages (C API in fa2_paged.h).
+//
+// TVM's runtime hands its attention functions a CSR page list (page_indptr, page_values), the
+// last-page lengths and a base-2 LSE output; FA2's split-KV kernel wants a padded block table, K
+// lengths and writes a natural-log LSE. Two small kernels here bridge that; the attention itself is
+// one of the FA2 kernel entries compiled from fa2_kernel_entry.cu (referenced weakly, as
+// fa2_dispatch.cc does, so a library linked without one fails with a message, not a link error).
+//
+// Compiled by mqa_byoc.compiler.paged_build with nvcc for the target arch (it holds device code).
+
+#include "fa2_paged.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "flash.h"  // flash-attn's Flash_fwd_params
+
+namespace {
+using Params = FLASH_NAMESPACE::Flash_fwd_params;
+using EntryFn = void (*)(Params*, cudaStream_t);
+}  // namespace
+
+#define MQA_BYOC_PAGED_DT(X, hd) X(hd, fp16, ) X(hd, fp16, _causal) X(hd, bf16, ) X(hd, bf16, _causal)
+#define MQA_BYOC_PAGED_ALL(X)                                                                 \
+  MQA_BYOC_PAGED_DT(X, 32) MQA_BYOC_PAGED_DT(X, 64) MQA_BYOC_PAGED_DT(X, 96)                  \
+  MQA_BYOC_PAGED_DT(X, 128) MQA_BYOC_PAGED_DT(X, 192) MQA_BYOC_PAGED_DT(X, 256)
+#define MQA_BYOC_PAGED_DECL(hd, dt, c)                                                        \
+  extern "C" __attribute__((weak, visibility("hidden"))) void                                \
+      mqa_byoc_fa2_fwd_hdim##hd##_##dt##c(Params*, cudaStream_t);                             \
+  extern "C" __attribute__((weak, visibility("hidden"))) void                                \
+      mqa_byoc_fa2_fwd_split_hdim##hd##_##dt##c(Params*, cudaStream_t);
+MQA_BYOC_PAGED_ALL(MQA_BYOC_PAGED_DECL)
+
+namespace {
+
+struct Entry {
+  int hdim, is_bf16, causal;
+  EntryFn fwd, split;
+};
+#define MQA_BYOC_PAGED_BF16_fp16 0
+#define MQA_BYOC_PAGED_BF16_bf16 1
+#define MQA_BYOC_PAGED_ROW(hd, dt, c)                                                         \
+  {hd, MQA_BYOC_PAGED_BF16_##dt, sizeof(#c) > 1, &mqa_byoc_fa2_fwd_hdim##hd##_##dt##c,         \
+   &mqa_byoc_fa2_fwd_split_hdim##hd##_##dt##c},
+const Entry kEntries[] = {MQA_BYOC_PAGED_ALL(MQA_BYOC_PAGED_ROW)};
+
+thread_local std::string g_error;
+int fail(const std::string& m) {
+  g_error = m;
+  return 1;
+}
+
+int kernel_hdim(int64_t d) {
+  for (int x : {32, 64, 96, 128, 192, 256})
+    if (d <= x) return x;
+  return -1;
+}
+
+const Entry* find_entry(int hdim, int is_bf16, bool causal) {
+  for (const Entry& e : kEntries)
+    if (e.hdim == hdim && e.is_bf16 == (is_bf16 != 0) && e.causal == causal) return &e;
+  return nullptr;
+}
+
+std::string family(int hdim, int is_bf16, bool causal, bool split) {
+  return std::string("hdim") + std::to_string(hdim) + (is_bf16 ? " bf16" : " fp16") +
+         (causal ? " causal" : "") + (split ? " split" : "");
+}
+
+int not_built(int hdim, int is_bf16, bool causal, bool split) {
+  return fail("FA2 kernel " + family(hdim, is_bf16, causal, split) +
+              " is not linked into this library: run `mqa-byoc build-kernels --head-dims " +
+              std::to_string(hdim) + " --dtypes " + (is_bf16 ? "bf16" : "fp16") +
+              "` and export again with mqa_byoc.export_library");
+}
+
+std::mutex g_mu;
+std::vector<int> g_sms;
+std::vector<cudaMemPool_t> g_pools;  // per device; null: not made yet or not available
+
+// A private stream-ordered pool per device that keeps its memory: the workspaces are needed on every
+// call, and the default pool would hand them back to the driver at each synchronisation.
+cudaMemPool_t workspace_pool(int device) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (device >= static_cast<int>(g_pools.size())) g_pools.resize(device + 1, nullptr);
+  if (g_pools[device] == nullptr) {
+    cudaMemPoolProps props;
+    std::memset(&props, 0, sizeof(props));
+    props.allocType = cudaMemAllocationTypePinned;
+    props.handleTypes = cudaMemHandleTypeNone;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    cudaMemPool_t pool = nullptr;
+    if (cudaMemPoolCreate(&pool, &props) != cudaSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    uint64_t keep = UINT64_MAX;
+    cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+    g_pools[device] = pool;
+  }
+  return g_pools[device];
+}
+
+// Stream-ordered workspace from the device's pool (the default pool when it has none). 0 on success.
+int alloc(void** ptr, size_t bytes, int device, cudaStream_t stream) {
+  cudaMemPool_t pool = workspace_pool(device);
+  cudaError_t err = pool != nullptr ? cudaMallocFromPoolAsync(ptr, bytes, pool, stream) : cudaMallocAsync(ptr, bytes, stream);
+  if (err == cudaSuccess) return 0;
+  cudaGetLastError();
+  *ptr = nullptr;
+  return fail("cannot allocate " + std::to_string(bytes) + " bytes of FA2 workspace: " + cudaGetErrorString(err));
+}
+
+int num_sms(int device) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (device >= static_cast<int>(g_sms.size())) g_sms.resize(device + 1, 0);
+  if (g_sms[device] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    g_sms[device] = n;
+  }
+  return g_sms[device];
+}
+
+// flash-attn's split-count rule: no split when the grid nearly fills the GPU, else the fewest splits
+// reaching 85% of the best wave efficiency.
+int num_splits(int64_t work, int sms, int n_blocks) {
+  if (sms <= 0 || work >= 0.8 * sms) return 1;
+  const int max_splits = std::min({128, sms, n_blocks});
+  auto cdiv = [](int a, int b) { return (a + b - 1) / b; };
+  auto eligible = [&](int s) { return s == 1 || cdiv(n_blocks, s) != cdiv(n_blocks, s - 1); };
+  std::vector<float> eff(std::max(max_splits, 1) + 1, 0.f);
+  float best = 0.f;
+  for (int s = 1; s <= max_splits; ++s) {
+    if (!eligible(s)) continue;
+    const float waves = float(work) * s / sms;
+    eff[s] = waves / std::ceil(waves);
+    best = std::max(best, eff[s]);
+  }
+  for (int s = 1; s <= max_splits; ++s)
+    if (eligible(s) && eff[s] >= 0.85f * best) return s;
+  return 1;
+}
+
+// The per-element rules of the two bridging kernels, shared with their host twins below (which the
+// CPU tests check against NumPy): one copy of each fact.
+//
+// A sequence's K/V length from its page count and last-page length (TVM's _get_kv_chunk_len).
+__host__ __device__ inline int32_t kv_length(int32_t n_pages, int32_t page_size, int32_t last_page_len) {
+  return n_pages > 0 ? (n_pages - 1) * page_size + last_page_len : 0;
+}
+
+// FA2's natural-log LSE -> TVM's base-2 LSE. FA2 marks a row without keys with +inf; TVM's kernels
+// write -5e4 there (so its merge of attention states gives that part no weight).
+__host__ __device__ inline float lse_base2(float v) {
+  return (isinf(v) || isnan(v)) ? -5e4f : v * 1.4426950408889634f;  // log2(e)
+}
+
+// CSR page list -> padded block table (batch, stride), per-sequence K/V lengths and "no K/V" flags.
+// One CTA per sequence; entries past a sequence's pages are never read (FA2 stops at its K length).
+// A sequence without pages is given one key of page 0 and flagged: FA2's split kernel, on a sequence
+// without keys, writes its LSE at padded offsets (it ignores unpadded_lse on that early exit), outside
+// our var-len LSE buffer; finish_rows then zeroes those rows' output and gives them TVM's empty LSE.
+__global__ void csr_to_block_table(const int32_t* __restrict__ page_indptr,
+                                   const int32_t* __restrict__ page_values,
+                                   const int32_t* __restrict__ last_page_len, int page_size, int stride,
+                                   int32_t* __restrict__ table, int32_t* __restrict__ seqlens_k,
+                                   int32_t* __restrict__ empty) {
+  const int b = blockIdx.x;
+  const int start = page_indptr[b], n = page_indptr[b + 1] - start;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) table[int64_t(b) * stride + i] = page_values[start + i];
+  if (threadIdx.x == 0) {
+    const int32_t len = kv_length(n, page_size, last_page_len[b]);
+    empty[b] = len == 0;
+    seqlens_k[b] = len == 0 ? 1 : len;
+    if (n == 0) table[int64_t(b) * stride] = 0;
+  }
+}
+
+// The sequence of row r: r itself for decode (qo_indptr null), else the b with indptr[b] <= r < indptr[b+1].
+__device__ inline int seq_of_row(const int32_t* __restrict__ qo_indptr, int batch, int64_t r) {
+  if (qo_indptr == nullptr) return int(r);
+  int lo = 0, hi = batch - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (qo_indptr[mid] <= r) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// LSE element (r, h) at r * row_stride + h * head_stride -> TVM's compact (rows, heads), base 2; rows of
+// a sequence flagged empty get TVM's empty LSE and a zero output row (out: row / head strides, D elements).
+template <typename T>
+__global__ void finish_rows(const float* __restrict__ in, int64_t rows, int heads, int64_t row_stride,
+                            int64_t head_stride, float* __restrict__ lse, const int32_t* __restrict__ empty,
+                            const int32_t* __restrict__ qo_indptr, int batch, T* __restrict__ out,
+                            int64_t o_row_stride, int64_t o_head_stride, int head_dim) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * heads) return;
+  const int64_t r = i / heads, h = i % heads;
+  if (empty != nullptr && empty[seq_of_row(qo_indptr, batch, r)]) {
+    lse[i] = lse_base2(INFINITY);
+    T* o = out + r * o_row_stride + h * o_head_stride;
+    for (int d = 0; d < head_dim; ++d) o[d] = T(0.f);
+    return;
+  }
+  lse[i] = lse_base2(in[r * row_stride + h * head_stride]);
+}
+
+struct Workspace {
+  void* ptr = nullptr;
+  cudaStream_t stream = nullptr;
+  ~Workspace() {
+    if (ptr != nullptr) cudaFreeAsync(ptr, stream);
+  }
+};
+
+size_t align256(size_t x) { return (x + 255) / 256 * 256; }
+
+int check_common(int64_t num_heads, int64_t num_heads_k, int64_t head_dim, int64_t batch, int64_t total_q) {
+  if (num_heads <= 0 || num_heads_k <= 0 || num_heads % num_heads_k != 0) {
+    return fail("H=" + std::to_string(num_heads) + " is not a positive multiple of H_kv=" +
+                std::to_string(num_heads_k));
+  }
+  if (head_dim <= 0 || head_dim > 256 || head_dim % 8 != 0) {
+    return fail("FA2 needs a head dim that is a multiple of 8 and at most 256, got " + std::to_string(head_dim));
+  }
+  if (batch < 0 || total_q < 0 || batch > INT_MAX || total_q > INT_MAX) return fail("bad batch / row count");
+  return 0;
+}
+
+void fill_common(Params& p, int is_bf16, int64_t batch, int64_t h, int64_t h_k, int64_t seqlen_q,
+                 int64_t seqlen_k, int64_t head_dim, float scale, bool causal) {
+  p.is_bf16 = is_bf16 != 0;
+  p.b = int(batch);
+  p.h = int(h);
+  p.h_k = int(h_k);
+  p.h_h_k_ratio = int(h / h_k);
+  p.seqlen_q = int(seqlen_q);
+  p.seqlen_k = int(seqlen_k);
+  p.seqlen_q_rounded = int((seqlen_q + 127) / 128 * 128);
+  p.seqlen_k_rounded = int((seqlen_k + 127) / 128 * 128);
+  p.d = int(head_dim);
+  p.d_rounded = int(head_dim <= 128 ? (head_dim + 31) / 32 * 32 : (head_dim + 63) / 64 * 64);
+  p.scale_softmax = scale;
+  p.scale_softmax_log2 = float(double(scale) * 1.4426950408889634);
+  p.p_dropout = 1.f;
+  p.p_dropout_in_uint8_t = 255;
+  p.rp_dropout = 1.f;
+  p.scale_softmax_rp_dropout = scale;
+  p.softcap = 0.f;
+  p.is_causal = causal;
+  // flash-attn's window form of the causal mask: (-1, 0) -> (seqlen_k, 0); no window: (-1, -1)
+  p.window_size_left = causal ? int(seqlen_k) : -1;
+  p.window_size_right = causal ? 0 : -1;
+  p.seqlenq_ngroups_swapped = false;
+}
+
+int launch(EntryFn fn, Params* p, cudaStream_t stream, const std::string& what) {
+  fn(p, stream);
+  cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? 0 : fail(what + " launch failed: " + cudaGetErrorString(err));
+}
+
+// Launches finish_rows for this call's rows (empty / qo_indptr null: no sequence without keys / decode).
+int finish(const float* in, int64_t rows, int64_t heads, int64_t row_stride, int64_t head_stride, float* lse,
+           const int32_t* empty, const int32_t* qo_indptr, int64_t batch, void* out, const int64_t* o_stride,
+           int64_t head_dim, int is_bf16, cudaStream_t stream) {
+  const int64_t n = rows * heads;
+  if (n == 0) return 0;
+  const unsigned grid = unsigned((n + 255) / 256);
+  if (is_bf16) {
+    finish_rows<__nv_bfloat16><<<grid, 256, 0, stream>>>(in, rows, int(heads), row_stride, head_stride, lse, empty,
+                                                         qo_indptr, int(batch), static_cast<__nv_bfloat16*>(out),
+                                                         o_stride[0], o_stride[1], int(head_dim));
+  } else {
+    finish_rows<__half><<<grid, 256, 0, stream>>>(in, rows, int(heads), row_stride, head_stride, lse, empty, qo_indptr,
+                                                  int(batch), static_cast<__half*>(out), o_stride[0], o_stride[1],
+                                                  int(head_dim));
+  }
+  cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? 0 : fail(std::string("LSE conversion launch failed: ") + cudaGetErrorString(err));
+}
+
+struct DeviceGuard {
+  int prev = -1;
+  bool changed = false;
+  int set(int device) {
+    if (cudaGetDevice(&prev) != cudaSuccess) return fail("cudaGetDevice failed");
+    if (prev != device) {
+      if (cudaSetDevice(device) != cudaSuccess) return fail("cannot select CUDA device " + std::to_string(device));
+      changed = true;
+    }
+    cudaGetLastError();
+    return 0;
+  }
+  ~DeviceGuard() {
+    if (changed) cudaSetDevice(prev);
+  }
+};
+
+}  // namespace
+
+extern "C" const char* mqa_byoc_fa2_paged_last_error(void) { return g_error.c_str(); }
+
+// Host twins of the two bridging kernels (same per-element rules), for the CPU tests (exported so
+// that a test can load them with ctypes).
+#define MQA_BYOC_PAGED_EXPORT __attribute__((visibility("default")))
+extern "C" MQA_BYOC_PAGED_EXPORT void mqa_byoc_fa2_paged_host_block_table(
+    const int32_t* page_indptr, const int32_t* page_values, const int32_t* last_page_len, int64_t batch,
+    int page_size, int stride, int32_t* table, int32_t* seqlens_k, int32_t* empty) {
+  for (int64_t b = 0; b < batch; ++b) {
+    const int start = page_indptr[b], n = page_indptr[b + 1] - start;
+    for (int i = 0; i < n; ++i) table[b * stride + i] = page_values[start + i];
+    const int32_t len = kv_length(n, page_size, last_page_len[b]);
+    empty[b] = len == 0;
+    seqlens_k[b] = len == 0 ? 1 : len;
+    if (n == 0) table[b * stride] = 0;
+  }
+}
+
+extern "C" MQA_BYOC_PAGED_EXPORT void mqa_byoc_fa2_paged_host_lse(const float* in, int64_t rows, int heads, int64_t row_stride,
+                                            int64_t head_stride, float* out) {
+  for (int64_t i = 0; i < rows * heads; ++i) out[i] = lse_base2(in[(i / heads) * row_stride + (i % heads) * head_stride]);
+}
+
+extern "C" int mqa_byoc_fa2_paged_page_unit(int64_t head_dim) {
+  const int hd = kernel_hdim(head_dim);
+  if (hd < 0 || head_dim <= 0) return -1;
+  return hd <= 64 ? 256 : (hd <= 128 ? 128 : 64);  // run_mha_fwd_splitkv_dispatch's kBlockN
+}
+
+extern "C" int mqa_byoc_fa2_paged_forward(const void* q, const int32_t* qo_indptr, const void* pages,
+                                          const int32_t* page_indptr, const int32_t* page_values,
+                                          const int32_t* last_page_len, void* out, float* lse,
+                                          int64_t batch, int64_t total_q, int64_t nnz_pages,
+                                          int64_t page_size, int64_t num_heads, int64_t num_heads_k,
+                                          int64_t head_dim, const int64_t* q_stride,
+                                          const int64_t* page_stride, const int64_t* o_stride,
+                                          int is_bf16, float softmax_scale, int causal, int device_id,
+                                          void* stream_handle) {
+  g_error.clear();
+  if (int rc = check_common(num_heads, num_heads_k, head_dim, batch, total_q)) return rc;
+  const int unit = mqa_byoc_fa2_paged_page_unit(head_dim);
+  if (page_size <= 0 || page_size % unit != 0) {
+    return fail("page size " + std::to_string(page_size) + " is not a multiple of " + std::to_string(unit) +
+                ": FA2's split-KV kernel reads K/V tiles of " + std::to_string(unit) + " rows (head dim " +
+                std::to_string(head_dim) + ") from one page");
+  }
+  if (q_stride[2] != 1 || o_stride[2] != 1 || page_stride[4] != 1) return fail("q, out and pages need a contiguous head-dim axis");
+  if (qo_indptr == nullptr && total_q != batch) return fail("decode needs one query row per sequence");
+  if (batch == 0 || total_q == 0) return 0;
+  if (nnz_pages < 0 || nnz_pages * page_size > INT_MAX) return fail("bad page count " + std::to_string(nnz_pages));
+  const int64_t stride = std::max<int64_t>(nnz_pages, 1);  // a sequence has at most all the pages (or one fake)
+
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
+  DeviceGuard guard;
+  if (int rc = guard.set(device_id)) return rc;
+
+  const bool decode = qo_indptr == nullptr;
+  const bool is_causal = causal != 0 && !decode;
+  const int hdim = kernel_hdim(head_dim);
+  const Entry* e = find_entry(hdim, is_bf16, is_causal);
+  if (e == nullptr || e->split == nullptr) return not_built(hdim, is_bf16, is_causal, true);
+
+  // Decode with grouped K/V: view the H query heads of a sequence as g = H / H_kv query rows of
+  // H_kv heads (flash-attn's own decode trick): one K/V tile serves the whole group.
+  const int64_t g = num_heads / num_heads_k;
+  const bool swap = decode && g > 1;
+  const int64_t h = swap ? num_heads_k : num_heads;
+  const int64_t sq = decode ? (swap ? g : 1) : total_q;  // total_q bounds every sequence's rows
+  const int64_t seqlen_k_bound = stride * page_size;      // bounds every sequence's K length
+
+  Params p{};
+  fill_common(p, is_bf16, batch, h, num_heads_k, sq, seqlen_k_bound, head_dim, softmax_scale, is_causal);
+  p.q_ptr = const_cast<void*>(q);
+  p.o_ptr = out;
+  if (decode) {
+    p.q_batch_stride = q_stride[0];
+    p.o_batch_stride = o_stride[0];
+    p.q_row_stride = swap ? q_stride[1] : q_stride[0];
+    p.o_row_stride = swap ? o_stride[1] : o_stride[0];
+    p.q_head_stride = swap ? q_stride[1] * g : q_stride[1];
+    p.o_head_stride = swap ? o_stride[1] * g : o_stride[1];
+  } else {
+    p.cu_seqlens_q = const_cast<int*>(reinterpret_cast<const int*>(qo_indptr));
+    p.q_row_stride = q_stride[0];
+    p.q_head_stride = q_stride[1];
+    p.o_row_stride = o_stride[0];
+    p.o_head_stride = o_stride[1];
+    p.total_q = int(total_q);
+    p.unpadded_lse = true;  // (H, total_q)
+  }
+  const char* base = static_cast<const char*>(pages);
+  const size_t elem = 2;
+  p.k_ptr = const_cast<char*>(base);
+  p.v_ptr = const_cast<char*>(base + page_stride[1] * elem);
+  p.k_batch_stride = p.v_batch_stride = page_stride[0];  // one "batch" of FA2's cache = one page
+  p.k_head_stride = p.v_head_stride = page_stride[2];
+  p.k_row_stride = p.v_row_stride = page_stride[3];
+  p.page_block_size = int(page_size);
+  p.block_table_batch_stride = stride;
+  p.is_seqlens_k_cumulative = false;       // cu_seqlens_k holds each sequence's K length
+
+  const int n_blocks = int((seqlen_k_bound + unit - 1) / unit);
+  const int64_t m_blocks = (sq + 63) / 64;
+  // Prefill keeps one split (the var-len LSE path of the split kernel); decode splits K/V to fill the GPU.
+  // FA2 cuts [0, seqlen_k) into equal splits, and our seqlen_k is the bound (all the call's pages), about
+  // `batch` times a mean sequence: choose the split count for a mean sequence, then multiply it by
+  // bound / mean so that each split still covers about the intended share of a sequence (splits past a
+  // sequence's end exit at once and the combine kernel weighs them zero).
+  int splits = 1;
+  if (decode) {
+    const int mean_blocks = int(std::max<int64_t>(1, (n_blocks + batch - 1) / batch));
+    splits = num_splits(batch * h * m_blocks, num_sms(device_id) * 2, mean_blocks);
+    if (splits > 1) splits = int(std::min<int64_t>(128, int64_t(splits) * ((n_blocks + mean_blocks - 1) / mean_blocks)));
+  }
+  p.num_splits = splits;
+
+  const size_t rows = size_t(batch) * size_t(h) * size_t(sq);  // split accumulators: padded (b, h, sq)
+  // LSE: decode (B, H); var-len prefill (H, total_q), except that a causal call may leave rows without
+  // keys, whose LSE FA2 writes at padded offsets (TVM 0.27 calls the paged prefill non-causal only)
+  const size_t lse_rows = decode || is_causal ? rows : size_t(num_heads) * size_t(total_q);
+  const size_t table_bytes = align256(size_t(batch) * size_t(stride) * 4);
+  const size_t seqlen_bytes = align256(size_t(batch) * 4) * 2;  // K lengths, then the "no K/V" flags
+  const size_t lse_bytes = align256(lse_rows * 4);
+  const size_t lse_acc_bytes = splits > 1 ? align256(size_t(splits) * rows * 4) : 0;
+  const size_t o_acc_bytes = splits > 1 ? align256(size_t(splits) * rows * size_t(p.d_rounded) * 4) : 0;
+  Workspace ws;
+  ws.stream = stream;
+  if (int rc = alloc(&ws.ptr, table_bytes + seqlen_bytes + lse_bytes + lse_acc_bytes + o_acc_bytes, device_id, stream)) {
+    return rc;
+  }
+  cudaError_t err;
+  char* w = static_cast<char*>(ws.ptr);
+  int32_t* table = reinterpret_cast<int32_t*>(w);
+  int32_t* seqlens_k = reinterpret_cast<int32_t*>(w + table_bytes);
+  int32_t* empty = seqlens_k + seqlen_bytes / 8;
+  float* lse_nat = reinterpret_cast<float*>(w + table_bytes + seqlen_bytes);
+  p.block_table = table;
+  p.cu_seqlens_k = seqlens_k;
+  p.softmax_lse_ptr = lse_nat;
+  if (splits > 1) {
+    p.softmax_lseaccum_ptr = w + table_bytes + seqlen_bytes + lse_bytes;
+    p.oaccum_ptr = w + table_bytes + seqlen_bytes + lse_bytes + lse_acc_bytes;
+  }
+
+  csr_to_block_table<<<unsigned(batch), 128, 0, stream>>>(page_indptr, page_values, last_page_len, int(page_size),
+                                                          int(stride), table, seqlens_k, empty);
+  if ((err = cudaGetLastError()) != cudaSuccess) return fail(std::string("block table launch failed: ") + cudaGetErrorString(err));
+  if (is_causal && !decode) {  // rows a causal mask leaves without keys keep NaN here: finish gives them -5e4
+    if ((err = cudaMemsetAsync(lse_nat, 0xFF, lse_bytes, stream)) != cudaSuccess) {
+      return fail(std::string("cudaMemsetAsync: ") + cudaGetErrorString(err));
+    }
+  }
+  if (int rc = launch(e->split, &p, stream, "FA2 paged " + family(hdim, is_bf16, is_causal, true))) return rc;
+  // LSE: decode writes (B, h, sq) = (B, H) row-major (also when swapped); prefill (H, total_q).
+  return decode ? finish(lse_nat, batch, num_heads, num_heads, 1, lse, empty, nullptr, batch, out, o_stride, head_dim,
+                         is_bf16, stream)
+                : finish(lse_nat, total_q, num_heads, 1, total_q, lse, empty, qo_indptr, batch, out, o_stride, head_dim,
+                         is_bf16, stream);
+}
+
+extern "C" int mqa_byoc_fa2_ragged_forward(const void* q, const void* k, const void* v, void* out, float* lse,
+                                           const int32_t* qo_indptr, const int32_t* kv_indptr, int64_t batch,
+                                           int64_t total_q, int64_t total_k, int64_t num_heads,
+                                           int64_t num_heads_k, int64_t head_dim, const int64_t* q_stride,
+                                           const int64_t* k_stride, const int64_t* v_stride,
+                                           const int64_t* o_stride, int is_bf16, float softmax_scale,
+                                           int causal, int device_id, void* stream_handle) {
+  g_error.clear();
+  if (int rc = check_common(num_heads, num_heads_k, head_dim, batch, total_q)) return rc;
+  if (total_k < 0 || total_k > INT_MAX) return fail("bad K/V row count");
+  if (q_stride[2] != 1 || k_stride[2] != 1 || v_stride[2] != 1 || o_stride[2] != 1) {
+    return fail("q, k, v and out need a contiguous head-dim axis");
+  }
+  if (batch == 0 || total_q == 0) return 0;
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
+  DeviceGuard guard;
+  if (int rc = guard.set(device_id)) return rc;
+  const bool is_causal = causal != 0;
+  const int hdim = kernel_hdim(head_dim);
+  const Entry* e = find_entry(hdim, is_bf16, is_causal);
+  EntryFn fn = e == nullptr ? nullptr : (e->fwd != nullptr ? e->fwd : e->split);
+  if (fn == nullptr) return not_built(hdim, is_bf16, is_causal, false);
+
+  // total_q / total_k bound every sequence's lengths (TVM keeps the exact ones on the host only).
+  Params p{};
+  fill_common(p, is_bf16, batch, num_heads, num_heads_k, total_q, std::max<int64_t>(total_k, 1), head_dim,
+              softmax_scale, is_causal);
+  p.q_ptr = const_cast<void*>(q);
+  p.k_ptr = const_cast<void*>(k);
+  p.v_ptr = const_cast<void*>(v);
+  p.o_ptr = out;
+  p.q_row_stride = q_stride[0];
+  p.q_head_stride = q_stride[1];
+  p.k_row_stride = k_stride[0];
+  p.k_head_stride = k_stride[1];
+  p.v_row_stride = v_stride[0];
+  p.v_head_stride = v_stride[1];
+  p.o_row_stride = o_stride[0];
+  p.o_head_stride = o_stride[1];
+  p.cu_seqlens_q = const_cast<int*>(reinterpret_cast<const int*>(qo_indptr));
+  p.cu_seqlens_k = const_cast<int*>(reinterpret_cast<const int*>(kv_indptr));
+  p.is_seqlens_k_cumulative = true;
+  p.total_q = int(total_q);
+  p.unpadded_lse = true;
+  p.num_splits = 1;
+
+  Workspace ws;
+  ws.stream = stream;
+  if (int rc = alloc(&ws.ptr, align256(size_t(num_heads) * size_t(total_q) * 4), device_id, stream)) return rc;
+  p.softmax_lse_ptr = ws.ptr;
+  if (int rc = launch(fn, &p, stream, "FA2 ragged " + family(hdim, is_bf16, is_causal, false))) return rc;
+  return finish(static_cast<const float*>(ws.ptr), total_q, num_heads, 1, total_q, lse, nullptr, qo_indptr, batch,
+                out, o_stride, head_dim, is_bf16, stream);
+}

@@ -1,0 +1,119 @@
+"""Drive an exported :class:`~mqa_byoc.models.paged_llama.PagedLlama` library and its PagedKVCache.
+
+Runtime only (``tvm.runtime`` + torch, no ``tvm.relax``): what the GPU test and the paged benchmark
+share. The cache is driven the way mlc-llm drives it: ``vm.builtin.kv_state_add_sequence``, then per
+step ``kv_state_begin_forward(seq_ids, append_lengths)``, one model call, ``kv_state_end_forward``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+
+class PagedModel:
+    """One library (``tir.so`` / ``fa2.so``) of a build_paged case, on CUDA device 0 (or ``device``:
+    "cpu" runs an llvm build, which the CPU test of this driver uses; ``path`` may be a loaded module)."""
+
+    def __init__(self, tvm, torch, path, case: dict, impl: str, device: str = "cuda"):
+        import tvm_ffi
+        from tvm.runtime.vm import VirtualMachine
+
+        self.tvm, self.torch, self.ffi = tvm, torch, tvm_ffi
+        self.case, self.impl, self.device = case, impl, device
+        self.cfg = case["config"]
+        self.page_size = case["page_size"][impl]
+        lib = tvm.runtime.load_module(str(path)) if isinstance(path, (str, Path)) else path
+        self.vm = VirtualMachine(lib, tvm.cuda(0) if device == "cuda" else tvm.cpu(0))
+        g = tvm.get_global_func
+        self._add = g("vm.builtin.kv_state_add_sequence")
+        self._remove = g("vm.builtin.kv_state_remove_sequence")
+        self._begin = g("vm.builtin.kv_state_begin_forward")
+        self._end = g("vm.builtin.kv_state_end_forward")
+        self.params = None
+
+    # -- cache ---------------------------------------------------------------------------------
+    def new_cache(self, max_batch: int, max_total: int, chunk: int):
+        """A fresh cache with room for ``max_total`` tokens (plus a page per sequence) of
+        ``max_batch`` sequences, ``chunk`` tokens per forward at most."""
+        shape = self.ffi.Shape
+        total = max_total + (max_batch + 1) * self.page_size
+        return self.vm["create_paged_kv_cache"](shape([max_batch]), shape([total]), shape([chunk]),
+                                                 shape([self.page_size]), shape([0]))
+
+    def add(self, cache, seq_ids):
+        for s in seq_ids:
+            self._add(cache, s)
+
+    def remove(self, cache, seq_ids):
+        for s in seq_ids:
+            self._remove(cache, s)
+
+    def begin(self, cache, seq_ids, lengths):
+        self._begin(cache, self.ffi.Shape(list(seq_ids)), self.ffi.Shape(list(lengths)))
+
+    def end(self, cache):
+        self._end(cache)
+
+    # -- calls ---------------------------------------------------------------------------------
+    def attend(self, cache, qkv):
+        """Layer 0's attention: qkv (b, s, H + 2 H_kv, D) torch -> (b, s, H, D) torch (a view)."""
+        out = self.vm["attend"](self.tvm.runtime.from_dlpack(qkv), cache)
+        return self.torch.from_dlpack(out[0])
+
+    def set_params(self, seed: int = 0):
+        """Random weights (normal, std 0.02; norms 1) of the case's parameter list, on the device."""
+        torch, dev = self.torch, self.device
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        tensors = []
+        for name, shape, dtype in self.case["params"]:
+            dt = getattr(torch, dtype)
+            if "norm" in name:
+                t = torch.ones(shape, dtype=dt, device=dev)
+            else:
+                t = (torch.randn(shape, generator=gen, device=dev, dtype=torch.float32) * 0.02).to(dt)
+            tensors.append(self.tvm.runtime.from_dlpack(t))
+        self.params = tensors
+
+    def logits(self, fn: str, cache, ids):
+        """``prefill`` ((1, total) ids) or ``decode`` ((batch, 1) ids): float32 logits (torch)."""
+        out = self.vm[fn](self.tvm.runtime.from_dlpack(ids), cache, self.params)
+        return self.torch.from_dlpack(out[0]).float()
+
+
+def qkv_parts(cfg: dict, qkv):
+    """q (b, s, H, D), k and v (b, s, H_kv, D) of a fused qkv."""
+    h, hkv = cfg["num_q_heads"], cfg["num_kv_heads"]
+    return qkv[:, :, :h], qkv[:, :, h:h + hkv], qkv[:, :, h + hkv:]
+
+
+class Reference:
+    """fp32 attention over each sequence's whole K/V history (RoPE mode NONE): the test's oracle."""
+
+    def __init__(self, torch, cfg: dict):
+        self.torch, self.cfg = torch, cfg
+        self.k, self.v = {}, {}
+
+    def step(self, seq_ids, lengths, qkv):
+        """Append this step's K/V and return the attention of its queries, laid out like ``attend``'s
+        output: qkv (1, sum(lengths), ...) for a prefill step, (batch, 1, ...) for decode."""
+        torch, cfg = self.torch, self.cfg
+        q, k, v = (x.float() for x in qkv_parts(cfg, qkv))
+        rows_q = q.reshape(-1, *q.shape[2:])
+        rows_k, rows_v = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
+        out, start = [], 0
+        g = cfg["num_q_heads"] // cfg["num_kv_heads"]
+        for s, n in zip(seq_ids, lengths):
+            qs = rows_q[start:start + n]
+            self.k[s] = torch.cat([self.k.get(s, rows_k[:0]), rows_k[start:start + n]])
+            self.v[s] = torch.cat([self.v.get(s, rows_v[:0]), rows_v[start:start + n]])
+            start += n
+            kk = self.k[s].repeat_interleave(g, dim=1)  # (S_kv, H, D)
+            vv = self.v[s].repeat_interleave(g, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", qs, kk) / math.sqrt(cfg["head_dim"])
+            s_kv = kk.shape[0]
+            mask = torch.arange(s_kv, device=qs.device)[None, :] > (s_kv - n + torch.arange(n, device=qs.device))[:, None]
+            scores = scores.masked_fill(mask[None], float("-inf"))
+            out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv))
+        o = torch.cat(out)  # rows in sequence order: (1, total) for prefill, (batch, 1) for decode alike
+        return o.reshape(qkv.shape[0], qkv.shape[1], *o.shape[1:])

@@ -1,0 +1,154 @@
+"""TVM PagedKVCache attention on FA2 (UseFlashAttentionForPagedKVCache) vs TVM's TIR kernels, on the GPU.
+
+Artifacts: ``python tools/gpu/build_paged.py`` (``.gpu-artifacts/paged``). Per case (GQA 64/8 d128,
+MQA 71/1 d64, MQA 8/1 d128) and batch (1; 8 with mixed lengths), the same steps on both libraries:
+a prefill (ragged attention only), a second prefill chunk on the filled sequences plus a new one (paged
+prefill over the prefixes, one sequence without any, + ragged + TVM's LSE merge: checks the base-2 LSE
+and the empty-sequence rows), then decode steps. Every output is
+compared with an fp32 reference of the K/V history; TVM's TIR output is recorded against it too, and
+FA2 must agree with TIR wherever TIR agrees with the reference. Then the whole decoder (GQA case):
+prefill and decode logits of both libraries with the same random weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / ".gpu-artifacts" / "paged"
+sys.path.insert(0, str(ROOT / "src"))
+MANIFEST = json.loads((ARTIFACTS / "manifest.json").read_text()) if (ARTIFACTS / "manifest.json").is_file() else {}
+TOL = 2e-2  # max |err| / max |reference|: fp16 inputs and outputs
+BATCHES = {1: [777], 8: [1, 37, 129, 256, 300, 513, 64, 1000]}
+SECOND_CHUNK = {1: [33], 8: [5, 17, 1, 128, 3, 64, 250, 2]}
+DECODE_STEPS = 3
+RESULTS: dict = {}
+
+
+@pytest.fixture(scope="module")
+def env():
+    try:
+        import torch
+    except ImportError:
+        pytest.skip("torch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    if not MANIFEST:
+        pytest.skip(f"no artifacts in {ARTIFACTS}: run `python tools/gpu/build_paged.py` on the build machine "
+                    "and carry .gpu-artifacts/paged")
+    if os.environ.get("TVM_USE_RUNTIME_LIB") == "1":
+        import boot  # noqa: F401 - .devkit/boot.py: CUDA runtime + nvcc hook
+    import tvm
+    import tvm.runtime.vm  # noqa: F401
+    import tvm_ffi
+
+    from mqa_byoc.testing.cuda_compile import HOOK, memoized_cuda_compile
+
+    previous = tvm_ffi.get_global_func(HOOK, allow_missing=True)
+    if previous is not None:  # loading compiles the libraries' CUDA; tir.so and fa2.so share most kernels
+        tvm_ffi.register_global_func(HOOK, memoized_cuda_compile(previous), override=True)
+    yield tvm, torch
+    if previous is not None:
+        tvm_ffi.register_global_func(HOOK, previous, override=True)
+    out = os.environ.get("MQA_BYOC_GPU_RESULTS")
+    if out:
+        Path(out).write_text(json.dumps({"paged": RESULTS}, indent=1) + "\n")
+
+
+_LOADED: dict = {}
+
+
+def _models(env, name):
+    """Both libraries of a case, loaded once per session (loading compiles their CUDA kernels)."""
+    from mqa_byoc.runtime.paged_driver import PagedModel
+
+    tvm, torch = env
+    case = MANIFEST[name]
+    if name not in _LOADED:
+        _LOADED[name] = {impl: PagedModel(tvm, torch, ARTIFACTS / case["libraries"][impl], case, impl)
+                         for impl in ("tir", "fa2")}
+    return _LOADED[name]
+
+
+def _rel(torch, got, want) -> float:
+    return float((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-6))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+@pytest.mark.parametrize("name", sorted(MANIFEST) or ["(no artifacts)"])
+def test_paged_attention_matches_reference_and_tir(env, name, batch):
+    from mqa_byoc.runtime.paged_driver import Reference
+
+    tvm, torch = env
+    models = _models(env, name)
+    cfg = MANIFEST[name]["config"]
+    dtype = getattr(torch, cfg["dtype"])
+    lens, chunk2 = BATCHES[batch], SECOND_CHUNK[batch]
+    seqs = list(range(batch))
+    # the second chunk also starts a new sequence: it has no pages yet, so the paged prefill over the
+    # prefixes sees a sequence without K/V next to the others
+    seqs2, new_len = seqs + [batch], 19
+    total = sum(lens) + sum(chunk2) + new_len + DECODE_STEPS * (batch + 1)
+    caches = {impl: m.new_cache(batch + 1, total, max(sum(lens), 1024)) for impl, m in models.items()}
+    for impl, m in models.items():
+        m.add(caches[impl], seqs2)
+    ref = Reference(torch, cfg)
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    heads = cfg["num_q_heads"] + 2 * cfg["num_kv_heads"]
+    steps = [("prefill", seqs, lens), ("prefill_chunk2", seqs2, chunk2 + [new_len])]
+    steps += [(f"decode{i}", seqs2, [1] * len(seqs2)) for i in range(DECODE_STEPS)]
+    record = {}
+    for step, ids, lengths in steps:
+        decode = step.startswith("decode")
+        shape = (len(ids), 1) if decode else (1, sum(lengths))
+        qkv = torch.randn(*shape, heads, cfg["head_dim"], generator=gen, device="cuda").to(dtype)
+        want = ref.step(ids, lengths, qkv)
+        outs = {}
+        for impl, m in models.items():
+            m.begin(caches[impl], ids, lengths)
+            outs[impl] = m.attend(caches[impl], qkv).clone()
+            m.end(caches[impl])
+        torch.cuda.synchronize()
+        errs = {impl: _rel(torch, o, want) for impl, o in outs.items()}
+        errs["fa2_vs_tir"] = _rel(torch, outs["fa2"], outs["tir"].float())
+        record[step] = {k: round(v, 6) for k, v in errs.items()}
+        assert errs["fa2"] < TOL, f"{name} batch {batch} {step}: FA2 vs fp32 reference {errs}"
+        if errs["tir"] < TOL:
+            assert errs["fa2_vs_tir"] < 2 * TOL, f"{name} batch {batch} {step}: FA2 vs TIR {errs}"
+    RESULTS.setdefault("attention", {})[f"{name}/b{batch}"] = record
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [n for n in sorted(MANIFEST) if n.startswith("gqa")] or ["(no artifacts)"])
+def test_paged_decoder_logits_match_tir(env, name):
+    tvm, torch = env
+    models = _models(env, name)
+    cfg = MANIFEST[name]["config"]
+    lens = BATCHES[8]
+    seqs = list(range(len(lens)))
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    prompt = torch.randint(0, cfg["vocab"], (1, sum(lens)), generator=gen, device="cuda", dtype=torch.int32)
+    steps = [torch.randint(0, cfg["vocab"], (len(lens), 1), generator=gen, device="cuda", dtype=torch.int32)
+             for _ in range(DECODE_STEPS)]
+    logits = {}
+    for impl, m in models.items():
+        m.set_params(seed=0)
+        cache = m.new_cache(len(lens), sum(lens) + DECODE_STEPS * len(lens), sum(lens))
+        m.add(cache, seqs)
+        m.begin(cache, seqs, lens)
+        got = [m.logits("prefill", cache, prompt).clone()]
+        m.end(cache)
+        for ids in steps:
+            m.begin(cache, seqs, [1] * len(lens))
+            got.append(m.logits("decode", cache, ids).clone())
+            m.end(cache)
+        logits[impl] = got
+    errs = [_rel(torch, f, t) for f, t in zip(logits["fa2"], logits["tir"])]
+    RESULTS.setdefault("decoder", {})[name] = [round(e, 6) for e in errs]
+    assert max(errs) < TOL, f"{name}: decoder logits FA2 vs TIR per step {errs}"
