@@ -128,6 +128,9 @@ def main(argv=None):
                     / "paged_attention.json")
     ap.add_argument("--cases", nargs="*", default=["gqa64_8_d128", "mqa71_1_d64"])
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--impls", nargs="*", default=["fa2", "tir"],
+                    help="run only these (a CUDA fault poisons the process: run TVM's kernels in a call of their own)")
+    ap.add_argument("--batches", nargs="*", type=int, default=[1, 8])
     ap.add_argument("--decode-context", type=int, default=16384)
     ap.add_argument("--prefill-len", type=int, default=4096)
     ap.add_argument("--decoder-context", type=int, default=4096)
@@ -149,25 +152,35 @@ def main(argv=None):
         tvm_ffi.register_global_func(HOOK, memoized_cuda_compile(previous), override=True)
 
     manifest = json.loads((ARTIFACTS / "manifest.json").read_text())
-    results = {"device": torch.cuda.get_device_name(0), "iters": args.iters, "cases": {}}
+    # measurements of earlier runs into the same --out are kept (one file for separate --impls runs)
+    results = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    results.update({"device": torch.cuda.get_device_name(0), "iters": args.iters})
+    results.setdefault("cases", {})
+
+    def write():
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+
     for name in args.cases:
         case = manifest[name]
         rows = results["cases"].setdefault(name, {"page_size": case["page_size"]})
-        for impl in ("fa2", "tir"):
+        for impl in args.impls:
             model = PagedModel(tvm, torch, ARTIFACTS / case["libraries"][impl], case, impl)
-            for batch in (1, 8):
+            for batch in args.batches:
                 for kind, n in (("decode", args.decode_context), ("prefill", args.prefill_len)):
                     key = f"{kind}{n}_b{batch}"
                     r = bench_attention(tvm, torch, model, batch, n, kind == "prefill", args.iters)
                     rows.setdefault(key, {})[impl] = r
                     print(f"{name} {impl} {key}: call {r['wall_us']:.1f} us, attention kernels "
                           f"{r['attention_kernels_us']:.1f} us", flush=True)
+                    write()
             if name.startswith("gqa"):
-                for batch in (1, 8):
+                for batch in args.batches:
                     key = f"decoder_decode{args.decoder_context}_b{batch}"
                     r = bench_decoder(tvm, torch, model, batch, args.decoder_context, args.iters)
                     rows.setdefault(key, {})[impl] = r
                     print(f"{name} {impl} {key}: {r['tokens_per_second']:.1f} tokens/s", flush=True)
+                    write()
             del model
         for key, v in rows.items():
             if key != "page_size" and "fa2" in v and "tir" in v:
@@ -177,8 +190,7 @@ def main(argv=None):
                                          "call": t["wall_us"] / f["wall_us"]}
                 else:
                     v["fa2_over_tir_tokens_per_second"] = f["tokens_per_second"] / t["tokens_per_second"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    write()
     print(f"wrote {args.out}")
 
 

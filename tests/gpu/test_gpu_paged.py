@@ -24,6 +24,9 @@ ARTIFACTS = ROOT / ".gpu-artifacts" / "paged"
 sys.path.insert(0, str(ROOT / "src"))
 MANIFEST = json.loads((ARTIFACTS / "manifest.json").read_text()) if (ARTIFACTS / "manifest.json").is_file() else {}
 TOL = 2e-2  # max |err| / max |reference|: fp16 inputs and outputs
+# decoder logits FA2 vs TIR after two layers of random weights: each side's rounding compounds; bf16
+# keeps 8 mantissa bits to fp16's 11 (8x the step), and the fp16 case measured 0.006 on the H200
+DECODER_TOL = {"float16": 2e-2, "bfloat16": 1.2e-1}
 BATCHES = {1: [777], 8: [1, 37, 129, 256, 300, 513, 64, 1000]}
 SECOND_CHUNK = {1: [33], 8: [5, 17, 1, 128, 3, 64, 250, 2]}
 DECODE_STEPS = 3
@@ -151,4 +154,5 @@ def test_paged_decoder_logits_match_tir(env, name):
         logits[impl] = got
     errs = [_rel(torch, f, t) for f, t in zip(logits["fa2"], logits["tir"])]
     RESULTS.setdefault("decoder", {})[name] = [round(e, 6) for e in errs]
-    assert max(errs) < TOL, f"{name}: decoder logits FA2 vs TIR per step {errs}"
+    tol = DECODER_TOL[cfg.get("dtype", "float16")]
+    assert max(errs) < tol, f"{name}: decoder logits FA2 vs TIR per step {errs} (tolerance {tol})"
