@@ -351,8 +351,12 @@ def test_dispatcher_compiles_and_links(clean_env):
     assert len(weak) == 6 * 2 * 2 * 2 and "mqa_byoc_fa2_fwd_split_hdim128_fp16_causal" in weak
     # the same object again comes from the cache
     assert K.build_dispatcher(build=False, progress=None) == obj
-    # a C++ program links against it with static cudart (no kernels: all weak refs stay null)
-    exe = K.link_check([str(obj)], out=clean_env / "link_check", progress=lambda _m: None)
+    # its split-KV decode kernels (split_kv_combine.cu) are the one strong reference it needs besides cudart
+    support = K.build.support_object("sm_90", progress=None)
+    support_syms = subprocess.run(["nm", "--defined-only", str(support)], capture_output=True, text=True).stdout
+    assert "T mqa_byoc_combine_chunks" in support_syms and "T mqa_byoc_chunk_lengths" in support_syms
+    # a C++ program links against both with static cudart (no kernels: all weak refs stay null)
+    exe = K.link_check([str(obj), str(support)], out=clean_env / "link_check", progress=lambda _m: None)
     out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "0 kernel families linked" in out.stdout
 
