@@ -131,6 +131,8 @@ def main(argv=None):
     ap.add_argument("--impls", nargs="*", default=["fa2", "tir"],
                     help="run only these (a CUDA fault poisons the process: run TVM's kernels in a call of their own)")
     ap.add_argument("--batches", nargs="*", type=int, default=[1, 8])
+    ap.add_argument("--kinds", nargs="*", default=["decode", "prefill", "decoder"],
+                    help="which measurements: decode, prefill (one attention call), decoder (tokens/s)")
     ap.add_argument("--decode-context", type=int, default=16384)
     ap.add_argument("--prefill-len", type=int, default=4096)
     ap.add_argument("--decoder-context", type=int, default=4096)
@@ -168,13 +170,15 @@ def main(argv=None):
             model = PagedModel(tvm, torch, ARTIFACTS / case["libraries"][impl], case, impl)
             for batch in args.batches:
                 for kind, n in (("decode", args.decode_context), ("prefill", args.prefill_len)):
+                    if kind not in args.kinds:
+                        continue
                     key = f"{kind}{n}_b{batch}"
                     r = bench_attention(tvm, torch, model, batch, n, kind == "prefill", args.iters)
                     rows.setdefault(key, {})[impl] = r
                     print(f"{name} {impl} {key}: call {r['wall_us']:.1f} us, attention kernels "
                           f"{r['attention_kernels_us']:.1f} us", flush=True)
                     write()
-            if name.startswith("gqa"):
+            if name.startswith("gqa") and "decoder" in args.kinds:
                 for batch in args.batches:
                     key = f"decoder_decode{args.decoder_context}_b{batch}"
                     r = bench_decoder(tvm, torch, model, batch, args.decoder_context, args.iters)

@@ -29,11 +29,14 @@ def lib(tmp_path_factory):
     if _source_reason():
         pytest.skip(_source_reason())
     from mqa_byoc.compiler.paged_build import paged_object
-    from mqa_byoc.kernels.build import static_cudart
+    from mqa_byoc.kernels.build import static_cudart, support_object
 
     obj = paged_object("sm_90", build=False, progress=None)
+    # the paged object uses the dispatcher's kernel table, workspace pool and split rule
+    disp = K.build_dispatcher(build=False, progress=None, arch="sm_90")
     out = tmp_path_factory.mktemp("paged") / "paged_host.so"
-    subprocess.run(["g++", "-shared", "-o", str(out), str(obj), *static_cudart("sm_90")], check=True)
+    subprocess.run(["g++", "-shared", "-o", str(out), str(obj), str(disp), str(support_object("sm_90", None)),
+                    *static_cudart("sm_90")], check=True)
     return ctypes.CDLL(str(out))
 
 

@@ -406,6 +406,15 @@ extern "C" int mqa_byoc_fa2_alloc_workspace(void** ws, size_t bytes, int device_
 }
 extern "C" int mqa_byoc_fa2_fail(const char* message) { return fail(message); }
 extern "C" int mqa_byoc_fa2_num_sms(int device_id) { return num_sms(device_id); }
+extern "C" int mqa_byoc_fa2_num_splits(int64_t work, int num_sms, int num_n_blocks) {
+  return num_splits_heuristic(int(std::min<int64_t>(work, INT_MAX)), num_sms, num_n_blocks, 128);
+}
+extern "C" int mqa_byoc_fa2_kernel_hdim(int64_t head_dim) { return kernel_hdim(head_dim); }
+extern "C" mqa_byoc_fa2_entry_fn mqa_byoc_fa2_entry(int hdim, int is_bf16, int causal, int split) {
+  const Entry* e = find_entry(hdim, is_bf16, causal != 0);
+  if (e == nullptr) return nullptr;
+  return reinterpret_cast<mqa_byoc_fa2_entry_fn>(split ? e->split : e->fwd);
+}
 
 extern "C" int mqa_byoc_fa2_kernel_available(int hdim, int is_bf16, int causal, int split) {
   const Entry* e = find_entry(hdim, is_bf16, causal);

@@ -51,6 +51,15 @@ int mqa_byoc_fa2_alloc_workspace(void** ws, size_t bytes, int device_id, void* s
 int mqa_byoc_fa2_num_sms(int device_id);
 int mqa_byoc_fa2_fail(const char* message);
 
+// For fa2_paged.cu: flash-attn's split-count rule (no split when work >= 0.8 * num_sms, else the fewest
+// splits within 85% of the best wave efficiency, at most 128), the FA2 head dim of a head dim (-1 when
+// none), and the linked kernel entry of a family (NULL when not linked). The entry takes a
+// Flash_fwd_params* and a cudaStream_t.
+typedef void (*mqa_byoc_fa2_entry_fn)(void* params, void* stream);
+int mqa_byoc_fa2_num_splits(int64_t work, int num_sms, int num_n_blocks);
+int mqa_byoc_fa2_kernel_hdim(int64_t head_dim);
+mqa_byoc_fa2_entry_fn mqa_byoc_fa2_entry(int hdim, int is_bf16, int causal, int split);
+
 // split_kv_combine.cu (compiled per arch, linked next to the dispatcher): the key count of each of n
 // chunks (lens[i] = min(chunk, s_kv - i * chunk)) and the merge of the chunks' outputs o_part (n, h, d)
 // by their LSEs lse (n, h) into out (h, d), head stride out_head_stride. 0 on success.

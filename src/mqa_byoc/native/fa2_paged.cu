@@ -10,6 +10,8 @@
 
 #include "fa2_paged.h"
 
+#include "fa2_dispatch.h"
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -19,7 +21,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -28,31 +29,6 @@
 namespace {
 using Params = FLASH_NAMESPACE::Flash_fwd_params;
 using EntryFn = void (*)(Params*, cudaStream_t);
-}  // namespace
-
-#define MQA_BYOC_PAGED_DT(X, hd) X(hd, fp16, ) X(hd, fp16, _causal) X(hd, bf16, ) X(hd, bf16, _causal)
-#define MQA_BYOC_PAGED_ALL(X)                                                                 \
-  MQA_BYOC_PAGED_DT(X, 32) MQA_BYOC_PAGED_DT(X, 64) MQA_BYOC_PAGED_DT(X, 96)                  \
-  MQA_BYOC_PAGED_DT(X, 128) MQA_BYOC_PAGED_DT(X, 192) MQA_BYOC_PAGED_DT(X, 256)
-#define MQA_BYOC_PAGED_DECL(hd, dt, c)                                                        \
-  extern "C" __attribute__((weak, visibility("hidden"))) void                                \
-      mqa_byoc_fa2_fwd_hdim##hd##_##dt##c(Params*, cudaStream_t);                             \
-  extern "C" __attribute__((weak, visibility("hidden"))) void                                \
-      mqa_byoc_fa2_fwd_split_hdim##hd##_##dt##c(Params*, cudaStream_t);
-MQA_BYOC_PAGED_ALL(MQA_BYOC_PAGED_DECL)
-
-namespace {
-
-struct Entry {
-  int hdim, is_bf16, causal;
-  EntryFn fwd, split;
-};
-#define MQA_BYOC_PAGED_BF16_fp16 0
-#define MQA_BYOC_PAGED_BF16_bf16 1
-#define MQA_BYOC_PAGED_ROW(hd, dt, c)                                                         \
-  {hd, MQA_BYOC_PAGED_BF16_##dt, sizeof(#c) > 1, &mqa_byoc_fa2_fwd_hdim##hd##_##dt##c,         \
-   &mqa_byoc_fa2_fwd_split_hdim##hd##_##dt##c},
-const Entry kEntries[] = {MQA_BYOC_PAGED_ALL(MQA_BYOC_PAGED_ROW)};
 
 thread_local std::string g_error;
 int fail(const std::string& m) {
@@ -60,16 +36,12 @@ int fail(const std::string& m) {
   return 1;
 }
 
-int kernel_hdim(int64_t d) {
-  for (int x : {32, 64, 96, 128, 192, 256})
-    if (d <= x) return x;
-  return -1;
-}
+// The kernel families, workspace pool, SM count and split rule are the dispatcher's (fa2_dispatch.h):
+// one definition of each, and the same split-KV behaviour as the fixed-length attention.
+int kernel_hdim(int64_t d) { return mqa_byoc_fa2_kernel_hdim(d); }
 
-const Entry* find_entry(int hdim, int is_bf16, bool causal) {
-  for (const Entry& e : kEntries)
-    if (e.hdim == hdim && e.is_bf16 == (is_bf16 != 0) && e.causal == causal) return &e;
-  return nullptr;
+EntryFn entry(int hdim, int is_bf16, bool causal, bool split) {
+  return reinterpret_cast<EntryFn>(mqa_byoc_fa2_entry(hdim, is_bf16, causal ? 1 : 0, split ? 1 : 0));
 }
 
 std::string family(int hdim, int is_bf16, bool causal, bool split) {
@@ -84,77 +56,16 @@ int not_built(int hdim, int is_bf16, bool causal, bool split) {
               "` and export again with mqa_byoc.export_library");
 }
 
-std::mutex g_mu;
-std::vector<int> g_sms;
-std::vector<cudaMemPool_t> g_pools;  // per device; null: not made yet or not available
-
-// A private stream-ordered pool per device that keeps its memory: the workspaces are needed on every
-// call, and the default pool would hand them back to the driver at each synchronisation.
-cudaMemPool_t workspace_pool(int device) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  if (device >= static_cast<int>(g_pools.size())) g_pools.resize(device + 1, nullptr);
-  if (g_pools[device] == nullptr) {
-    cudaMemPoolProps props;
-    std::memset(&props, 0, sizeof(props));
-    props.allocType = cudaMemAllocationTypePinned;
-    props.handleTypes = cudaMemHandleTypeNone;
-    props.location.type = cudaMemLocationTypeDevice;
-    props.location.id = device;
-    cudaMemPool_t pool = nullptr;
-    if (cudaMemPoolCreate(&pool, &props) != cudaSuccess) {
-      cudaGetLastError();
-      return nullptr;
-    }
-    uint64_t keep = UINT64_MAX;
-    cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
-    g_pools[device] = pool;
-  }
-  return g_pools[device];
-}
-
-// Stream-ordered workspace from the device's pool (the default pool when it has none). 0 on success.
+// Stream-ordered workspace from the dispatcher's pool. 0 on success.
 int alloc(void** ptr, size_t bytes, int device, cudaStream_t stream) {
-  cudaMemPool_t pool = workspace_pool(device);
-  cudaError_t err = pool != nullptr ? cudaMallocFromPoolAsync(ptr, bytes, pool, stream) : cudaMallocAsync(ptr, bytes, stream);
-  if (err == cudaSuccess) return 0;
-  cudaGetLastError();
+  if (mqa_byoc_fa2_alloc_workspace(ptr, bytes, device, stream) == 0) return 0;
   *ptr = nullptr;
-  return fail("cannot allocate " + std::to_string(bytes) + " bytes of FA2 workspace: " + cudaGetErrorString(err));
+  return fail(mqa_byoc_fa2_last_error());
 }
 
-int num_sms(int device) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  if (device >= static_cast<int>(g_sms.size())) g_sms.resize(device + 1, 0);
-  if (g_sms[device] == 0) {
-    int n = 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-      cudaGetLastError();
-      return 0;
-    }
-    g_sms[device] = n;
-  }
-  return g_sms[device];
-}
+int num_sms(int device) { return mqa_byoc_fa2_num_sms(device); }
 
-// flash-attn's split-count rule: no split when the grid nearly fills the GPU, else the fewest splits
-// reaching 85% of the best wave efficiency.
-int num_splits(int64_t work, int sms, int n_blocks) {
-  if (sms <= 0 || work >= 0.8 * sms) return 1;
-  const int max_splits = std::min({128, sms, n_blocks});
-  auto cdiv = [](int a, int b) { return (a + b - 1) / b; };
-  auto eligible = [&](int s) { return s == 1 || cdiv(n_blocks, s) != cdiv(n_blocks, s - 1); };
-  std::vector<float> eff(std::max(max_splits, 1) + 1, 0.f);
-  float best = 0.f;
-  for (int s = 1; s <= max_splits; ++s) {
-    if (!eligible(s)) continue;
-    const float waves = float(work) * s / sms;
-    eff[s] = waves / std::ceil(waves);
-    best = std::max(best, eff[s]);
-  }
-  for (int s = 1; s <= max_splits; ++s)
-    if (eligible(s) && eff[s] >= 0.85f * best) return s;
-  return 1;
-}
+int num_splits(int64_t work, int sms, int n_blocks) { return mqa_byoc_fa2_num_splits(work, sms, n_blocks); }
 
 // The per-element rules of the two bridging kernels, shared with their host twins below (which the
 // CPU tests check against NumPy): one copy of each fact.
@@ -374,8 +285,8 @@ extern "C" int mqa_byoc_fa2_paged_forward(const void* q, const int32_t* qo_indpt
   const bool decode = qo_indptr == nullptr;
   const bool is_causal = causal != 0 && !decode;
   const int hdim = kernel_hdim(head_dim);
-  const Entry* e = find_entry(hdim, is_bf16, is_causal);
-  if (e == nullptr || e->split == nullptr) return not_built(hdim, is_bf16, is_causal, true);
+  const EntryFn split_fn = entry(hdim, is_bf16, is_causal, true);
+  if (split_fn == nullptr) return not_built(hdim, is_bf16, is_causal, true);
 
   // Decode with grouped K/V: view the H query heads of a sequence as g = H / H_kv query rows of
   // H_kv heads (flash-attn's own decode trick): one K/V tile serves the whole group.
@@ -467,7 +378,7 @@ extern "C" int mqa_byoc_fa2_paged_forward(const void* q, const int32_t* qo_indpt
       return fail(std::string("cudaMemsetAsync: ") + cudaGetErrorString(err));
     }
   }
-  if (int rc = launch(e->split, &p, stream, "FA2 paged " + family(hdim, is_bf16, is_causal, true))) return rc;
+  if (int rc = launch(split_fn, &p, stream, "FA2 paged " + family(hdim, is_bf16, is_causal, true))) return rc;
   // LSE: decode writes (B, h, sq) = (B, H) row-major (also when swapped); prefill (H, total_q).
   return decode ? finish(lse_nat, batch, num_heads, num_heads, 1, lse, empty, nullptr, batch, out, o_stride, head_dim,
                          is_bf16, stream)
@@ -494,8 +405,8 @@ extern "C" int mqa_byoc_fa2_ragged_forward(const void* q, const void* k, const v
   if (int rc = guard.set(device_id)) return rc;
   const bool is_causal = causal != 0;
   const int hdim = kernel_hdim(head_dim);
-  const Entry* e = find_entry(hdim, is_bf16, is_causal);
-  EntryFn fn = e == nullptr ? nullptr : (e->fwd != nullptr ? e->fwd : e->split);
+  EntryFn fn = entry(hdim, is_bf16, is_causal, false);
+  if (fn == nullptr) fn = entry(hdim, is_bf16, is_causal, true);
   if (fn == nullptr) return not_built(hdim, is_bf16, is_causal, false);
 
   // total_q / total_k bound every sequence's lengths (TVM keeps the exact ones on the host only).
