@@ -549,9 +549,10 @@ def import_hf(
     np_params = [p.numpy() for p in params["main"]]
 
     def reference(*inputs) -> np.ndarray:
-        dt = next(model.parameters()).dtype  # ids / positions stay int64, caches get the model dtype
+        # ids / positions stay int64; caches get the model dtype, copied (a StaticCache writes them)
+        dt = next(model.parameters()).dtype
         t = [torch.from_numpy(np.ascontiguousarray(x)).long() if np.asarray(x).dtype.kind in "iu"
-             else torch.from_numpy(np.asarray(x, dtype=np.float32)).to(dt) for x in inputs]
+             else torch.tensor(np.asarray(x, dtype=np.float32)).to(dt) for x in inputs]
         with torch.no_grad():
             out = wrapper(*t)
         logits = out[0] if isinstance(out, tuple) else out
