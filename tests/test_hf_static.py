@@ -170,3 +170,39 @@ def test_static_cache_limits_are_typed_errors():
         hf.import_hf(_model(), mode="prefill", cache="static", seq_len=20, max_cache_len=MAX_LEN)
     with pytest.raises(ValueError, match="cache must be"):
         hf.import_hf(_model(), cache="paged")
+
+
+# ----------------------------------------------------------------------------- the in-place route
+def test_hf_weights_on_the_inplace_cache_match_hf():
+    """No export of an HF cache reaches TVM's in-place cache; the HF weights do, through
+    build_decoder(kv_cache="inplace"): prefill then decode steps match HF's logits."""
+    from mqa_byoc.models.hf_static import decoder_config_from_hf
+    from mqa_byoc.models.llama import build_decoder
+
+    model = _model()
+    cfg = decoder_config_from_hf(model.config)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (HEADS, KV_HEADS, HEAD_DIM)
+    mod, spec = build_decoder(cfg, dtype="float32", logits="all", kv_cache="inplace",
+                              functions=("prefill", "decode"))
+    params = [tvm.runtime.tensor(p) for p in hf.params_from_hf(model, spec)]
+    vm = relax.VirtualMachine(tvm.compile(mod, target=tvm.target.Target({"kind": "llvm", "opt-level": 0})),
+                              tvm.cpu())
+    ids = np.random.default_rng(4).integers(0, 128, (1, 7)).astype("int64")
+    t, shape = tvm.runtime.tensor, tvm.runtime.ShapeTuple
+    out = vm["prefill"](t(ids[:, :5].astype("int32")), vm["create_kv_cache"](shape([7])), *params)
+    got = [out[0].numpy()]
+    for n in (5, 6):
+        out = vm["decode"](t(ids[:, n:n + 1].astype("int32")), shape([n]), out[1], *params)
+        got.append(out[0].numpy())
+    with torch.no_grad():
+        want = model(input_ids=torch.from_numpy(ids), use_cache=False).logits.numpy()
+    np.testing.assert_allclose(np.concatenate(got, axis=1), want, rtol=1e-4, atol=1e-4)
+
+
+def test_decoder_config_from_hf_rejects_rope_scaling():
+    model = _model()
+    model.config.rope_parameters = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}
+    from mqa_byoc.models.hf_static import decoder_config_from_hf
+
+    with pytest.raises(NotImplementedError, match="llama3"):
+        decoder_config_from_hf(model.config)

@@ -104,3 +104,24 @@ def static_example_inputs(model, *, mode: str = "decode", batch: int = 1, seq_le
     return [rng.integers(0, cfg.vocab_size, (batch, n_tok)).astype("int64"),
             np.arange(start, start + n_tok, dtype="int64"),
             *[rng.standard_normal(shape).astype(dtype) for _ in range(2 * cfg.num_hidden_layers)]]
+
+
+# --------------------------------------------------------------------------- the in-place route
+def decoder_config_from_hf(hf_config, name: str = "hf"):
+    """The :class:`~mqa_byoc.models.presets.DecoderConfig` of an HF Llama / Mistral config, so that
+    ``build_decoder(config, kv_cache="inplace")`` + :func:`.hf.params_from_hf` runs the HF weights on
+    TVM's in-place cache (what no torch.export of an HF cache reaches). Only plain RoPE is modelled."""
+    from .presets import DecoderConfig
+
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise NotImplementedError(f"RoPE scaling {rope.get('rope_type')!r}: build_decoder has plain RoPE only")
+    heads = hf_config.num_attention_heads
+    return DecoderConfig(
+        name, hidden_size=hf_config.hidden_size, num_heads=heads,
+        num_kv_heads=hf_config.num_key_value_heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        intermediate_size=hf_config.intermediate_size, vocab_size=hf_config.vocab_size,
+        num_layers=hf_config.num_hidden_layers,
+        rope_theta=float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))),
+        rms_eps=hf_config.rms_norm_eps, sliding_window=getattr(hf_config, "sliding_window", None))
