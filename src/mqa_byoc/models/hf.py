@@ -271,6 +271,8 @@ def fixes_convert_map() -> dict:
     ``cumsum.default``: torch sums bool / integer inputs in int64, the frontend keeps ``bool``
     (``R.cumsum(bool)``), which then fails in LLVM codegen ("CreateAdd ... kDLFloat"). HF's mask
     builder cumsums a bool tensor (packed-sequence detection), so every HF decoder hits it.
+
+    ``index_put.default``: a ``StaticCache`` write (:func:`.hf_static.index_put_converter`).
     """
     from tvm import relax, tirx
 
@@ -303,7 +305,9 @@ def fixes_convert_map() -> dict:
             return parts[0]
         return importer.block_builder.emit(relax.op.concat(parts, axis=dim))
 
-    return {"cumsum.default": cumsum, "cat.default": cat}
+    from .hf_static import index_put_converter
+
+    return {"cumsum.default": cumsum, "cat.default": cat, "index_put.default": index_put_converter}
 
 
 def params_from_hf(model, param_spec) -> list[np.ndarray]:
@@ -442,6 +446,8 @@ def import_hf(
     mixed_precision: bool = False,
     seed: int = 0,
     convert: str | None = None,
+    cache: str = "dynamic",
+    max_cache_len: int = 32,
 ) -> HFImport:
     """Export ``model`` with ``torch.export`` and import it with ``from_exported_program``.
 
@@ -473,6 +479,10 @@ def import_hf(
 
       ``matmul_dtype`` is the older spelling: "native" -> ``convert="native"``, "float32" ->
       ``"fixes"`` (ignored when ``convert`` is given).
+    - ``cache="static"``: through HF's ``StaticCache`` instead (:mod:`.hf_static`): ``main(input_ids
+      (B, S), cache_position (S,) int64, k_0, v_0, ..., *weights) -> (logits, k_0', v_0', ...)``,
+      caches ``(B, H_kv, max_cache_len, D)``; ``mode`` picks S (and ``past_len`` the example
+      position); static shapes only, no sliding window.
     - ``mixed_precision``: apply ``ToMixedPrecision(out_dtype="float16")`` after the import.
 
     Returns :class:`HFImport` ``(mod, params, reference)``; ``reference(*inputs)`` runs the torch
@@ -496,6 +506,8 @@ def import_hf(
     n_layers = cfg.num_hidden_layers
     hkv = cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if cache not in ("dynamic", "static"):
+        raise ValueError(f"cache must be 'dynamic' or 'static', got {cache!r}")
     wrapper = _wrapper(model, mode, n_layers, use_cache, seed_cache=convert == "standard").eval()
     if dynamic:  # an example size of 1 would be specialized
         batch, seq_len, past_len = max(batch, 2), max(seq_len, 2), max(past_len, 2)
@@ -509,7 +521,14 @@ def import_hf(
         args += [
             torch.randn(batch, hkv, past_len, d, generator=gen).to(dtype) for _ in range(2 * n_layers)
         ]
-    if dynamic:
+    if cache == "static":
+        from .hf_static import static_example_inputs, static_wrapper
+
+        wrapper = static_wrapper(model, n_layers).eval()
+        args = [torch.from_numpy(x) for x in static_example_inputs(
+            model, mode=mode, batch=batch, seq_len=seq_len, past_len=past_len,
+            max_cache_len=max_cache_len, dynamic=dynamic, seed=seed)]
+    elif dynamic:
         bdim = torch.export.Dim("batch", min=1, max=max_batch)
         if mode == "prefill":
             dyn = ({0: bdim, 1: torch.export.Dim("seq_len", min=2, max=max_seq_len)},)
@@ -530,9 +549,10 @@ def import_hf(
     np_params = [p.numpy() for p in params["main"]]
 
     def reference(*inputs) -> np.ndarray:
-        t = [torch.from_numpy(np.ascontiguousarray(inputs[0])).long()]
+        # ids / positions stay int64; caches get the model dtype, copied (a StaticCache writes them)
         dt = next(model.parameters()).dtype
-        t += [torch.from_numpy(np.asarray(x, dtype=np.float32)).to(dt) for x in inputs[1:]]
+        t = [torch.from_numpy(np.ascontiguousarray(x)).long() if np.asarray(x).dtype.kind in "iu"
+             else torch.tensor(np.asarray(x, dtype=np.float32)).to(dt) for x in inputs]
         with torch.no_grad():
             out = wrapper(*t)
         logits = out[0] if isinstance(out, tuple) else out
