@@ -173,7 +173,8 @@ def _entry(mod, fname, fn, cfg, cache_reason):
     if kind == "merge":
         merged = tir_merge_heads(cfg.num_q_heads, cfg.head_dim)
         note = (f"replaces TVM's TIR merge_state, whose grid leaves heads out when H is not a multiple of its "
-                f"block's heads (here it would merge {merged} of {cfg.num_q_heads}); ours merges every (row, head)")
+                f"block's heads (for H={cfg.num_q_heads}, D={cfg.head_dim} it merges {merged} of {cfg.num_q_heads}); "
+                "ours merges every (row, head)")
         return PagedAttentionDecision(fname, kernel, True, cfg.symbol(kind), None, note)
     note = f"create the cache with page_size={cfg.page_size}, support_sliding_window=0"
     return PagedAttentionDecision(fname, kernel, True, cfg.symbol(kind), None, note)
