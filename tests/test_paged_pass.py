@@ -201,7 +201,8 @@ def test_served_module_builds_for_cuda_and_exports_the_wrappers(tmp_path):
     for kind in SERVED.values():
         assert f"__tvm_ffi_mqa_byoc_paged_{kind}_h8kv1d128p128_fp16" in dynamic
     symbols = subprocess.run(["nm", str(lib)], capture_output=True, text=True).stdout
-    for sym in ("mqa_byoc_fa2_paged_forward", "mqa_byoc_fa2_ragged_forward", "mqa_byoc_fa2_paged_merge_state", "mqa_byoc_fa2_fwd_split_hdim128_fp16",
+    for sym in ("mqa_byoc_fa2_paged_forward", "mqa_byoc_fa2_ragged_forward", "mqa_byoc_fa2_paged_merge_state",
+                "mqa_byoc_fa2_fwd_split_hdim128_fp16",
                 "mqa_byoc_fa2_fwd_split_hdim128_fp16_causal", "mqa_byoc_fa2_fwd_hdim128_fp16_causal"):
         assert f" {sym}\n" in symbols, sym
 
@@ -210,7 +211,8 @@ def _tir_merge_grid(num_heads, head_dim):
     """(heads per block, blocks in y) of TVM's own merge PrimFunc, read from its thread bindings."""
     from tvm.relax.frontend.nn.llm._decode_kernels import _merge_state_inplace
 
-    script = _merge_state_inplace(num_heads, head_dim, "float16", tvm.target.Target({"kind": "cuda", "arch": "sm_90"})).script()
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    script = _merge_state_inplace(num_heads, head_dim, "float16", target).script()
     ext = {tag: int(n) for n, tag in re.findall(r'T\.thread_binding\((\d+), thread="(\w+\.y)"\)', script)}
     return ext["threadIdx.y"], ext["blockIdx.y"]
 

@@ -384,7 +384,9 @@ extern "C" MQA_BYOC_PAGED_EXPORT void mqa_byoc_fa2_paged_host_merge(float* v, fl
                                                                      int64_t num_heads, int64_t head_dim) {
   for (int64_t i = 0; i < rows * num_heads; ++i) {
     const MergeWeights m = merge_weights(s[i], s_other[i]);
-    for (int64_t d = 0; d < head_dim; ++d) v[i * head_dim + d] = merge_value(m, v[i * head_dim + d], v_other[i * head_dim + d]);
+    float* vi = v + i * head_dim;
+    const float* oi = v_other + i * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) vi[d] = merge_value(m, vi[d], oi[d]);
     s[i] = m.s;
   }
 }
