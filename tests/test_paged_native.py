@@ -1,5 +1,5 @@
 """The bridging rules of native/fa2_paged.cu (TVM's CSR page list -> FA2's block table and K lengths,
-FA2's natural-log LSE -> TVM's base-2 LSE) against NumPy, through their host twins (the kernels and the
+FA2's natural-log LSE -> TVM's base-2 LSE, the merge of two attention states) against NumPy, through their host twins (the kernels and the
 twins share the per-element functions), and the wrappers' C++ compiled the way export compiles it."""
 
 from __future__ import annotations
@@ -96,13 +96,13 @@ def test_wrappers_compile_with_tvm_ffi_headers(tmp_path):
     from mqa_byoc.compiler.paged_codegen import PagedConfig, emit_paged_source
 
     src = tmp_path / "w.cc"
-    src.write_text(emit_paged_source(PagedConfig(71, 1, 64, "bfloat16", 256), ["prefill", "decode", "ragged"]))
+    src.write_text(emit_paged_source(PagedConfig(71, 1, 64, "bfloat16", 256), ["prefill", "decode", "ragged", "merge"]))
     inc = tvm_ffi.libinfo.find_include_path()
     dl = tvm_ffi.libinfo.find_dlpack_include_path() if hasattr(tvm_ffi.libinfo, "find_dlpack_include_path") else inc
     subprocess.run(["g++", "-std=c++17", "-fPIC", "-c", str(src), f"-I{inc}", f"-I{dl}", "-o", str(tmp_path / "w.o")],
                    check=True)
     syms = subprocess.run(["nm", str(tmp_path / "w.o")], capture_output=True, text=True).stdout
-    for kind in ("prefill", "decode", "ragged"):
+    for kind in ("prefill", "decode", "ragged", "merge"):
         assert f"__tvm_ffi_mqa_byoc_paged_{kind}_h71kv1d64p256_bf16" in syms
 
 
@@ -151,3 +151,51 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(mqa_byoc_test_twice, twice);
         tvm_ffi.remove_global_func("mqa_byoc_test_apply")
     assert seen == ["tirx"]
     np.testing.assert_array_equal(out.numpy(), np.arange(4, dtype="float32") * 2)
+
+
+def _attention_of(scores, values):
+    """Softmax attention of one query row: (output, base-2 LSE of its scaled scores), float64."""
+    p = np.exp(scores - scores.max())
+    return p @ values / p.sum(), np.log2(np.exp(scores).sum())
+
+
+def _attention(rng, n_keys, d):
+    scores, values = rng.normal(size=n_keys) * 3, rng.normal(size=(n_keys, d))
+    return (*_attention_of(scores, values), scores, values)
+
+
+def test_merge_state_matches_attention_over_both_parts(lib):
+    """Merging two parts' (V, base-2 LSE) gives attention over the union of their keys, for every head of
+    H=71 (TVM's TIR merge leaves head 70 out there); a part without keys (LSE -inf, or TVM's empty -5e4
+    against a real part) gets no weight, even when its V is not finite."""
+    rng = np.random.default_rng(2)
+    rows, heads, d = 4, 71, 64
+    v = np.zeros((rows, heads, d), np.float32)
+    vo = np.zeros_like(v)
+    s = np.zeros((rows, heads), np.float32)
+    so = np.zeros_like(s)
+    want_v = np.zeros_like(v)
+    want_s = np.zeros_like(s)
+    for r in range(rows):
+        for h in range(heads):
+            o1, l1, sc1, v1 = _attention(rng, 1 + r * 5 + h % 7, d)
+            o2, l2, sc2, v2 = _attention(rng, 1 + h % 11, d)
+            v[r, h], s[r, h], vo[r, h], so[r, h] = o1, l1, o2, l2
+            want_v[r, h], want_s[r, h] = _attention_of(np.concatenate([sc1, sc2]), np.concatenate([v1, v2]))
+    # row 1: the ragged part has no keys (FA2's empty rows get TVM's -5e4 and V 0); row 2: the paged part
+    # has LSE -inf and garbage V; row 3, heads 0-9: both parts empty (-inf and -5e4), heads 10-19: both -inf
+    s[1], v[1] = -5e4, 0
+    want_v[1], want_s[1] = vo[1], so[1]
+    so[2], vo[2] = -np.inf, np.nan
+    want_v[2], want_s[2] = v[2], s[2]
+    s[3, :10], so[3, :10], v[3, :10], vo[3, :10] = -np.inf, -5e4, np.nan, 0
+    want_v[3, :10], want_s[3, :10] = 0, -5e4
+    s[3, 10:20], so[3, 10:20] = -np.inf, -np.inf
+    want_v[3, 10:20], want_s[3, 10:20] = 0, -np.inf
+    lib.mqa_byoc_fa2_paged_host_merge(_p(v, ctypes.c_float), _p(s, ctypes.c_float), _p(vo, ctypes.c_float),
+                                      _p(so, ctypes.c_float), ctypes.c_int64(rows), ctypes.c_int64(heads),
+                                      ctypes.c_int64(d))
+    np.testing.assert_allclose(v, want_v, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(s, want_s, rtol=1e-5, atol=1e-4)
+    assert np.isfinite(v).all()
+

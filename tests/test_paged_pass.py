@@ -17,10 +17,14 @@ from mqa_byoc.compiler.paged import (
     format_paged_report,
     page_unit,
     paged_kv_cache_report,
+    tir_merge_heads,
 )
 from mqa_byoc.models.paged_llama import PagedLlamaConfig, export_paged_llama
 
-SERVED = {"batch_prefill_ragged_kv": "ragged", "batch_prefill_paged_kv": "prefill", "batch_decode_paged_kv": "decode"}
+ATTENTION = {"batch_prefill_ragged_kv": "ragged", "batch_prefill_paged_kv": "prefill", "batch_decode_paged_kv": "decode"}
+MERGE = "tir_attention_merge_state"
+SERVED = {**ATTENTION, MERGE: "merge"}
+MERGE_ARG = 23  # the attn-merge tuple of the create call (after the callee)
 KEPT = {"batch_prefill_paged_kv_sliding_window", "batch_decode_paged_kv_sliding_window", "tree_attn_paged_kv",
         "batch_tree_attn"}
 SMALL = dict(hidden=64, intermediate=128, layers=1, vocab=32, rope_mode=0)
@@ -41,12 +45,12 @@ def _create_args(mod):
 
 
 def _entries(mod):
-    """{kernel or symbol name: argument} of the ("tirx", f) tuples of the create call."""
+    """{kernel or symbol name: argument} of the ("tirx", f) tuples and the attn-merge tuple of the create call."""
     out = {}
-    for a in _create_args(mod):
-        if isinstance(a, relax.Tuple) and len(a.fields) == 2:
-            f = a.fields[1]
-            out[f.global_symbol if isinstance(f, relax.ExternFunc) else f.name_hint] = f
+    for i, a in enumerate(_create_args(mod)):
+        if isinstance(a, relax.Tuple) and (len(a.fields) == 2 or i == MERGE_ARG):
+            for f in a.fields[1:] if i != MERGE_ARG else a.fields:
+                out[f.global_symbol if isinstance(f, relax.ExternFunc) else f.name_hint] = f
     return out
 
 
@@ -62,7 +66,10 @@ def test_report_serves_prefill_decode_ragged_and_keeps_the_rest(gqa):
         if d.kernel in SERVED:
             assert d.offloaded and d.reason is None
             assert d.symbol == f"mqa_byoc_paged_{SERVED[d.kernel]}_h8kv2d64p256_fp16"
-            assert d.note == "create the cache with page_size=256, support_sliding_window=0"
+            if d.kernel == MERGE:
+                assert "replaces TVM's TIR merge_state" in d.note and "merges 8 of 8" in d.note
+            else:
+                assert d.note == "create the cache with page_size=256, support_sliding_window=0"
         else:
             assert not d.offloaded and d.symbol is None
             assert "page size 16" in d.reason  # TVM's TIR kernels cannot run in a cache of 256-token pages
@@ -81,9 +88,13 @@ def test_pass_rewrites_exactly_the_served_entries(gqa):
     args_before, args_after = _create_args(gqa), _create_args(after_mod)
     assert len(args_before) == len(args_after)
     for i, (a, b) in enumerate(zip(args_before, args_after)):
-        if isinstance(a, relax.Tuple) and len(a.fields) == 2 and a.fields[1].name_hint in SERVED:
+        if isinstance(a, relax.Tuple) and len(a.fields) == 2 and a.fields[1].name_hint in ATTENTION:
             assert isinstance(b.fields[1], relax.ExternFunc) and b.fields[0].value == "tirx"
-            assert SERVED[a.fields[1].name_hint] in b.fields[1].global_symbol
+            assert ATTENTION[a.fields[1].name_hint] in b.fields[1].global_symbol
+    # the attn-merge tuple holds the merge bare (no "tirx" tag): (GlobalVar,) -> (ExternFunc,)
+    assert [f.name_hint for f in args_before[MERGE_ARG].fields] == [MERGE]
+    (merge,) = args_after[MERGE_ARG].fields
+    assert isinstance(merge, relax.ExternFunc) and merge.global_symbol == "mqa_byoc_paged_merge_h8kv2d64p256_fp16"
     # the append / compaction kernels regenerated for 256-token pages; the TIR attention PrimFuncs gone
     names = {gv.name_hint for gv in after_mod.get_global_vars()}
     assert not names & set(SERVED)
@@ -190,6 +201,53 @@ def test_served_module_builds_for_cuda_and_exports_the_wrappers(tmp_path):
     for kind in SERVED.values():
         assert f"__tvm_ffi_mqa_byoc_paged_{kind}_h8kv1d128p128_fp16" in dynamic
     symbols = subprocess.run(["nm", str(lib)], capture_output=True, text=True).stdout
-    for sym in ("mqa_byoc_fa2_paged_forward", "mqa_byoc_fa2_ragged_forward", "mqa_byoc_fa2_fwd_split_hdim128_fp16",
+    for sym in ("mqa_byoc_fa2_paged_forward", "mqa_byoc_fa2_ragged_forward", "mqa_byoc_fa2_paged_merge_state",
+                "mqa_byoc_fa2_fwd_split_hdim128_fp16",
                 "mqa_byoc_fa2_fwd_split_hdim128_fp16_causal", "mqa_byoc_fa2_fwd_hdim128_fp16_causal"):
         assert f" {sym}\n" in symbols, sym
+
+
+def _tir_merge_grid(num_heads, head_dim):
+    """(heads per block, blocks in y) of TVM's own merge PrimFunc, read from its thread bindings."""
+    from tvm.relax.frontend.nn.llm._decode_kernels import _merge_state_inplace
+
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    script = _merge_state_inplace(num_heads, head_dim, "float16", target).script()
+    ext = {tag: int(n) for n, tag in re.findall(r'T\.thread_binding\((\d+), thread="(\w+\.y)"\)', script)}
+    return ext["threadIdx.y"], ext["blockIdx.y"]
+
+
+@pytest.mark.parametrize("num_heads, head_dim", [(71, 64), (8, 64), (64, 128), (40, 128), (32, 256), (1, 64)])
+def test_tir_merge_heads_reads_tvm_grid(num_heads, head_dim):
+    """The heads TVM's TIR merge covers = its blocks in y times its heads per block (TVM 0.27)."""
+    bdy, gdy = _tir_merge_grid(num_heads, head_dim)
+    assert tir_merge_heads(num_heads, head_dim) == bdy * gdy <= num_heads
+
+
+def test_merge_is_replaced_for_71_heads_and_the_report_says_why():
+    mod = _module(num_q_heads=71, num_kv_heads=1, head_dim=64)
+    (merge,) = [d for d in paged_kv_cache_report(mod) if d.kernel == MERGE]
+    assert _tir_merge_grid(71, 64) == (35, 2)  # TVM's grid: 2 blocks of 35 heads, head 70 never merged
+    assert merge.offloaded and merge.symbol == "mqa_byoc_paged_merge_h71kv1d64p256_fp16"
+    assert "merges 70 of 71" in merge.note and "every (row, head)" in merge.note
+    line = [x for x in format_paged_report(paged_kv_cache_report(mod)).splitlines() if MERGE in x]
+    assert line and "-> FA2 mqa_byoc_paged_merge_h71kv1d64p256_fp16" in line[0] and "70 of 71" in line[0]
+    after = UseFlashAttentionForPagedKVCache()(mod)
+    assert MERGE not in {gv.name_hint for gv in after.get_global_vars()}
+    src = after.attrs["external_mods"][0].inspect_source()
+    assert "TVM_FFI_DLL_EXPORT_TYPED_FUNC(mqa_byoc_paged_merge_h71kv1d64p256_fp16" in src
+    assert "mqa_byoc_fa2_paged_merge_state(" in src
+
+
+def test_mla_cache_keeps_both_merges(gqa):
+    """An MLA cache (attn_kind 1) stays on TIR entirely, its merge and MLA's own merge included."""
+    def edit(args):
+        args[6] = relax.ShapeExpr([1])
+        mla = relax.Tuple([args[MERGE_ARG].fields[0], args[MERGE_ARG].fields[0]])
+        return args[:MERGE_ARG] + [mla] + args[MERGE_ARG + 1:]
+
+    mod = _with_create_args(gqa, edit)
+    merges = [d for d in paged_kv_cache_report(mod) if d.kernel == MERGE]
+    assert len(merges) == 2 and not any(d.offloaded for d in merges)
+    assert all("MLA" in d.reason for d in merges)
+    tvm.ir.assert_structural_equal(UseFlashAttentionForPagedKVCache()(mod), mod)

@@ -122,8 +122,12 @@ def test_paged_attention_matches_reference_and_tir(env, name, batch):
         errs["fa2_vs_tir"] = _rel(torch, outs["fa2"], outs["tir"].float())
         record[step] = {k: round(v, 6) for k, v in errs.items()}
         assert errs["fa2"] < TOL, f"{name} batch {batch} {step}: FA2 vs fp32 reference {errs}"
+        # FA2 vs TIR only where TIR matches the reference: in prefill_chunk2 of mqa71_1_d64 TVM's TIR merge_state
+        # leaves head 70 unmerged (its grid is 2 blocks of 35 heads; fa2.so runs our merge, which covers every head)
         if errs["tir"] < TOL:
             assert errs["fa2_vs_tir"] < 2 * TOL, f"{name} batch {batch} {step}: FA2 vs TIR {errs}"
+        else:  # recorded, not hidden: the results say where TIR was off the reference
+            record[step]["fa2_vs_tir_not_asserted"] = "TIR differs from the fp32 reference"
     RESULTS.setdefault("attention", {})[f"{name}/b{batch}"] = record
 
 

@@ -59,7 +59,8 @@ def build(out: Path, arch: str, names=None) -> None:
         fa2_page = page_unit(cfg.head_dim)
         report = paged_kv_cache_report(mod, fa2_page)
         served = sorted(d.kernel for d in report if d.offloaded)
-        if served != ["batch_decode_paged_kv", "batch_prefill_paged_kv", "batch_prefill_ragged_kv"]:
+        if served != ["batch_decode_paged_kv", "batch_prefill_paged_kv", "batch_prefill_ragged_kv",
+                      "tir_attention_merge_state"]:
             raise SystemExit(f"{name}: not served as expected:\n{format_paged_report(report)}")
         with target:
             fa2_mod = UseFlashAttentionForPagedKVCache(page_size=fa2_page)(mod)

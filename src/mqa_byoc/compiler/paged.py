@@ -6,7 +6,10 @@ its attention kernels as ``(R.str("tirx"), <GlobalVar of a TIR PrimFunc>)`` tupl
 each one with the PrimFunc's parameter list. :class:`UseFlashAttentionForPagedKVCache` replaces the
 GlobalVar of each entry it can serve by ``R.ExternFunc(<symbol>)``: a TVM-FFI function with the same
 parameter list (:mod:`~mqa_byoc.compiler.paged_codegen`) that runs FA2 with native K/V heads on the
-cache's own pages. It keeps on TIR, with a reason (:func:`paged_kv_cache_report`):
+cache's own pages. With them it replaces TVM's merge of attention states (``tir_attention_merge_state``,
+passed bare in the attn-merge tuple), whose grid leaves the last H mod (heads per block) heads unmerged
+(:func:`tir_merge_heads`; H=71, D=64: head 70), by our kernel. It keeps on TIR, with a reason
+(:func:`paged_kv_cache_report`):
 
 - the sliding-window entries (their ``length_info`` is (3, batch) with window offsets and attention
   sinks, which FA2's paged kernel does not take), tree attention, MLA;
@@ -49,6 +52,7 @@ _ARG_SHAPES, _ARG_H, _ARG_HKV, _ARG_DQK, _ARG_DV, _ARG_KIND, _ARG_ROPE, _ARG_DTY
 _PAGE_SIZE, _SLIDING = 3, 4  # in the first ShapeExpr: page_size, support_sliding_window
 _NUM_ARGS = 28  # of the GPU form of the create call
 _ARG_APPEND, _ARG_COMPACT = 13, 27  # kv_cache_transpose_append, compact_kv_copy (page size 16 in TVM)
+_ARG_MERGE = 23  # the attn-merge tuple (tir_attention_merge_state[, tir_attention_merge_state_mla]): no "tirx" tag
 _TVM_PAGE = 16  # the page size TVM 0.27's TIR cache kernels are generated for
 _ROPE_INLINE = 2  # RopeMode.INLINE
 _ATTN_MHA, _ATTN_MHA_SLIDING = 0, 3
@@ -139,33 +143,63 @@ def _cache_reason(args, page_size=None) -> tuple[PagedConfig | None, str | None]
     return PagedConfig(h, hkv, dqk, dtype, page or page_unit(dqk)), None
 
 
-def _decide(mod, fname, call, page_size=None) -> list[tuple[int, PagedAttentionDecision]]:
-    """``(argument index, decision)`` for each ``("tirx", GlobalVar)`` attention entry of ``call``."""
+def tir_merge_heads(num_heads: int, head_dim: int, max_threads: int = 1024) -> int:
+    """How many of ``num_heads`` TVM 0.27's TIR ``_merge_state_inplace`` merges: its block has
+    head_dim / VEC threads in x and num_heads halved until the block fits in y, its grid
+    num_heads // (heads per block) blocks in y, so the last num_heads % (heads per block) are left out."""
+    bdx = head_dim // min(max(4, head_dim // 32), 4)
+    bdy = num_heads
+    while bdx * bdy > max_threads and bdy > 1:
+        bdy //= 2
+    return num_heads // bdy * bdy
+
+
+def _entry(mod, fname, fn, cfg, cache_reason):
+    """The decision for one attention entry ``fn`` (GlobalVar or our ExternFunc), or None if not one."""
+    if isinstance(fn, relax.ExternFunc) and str(fn.global_symbol).startswith("mqa_byoc_paged_"):
+        kernel = {v: k for k, v in KINDS.items()}[str(fn.global_symbol).split("_")[3]]  # mqa_byoc_paged_<kind>_...
+        return PagedAttentionDecision(fname, kernel, True, str(fn.global_symbol), None, "already rewritten")
+    if not isinstance(fn, relax.GlobalVar):
+        return None
+    kernel = _kernel_name(mod, fn)
+    kind = KINDS.get(kernel)
+    if kind is None:
+        reason = _KEPT.get(kernel, f"{kernel} is not an attention kernel FA2 serves")
+        if cfg is not None and cfg.page_size != _TVM_PAGE:
+            reason += f"; TVM generates it for page size {_TVM_PAGE}, so it cannot run with pages of {cfg.page_size}"
+        return PagedAttentionDecision(fname, kernel, False, None, reason)
+    if cache_reason is not None:
+        return PagedAttentionDecision(fname, kernel, False, None, cache_reason)
+    if kind == "merge":
+        merged = tir_merge_heads(cfg.num_q_heads, cfg.head_dim)
+        note = (f"replaces TVM's TIR merge_state, whose grid leaves heads out when H is not a multiple of its "
+                f"block's heads (for H={cfg.num_q_heads}, D={cfg.head_dim} it merges {merged} of {cfg.num_q_heads}); "
+                "ours merges every (row, head)")
+        return PagedAttentionDecision(fname, kernel, True, cfg.symbol(kind), None, note)
+    note = f"create the cache with page_size={cfg.page_size}, support_sliding_window=0"
+    return PagedAttentionDecision(fname, kernel, True, cfg.symbol(kind), None, note)
+
+
+def _decide(mod, fname, call, page_size=None) -> list[tuple[int, int, PagedAttentionDecision]]:
+    """``(argument index, tuple field, decision)`` for each attention entry of ``call``: the
+    ``("tirx", GlobalVar)`` tuples (field 1) and the MHA merge of the attn-merge tuple (field 0; an
+    MLA cache's second merge stays, with the whole cache)."""
     args = list(call.args[1:])
     cfg, cache_reason = _cache_reason(args, page_size)
     out = []
     for i, arg in enumerate(args):
-        if not (isinstance(arg, relax.Tuple) and len(arg.fields) == 2):
+        if not isinstance(arg, relax.Tuple):
             continue
-        fn = arg.fields[1]
-        if isinstance(fn, relax.ExternFunc) and str(fn.global_symbol).startswith("mqa_byoc_paged_"):
-            kernel = {v: k for k, v in KINDS.items()}[str(fn.global_symbol).split("_")[3]]  # mqa_byoc_paged_<kind>_...
-            out.append((i, PagedAttentionDecision(fname, kernel, True, str(fn.global_symbol), None, "already rewritten")))
-            continue
-        if not isinstance(fn, relax.GlobalVar):
-            continue
-        kernel = _kernel_name(mod, arg.fields[1])
-        kind = KINDS.get(kernel)
-        if kind is None:
-            reason = _KEPT.get(kernel, f"{kernel} is not an attention kernel FA2 serves")
-            if cfg is not None and cfg.page_size != _TVM_PAGE:
-                reason += f"; TVM generates it for page size {_TVM_PAGE}, so it cannot run with pages of {cfg.page_size}"
-            out.append((i, PagedAttentionDecision(fname, kernel, False, None, reason)))
-        elif cache_reason is not None:
-            out.append((i, PagedAttentionDecision(fname, kernel, False, None, cache_reason)))
+        if i == _ARG_MERGE and len(args) == _NUM_ARGS:
+            fields = range(len(arg.fields))
+        elif len(arg.fields) == 2:
+            fields = (1,)
         else:
-            note = f"create the cache with page_size={cfg.page_size}, support_sliding_window=0"
-            out.append((i, PagedAttentionDecision(fname, kernel, True, cfg.symbol(kind), None, note)))
+            continue
+        for j in fields:
+            d = _entry(mod, fname, arg.fields[j], cfg, cache_reason)
+            if d is not None:
+                out.append((i, j, d))
     return out
 
 
@@ -192,7 +226,7 @@ def paged_kv_cache_report(mod: tvm.IRModule, page_size: int | None = None) -> li
         When ``mod`` is not an IRModule.
     """
     analysis.require_module(mod, "paged_kv_cache_report")
-    return [d for fname, call in _create_calls(mod) for _, d in _decide(mod, fname, call, page_size)]
+    return [d for fname, call in _create_calls(mod) for _, _, d in _decide(mod, fname, call, page_size)]
 
 
 def format_paged_report(decisions) -> str:
@@ -231,10 +265,12 @@ class _Rewriter(PyExprMutator):
             return call
         args = list(call.args)
         cfg, _ = _cache_reason(args[1:], self.page_size)
-        for i, d in _decide(self.mod_, self.fname, call, self.page_size):
+        for i, j, d in _decide(self.mod_, self.fname, call, self.page_size):
             if d.offloaded and d.note != "already rewritten":
                 self.served.setdefault(cfg, set()).add(KINDS[d.kernel])
-                args[i + 1] = relax.Tuple([args[i + 1].fields[0], relax.ExternFunc(d.symbol)])
+                fields = list(args[i + 1].fields)
+                fields[j] = relax.ExternFunc(d.symbol)
+                args[i + 1] = relax.Tuple(fields)
         if cfg in self.served:
             args[_ARG_APPEND + 1], args[_ARG_COMPACT + 1] = self.page_gvs[cfg]
         return relax.Call(call.op, args, call.attrs, call.ty_args, call.span)
@@ -279,10 +315,10 @@ class UseFlashAttentionForPagedKVCache:
         page_gvs: dict[PagedConfig, tuple] = {}
         replaced = set()
         for fname, call in list(_create_calls(mod)):
-            for i, d in _decide(mod, fname, call, self.page_size):
+            for i, j, d in _decide(mod, fname, call, self.page_size):
                 if d.offloaded and d.note != "already rewritten":
                     cfg, _ = _cache_reason(list(call.args[1:]), self.page_size)
-                    replaced.update([call.args[i + 1].fields[1], call.args[_ARG_APPEND + 1], call.args[_ARG_COMPACT + 1]])
+                    replaced.update([call.args[i + 1].fields[j], call.args[_ARG_APPEND + 1], call.args[_ARG_COMPACT + 1]])
                     if cfg not in page_gvs:
                         bb = relax.BlockBuilder(mod)  # add_func gives the GlobalVars their types
                         page_gvs[cfg] = tuple(

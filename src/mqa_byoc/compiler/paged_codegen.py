@@ -12,6 +12,7 @@ decode      q, pages, page_indptr, page_values, length_info, k_rope_pos_offset,
             q_rope_position, output, lse, rotary_mode, rope_scale, rope_theta, sm_scale
 ragged      q, qo_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset, output, lse,
             causal, rotary_mode, rope_scale, rope_theta, sm_scale
+merge       v, s, v_other, s_other (``_merge_state_inplace``: in place into v, s; base-2 LSEs)
 ==========  ===============================================================================
 
 Each checks its tensors against the cache's heads, head dim and dtype (baked in) and calls the C API
@@ -29,10 +30,10 @@ from mqa_byoc.kernels import KernelKey, kernel_head_dim, marker_line
 
 #: the attention entries served, by the ``global_symbol`` of TVM's TIR kernel
 KINDS = {"batch_prefill_paged_kv": "prefill", "batch_decode_paged_kv": "decode",
-         "batch_prefill_ragged_kv": "ragged"}
+         "batch_prefill_ragged_kv": "ragged", "tir_attention_merge_state": "merge"}
 # (causal, split) FA2 families per entry: decode is never causal; TVM passes causal as a run-time flag
 _FAMILIES = {"prefill": ((False, True), (True, True)), "decode": ((False, True),),
-             "ragged": ((False, False), (True, False))}
+             "ragged": ((False, False), (True, False)), "merge": ()}
 _DTYPES = {"float16": ("fp16", "kDLFloat", 0), "bfloat16": ("bf16", "kDLBfloat", 1)}
 
 
@@ -61,7 +62,7 @@ class PagedConfig:
 
 
 def emit_paged_source(cfg: PagedConfig, kinds) -> str:
-    """C++ of the TVM-FFI functions for ``kinds`` (a subset of prefill / decode / ragged) of ``cfg``."""
+    """C++ of the TVM-FFI functions for ``kinds`` (a subset of prefill / decode / ragged / merge) of ``cfg``."""
     if cfg.dtype not in _DTYPES:
         raise ValueError(f"paged FA2 supports {tuple(_DTYPES)}, got {cfg.dtype!r}")
     short, code, is_bf16 = _DTYPES[cfg.dtype]
@@ -98,6 +99,10 @@ extern "C" __attribute__((weak)) int mqa_byoc_fa2_ragged_forward(
     int64_t num_heads_k, int64_t head_dim, const int64_t* q_stride, const int64_t* k_stride,
     const int64_t* v_stride, const int64_t* o_stride, int is_bf16, float softmax_scale, int causal,
     int device_id, void* stream);
+extern "C" __attribute__((weak)) int mqa_byoc_fa2_paged_merge_state(
+    void* v, float* s, const void* v_other, const float* s_other, int64_t rows, int64_t num_heads,
+    int64_t head_dim, const int64_t* v_stride, const int64_t* s_stride, const int64_t* vo_stride,
+    const int64_t* so_stride, int is_bf16, int device_id, void* stream);
 extern "C" __attribute__((weak)) const char* mqa_byoc_fa2_paged_last_error(void);
 
 namespace {
@@ -160,7 +165,7 @@ void raise_last(const char* sym, int rc) {
 
 void require_linked(const char* sym) {
   if (&mqa_byoc_fa2_paged_forward == nullptr || &mqa_byoc_fa2_ragged_forward == nullptr ||
-      &mqa_byoc_fa2_paged_last_error == nullptr) {
+      &mqa_byoc_fa2_paged_merge_state == nullptr || &mqa_byoc_fa2_paged_last_error == nullptr) {
     TVM_FFI_THROW(RuntimeError) << sym << ": the paged FA2 object is not linked into this library; export "
                                 << "it with mqa_byoc.export_library(executable, path)";
   }
@@ -278,4 +283,35 @@ int run_@SYMBOL@(DLTensor* q, DLTensor* qo_indptr, DLTensor* k, DLTensor* v, DLT
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(@SYMBOL@, run_@SYMBOL@);
 """
 
-_BODIES = {"prefill": _PREFILL, "decode": _DECODE, "ragged": _RAGGED}
+_MERGE = r"""
+namespace {
+// TVM's merge_state (v, s, v_other, s_other): in place into v (rows, H, D) and s (rows, H), every head.
+int run_@SYMBOL@(DLTensor* v, DLTensor* s, DLTensor* v_other, DLTensor* s_other) {
+  using namespace paged_@TAG@;
+  const char* sym = "@SYMBOL@";
+  require_linked(sym);
+  check_rows(v, kHeads, sym, "v");
+  check_rows(v_other, kHeads, sym, "v_other");
+  const int64_t rows = v->shape[0];
+  need(v_other->shape[0] == rows, sym, "v and v_other row counts differ");
+  for (const DLTensor* t : {s, s_other}) {
+    need(t->ndim == 2 && t->shape[0] == rows && t->shape[1] == kHeads, sym, "s and s_other must be (rows, H)");
+    need(t->dtype.code == kDLFloat && t->dtype.bits == 32 && t->dtype.lanes == 1, sym, "s and s_other must be float32");
+    need(t->device.device_type == kDLCUDA, sym, "tensors must be on a CUDA device");
+  }
+  int64_t vs[3], os[3], ss[2], sos[2];
+  strides_of(v, vs);
+  strides_of(v_other, os);
+  strides_of(s, ss);
+  strides_of(s_other, sos);
+  const int dev = v->device.device_id;
+  void* stream = TVMFFIEnvGetStream(kDLCUDA, dev);
+  raise_last(sym, mqa_byoc_fa2_paged_merge_state(ptr<void>(v), ptr<float>(s), ptr<void>(v_other), ptr<float>(s_other),
+                                                 rows, kHeads, kHeadDim, vs, ss, os, sos, kIsBf16, dev, stream));
+  return 0;
+}
+}  // namespace
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(@SYMBOL@, run_@SYMBOL@);
+"""
+
+_BODIES = {"prefill": _PREFILL, "decode": _DECODE, "ragged": _RAGGED, "merge": _MERGE}

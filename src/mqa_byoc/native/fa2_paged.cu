@@ -2,7 +2,8 @@
 //
 // TVM's runtime hands its attention functions a CSR page list (page_indptr, page_values), the
 // last-page lengths and a base-2 LSE output; FA2's split-KV kernel wants a padded block table, K
-// lengths and writes a natural-log LSE. Two small kernels here bridge that; the attention itself is
+// lengths and writes a natural-log LSE. Two small kernels here bridge that (a third merges attention
+// states in place of TVM's TIR merge); the attention itself is
 // one of the FA2 kernel entries compiled from fa2_kernel_entry.cu (referenced weakly, as
 // fa2_dispatch.cc does, so a library linked without one fails with a message, not a link error).
 //
@@ -81,6 +82,23 @@ __host__ __device__ inline float lse_base2(float v) {
   return (isinf(v) || isnan(v)) ? -5e4f : v * 1.4426950408889634f;  // log2(e)
 }
 
+// TVM's merge of two attention states (base-2 LSEs s, s_other): the weights of each state's V and
+// the merged LSE. A state with -inf (or TVM's empty -5e4 against a real one) gets weight 0; when both
+// are -inf no state has keys: weights 0 and LSE -inf (TVM's formula would give NaN there).
+struct MergeWeights {
+  float w, w_other, s;
+};
+__host__ __device__ inline MergeWeights merge_weights(float s, float s_other) {
+  const float m = fmaxf(s, s_other);
+  if (isinf(m) && m < 0.f) return {0.f, 0.f, -INFINITY};
+  const float a = exp2f(s - m), b = exp2f(s_other - m);
+  return {a / (a + b), b / (a + b), log2f(a + b) + m};
+}
+// One merged V element; a state without weight contributes nothing even if its V is not finite.
+__host__ __device__ inline float merge_value(const MergeWeights& m, float v, float v_other) {
+  return (m.w == 0.f ? 0.f : m.w * v) + (m.w_other == 0.f ? 0.f : m.w_other * v_other);
+}
+
 // CSR page list -> padded block table (batch, stride), per-sequence K/V lengths and "no K/V" flags.
 // One CTA per sequence; entries past a sequence's pages are never read (FA2 stops at its K length).
 // A sequence without pages is given one key of page 0 and flagged: FA2's split kernel, on a sequence
@@ -130,6 +148,29 @@ __global__ void finish_rows(const float* __restrict__ in, int64_t rows, int head
     return;
   }
   lse[i] = lse_base2(in[r * row_stride + h * head_stride]);
+}
+
+__device__ inline float to_float(__half x) { return __half2float(x); }
+__device__ inline float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// One warp per (row, head) of v (rows, heads, D): every pair is covered, whatever H is (TVM 0.27's TIR
+// merge sizes its grid by H / its block's heads, rounded down, and leaves the remaining heads out).
+template <typename T>
+__global__ void merge_states(T* __restrict__ v, float* __restrict__ s, const T* __restrict__ v_other,
+                             const float* __restrict__ s_other, int64_t rows, int heads, int head_dim,
+                             int64_t v_row, int64_t v_head, int64_t s_row, int64_t s_head, int64_t vo_row,
+                             int64_t vo_head, int64_t so_row, int64_t so_head) {
+  const int64_t pair = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (pair >= rows * heads) return;
+  const int64_t r = pair / heads, h = pair % heads;
+  float* sp = s + r * s_row + h * s_head;
+  const MergeWeights m = merge_weights(*sp, s_other[r * so_row + h * so_head]);
+  T* vp = v + r * v_row + h * v_head;
+  const T* op = v_other + r * vo_row + h * vo_head;
+  for (int d = lane; d < head_dim; d += 32) vp[d] = T(merge_value(m, to_float(vp[d]), to_float(op[d])));
+  __syncwarp();  // every lane has read *sp before lane 0 overwrites it
+  if (lane == 0) *sp = m.s;
 }
 
 struct Workspace {
@@ -247,6 +288,50 @@ extern "C" MQA_BYOC_PAGED_EXPORT void mqa_byoc_fa2_paged_host_block_table(
 extern "C" MQA_BYOC_PAGED_EXPORT void mqa_byoc_fa2_paged_host_lse(const float* in, int64_t rows, int heads, int64_t row_stride,
                                             int64_t head_stride, float* out) {
   for (int64_t i = 0; i < rows * heads; ++i) out[i] = lse_base2(in[(i / heads) * row_stride + (i % heads) * head_stride]);
+}
+
+extern "C" MQA_BYOC_PAGED_EXPORT void mqa_byoc_fa2_paged_host_merge(float* v, float* s, const float* v_other,
+                                                                     const float* s_other, int64_t rows,
+                                                                     int64_t num_heads, int64_t head_dim) {
+  for (int64_t i = 0; i < rows * num_heads; ++i) {
+    const MergeWeights m = merge_weights(s[i], s_other[i]);
+    float* vi = v + i * head_dim;
+    const float* oi = v_other + i * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) vi[d] = merge_value(m, vi[d], oi[d]);
+    s[i] = m.s;
+  }
+}
+
+extern "C" int mqa_byoc_fa2_paged_merge_state(void* v, float* s, const void* v_other, const float* s_other,
+                                              int64_t rows, int64_t num_heads, int64_t head_dim,
+                                              const int64_t* v_stride, const int64_t* s_stride,
+                                              const int64_t* vo_stride, const int64_t* so_stride, int is_bf16,
+                                              int device_id, void* stream_handle) {
+  g_error.clear();
+  if (rows < 0 || num_heads <= 0 || num_heads > INT_MAX || head_dim <= 0 || head_dim > INT_MAX) {
+    return fail("merge_state: bad shape (rows " + std::to_string(rows) + ", heads " + std::to_string(num_heads) +
+                ", head dim " + std::to_string(head_dim) + ")");
+  }
+  if (v_stride[2] != 1 || vo_stride[2] != 1) return fail("merge_state: v and v_other need a contiguous head-dim axis");
+  const int64_t pairs = rows * num_heads;
+  if (pairs == 0) return 0;
+  if ((pairs + 7) / 8 > INT_MAX) return fail("merge_state: too many rows");
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
+  DeviceGuard guard;
+  if (int rc = guard.set(device_id)) return rc;
+  const unsigned grid = unsigned((pairs + 7) / 8);  // 8 warps of 256 threads, one (row, head) each
+  if (is_bf16) {
+    merge_states<__nv_bfloat16><<<grid, 256, 0, stream>>>(
+        static_cast<__nv_bfloat16*>(v), s, static_cast<const __nv_bfloat16*>(v_other), s_other, rows, int(num_heads),
+        int(head_dim), v_stride[0], v_stride[1], s_stride[0], s_stride[1], vo_stride[0], vo_stride[1], so_stride[0],
+        so_stride[1]);
+  } else {
+    merge_states<__half><<<grid, 256, 0, stream>>>(
+        static_cast<__half*>(v), s, static_cast<const __half*>(v_other), s_other, rows, int(num_heads), int(head_dim),
+        v_stride[0], v_stride[1], s_stride[0], s_stride[1], vo_stride[0], vo_stride[1], so_stride[0], so_stride[1]);
+  }
+  cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? 0 : fail(std::string("merge_state launch failed: ") + cudaGetErrorString(err));
 }
 
 extern "C" int mqa_byoc_fa2_paged_page_unit(int64_t head_dim) {

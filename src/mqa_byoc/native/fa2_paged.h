@@ -40,6 +40,18 @@ int mqa_byoc_fa2_ragged_forward(const void* q, const void* k, const void* v, voi
                                 const int64_t* v_stride, const int64_t* o_stride, int is_bf16,
                                 float softmax_scale, int causal, int device_id, void* stream);
 
+// In-place merge of two attention states (TVM's merge_state: the ragged self-attention of new tokens
+// and the paged attention over their prefix), for every (row, head) of v (rows, H, D):
+//   v = (2^s v + 2^s_other v_other) / (2^s + 2^s_other), s = log2(2^s + 2^s_other) (base-2 LSE).
+//   v, v_other: *_stride = 3 strides (row, head, dim) in elements, dim contiguous; s, s_other: float32
+//   (rows, H) with s*_stride = 2 strides. A state with LSE -inf or TVM's empty -5e4 against a real one
+//   gets no weight; a row whose two states both have -inf gets v = 0, s = -inf.
+// Replaces TVM 0.27's TIR merge kernel, which leaves heads out when H is not a multiple of its block.
+int mqa_byoc_fa2_paged_merge_state(void* v, float* s, const void* v_other, const float* s_other, int64_t rows,
+                                   int64_t num_heads, int64_t head_dim, const int64_t* v_stride,
+                                   const int64_t* s_stride, const int64_t* vo_stride, const int64_t* so_stride,
+                                   int is_bf16, int device_id, void* stream);
+
 // The page-size unit of head dim d: the kBlockN of FA2's split-KV kernel (256 for d <= 64, 128 for
 // d <= 128, 64 for d <= 256); -1 for a head dim FA2 has no kernel for.
 int mqa_byoc_fa2_paged_page_unit(int64_t head_dim);
@@ -53,6 +65,10 @@ void mqa_byoc_fa2_paged_host_block_table(const int32_t* page_indptr, const int32
                                          int stride, int32_t* table, int32_t* seqlens_k, int32_t* empty);
 void mqa_byoc_fa2_paged_host_lse(const float* in, int64_t rows, int heads, int64_t row_stride,
                                  int64_t head_stride, float* out);
+
+// Host twin of the merge kernel's per-(row, head) rule, on float32 compact (rows, H, D) / (rows, H).
+void mqa_byoc_fa2_paged_host_merge(float* v, float* s, const float* v_other, const float* s_other, int64_t rows,
+                                   int64_t num_heads, int64_t head_dim);
 
 // The message of this thread's last failed call above ("" if none).
 const char* mqa_byoc_fa2_paged_last_error(void);
