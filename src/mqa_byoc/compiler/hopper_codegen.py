@@ -15,8 +15,10 @@ from mqa_byoc.compiler.spec import AttentionSpec
 from mqa_byoc.kernels import hopper
 
 #: FA4 runs a call when it has at least this many query tiles (batch x K/V heads x tiles of packed
-#: query rows): about half the SMs of an H100/H200 (132). Below, FA2's split-KV is faster (measured in
-#: benchmarks/results: the decode and short-chunk rows).
+#: query rows): about half the SMs of an H100/H200 (132), since FA4's sm90 kernel has no split-KV and
+#: fewer tiles leave SMs idle. An estimate: decode (one tile per K/V head) is measured faster on FA2's
+#: split-KV (benchmarks/results/2026-11-30-attention-hopper.md), the crossover for short prefill chunks
+#: is not measured.
 MIN_FA4_TILES = 66
 #: query rows per tile of the FA4 kernels we build (tile_m of flash-attn-4's sm90 config, hdim 64/128)
 FA4_TILE_M = 128
