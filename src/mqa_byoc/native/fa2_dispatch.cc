@@ -330,7 +330,7 @@ int launch_and_free(EntryFn fn, Params* p, cudaStream_t stream, void* ws, const 
   const int after_rc = (after && cudaPeekAtLastError() == cudaSuccess) ? after() : 0;
   if (nvtx) nvtxRangePop();
   cudaError_t launch = cudaGetLastError();
-  cudaError_t err = ws != nullptr ? cudaFreeAsync(ws, stream) : cudaSuccess;
+  cudaError_t err = cudaFreeAsync(ws, stream);
   if (launch != cudaSuccess) return fail(what + " launch failed: " + cudaGetErrorString(launch));
   if (after_rc != 0) return fail(what + ": combining the key chunks failed (" + std::to_string(after_rc) + ")");
   if (err != cudaSuccess) {
@@ -562,15 +562,15 @@ extern "C" int mqa_byoc_fa2_forward(const void* q, const void* k, const void* v,
 // clamp), LSE unpadded as (H, total_q). No split-KV: mha_varlen_fwd splits only on its grouped
 // decode path (max_seqlen_q == 1), where it drops cu_seqlens_q; var-len prefill runs the plain
 // kernel, and so do we (the split kernel with one split when only that one is linked).
-extern "C" int mqa_byoc_fa2_varlen_forward_lse(const void* q, const void* k, const void* v, void* out,
-                                               const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k,
-                                               int64_t batch, int64_t total_q, int64_t total_k,
-                                               int64_t max_seqlen_q, int64_t max_seqlen_k, int64_t num_heads,
-                                               int64_t num_heads_k, int64_t head_dim, const int64_t* q_stride,
-                                               const int64_t* k_stride, const int64_t* v_stride,
-                                               const int64_t* o_stride, int is_bf16, float softmax_scale,
-                                               int causal, int window_left, int window_right, int device_id,
-                                               void* stream_handle, float* lse) {
+extern "C" int mqa_byoc_fa2_varlen_forward(const void* q, const void* k, const void* v, void* out,
+                                           const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k,
+                                           int64_t batch, int64_t total_q, int64_t total_k,
+                                           int64_t max_seqlen_q, int64_t max_seqlen_k, int64_t num_heads,
+                                           int64_t num_heads_k, int64_t head_dim, const int64_t* q_stride,
+                                           const int64_t* k_stride, const int64_t* v_stride,
+                                           const int64_t* o_stride, int is_bf16, float softmax_scale,
+                                           int causal, int window_left, int window_right, int device_id,
+                                           void* stream_handle) {
   g_last_error.clear();
   if (!fits_int(batch) || !fits_int(total_q) || !fits_int(total_k) || !fits_int(max_seqlen_q) ||
       !fits_int(max_seqlen_k) || num_heads <= 0 || num_heads_k <= 0 || !fits_int(num_heads) ||
@@ -596,7 +596,6 @@ extern "C" int mqa_byoc_fa2_varlen_forward_lse(const void* q, const void* k, con
   if (int rc = select_device(guard, device_id)) return rc;
 
   if (max_seqlen_k == 0 || total_k == 0) {  // no keys anywhere: FA2 defines the output as zeros
-    if (lse != nullptr) return fail("no keys: FA2 writes no LSE");
     if (o_stride[0] != num_heads * head_dim || o_stride[1] != head_dim) return fail("no keys needs a compact out");
     cudaError_t err = cudaMemsetAsync(out, 0, size_t(total_q * num_heads * head_dim) * 2, stream);
     return err == cudaSuccess ? 0 : fail(std::string("cudaMemsetAsync: ") + cudaGetErrorString(err));
@@ -634,28 +633,11 @@ extern "C" int mqa_byoc_fa2_varlen_forward_lse(const void* q, const void* k, con
   EntryFn fn = e == nullptr ? nullptr : (e->fwd != nullptr ? e->fwd : e->split);
   if (fn == nullptr) return fail_not_built(hdim, is_bf16, p.is_causal, device_id);
 
-  void* ws = nullptr;  // the LSE (H, total_q): the caller's, else a workspace
-  if (lse == nullptr) {
-    const size_t lse_bytes = (size_t(num_heads) * size_t(total_q) * sizeof(float) + 255) / 256 * 256;
-    if (int rc = alloc_workspace(&ws, lse_bytes, device_id, stream)) return rc;
-  }
-  p.softmax_lse_ptr = lse != nullptr ? static_cast<void*>(lse) : ws;
+  const size_t lse_bytes = (size_t(num_heads) * size_t(total_q) * sizeof(float) + 255) / 256 * 256;
+  void* ws = nullptr;
+  if (int rc = alloc_workspace(&ws, lse_bytes, device_id, stream)) return rc;
+  p.softmax_lse_ptr = ws;
 
   return launch_and_free(fn, &p, stream, ws, "flash_attn_varlen[h=%lld,kv=%lld,d=%lld]", num_heads, num_heads_k, head_dim,
                          std::string("FA2 var-len ") + kernel_name(hdim, is_bf16, p.is_causal));
-}
-
-extern "C" int mqa_byoc_fa2_varlen_forward(const void* q, const void* k, const void* v, void* out,
-                                           const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k,
-                                           int64_t batch, int64_t total_q, int64_t total_k,
-                                           int64_t max_seqlen_q, int64_t max_seqlen_k, int64_t num_heads,
-                                           int64_t num_heads_k, int64_t head_dim, const int64_t* q_stride,
-                                           const int64_t* k_stride, const int64_t* v_stride,
-                                           const int64_t* o_stride, int is_bf16, float softmax_scale,
-                                           int causal, int window_left, int window_right, int device_id,
-                                           void* stream_handle) {
-  return mqa_byoc_fa2_varlen_forward_lse(q, k, v, out, cu_seqlens_q, cu_seqlens_k, batch, total_q, total_k,
-                                         max_seqlen_q, max_seqlen_k, num_heads, num_heads_k, head_dim, q_stride,
-                                         k_stride, v_stride, o_stride, is_bf16, softmax_scale, causal, window_left,
-                                         window_right, device_id, stream_handle, nullptr);
 }

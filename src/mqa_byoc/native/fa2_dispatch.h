@@ -41,17 +41,6 @@ int mqa_byoc_fa2_varlen_forward(const void* q, const void* k, const void* v, voi
                                 float softmax_scale, int causal, int window_left, int window_right,
                                 int device_id, void* stream);
 
-// mqa_byoc_fa2_varlen_forward writing the natural-log LSE, (H, total_q) floats, to `lse` (fa2_paged.cu's
-// ragged prefill, which hands it to TVM); S_kv == 0 is an error there (FA2 writes no LSE).
-int mqa_byoc_fa2_varlen_forward_lse(const void* q, const void* k, const void* v, void* out,
-                                    const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, int64_t batch,
-                                    int64_t total_q, int64_t total_k, int64_t max_seqlen_q,
-                                    int64_t max_seqlen_k, int64_t num_heads, int64_t num_heads_k,
-                                    int64_t head_dim, const int64_t* q_stride, const int64_t* k_stride,
-                                    const int64_t* v_stride, const int64_t* o_stride, int is_bf16,
-                                    float softmax_scale, int causal, int window_left, int window_right,
-                                    int device_id, void* stream, float* lse);
-
 // The message of this thread's last failed mqa_byoc_fa2_forward / _varlen_forward ("" if none).
 const char* mqa_byoc_fa2_last_error(void);
 

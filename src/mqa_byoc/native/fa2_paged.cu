@@ -485,22 +485,43 @@ extern "C" int mqa_byoc_fa2_ragged_forward(const void* q, const void* k, const v
     return fail("q, k, v and out need a contiguous head-dim axis");
   }
   if (batch == 0 || total_q == 0) return 0;
-  if (total_k == 0) return fail("ragged prefill without K/V rows");
   cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
   DeviceGuard guard;
   if (int rc = guard.set(device_id)) return rc;
+  const bool is_causal = causal != 0;
+  const int hdim = kernel_hdim(head_dim);
+  EntryFn fn = entry(hdim, is_bf16, is_causal, false);
+  if (fn == nullptr) fn = entry(hdim, is_bf16, is_causal, true);
+  if (fn == nullptr) return not_built(hdim, is_bf16, is_causal, false);
 
-  // The dispatcher's var-len forward, with the natural-log LSE kept for TVM; total_q / total_k bound
-  // every sequence's lengths (TVM keeps the exact ones on the host only).
+  // total_q / total_k bound every sequence's lengths (TVM keeps the exact ones on the host only).
+  Params p{};
+  fill_common(p, is_bf16, batch, num_heads, num_heads_k, total_q, std::max<int64_t>(total_k, 1), head_dim,
+              softmax_scale, is_causal);
+  p.q_ptr = const_cast<void*>(q);
+  p.k_ptr = const_cast<void*>(k);
+  p.v_ptr = const_cast<void*>(v);
+  p.o_ptr = out;
+  p.q_row_stride = q_stride[0];
+  p.q_head_stride = q_stride[1];
+  p.k_row_stride = k_stride[0];
+  p.k_head_stride = k_stride[1];
+  p.v_row_stride = v_stride[0];
+  p.v_head_stride = v_stride[1];
+  p.o_row_stride = o_stride[0];
+  p.o_head_stride = o_stride[1];
+  p.cu_seqlens_q = const_cast<int*>(reinterpret_cast<const int*>(qo_indptr));
+  p.cu_seqlens_k = const_cast<int*>(reinterpret_cast<const int*>(kv_indptr));
+  p.is_seqlens_k_cumulative = true;
+  p.total_q = int(total_q);
+  p.unpadded_lse = true;
+  p.num_splits = 1;
+
   Workspace ws;
   ws.stream = stream;
   if (int rc = alloc(&ws.ptr, align256(size_t(num_heads) * size_t(total_q) * 4), device_id, stream)) return rc;
-  if (mqa_byoc_fa2_varlen_forward_lse(q, k, v, out, qo_indptr, kv_indptr, batch, total_q, total_k, total_q, total_k,
-                                      num_heads, num_heads_k, head_dim, q_stride, k_stride, v_stride, o_stride,
-                                      is_bf16, softmax_scale, causal, -1, -1, device_id, stream,
-                                      static_cast<float*>(ws.ptr)) != 0) {
-    return fail(std::string("FA2 ragged: ") + mqa_byoc_fa2_last_error());
-  }
+  p.softmax_lse_ptr = ws.ptr;
+  if (int rc = launch(fn, &p, stream, "FA2 ragged " + family(hdim, is_bf16, is_causal, false))) return rc;
   return finish(static_cast<const float*>(ws.ptr), total_q, num_heads, 1, total_q, lse, nullptr, qo_indptr, batch,
                 out, o_stride, head_dim, is_bf16, stream);
 }
