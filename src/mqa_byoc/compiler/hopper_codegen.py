@@ -34,11 +34,7 @@ def describe_kernel(provider: str, *, dtype, head_dim, num_q_heads, num_kv_heads
         return fa2 + ", linked"
     if var_len:
         return fa2 + " (the hopper provider has no FA4 var-len path)"
-    why = None
-    if dtype not in ("float16", "bfloat16"):
-        why = f"dtype {dtype}"
-    elif head_dim not in hopper.HEAD_DIMS:
-        why = f"head dim {head_dim}; FA4 objects are built for {hopper.HEAD_DIMS}"
+    why = _rejection(dtype, head_dim, head_dim)
     if why:
         return f"{fa2}, linked (hopper provider: no FA4 object for {why})"
     group = num_q_heads // num_kv_heads
@@ -48,13 +44,17 @@ def describe_kernel(provider: str, *, dtype, head_dim, num_q_heads, num_kv_heads
     return out + "; otherwise (decode) FA2 split-KV"
 
 
+def _rejection(dtype, head_dim, head_dim_v) -> str | None:
+    if dtype not in ("float16", "bfloat16"):
+        return f"dtype {dtype}"
+    if head_dim not in hopper.HEAD_DIMS or head_dim_v != head_dim:
+        return f"head dim {head_dim}/{head_dim_v} (FA4 objects are built for {hopper.HEAD_DIMS})"
+    return None
+
+
 def fa4_rejection(spec: AttentionSpec) -> str | None:
     """Why the hopper provider runs this attention on FA2 only; None when FA4 can take its prefill."""
-    if spec.dtype not in ("float16", "bfloat16"):
-        return f"dtype {spec.dtype}"
-    if spec.head_dim not in hopper.HEAD_DIMS or spec.head_dim_v != spec.head_dim:
-        return f"head dim {spec.head_dim}/{spec.head_dim_v} (FA4 objects are built for {hopper.HEAD_DIMS})"
-    return None
+    return _rejection(spec.dtype, spec.head_dim, spec.head_dim_v)
 
 
 def kernel_key(spec: AttentionSpec) -> hopper.HopperKernelKey | None:
