@@ -7,10 +7,6 @@ paged-attention wrapper (marker :data:`PAGED_MARKER`) is in the executable. Noth
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,53 +27,28 @@ def paged_flags(arch: str) -> list[str]:
     -------
     list of str
     """
-    num = _kernels.normalize_arch(arch).removeprefix("sm_")
-    return ["-O3", "-std=c++17", f"-gencode=arch=compute_{num},code=sm_{num}",
-            "-Xcompiler=-fPIC,-fvisibility=hidden", f"-DFLASH_NAMESPACE={FLASH_NAMESPACE}"]
+    from mqa_byoc.kernels.build import gencode_flags
 
-
-def paged_object_name(arch: str) -> str:
-    """``fa2_paged-<arch>-<12 hex>.o``: changes with the source, header, shim and flags."""
-    h = hashlib.sha256()
-    for p in (PAGED_SOURCE, PAGED_HEADER):
-        h.update(p.read_bytes())
-    for p in sorted(_paths.SHIM_DIR.rglob("*")):
-        if p.is_file():
-            h.update(p.read_bytes())
-    h.update(json.dumps(paged_flags(arch)).encode())
-    return f"fa2_paged-{_kernels.normalize_arch(arch)}-{h.hexdigest()[:12]}.o"
+    return gencode_flags(arch) + [f"-DFLASH_NAMESPACE={FLASH_NAMESPACE}"]
 
 
 def paged_object(arch: str, *, fa_src=None, build: bool = True,
                  progress: Callable[[str], None] | None = print) -> Path:
-    """The compiled ``fa2_paged.cu`` for ``arch``: a prebuilt dir's copy, else the cache, else compile.
+    """The compiled ``fa2_paged.cu`` for ``arch``: a prebuilt dir's copy, else the cache, else compile
+    (:func:`mqa_byoc.kernels.build.source_object`; named by the source, its header, the shim and flags).
 
     Raises
     ------
     NativeKernelsUnavailable
-        No nvcc or no flash-attn sources (for ``flash.h``), or ``build=False`` and not compiled yet.
+        No nvcc or no flash-attn sources (for ``flash.h``), or ``build=False`` and not fetched yet.
     RuntimeError
         The compile failed (with its output).
     """
-    arch = _kernels.normalize_arch(arch)
-    name = paged_object_name(arch)
-    for d in _kernels.prebuilt_dirs(arch):
-        if (d / name).is_file():
-            return d / name
-    out = _kernels.cache_root() / "fa2" / "paged" / name
-    if out.is_file():
-        return out
-    nvcc = _kernels.find_nvcc()
-    fa_root = _kernels.flash_attn_source(fa_src, download=build, progress=progress or (lambda _m: None))
-    cmd = [nvcc, "-c", *paged_flags(arch), f"-I{_paths.SHIM_DIR}", f"-I{fa_root / 'csrc/flash_attn/src'}",
-           str(PAGED_SOURCE)]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{name}.{os.getpid()}.tmp")
-    res = subprocess.run(cmd + ["-o", str(tmp)], capture_output=True, text=True)
-    if res.returncode != 0 or not tmp.is_file():
-        tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"compiling {PAGED_SOURCE.name} failed:\n{' '.join(cmd)}\n{res.stdout}{res.stderr}")
-    os.replace(tmp, out)
-    if progress:
-        progress(f"[mqa-byoc] paged attention object -> {out}")
-    return out
+    from mqa_byoc.kernels.build import source_object
+
+    def includes():
+        fa_root = _kernels.flash_attn_source(fa_src, download=build, progress=progress or (lambda _m: None))
+        return [f"-I{_paths.SHIM_DIR}", f"-I{fa_root / 'csrc/flash_attn/src'}"]
+
+    return source_object(PAGED_SOURCE, arch, paged_flags(arch), subdir="fa2/paged",
+                         inputs=(PAGED_HEADER, _paths.DISPATCH_HEADER, _paths.SHIM_DIR), includes=includes, progress=progress)

@@ -232,10 +232,22 @@ def build_dispatcher(
     return out
 
 
-def support_object(arch: str, progress: Callable[[str], None] | None = print) -> Path:
-    """``native/split_kv_combine.cu`` compiled for ``arch`` (seconds): the split-KV decode kernels the
-    dispatcher calls. From a prebuilt dir of ``arch`` when it holds this source's object, else the cache
-    (compiled there when missing: needs nvcc, not flash-attn's sources).
+def source_object(
+    source: Path,
+    arch: str,
+    flags: Sequence[str],
+    *,
+    subdir: str,
+    inputs: Iterable[Path] = (),
+    includes: Callable[[], list[str]] | None = None,
+    progress: Callable[[str], None] | None = print,
+) -> Path:
+    """One of our native sources compiled with nvcc for ``arch`` (seconds), named by what it is made of.
+
+    The name, ``<stem>-<arch>-<12 hex>.o``, hashes ``source``, ``inputs`` (headers; directories are
+    read file by file) and ``flags``; the object comes from a prebuilt dir of ``arch`` when one holds it,
+    else from ``<cache>/<subdir>``, compiled there when missing. ``includes`` gives ``-I`` flags that are
+    needed only to compile (e.g. fetched sources), not part of the name.
 
     Returns
     -------
@@ -244,18 +256,39 @@ def support_object(arch: str, progress: Callable[[str], None] | None = print) ->
     import hashlib
 
     arch = normalize_arch(arch)
-    num = arch[3:]
-    flags = ["-O3", "-std=c++17", "-Xcompiler=-fPIC,-fvisibility=hidden", f"-gencode=arch=compute_{num},code=sm_{num}"]
-    digest = hashlib.sha256(paths.COMBINE_SOURCE.read_bytes() + json.dumps(flags).encode()).hexdigest()[:12]
-    name = f"split_kv_combine-{arch}-{digest}.o"
+    h = hashlib.sha256(source.read_bytes())
+    for p in inputs:
+        for f in sorted(p.rglob("*")) if p.is_dir() else [p]:
+            if f.is_file():
+                h.update(f.read_bytes())
+    h.update(json.dumps(list(flags)).encode())
+    name = f"{source.stem}-{arch}-{h.hexdigest()[:12]}.o"
     for d in prebuilt_dirs(arch):
         if (d / name).is_file():
             return d / name
-    out = paths.cache_root() / "fa2" / "support" / name
+    out = paths.cache_root() / subdir / name
     if not out.is_file():
-        dt = _compile([find_nvcc(), *flags, "-c", str(paths.COMBINE_SOURCE)], out, out.with_suffix(".log"))
-        (progress or (lambda _m: None))(f"[mqa-byoc] split_kv_combine.cu: {dt:.0f}s -> {out}")
+        cmd = [find_nvcc(), *flags, *(includes() if includes else []), "-c", str(source)]
+        dt = _compile(cmd, out, out.with_suffix(".log"))
+        (progress or (lambda _m: None))(f"[mqa-byoc] {source.name}: {dt:.0f}s -> {out}")
     return out
+
+
+def gencode_flags(arch: str) -> list[str]:
+    """nvcc flags of our device-code sources: optimised, position independent, hidden, for ``arch``."""
+    num = normalize_arch(arch)[3:]
+    return ["-O3", "-std=c++17", "-Xcompiler=-fPIC,-fvisibility=hidden", f"-gencode=arch=compute_{num},code=sm_{num}"]
+
+
+def support_object(arch: str, progress: Callable[[str], None] | None = print) -> Path:
+    """``native/split_kv_combine.cu`` for ``arch``: the split-KV decode kernels the dispatcher calls
+    (:func:`source_object`; needs nvcc, not flash-attn's sources).
+
+    Returns
+    -------
+    Path
+    """
+    return source_object(paths.COMBINE_SOURCE, arch, gencode_flags(arch), subdir="fa2/support", progress=progress)
 
 
 def static_cudart(arch: str | None = None) -> list[str]:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from .errors import NativeKernelsUnavailable
 from .keys import normalize_arch, normalize_dtype
-from .paths import NATIVE_DIR, cache_root
+from .paths import DISPATCH_HEADER, NATIVE_DIR, cache_root
 
 #: the flash-attn-4 release whose kernel the objects hold (pinned: its compile interface is internal)
 FA4_VERSION = "4.0.0b36"
@@ -240,29 +240,23 @@ def build_objects(
 def support_objects(arch: str = "sm_90", progress: Callable[[str], None] | None = print) -> list[Path]:
     """Our sources around the FA4 objects, compiled (seconds) and cached by content: ``fa4_glue.cc``
     (the DSL's error hooks) and ``fa4_decode.cu`` (the split-KV decode: prepare and combine kernels)."""
-    import hashlib
-
     import tvm_ffi.libinfo
 
-    from .build import _compile
+    from .build import gencode_flags, source_object
     from .toolchain import cuda_home, find_nvcc
 
-    nvcc = find_nvcc()
-    num = normalize_arch(arch)[3:]
-    flags = {
-        GLUE_SOURCE: ["-O2", "-std=c++17", "-Xcompiler=-fPIC", f"-I{cuda_home(nvcc) / 'include'}"],
-        DECODE_SOURCE: ["-O3", "-std=c++17", "-Xcompiler=-fPIC,-fvisibility=hidden", f"-gencode=arch=compute_{num},code=sm_{num}",
-                        f"-I{tvm_ffi.libinfo.find_include_path()}", f"-I{tvm_ffi.libinfo.find_dlpack_include_path()}"],
-    }
-    out = []
-    for src, fl in flags.items():
-        digest = hashlib.sha256(src.read_bytes() + repr(fl[:4]).encode()).hexdigest()[:12]
-        obj = cache_root() / "fa4" / f"{src.stem}-sm_{num}-{digest}.o"
-        if not obj.is_file():
-            dt = _compile([nvcc, *fl, "-c", str(src)], obj, obj.with_suffix(".log"))
-            (progress or (lambda _m: None))(f"[mqa-byoc] {src.name}: {dt:.0f}s -> {obj}")
-        out.append(obj)
-    return out
+    def cuda_include():
+        return [f"-I{cuda_home(find_nvcc()) / 'include'}"]
+
+    def ffi_includes():
+        return [f"-I{tvm_ffi.libinfo.find_include_path()}", f"-I{tvm_ffi.libinfo.find_dlpack_include_path()}"]
+
+    return [
+        source_object(GLUE_SOURCE, arch, ["-O2", "-std=c++17", "-Xcompiler=-fPIC"], subdir="fa4",
+                      includes=cuda_include, progress=progress),
+        source_object(DECODE_SOURCE, arch, gencode_flags(arch), subdir="fa4", inputs=(DISPATCH_HEADER,),
+                      includes=ffi_includes, progress=progress),
+    ]
 
 
 def preset_keys(dtypes=("fp16", "bf16"), masks=MASKS) -> list[HopperKernelKey]:

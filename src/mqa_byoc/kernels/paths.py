@@ -9,6 +9,7 @@ from pathlib import Path
 NATIVE_DIR = Path(__file__).resolve().parent.parent / "native"
 ENTRY_SOURCE = NATIVE_DIR / "fa2_kernel_entry.cu"
 DISPATCH_SOURCE = NATIVE_DIR / "fa2_dispatch.cc"
+DISPATCH_HEADER = NATIVE_DIR / "fa2_dispatch.h"
 LINK_CHECK_SOURCE = NATIVE_DIR / "fa2_link_check.cc"
 #: our split-KV decode kernels (chunk lengths, combine): device code, compiled per arch
 COMBINE_SOURCE = NATIVE_DIR / "split_kv_combine.cu"

@@ -14,6 +14,8 @@
 
 #include <algorithm>
 
+#include "fa2_dispatch.h"  // workspace pool and error message (fa2_dispatch.cc), combine (split_kv_combine.cu)
+
 namespace {
 
 constexpr int kChunkAlign = 128;  // the FA4 kernel's tile_n: a chunk is whole key tiles
@@ -55,12 +57,6 @@ TVMFFIAny any_ptr(DLTensor* t) {
 }  // namespace
 
 extern "C" {
-
-// In fa2_dispatch.cc and split_kv_combine.cu (fa2_dispatch.h): workspace pool, error message, combine.
-int mqa_byoc_fa2_alloc_workspace(void** ws, size_t bytes, int device_id, void* stream);
-int mqa_byoc_fa2_fail(const char* message);
-int mqa_byoc_combine_chunks(const void* o_part, const float* lse, void* out, int64_t out_head_stride, int n, int h,
-                            int d, int is_bf16, void* stream);
 
 typedef int (*mqa_byoc_ffi_fn)(void* self, const TVMFFIAny* args, int32_t num_args, TVMFFIAny* result);
 
