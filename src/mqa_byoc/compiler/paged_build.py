@@ -51,4 +51,5 @@ def paged_object(arch: str, *, fa_src=None, build: bool = True,
         return [f"-I{_paths.SHIM_DIR}", f"-I{fa_root / 'csrc/flash_attn/src'}"]
 
     return source_object(PAGED_SOURCE, arch, paged_flags(arch), subdir="fa2/paged",
-                         inputs=(PAGED_HEADER, _paths.DISPATCH_HEADER, _paths.SHIM_DIR), includes=includes, progress=progress)
+                         inputs=(PAGED_HEADER, _paths.DISPATCH_HEADER, _paths.GQA_DECODE_HEADER, _paths.SHIM_DIR),
+                         includes=includes, progress=progress)

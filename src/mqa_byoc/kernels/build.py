@@ -281,14 +281,16 @@ def gencode_flags(arch: str) -> list[str]:
 
 
 def support_object(arch: str, progress: Callable[[str], None] | None = print) -> Path:
-    """``native/split_kv_combine.cu`` for ``arch``: the split-KV decode kernels the dispatcher calls
+    """``native/decode_support.cu`` for ``arch``: the decode kernels the dispatcher calls, ours
+    (``gqa_decode.cu``) and the chunk lengths + combine of the FA2 chunked decode (``split_kv_combine.cu``)
     (:func:`source_object`; needs nvcc, not flash-attn's sources).
 
     Returns
     -------
     Path
     """
-    return source_object(paths.COMBINE_SOURCE, arch, gencode_flags(arch), subdir="fa2/support", progress=progress)
+    return source_object(paths.SUPPORT_SOURCE, arch, gencode_flags(arch), subdir="fa2/support",
+                         inputs=(paths.COMBINE_SOURCE, paths.GQA_DECODE_SOURCE, paths.GQA_DECODE_HEADER), progress=progress)
 
 
 def static_cudart(arch: str | None = None) -> list[str]:

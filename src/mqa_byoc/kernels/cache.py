@@ -115,7 +115,7 @@ def build_config(
 
 
 def dispatcher_name() -> str:
-    """File name of the dispatcher object: changes with its source, the shim and its flags.
+    """File name of the dispatcher object: changes with its source and headers, the shim and its flags.
 
     Returns
     -------
@@ -123,7 +123,8 @@ def dispatcher_name() -> str:
         ``fa2_dispatch-<12 hex>.o``.
     """
     h = hashlib.sha256()
-    h.update(paths.DISPATCH_SOURCE.read_bytes())
+    for source in (paths.DISPATCH_SOURCE, paths.DISPATCH_HEADER, paths.GQA_DECODE_HEADER):
+        h.update(source.read_bytes())
     h.update(_tree_hash([paths.SHIM_DIR]).encode())
     h.update(json.dumps(dispatcher_flags()).encode())
     return f"fa2_dispatch-{h.hexdigest()[:12]}.o"

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from .errors import NativeKernelsUnavailable
 from .keys import normalize_arch, normalize_dtype
-from .paths import DISPATCH_HEADER, NATIVE_DIR, cache_root
+from .paths import DISPATCH_HEADER, GQA_DECODE_HEADER, NATIVE_DIR, cache_root
 
 #: the flash-attn-4 release whose kernel the objects hold (pinned: its compile interface is internal)
 FA4_VERSION = "4.0.0b36"
@@ -254,8 +254,8 @@ def support_objects(arch: str = "sm_90", progress: Callable[[str], None] | None 
     return [
         source_object(GLUE_SOURCE, arch, ["-O2", "-std=c++17", "-Xcompiler=-fPIC"], subdir="fa4",
                       includes=cuda_include, progress=progress),
-        source_object(DECODE_SOURCE, arch, gencode_flags(arch), subdir="fa4", inputs=(DISPATCH_HEADER,),
-                      includes=ffi_includes, progress=progress),
+        source_object(DECODE_SOURCE, arch, gencode_flags(arch), subdir="fa4",
+                      inputs=(DISPATCH_HEADER, GQA_DECODE_HEADER), includes=ffi_includes, progress=progress),
     ]
 
 

@@ -11,8 +11,12 @@ ENTRY_SOURCE = NATIVE_DIR / "fa2_kernel_entry.cu"
 DISPATCH_SOURCE = NATIVE_DIR / "fa2_dispatch.cc"
 DISPATCH_HEADER = NATIVE_DIR / "fa2_dispatch.h"
 LINK_CHECK_SOURCE = NATIVE_DIR / "fa2_link_check.cc"
-#: our split-KV decode kernels (chunk lengths, combine): device code, compiled per arch
+#: our decode kernels, device code compiled per arch into one support object (SUPPORT_SOURCE includes
+#: both): the grouped-query decode kernel, and the chunk lengths + combine of the FA2 chunked decode
 COMBINE_SOURCE = NATIVE_DIR / "split_kv_combine.cu"
+GQA_DECODE_SOURCE = NATIVE_DIR / "gqa_decode.cu"
+GQA_DECODE_HEADER = NATIVE_DIR / "gqa_decode.h"
+SUPPORT_SOURCE = NATIVE_DIR / "decode_support.cu"
 #: stand-ins for the three torch headers flash-attn's forward kernels include
 SHIM_DIR = NATIVE_DIR / "shim"
 

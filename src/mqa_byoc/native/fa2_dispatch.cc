@@ -11,6 +11,7 @@
 // one check of a static flag.
 
 #include "fa2_dispatch.h"
+#include "gqa_decode.h"
 
 #include <cuda_runtime.h>
 #include <nvtx3/nvToolsExt.h>
@@ -396,6 +397,55 @@ int chunked_decode(Params& p, EntryFn fn, int splits, int block_n, int64_t seqle
                          });
 }
 
+// Decode (one query row per sequence) on our grouped-query kernel (gqa_decode.cu): split-KV and the
+// combine in one launch, K/V read once per group. It serves head dims 64 and 128 when one CTA holds a K/V
+// head's query rows (16 for 128, 32 for 64; the larger MQA groups, e.g. Falcon's 71, go on FA2's split-KV);
+// MQA_BYOC_DECODE_KERNEL=fa2 turns it off (the FA2 paths below).
+bool own_decode_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("MQA_BYOC_DECODE_KERNEL");
+    return v == nullptr || std::strcmp(v, "fa2") != 0;
+  }();
+  return on;
+}
+
+bool own_decode_fits(int64_t head_dim, int64_t num_heads, int64_t num_heads_k, int64_t batch) {
+  if (!own_decode_enabled() || !mqa_byoc_decode_supported(head_dim, num_heads, num_heads_k)) return false;
+  const int64_t rows = head_dim <= 64 ? 32 : 16;
+  return num_heads / num_heads_k <= rows && batch <= 65535 && num_heads_k <= 65535;
+}
+
+int own_decode(const mqa_byoc_decode_args& a, int device_id, cudaStream_t stream) {
+  mqa_byoc_decode_plan plan{};
+  if (mqa_byoc_decode_make_plan(&a, num_sms(device_id), &plan) != 0) {
+    return fail("the grouped-query decode kernel does not serve head dim " + std::to_string(a.head_dim) + " with " +
+                std::to_string(a.num_heads) + " / " + std::to_string(a.num_heads_k) + " heads");
+  }
+  void* ws = nullptr;
+  if (plan.workspace_bytes > 0) {
+    if (int rc = alloc_workspace(&ws, plan.workspace_bytes, device_id, stream)) return rc;
+  }
+  const bool nvtx = nvtx_enabled();
+  if (nvtx) {
+    char name[96];
+    std::snprintf(name, sizeof(name), "flash_attn[h=%lld,kv=%lld,d=%lld]", static_cast<long long>(a.num_heads),
+                  static_cast<long long>(a.num_heads_k), static_cast<long long>(a.head_dim));
+    nvtxRangePushA(name);
+  }
+  const int rc = mqa_byoc_decode_launch(&a, &plan, ws, device_id, stream);
+  if (nvtx) nvtxRangePop();
+  const cudaError_t launch = cudaGetLastError();
+  const cudaError_t freed = ws != nullptr ? cudaFreeAsync(ws, stream) : cudaSuccess;
+  if (rc != 0 || launch != cudaSuccess) {
+    return fail("grouped-query decode kernel launch failed (" + std::to_string(rc) + "): " + cudaGetErrorString(launch));
+  }
+  if (freed != cudaSuccess) {
+    cudaGetLastError();
+    return fail(std::string("cudaFreeAsync: ") + cudaGetErrorString(freed));
+  }
+  return 0;
+}
+
 }  // namespace
 
 extern "C" const char* mqa_byoc_fa2_last_error(void) { return g_last_error.c_str(); }
@@ -414,6 +464,15 @@ extern "C" mqa_byoc_fa2_entry_fn mqa_byoc_fa2_entry(int hdim, int is_bf16, int c
   const Entry* e = find_entry(hdim, is_bf16, causal != 0);
   if (e == nullptr) return nullptr;
   return reinterpret_cast<mqa_byoc_fa2_entry_fn>(split ? e->split : e->fwd);
+}
+
+extern "C" int mqa_byoc_fa2_own_decode_fits(int64_t head_dim, int64_t num_heads, int64_t num_heads_k,
+                                            int64_t batch) {
+  return own_decode_fits(head_dim, num_heads, num_heads_k, batch) ? 1 : 0;
+}
+extern "C" int mqa_byoc_fa2_own_decode(const mqa_byoc_decode_args* args, int device_id, void* stream) {
+  g_last_error.clear();
+  return own_decode(*args, device_id, static_cast<cudaStream_t>(stream));
 }
 
 extern "C" int mqa_byoc_fa2_kernel_available(int hdim, int is_bf16, int causal, int split) {
@@ -463,6 +522,17 @@ extern "C" int mqa_byoc_fa2_forward(const void* q, const void* k, const void* v,
   bool is_causal = causal != 0;
   if (seqlen_q == 1) is_causal = false;  // one query row: causal == full
   if (is_causal) wr = 0;
+  if (seqlen_q == 1 && own_decode_fits(head_dim, num_heads, num_heads_k, batch)) {
+    mqa_byoc_decode_args a{};
+    a.q = q, a.k = k, a.v = v, a.out = out, a.lse = nullptr;
+    a.q_stride[0] = q_stride[0], a.q_stride[1] = q_stride[2];
+    a.o_stride[0] = o_stride[0], a.o_stride[1] = o_stride[2];
+    for (int i = 0; i < 3; ++i) a.k_stride[i] = k_stride[i], a.v_stride[i] = v_stride[i];
+    a.seqlen_k = seqlen_k, a.batch = batch, a.num_heads = num_heads, a.num_heads_k = num_heads_k;
+    a.head_dim = head_dim, a.is_bf16 = is_bf16, a.softmax_scale = softmax_scale;
+    a.window_left = wl, a.lse_empty = -INFINITY;
+    return own_decode(a, device_id, stream);
+  }
   // decode with grouped K/V: view q (B, 1, H, D) as (B, g, H_kv, D), i.e. g query rows per K/V head
   const bool swap = seqlen_q == 1 && num_heads > num_heads_k && wl < 0 && wr < 0;
 

@@ -6,6 +6,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "gqa_decode.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -66,6 +68,12 @@ mqa_byoc_fa2_entry_fn mqa_byoc_fa2_entry(int hdim, int is_bf16, int causal, int 
 int mqa_byoc_chunk_lengths(int32_t* lens, int n, int64_t chunk, int64_t s_kv, void* stream);
 int mqa_byoc_combine_chunks(const void* o_part, const float* lse, void* out, int64_t out_head_stride, int n, int h,
                             int d, int is_bf16, void* stream);
+
+// Our grouped-query decode kernel (gqa_decode.cu) behind the dispatcher's checks, workspace pool and NVTX
+// range: whether it serves a call (head dim, grouping, batch; MQA_BYOC_DECODE_KERNEL=fa2 says no), and
+// the call (0, or nonzero with mqa_byoc_fa2_last_error()). Shared with fa2_paged.cu.
+int mqa_byoc_fa2_own_decode_fits(int64_t head_dim, int64_t num_heads, int64_t num_heads_k, int64_t batch);
+int mqa_byoc_fa2_own_decode(const mqa_byoc_decode_args* args, int device_id, void* stream);
 
 // 1 when the kernel family (hdim in {32,64,96,128,192,256}) was linked in, else 0.
 int mqa_byoc_fa2_kernel_available(int hdim, int is_bf16, int causal, int split);

@@ -368,6 +368,24 @@ extern "C" int mqa_byoc_fa2_paged_forward(const void* q, const int32_t* qo_indpt
   if (int rc = guard.set(device_id)) return rc;
 
   const bool decode = qo_indptr == nullptr;
+  if (decode && mqa_byoc_fa2_own_decode_fits(head_dim, num_heads, num_heads_k, batch)) {
+    // our grouped-query decode kernel reads the pages through the CSR list itself (no block table)
+    mqa_byoc_decode_args a{};
+    const char* base = static_cast<const char*>(pages);
+    a.q = q, a.k = base, a.v = base + page_stride[1] * 2, a.out = out, a.lse = lse;
+    a.q_stride[0] = q_stride[0], a.q_stride[1] = q_stride[1];
+    a.o_stride[0] = o_stride[0], a.o_stride[1] = o_stride[1];
+    a.k_stride[0] = a.v_stride[0] = page_stride[0];  // (page, row in page, head)
+    a.k_stride[1] = a.v_stride[1] = page_stride[3];
+    a.k_stride[2] = a.v_stride[2] = page_stride[2];
+    a.page_indptr = page_indptr, a.page_values = page_values, a.last_page_len = last_page_len;
+    a.page_size = page_size, a.nnz_pages = nnz_pages;
+    a.batch = batch, a.num_heads = num_heads, a.num_heads_k = num_heads_k, a.head_dim = head_dim;
+    a.is_bf16 = is_bf16, a.softmax_scale = softmax_scale, a.window_left = -1;
+    a.lse_empty = -5e4f;  // TVM's "no keys" LSE
+    if (mqa_byoc_fa2_own_decode(&a, device_id, stream) != 0) return fail(mqa_byoc_fa2_last_error());
+    return 0;
+  }
   const bool is_causal = causal != 0 && !decode;
   const int hdim = kernel_hdim(head_dim);
   const EntryFn split_fn = entry(hdim, is_bf16, is_causal, true);

@@ -1,0 +1,624 @@
+// Grouped-query decode attention of our own: one query row per sequence and query head, all the query
+// heads of one K/V head served by one read of its keys, split-KV and the combine in ONE launch.
+//
+// Why not FA2's split-KV kernel: at decode it streams K/V at about 3.2 TB/s on the H200 (64-row query tiles
+// for 8 real rows, a 2-stage load) and needs a second kernel for the combine; cuDNN's decode is faster.
+// Here each warp streams 16-key tiles of K and V through a 3-stage cp.async pipeline in its own shared
+// memory (no block barrier in the main loop), the G query rows of a K/V head are the M rows of
+// m16n8k16 tensor-core MMAs, the four warps' states merge in shared memory, and the last block of a
+// (sequence, K/V head) to finish merges the splits (an arrival counter, reset by that block).
+//
+// Keys come from a contiguous cache (batch, row, head strides) or from TVM's pages (CSR page list; the
+// page size is any positive value: a tile's rows are located one by one).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <utility>
+
+#include "gqa_decode.h"
+
+namespace {
+
+constexpr int kWarps = 8;  // one CTA per SM (the pipeline takes 192 KB for head dim 128)
+constexpr int kThreads = kWarps * 32;
+constexpr int kTileKeys = 16;  // keys per warp step (one m16n8k16 K step of P @ V)
+constexpr int kStages = 3;
+
+template <typename T>
+struct Mma;
+
+template <>
+struct Mma<__half> {
+  static __device__ __forceinline__ void run(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+};
+
+template <>
+struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared; src_bytes 0 fills zeros (rows past the end: no NaN from stale memory).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+// A tile row is D/8 chunks of 16 bytes; chunk c of row r sits at c ^ (r & 7) so that the 8 rows an
+// ldmatrix reads hit 8 different bank groups.
+template <int D>
+__device__ __forceinline__ int swz(int row, int chunk) {
+  return row * (D / 8) + (chunk ^ (row & 7));
+}
+
+struct SeqRange {
+  int begin, end;  // keys [begin, end) of this sequence that the query row attends to
+};
+
+__device__ __forceinline__ int seq_len(const mqa_byoc_decode_args& a, int b) {
+  if (a.page_values != nullptr) {
+    const int n = a.page_indptr[b + 1] - a.page_indptr[b];
+    return n > 0 ? (n - 1) * int(a.page_size) + a.last_page_len[b] : 0;
+  }
+  return int(a.seqlen_k);
+}
+
+__device__ __forceinline__ SeqRange seq_range(const mqa_byoc_decode_args& a, int b) {
+  const int len = seq_len(a, b);
+  const int begin = a.window_left >= 0 ? max(0, len - 1 - a.window_left) : 0;
+  return {begin, len};
+}
+
+// Element offset of key `row` of sequence b, K/V head h (without the K-or-V base).
+__device__ __forceinline__ int64_t row_offset(const mqa_byoc_decode_args& a, const int64_t* stride, int b, int row,
+                                              int h) {
+  if (a.page_values != nullptr) {
+    const int page = __ldg(a.page_values + a.page_indptr[b] + row / int(a.page_size));
+    return int64_t(page) * stride[0] + int64_t(row % int(a.page_size)) * stride[1] + int64_t(h) * stride[2];
+  }
+  return int64_t(b) * stride[0] + int64_t(row) * stride[1] + int64_t(h) * stride[2];
+}
+
+// Shared memory of one block: the pipeline (per warp: kStages x (K tile, V tile)), reused after the loop
+// for the four warps' outputs (fp32), plus the per-row statistics.
+template <int D, int RB>
+struct Smem {
+  static constexpr int kRows = RB * 16;
+  static constexpr int kTileBytes = kTileKeys * D * 2;
+  static constexpr int kPipeBytes = kWarps * kStages * 2 * kTileBytes;
+  static constexpr int kMergeBytes = kWarps * kRows * D * 4;
+  static constexpr int kMainBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
+  static constexpr int kBytes = kMainBytes + 3 * kWarps * kRows * 4 + 64;
+};
+
+template <typename T, int D, int RB, bool PAGED>
+__global__ void __launch_bounds__(kThreads) gqa_decode_kernel(const mqa_byoc_decode_args a, int keys_per_split,
+                                                              int row_groups, float* o_part, float* lse_part,
+                                                              int* counters) {
+  using M = Mma<T>;
+  using S = Smem<D, RB>;
+  constexpr int kRows = S::kRows;
+  constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  extern __shared__ __align__(128) unsigned char smem[];
+  float* s_m = reinterpret_cast<float*>(smem + S::kMainBytes);  // [warp][row]
+  float* s_l = s_m + kWarps * kRows;
+  float* s_f = s_l + kWarps * kRows;  // the block's per-row combine values
+  int* s_flag = reinterpret_cast<int*>(s_f + kWarps * kRows);
+
+  const int split = blockIdx.x, kvh = blockIdx.y / row_groups, rg = blockIdx.y % row_groups, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int group = int(a.num_heads / a.num_heads_k);
+  const int row0 = rg * kRows;  // first query row (within the group) of this block
+  const SeqRange sr = seq_range(a, b);
+  const int n_splits = max(1, (sr.end - sr.begin + keys_per_split - 1) / keys_per_split);
+  if (split >= n_splits) return;  // this sequence is shorter than the grid (paged: sized for the longest)
+  const int k_begin = sr.begin + split * keys_per_split;
+  const int k_end = min(sr.end, k_begin + keys_per_split);
+  const T* kbase = static_cast<const T*>(a.k);
+  const T* vbase = static_cast<const T*>(a.v);
+
+  // ---- Q fragments (A operand), rows = query heads kvh*group + row0 + r; missing rows are zero ----
+  uint32_t qf[RB][D / 16][4];
+  const T* qbase = static_cast<const T*>(a.q) + int64_t(b) * a.q_stride[0];
+#pragma unroll
+  for (int rb = 0; rb < RB; ++rb) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = row0 + rb * 16 + g + half * 8;
+      const bool ok = r < group;
+      const T* qrow = qbase + int64_t(kvh * group + (ok ? r : 0)) * a.q_stride[1];
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        const uint32_t lo = ok ? *reinterpret_cast<const uint32_t*>(qrow + ks * 16 + 2 * t) : 0u;
+        const uint32_t hi = ok ? *reinterpret_cast<const uint32_t*>(qrow + ks * 16 + 8 + 2 * t) : 0u;
+        qf[rb][ks][half] = lo;
+        qf[rb][ks][2 + half] = hi;
+      }
+    }
+  }
+
+  // ---- this warp's tiles: k_begin + (warp + 4 i) * 16 ----
+  const int n_tiles_split = (k_end - k_begin + kTileKeys - 1) / kTileKeys;
+  const int my_tiles = n_tiles_split > warp ? (n_tiles_split - warp + kWarps - 1) / kWarps : 0;
+  T* pipe = reinterpret_cast<T*>(smem) + warp * kStages * 2 * kTileKeys * D;
+
+  // Each lane copies chunk `ch` of rows row_lane + it * kRowsPerIt of a tile. Contiguous K/V: one 64-bit
+  // offset per tile and constant steps (few instructions per copy: the loop is issue-bound otherwise);
+  // pages: each row's page looked up.
+  constexpr int kRowsPerIt = 32 / kChunks;
+  const int ch = lane % kChunks, row_lane = lane / kChunks;
+  const int64_t k_row = a.k_stride[1], v_row = a.v_stride[1];
+  const int64_t k_fixed = int64_t(b) * a.k_stride[0] + int64_t(kvh) * a.k_stride[2] + ch * 8;
+  const int64_t v_fixed = int64_t(b) * a.v_stride[0] + int64_t(kvh) * a.v_stride[2] + ch * 8;
+  auto load_tile = [&](int i, int stage) {
+    const int key0 = k_begin + (warp + i * kWarps) * kTileKeys;
+    uint4* ks = reinterpret_cast<uint4*>(pipe + stage * 2 * kTileKeys * D);
+    uint4* vs = ks + kTileKeys * kChunks;
+    if constexpr (PAGED) {
+#pragma unroll
+      for (int it = 0; it < kTileKeys / kRowsPerIt; ++it) {
+        const int r = row_lane + it * kRowsPerIt, key = key0 + r;
+        const bool ok = key < k_end;
+        const int64_t ko = ok ? row_offset(a, a.k_stride, b, key, kvh) + ch * 8 : 0;
+        const int64_t vo = ok ? row_offset(a, a.v_stride, b, key, kvh) + ch * 8 : 0;
+        cp_async16(ks + swz<D>(r, ch), kbase + ko, ok ? 16 : 0);
+        cp_async16(vs + swz<D>(r, ch), vbase + vo, ok ? 16 : 0);
+      }
+    } else {
+      const T* kp = kbase + k_fixed + int64_t(key0 + row_lane) * k_row;
+      const T* vp = vbase + v_fixed + int64_t(key0 + row_lane) * v_row;
+#pragma unroll
+      for (int it = 0; it < kTileKeys / kRowsPerIt; ++it) {
+        const int r = row_lane + it * kRowsPerIt;
+        const bool ok = key0 + r < k_end;
+        cp_async16(ks + swz<D>(r, ch), ok ? kp : kbase, ok ? 16 : 0);
+        cp_async16(vs + swz<D>(r, ch), ok ? vp : vbase, ok ? 16 : 0);
+        kp += kRowsPerIt * k_row;
+        vp += kRowsPerIt * v_row;
+      }
+    }
+  };
+
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < my_tiles) load_tile(i, i);
+    cp_async_commit();
+  }
+
+  float acc[RB][D / 8][4];
+#pragma unroll
+  for (int rb = 0; rb < RB; ++rb)
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[rb][j][e] = 0.f;
+  float m_run[RB][2], l_run[RB][2];
+#pragma unroll
+  for (int rb = 0; rb < RB; ++rb) {
+    m_run[rb][0] = m_run[rb][1] = -INFINITY;
+    l_run[rb][0] = l_run[rb][1] = 0.f;
+  }
+  const float scale = a.softmax_scale * 1.4426950408889634f;  // scores in the log2 domain
+
+  for (int i = 0; i < my_tiles; ++i) {
+    if (i + kStages - 1 < my_tiles) load_tile(i + kStages - 1, (i + kStages - 1) % kStages);
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();
+    __syncwarp();
+    const T* ks = pipe + (i % kStages) * 2 * kTileKeys * D;
+    const uint4* ks4 = reinterpret_cast<const uint4*>(ks);
+    const uint4* vs4 = ks4 + kTileKeys * kChunks;
+    const int key0 = k_begin + (warp + i * kWarps) * kTileKeys;
+
+    // S = Q K^T: 16 rows x 16 keys per row block (two n-tiles of 8 keys)
+    float s[RB][2][4];
+#pragma unroll
+    for (int rb = 0; rb < RB; ++rb)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[rb][nt][e] = 0.f;
+#pragma unroll
+    for (int kstep = 0; kstep < D / 16; ++kstep) {
+      // matrices: (keys 0-7, dims 16k..+7), (keys 0-7, +8..+15), (keys 8-15, ...), (keys 8-15, +8..)
+      const int mi = lane / 8;
+      const int r = (mi / 2) * 8 + (lane % 8);
+      uint32_t kb[4];
+      ldmatrix_x4(kb, ks4 + swz<D>(r, kstep * 2 + (mi % 2)));
+#pragma unroll
+      for (int rb = 0; rb < RB; ++rb) {
+        M::run(s[rb][0], qf[rb][kstep], kb[0], kb[1]);
+        M::run(s[rb][1], qf[rb][kstep], kb[2], kb[3]);
+      }
+    }
+
+    // online softmax (rows g and g + 8 of each row block; this thread's keys 2t, 2t+1 of each n-tile)
+    const bool full_tile = key0 + kTileKeys <= k_end;
+    uint32_t pf[RB][4];
+    float corr[RB][2];
+#pragma unroll
+    for (int rb = 0; rb < RB; ++rb) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float x[4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int key = key0 + nt * 8 + 2 * t + e;
+            x[nt * 2 + e] = (full_tile || key < k_end) ? s[rb][nt][half * 2 + e] * scale : -INFINITY;
+          }
+        float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_run[rb][half], mx);
+        const float base = m_new == -INFINITY ? 0.f : m_new;
+        const float c = exp2f(m_run[rb][half] - base);
+        m_run[rb][half] = m_new;
+        float p[4], sum = 0.f;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          p[e] = exp2f(x[e] - base);
+          sum += p[e];
+        }
+        l_run[rb][half] = l_run[rb][half] * c + sum;
+        corr[rb][half] = c;
+        // A fragment of P (row x key): a0 (row g, keys 2t..), a1 (row g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)
+        pf[rb][half] = M::pack(p[0], p[1]);
+        pf[rb][2 + half] = M::pack(p[2], p[3]);
+      }
+    }
+
+    // rescale O only when some row's running max moved (after the first tiles it rarely does)
+    bool moved = false;
+#pragma unroll
+    for (int rb = 0; rb < RB; ++rb) moved |= corr[rb][0] != 1.f || corr[rb][1] != 1.f;
+    if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+      for (int rb = 0; rb < RB; ++rb)
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+          acc[rb][j][0] *= corr[rb][0];
+          acc[rb][j][1] *= corr[rb][0];
+          acc[rb][j][2] *= corr[rb][1];
+          acc[rb][j][3] *= corr[rb][1];
+        }
+    }
+
+    // O += P V: V tile (16 keys x D) as the B operand, transposed by ldmatrix
+#pragma unroll
+    for (int jj = 0; jj < D / 16; ++jj) {
+      // matrices: (keys 0-7, dims 16jj..+7), (keys 8-15, same), (keys 0-7, +8..+15), (keys 8-15, +8..)
+      const int mi = lane / 8;
+      const int r = (mi % 2) * 8 + (lane % 8);
+      uint32_t vb[4];
+      ldmatrix_x4_trans(vb, vs4 + swz<D>(r, jj * 2 + mi / 2));
+#pragma unroll
+      for (int rb = 0; rb < RB; ++rb) {
+        M::run(acc[rb][2 * jj], pf[rb], vb[0], vb[1]);
+        M::run(acc[rb][2 * jj + 1], pf[rb], vb[2], vb[3]);
+      }
+    }
+    __syncwarp();
+  }
+  cp_async_wait<0>();
+
+  // ---- merge the four warps: row statistics first ----
+#pragma unroll
+  for (int rb = 0; rb < RB; ++rb)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float l = l_run[rb][half];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      l_run[rb][half] = l;
+      if (t == 0) {
+        const int r = rb * 16 + g + half * 8;
+        s_m[warp * kRows + r] = m_run[rb][half];
+        s_l[warp * kRows + r] = l;
+      }
+    }
+  __syncthreads();  // also: every warp is done with the pipeline memory reused below
+  float* s_o = reinterpret_cast<float*>(smem);  // [warp][row][D]
+#pragma unroll
+  for (int rb = 0; rb < RB; ++rb)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = rb * 16 + g + half * 8;
+      float mx = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, s_m[w * kRows + r]);
+      float l_tot = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float mw = s_m[w * kRows + r];
+        l_tot += mw == -INFINITY ? 0.f : exp2f(mw - mx) * s_l[w * kRows + r];
+      }
+      const float mine = m_run[rb][half];
+      const float f = (mine == -INFINITY || l_tot == 0.f) ? 0.f : exp2f(mine - mx) / l_tot;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        float2 v = make_float2(acc[rb][j][half * 2] * f, acc[rb][j][half * 2 + 1] * f);
+        *reinterpret_cast<float2*>(s_o + (warp * kRows + r) * D + j * 8 + 2 * t) = v;
+      }
+      if (warp == 0 && t == 0) s_f[r] = l_tot > 0.f ? mx + log2f(l_tot) : -INFINITY;  // block LSE (base 2)
+    }
+  __syncthreads();
+
+  const bool single = n_splits == 1;
+  const int rows_here = min(kRows, group - row0);
+  T* out = static_cast<T*>(a.out);
+  const int64_t slot = (int64_t(b) * a.num_heads_k + kvh) * row_groups + rg;  // (sequence, K/V head, row group)
+  float* my_o = o_part + (slot * gridDim.x + split) * kRows * D;
+  for (int idx = threadIdx.x; idx < rows_here * D; idx += kThreads) {
+    const int r = idx / D, d = idx % D;
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) v += s_o[(w * kRows + r) * D + d];
+    if (single) {
+      out[int64_t(b) * a.o_stride[0] + int64_t(kvh * group + row0 + r) * a.o_stride[1] + d] = M::from_float(v);
+    } else {
+      my_o[r * D + d] = v;
+    }
+  }
+  if (single) {
+    if (a.lse != nullptr && threadIdx.x < rows_here) {
+      const float l = s_f[threadIdx.x];
+      a.lse[int64_t(b) * a.num_heads + kvh * group + row0 + threadIdx.x] = l == -INFINITY ? a.lse_empty : l;
+    }
+    return;
+  }
+  if (threadIdx.x < rows_here) lse_part[(slot * gridDim.x + split) * kRows + threadIdx.x] = s_f[threadIdx.x];
+
+  // ---- the last block of this slot to arrive merges the splits ----
+  // One acq_rel atomic by thread 0 after the barrier publishes this block's partial (release is cumulative
+  // over the barrier) and, for the last block, makes the others' partials visible (acquire, then barrier).
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int prev;
+    asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;\n" : "=r"(prev) : "l"(counters + slot) : "memory");
+    *s_flag = prev == n_splits - 1;
+  }
+  __syncthreads();
+  if (!*s_flag) return;
+  const float* all_o = o_part + slot * gridDim.x * kRows * D;
+  const float* all_l = lse_part + slot * gridDim.x * kRows;
+  constexpr int kSplitStride4 = kRows * D / 4;  // float4s between two splits' partials
+  // this thread's first output element: its first kPre partials are loaded now, next to the LSEs (one
+  // round trip to L2 instead of two)
+  constexpr int kPre = 16;
+  const int n4 = rows_here * (D / 4);
+  const int r0 = threadIdx.x / (D / 4);
+  const float4* src0 = reinterpret_cast<const float4*>(all_o + r0 * D) + threadIdx.x % (D / 4);
+  float4 pre[kPre];
+#pragma unroll
+  for (int u = 0; u < kPre; ++u) {
+    pre[u] = (threadIdx.x < n4 && u < n_splits) ? __ldcg(src0 + u * kSplitStride4) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  float* s_w = reinterpret_cast<float*>(smem);  // [split][row], n_splits <= 128 (the plan's bound)
+  for (int idx = threadIdx.x; idx < n_splits * rows_here; idx += kThreads) {
+    const int sp = idx / rows_here, r = idx % rows_here;
+    s_w[sp * kRows + r] = __ldcg(all_l + sp * kRows + r);
+  }
+  __syncthreads();
+  for (int r = warp; r < rows_here; r += kWarps) {  // one warp per row: max, weights, sum
+    float mx = -INFINITY;
+    for (int sp = lane; sp < n_splits; sp += 32) mx = fmaxf(mx, s_w[sp * kRows + r]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    float tot = 0.f;
+    for (int sp = lane; sp < n_splits; sp += 32) {
+      const float l = s_w[sp * kRows + r];
+      const float w = l == -INFINITY ? 0.f : exp2f(l - mx);
+      s_w[sp * kRows + r] = w;
+      tot += w;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, off);
+    if (lane == 0) {
+      s_l[r] = tot > 0.f ? 1.f / tot : 0.f;
+      if (a.lse != nullptr) {
+        a.lse[int64_t(b) * a.num_heads + kvh * group + row0 + r] = tot > 0.f ? mx + log2f(tot) : a.lse_empty;
+      }
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < n4; idx += kThreads) {
+    const int r = idx / (D / 4), d4 = idx % (D / 4);
+    const float4* src = reinterpret_cast<const float4*>(all_o + r * D) + d4;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    int sp = 0;
+    if (idx == threadIdx.x) {  // the prefetched partials
+#pragma unroll
+      for (int u = 0; u < kPre; ++u) {
+        const float w = u < n_splits ? s_w[u * kRows + r] : 0.f;
+        v.x += w * pre[u].x, v.y += w * pre[u].y, v.z += w * pre[u].z, v.w += w * pre[u].w;
+      }
+      sp = kPre;
+    }
+    for (; sp + 8 <= n_splits; sp += 8) {
+      float4 x[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) x[u] = __ldcg(src + (sp + u) * kSplitStride4);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const float w = s_w[(sp + u) * kRows + r];
+        v.x += w * x[u].x, v.y += w * x[u].y, v.z += w * x[u].z, v.w += w * x[u].w;
+      }
+    }
+    for (; sp < n_splits; ++sp) {
+      const float4 x = __ldcg(src + sp * kSplitStride4);
+      const float w = s_w[sp * kRows + r];
+      v.x += w * x.x, v.y += w * x.y, v.z += w * x.z, v.w += w * x.w;
+    }
+    const float inv = s_l[r];
+    T* o = out + int64_t(b) * a.o_stride[0] + int64_t(kvh * group + row0 + r) * a.o_stride[1] + d4 * 4;
+    o[0] = M::from_float(v.x * inv), o[1] = M::from_float(v.y * inv);
+    o[2] = M::from_float(v.z * inv), o[3] = M::from_float(v.w * inv);
+  }
+  if (threadIdx.x == 0) counters[slot] = 0;  // ready for the next call on this stream
+}
+
+// Per (device, stream): a zeroed arrival-counter array that every kernel leaves zeroed again.
+struct CounterKey {
+  int device;
+  cudaStream_t stream;
+  bool operator<(const CounterKey& o) const { return device != o.device ? device < o.device : stream < o.stream; }
+};
+std::mutex g_counter_mutex;
+std::map<CounterKey, std::pair<int*, int64_t>> g_counters;
+
+int* counters_for(int device, cudaStream_t stream, int64_t n) {
+  std::lock_guard<std::mutex> lock(g_counter_mutex);
+  auto& e = g_counters[{device, stream}];
+  if (e.second >= n) return e.first;
+  const int64_t cap = std::max<int64_t>(n, 4096);
+  int* p = nullptr;
+  if (cudaMalloc(&p, size_t(cap) * sizeof(int)) != cudaSuccess) return nullptr;
+  if (cudaMemsetAsync(p, 0, size_t(cap) * sizeof(int), stream) != cudaSuccess) return nullptr;
+  // an older, smaller array may still be in use by queued kernels: it is kept (rare, small)
+  e = {p, cap};
+  return p;
+}
+
+template <int D>
+constexpr int rows_per_block() {
+  return D <= 64 ? 2 : 1;  // row blocks of 16 per CTA (registers: Q and O fragments)
+}
+
+template <typename T, int D>
+int launch_typed(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, void* ws, int* counters,
+                 cudaStream_t stream) {
+  constexpr int RB = rows_per_block<D>();
+  using S = Smem<D, RB>;
+  static bool configured[2][64] = {};  // per kernel and device: the shared-memory opt-in above 48 KB
+  const bool paged = a.page_values != nullptr;
+  auto kernel = paged ? gqa_decode_kernel<T, D, RB, true> : gqa_decode_kernel<T, D, RB, false>;
+  int device = 0;
+  cudaGetDevice(&device);
+  if (device < 0 || device >= 64 || !configured[paged][device]) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes) != cudaSuccess) return 1;
+    if (device >= 0 && device < 64) configured[paged][device] = true;
+  }
+  float* o_part = static_cast<float*>(ws);
+  float* lse_part = o_part + p.o_part_floats;
+  dim3 grid(p.splits, unsigned(a.num_heads_k * p.row_groups), unsigned(a.batch));
+  kernel<<<grid, kThreads, S::kBytes, stream>>>(a, p.keys_per_split, p.row_groups, o_part, lse_part, counters);
+  return cudaGetLastError() == cudaSuccess ? 0 : 1;
+}
+
+}  // namespace
+
+extern "C" {
+
+__attribute__((visibility("default"))) int mqa_byoc_decode_supported(int64_t head_dim, int64_t num_heads,
+                                                                     int64_t num_heads_k) {
+  return (head_dim == 64 || head_dim == 128) && num_heads_k > 0 && num_heads % num_heads_k == 0 ? 1 : 0;
+}
+
+__attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_byoc_decode_args* a, int num_sms,
+                                                                     mqa_byoc_decode_plan* p) {
+  if (!mqa_byoc_decode_supported(a->head_dim, a->num_heads, a->num_heads_k) || a->batch <= 0) return 2;
+  const int64_t group = a->num_heads / a->num_heads_k;
+  const int rows = a->head_dim <= 64 ? 32 : 16;
+  p->row_groups = int((group + rows - 1) / rows);
+  // Keys of the longest sequence (contiguous: all alike) and, for pages, what the pages could hold at most.
+  int64_t typical = a->seqlen_k, longest = a->seqlen_k;
+  if (a->page_values != nullptr) {
+    longest = a->nnz_pages * a->page_size;
+    typical = (longest + a->batch - 1) / a->batch;
+  }
+  if (a->window_left >= 0) {
+    typical = std::min<int64_t>(typical, a->window_left + 1);
+    longest = std::min<int64_t>(longest, a->window_left + 1);
+  }
+  typical = std::max<int64_t>(typical, 1);
+  longest = std::max<int64_t>(longest, 1);
+  // At most one CTA per SM (one wave) and 32 splits per slot (the last CTA's merge reads every split:
+  // measured on the H200, more splits cost more there than they gain), at least one 16-key tile per
+  // warp, and at most 128 splits (the grid of a paged batch is sized by `longest`).
+  const int64_t slots = a->batch * a->num_heads_k * p->row_groups;
+  const int64_t target = std::min<int64_t>(32, std::max<int64_t>(1, int64_t(std::max(num_sms, 1)) / slots));
+  const int64_t unit = int64_t(kWarps) * kTileKeys;
+  int64_t kps = (typical + target - 1) / target;
+  kps = std::max<int64_t>(kps, unit);
+  kps = std::max<int64_t>(kps, (longest + 127) / 128);
+  kps = (kps + unit - 1) / unit * unit;
+  p->keys_per_split = int(kps);
+  p->splits = int((longest + kps - 1) / kps);
+  const int64_t kRows = rows;
+  p->o_part_floats = p->splits > 1 ? slots * p->splits * kRows * a->head_dim : 0;
+  const int64_t lse_floats = p->splits > 1 ? slots * p->splits * kRows : 0;
+  p->workspace_bytes = size_t(p->o_part_floats + lse_floats) * sizeof(float);
+  p->counters = p->splits > 1 ? slots : 0;
+  return 0;
+}
+
+__attribute__((visibility("default"))) int mqa_byoc_decode_launch(const mqa_byoc_decode_args* a,
+                                                                  const mqa_byoc_decode_plan* p, void* workspace,
+                                                                  int device_id, void* stream_handle) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
+  int* counters = nullptr;
+  if (p->counters > 0) {
+    counters = counters_for(device_id, stream, p->counters);
+    if (counters == nullptr) return 3;
+  }
+  if (a->head_dim == 64) {
+    return a->is_bf16 ? launch_typed<__nv_bfloat16, 64>(*a, *p, workspace, counters, stream)
+                      : launch_typed<__half, 64>(*a, *p, workspace, counters, stream);
+  }
+  if (a->head_dim == 128) {
+    return a->is_bf16 ? launch_typed<__nv_bfloat16, 128>(*a, *p, workspace, counters, stream)
+                      : launch_typed<__half, 128>(*a, *p, workspace, counters, stream);
+  }
+  return 2;
+}
+
+}  // extern "C"

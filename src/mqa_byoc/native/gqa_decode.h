@@ -1,0 +1,47 @@
+// C API of mqa_byoc's grouped-query decode kernel (gqa_decode.cu): one query row per sequence and head,
+// K/V from a contiguous cache or from TVM's pages; split-KV and the combine in one launch.
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+  const void* q;     // (B, H, D): q_stride = (batch, head) in elements, dim contiguous
+  const void* k;     // contiguous cache: k_stride = (batch, row, head); pages: (page, row in page, head)
+  const void* v;     // as k, v_stride
+  void* out;         // (B, H, D): o_stride = (batch, head)
+  float* lse;        // NULL, or (B, H) compact: base-2 log-sum-exp of the scaled scores
+  int64_t q_stride[2], o_stride[2], k_stride[3], v_stride[3];
+  // TVM's CSR page list (device int32), or page_values == NULL for a contiguous cache of seqlen_k keys.
+  const int32_t* page_indptr;    // (B + 1)
+  const int32_t* page_values;    // (nnz_pages)
+  const int32_t* last_page_len;  // (B)
+  int64_t page_size, nnz_pages;
+  int64_t seqlen_k;
+  int64_t batch, num_heads, num_heads_k, head_dim;  // query head h reads K/V head h / (H / H_kv)
+  int is_bf16;
+  float softmax_scale;
+  int window_left;  // -1: every key; else only the last window_left + 1 keys (FA2's window for one row)
+  float lse_empty;  // the LSE written for a sequence without keys (its output row is zero)
+} mqa_byoc_decode_args;
+
+typedef struct {
+  int splits, keys_per_split, row_groups;
+  int64_t o_part_floats, counters;
+  size_t workspace_bytes;  // device scratch for mqa_byoc_decode_launch (0: none needed)
+} mqa_byoc_decode_plan;
+
+// 1 when the kernel serves this head dim and head grouping (head dim 64 or 128, H a multiple of H_kv).
+int mqa_byoc_decode_supported(int64_t head_dim, int64_t num_heads, int64_t num_heads_k);
+// The grid and scratch of a call on a device with num_sms SMs. 0 on success.
+int mqa_byoc_decode_make_plan(const mqa_byoc_decode_args* args, int num_sms, mqa_byoc_decode_plan* plan);
+// Launches on `stream` (a cudaStream_t of device_id, current); workspace: plan->workspace_bytes. 0 on success.
+int mqa_byoc_decode_launch(const mqa_byoc_decode_args* args, const mqa_byoc_decode_plan* plan, void* workspace,
+                           int device_id, void* stream);
+
+#ifdef __cplusplus
+}
+#endif

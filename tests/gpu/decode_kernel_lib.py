@@ -1,0 +1,119 @@
+"""ctypes access to ``native/gqa_decode.cu`` for GPU tests that need no TVM: nvcc builds the kernel
+into a shared library on the GPU machine, torch tensors are passed by pointer."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import pathlib
+import subprocess
+import tempfile
+
+NATIVE = pathlib.Path(__file__).resolve().parents[2] / "src" / "mqa_byoc" / "native"
+
+
+class DecodeArgs(ctypes.Structure):
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("out", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p),
+        ("q_stride", ctypes.c_int64 * 2), ("o_stride", ctypes.c_int64 * 2),
+        ("k_stride", ctypes.c_int64 * 3), ("v_stride", ctypes.c_int64 * 3),
+        ("page_indptr", ctypes.c_void_p), ("page_values", ctypes.c_void_p), ("last_page_len", ctypes.c_void_p),
+        ("page_size", ctypes.c_int64), ("nnz_pages", ctypes.c_int64), ("seqlen_k", ctypes.c_int64),
+        ("batch", ctypes.c_int64), ("num_heads", ctypes.c_int64), ("num_heads_k", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64), ("is_bf16", ctypes.c_int), ("softmax_scale", ctypes.c_float),
+        ("window_left", ctypes.c_int), ("lse_empty", ctypes.c_float),
+    ]
+
+
+class DecodePlan(ctypes.Structure):
+    _fields_ = [
+        ("splits", ctypes.c_int), ("keys_per_split", ctypes.c_int), ("row_groups", ctypes.c_int),
+        ("o_part_floats", ctypes.c_int64), ("counters", ctypes.c_int64), ("workspace_bytes", ctypes.c_size_t),
+    ]
+
+
+@functools.lru_cache(maxsize=None)
+def library(arch: str = "sm_90a", lineinfo: bool = False) -> ctypes.CDLL:
+    out = pathlib.Path(tempfile.mkdtemp(prefix="gqa_decode_")) / "libgqa_decode.so"
+    subprocess.run(
+        ["nvcc", f"-gencode=arch=compute_{arch[3:]},code={arch}", "-O3", "-std=c++17", "-Xcompiler", "-fPIC",
+         *(["-lineinfo"] if lineinfo else []), "-shared", "-o", str(out), str(NATIVE / "gqa_decode.cu")],
+        check=True,
+    )
+    lib = ctypes.CDLL(str(out))
+    lib.mqa_byoc_decode_make_plan.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int, ctypes.POINTER(DecodePlan)]
+    lib.mqa_byoc_decode_launch.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.POINTER(DecodePlan), ctypes.c_void_p,
+                                           ctypes.c_int, ctypes.c_void_p]
+    return lib
+
+
+def _args(q, k, v, out, lse, *, k_stride, v_stride, seqlen_k, num_heads_k, scale, window_left, pages=None):
+    import torch
+
+    a = DecodeArgs()
+    a.q, a.k, a.v, a.out = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+    a.lse = lse.data_ptr() if lse is not None else None
+    a.q_stride[:] = [q.stride(0), q.stride(1)]
+    a.o_stride[:] = [out.stride(0), out.stride(1)]
+    a.k_stride[:] = list(k_stride)
+    a.v_stride[:] = list(v_stride)
+    if pages is not None:
+        indptr, values, last, page_size = pages
+        a.page_indptr, a.page_values, a.last_page_len = indptr.data_ptr(), values.data_ptr(), last.data_ptr()
+        a.page_size, a.nnz_pages = page_size, values.numel()
+    a.seqlen_k = seqlen_k
+    a.batch, a.num_heads, a.num_heads_k, a.head_dim = q.shape[0], q.shape[1], num_heads_k, q.shape[2]
+    a.is_bf16 = int(q.dtype == torch.bfloat16)
+    a.softmax_scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[2])
+    a.window_left = window_left
+    a.lse_empty = -5e4
+    return a
+
+
+class Decode:
+    """One prepared call: ``plan`` holds the grid; ``__call__`` launches on torch's current stream."""
+
+    def __init__(self, q, k, v, out, lse=None, *, k_stride, v_stride, seqlen_k, num_heads_k, scale=None,
+                 window_left=-1, pages=None):
+        import torch
+
+        self.lib = library(lineinfo=bool(__import__("os").environ.get("GQA_DECODE_LINEINFO")))
+        self.keep = (q, k, v, out, lse, pages)
+        self.args = _args(q, k, v, out, lse, k_stride=k_stride, v_stride=v_stride, seqlen_k=seqlen_k,
+                          num_heads_k=num_heads_k, scale=scale, window_left=window_left, pages=pages)
+        self.plan = DecodePlan()
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        rc = self.lib.mqa_byoc_decode_make_plan(ctypes.byref(self.args), sms, ctypes.byref(self.plan))
+        assert rc == 0, f"make_plan rc={rc}"
+        self.ws = torch.empty(max(1, self.plan.workspace_bytes), dtype=torch.uint8, device=q.device)
+
+    def __call__(self):
+        import torch
+
+        stream = torch.cuda.current_stream().cuda_stream
+        rc = self.lib.mqa_byoc_decode_launch(ctypes.byref(self.args), ctypes.byref(self.plan), self.ws.data_ptr(),
+                                             torch.cuda.current_device(), ctypes.c_void_p(stream))
+        assert rc == 0, f"launch rc={rc}"
+
+
+def reference(q, k, v, lengths, num_heads_k, scale=None, window_left=-1):
+    """fp32 attention of q (B, H, D) over k/v lists of (len_b, H_kv, D); returns out (B, H, D), base-2 LSE (B, H)."""
+    import torch
+
+    b_, h, d = q.shape
+    g = h // num_heads_k
+    scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    out = torch.zeros(b_, h, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((b_, h), -5e4, dtype=torch.float32, device=q.device)
+    for b in range(b_):
+        n = lengths[b]
+        lo = max(0, n - 1 - window_left) if window_left >= 0 else 0
+        if n - lo <= 0:
+            continue
+        kb = k[b][lo:n].float().repeat_interleave(g, dim=1)  # (n, H, D): head h uses K/V head h // g
+        vb = v[b][lo:n].float().repeat_interleave(g, dim=1)
+        s = torch.einsum("hd,nhd->hn", q[b].float(), kb) * scale
+        out[b] = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=-1), vb)
+        lse[b] = torch.logsumexp(s, dim=-1) / math.log(2.0)
+    return out, lse

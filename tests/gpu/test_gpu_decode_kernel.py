@@ -1,0 +1,110 @@
+"""The grouped-query decode kernel (native/gqa_decode.cu) alone, against fp32 attention, on the GPU:
+contiguous and paged K/V, fp16/bf16, head dims 64/128, GQA and MQA groupings, one split and many (the
+fused combine), strided query/output rows, sliding window, empty and ragged sequences, repeated calls
+(the arrival counters reset). Needs torch with CUDA and nvcc; no TVM."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import gpu_common
+
+pytestmark = pytest.mark.gpu
+
+if gpu_common.skip_reason():
+    pytest.skip(gpu_common.skip_reason(), allow_module_level=True)
+
+import torch  # noqa: E402
+
+import decode_kernel_lib as dk  # noqa: E402
+
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _contiguous_case(batch, heads, heads_k, dim, seqlen, dtype, window_left=-1, strided=False, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    if strided:  # q and out as row slices of wider buffers (a fused qkv output, an (B, H*D + pad) output)
+        qbuf = torch.randn(batch, heads + 2 * heads_k, dim, generator=gen, device="cuda").to(dtype)
+        q = qbuf[:, :heads]
+        obuf = torch.zeros(batch, heads + 3, dim, dtype=dtype, device="cuda")
+        out = obuf[:, 1:heads + 1]
+    else:
+        q = torch.randn(batch, heads, dim, generator=gen, device="cuda").to(dtype)
+        out = torch.zeros(batch, heads, dim, dtype=dtype, device="cuda")
+    # the in-place cache's layout: (B, capacity, H_kv, D), only the first seqlen rows valid
+    cap = seqlen + 37
+    k = (torch.randn(batch, cap, heads_k, dim, generator=gen, device="cuda") * 2).to(dtype)
+    v = torch.randn(batch, cap, heads_k, dim, generator=gen, device="cuda").to(dtype)
+    lse = torch.zeros(batch, heads, dtype=torch.float32, device="cuda")
+    call = dk.Decode(q, k, v, out, lse, k_stride=k.stride()[:3], v_stride=v.stride()[:3], seqlen_k=seqlen,
+                     num_heads_k=heads_k, window_left=window_left)
+    ref_o, ref_lse = dk.reference(q, k, v, [seqlen] * batch, heads_k, window_left=window_left)
+    return call, out, lse, ref_o, ref_lse
+
+
+def _check(out, lse, ref_o, ref_lse, dtype):
+    err = (out.float() - ref_o).abs().max().item()
+    assert err <= TOL[dtype] * max(1.0, ref_o.abs().max().item()), f"max |out - fp32| = {err}"
+    lerr = (lse - ref_lse).abs().max().item()
+    assert lerr <= 1e-2, f"max |lse - fp32| = {lerr}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("heads,heads_k,dim", [(64, 8, 128), (32, 8, 128), (71, 1, 64), (8, 1, 64), (16, 16, 128),
+                                               (40, 2, 64)])
+@pytest.mark.parametrize("seqlen", [1, 17, 64, 1000, 4096, 16411])
+def test_contiguous(dtype, heads, heads_k, dim, seqlen):
+    call, out, lse, ref_o, ref_lse = _contiguous_case(1, heads, heads_k, dim, seqlen, dtype)
+    call()
+    torch.cuda.synchronize()
+    _check(out, lse, ref_o, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("window_left", [0, 100, 5000])
+@pytest.mark.parametrize("strided", [False, True])
+def test_batch_window_strided_repeat(window_left, strided):
+    call, out, lse, ref_o, ref_lse = _contiguous_case(3, 32, 8, 128, 3000, torch.float16, window_left, strided)
+    for _ in range(3):  # the arrival counters must be back at zero after each call
+        out.zero_()
+        call()
+    torch.cuda.synchronize()
+    assert call.plan.splits > 1 or window_left < 200
+    _check(out, lse, ref_o, ref_lse, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("page_size", [16, 128, 256])
+@pytest.mark.parametrize("heads,heads_k,dim", [(64, 8, 128), (71, 1, 64)])
+def test_paged(dtype, page_size, heads, heads_k, dim):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    lengths = [0, 1, page_size, 5000, 777, 2 * page_size + 3, 12000, 31]
+    batch = len(lengths)
+    n_pages = [math.ceil(n / page_size) for n in lengths]
+    pool = sum(n_pages) + 5
+    # TVM's page layout (page, 2, H_kv, page_size, D), pages handed out in a shuffled order
+    pages = torch.randn(pool, 2, heads_k, page_size, dim, generator=gen, device="cuda").to(dtype)
+    perm = torch.randperm(pool, generator=torch.Generator().manual_seed(2))[: sum(n_pages)]
+    indptr = torch.tensor([0] + list(torch.tensor(n_pages).cumsum(0)), dtype=torch.int32, device="cuda")
+    values = perm.to(torch.int32).cuda()
+    last = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(lengths, n_pages)],
+                        dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, heads, dim, generator=gen, device="cuda").to(dtype)
+    out = torch.full((batch, heads, dim), 7.0, dtype=dtype, device="cuda")
+    lse = torch.zeros(batch, heads, dtype=torch.float32, device="cuda")
+    kview, vview = pages[:, 0], pages[:, 1]  # (page, H_kv, P, D)
+    stride = (kview.stride(0), kview.stride(2), kview.stride(1))  # (page, row in page, head)
+    call = dk.Decode(q, kview, vview, out, lse, k_stride=stride, v_stride=stride, seqlen_k=0, num_heads_k=heads_k,
+                     pages=(indptr, values, last, page_size))
+    call()
+    call()
+    torch.cuda.synchronize()
+    ks, vs = [], []
+    for b in range(batch):
+        ids = values[indptr[b]:indptr[b + 1]].long()
+        kb = pages[ids, 0].permute(0, 2, 1, 3).reshape(-1, heads_k, dim)[: lengths[b]]
+        vb = pages[ids, 1].permute(0, 2, 1, 3).reshape(-1, heads_k, dim)[: lengths[b]]
+        ks.append(kb)
+        vs.append(vb)
+    ref_o, ref_lse = dk.reference(q, ks, vs, lengths, heads_k)
+    _check(out, lse, ref_o, ref_lse, dtype)
