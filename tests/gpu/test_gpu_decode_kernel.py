@@ -17,7 +17,7 @@ if gpu_common.skip_reason():
 
 import torch  # noqa: E402
 
-import decode_kernel_lib as dk  # noqa: E402
+from mqa_byoc.testing import decode_kernel as dk  # noqa: E402
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 

@@ -1,5 +1,5 @@
-"""ctypes access to ``native/gqa_decode.cu`` for GPU tests that need no TVM: nvcc builds the kernel
-into a shared library on the GPU machine, torch tensors are passed by pointer."""
+"""ctypes access to ``native/gqa_decode.cu`` for the GPU test and benchmark of the decode kernel alone
+(no TVM): nvcc builds it into a shared library on the GPU machine, torch tensors pass by pointer."""
 from __future__ import annotations
 
 import ctypes
@@ -9,7 +9,7 @@ import pathlib
 import subprocess
 import tempfile
 
-NATIVE = pathlib.Path(__file__).resolve().parents[2] / "src" / "mqa_byoc" / "native"
+NATIVE = pathlib.Path(__file__).resolve().parent.parent / "native"
 
 
 class DecodeArgs(ctypes.Structure):
@@ -35,6 +35,7 @@ class DecodePlan(ctypes.Structure):
 
 @functools.lru_cache(maxsize=None)
 def library(arch: str = "sm_90a", lineinfo: bool = False) -> ctypes.CDLL:
+    """The kernel built for ``arch`` (once per process); ``lineinfo`` for ncu's source view."""
     out = pathlib.Path(tempfile.mkdtemp(prefix="gqa_decode_")) / "libgqa_decode.so"
     subprocess.run(
         ["nvcc", f"-gencode=arch=compute_{arch[3:]},code={arch}", "-O3", "-std=c++17", "-Xcompiler", "-fPIC",
@@ -78,7 +79,7 @@ class Decode:
                  window_left=-1, pages=None):
         import torch
 
-        self.lib = library(lineinfo=bool(__import__("os").environ.get("GQA_DECODE_LINEINFO")))
+        self.lib = library()
         self.keep = (q, k, v, out, lse, pages)
         self.args = _args(q, k, v, out, lse, k_stride=k_stride, v_stride=v_stride, seqlen_k=seqlen_k,
                           num_heads_k=num_heads_k, scale=scale, window_left=window_left, pages=pages)
@@ -87,6 +88,21 @@ class Decode:
         rc = self.lib.mqa_byoc_decode_make_plan(ctypes.byref(self.args), sms, ctypes.byref(self.plan))
         assert rc == 0, f"make_plan rc={rc}"
         self.ws = torch.empty(max(1, self.plan.workspace_bytes), dtype=torch.uint8, device=q.device)
+
+    def set_keys_per_split(self, kps: int) -> None:
+        """Replaces the plan's split size (the benchmark's sweep); the scratch follows."""
+        import torch
+
+        p, a = self.plan, self.args
+        longest = a.seqlen_k if not a.page_values else a.nnz_pages * a.page_size
+        rows = 32 if a.head_dim <= 64 else 16
+        slots = a.batch * a.num_heads_k * p.row_groups
+        p.keys_per_split, p.splits = kps, -(-longest // kps)
+        multi = p.splits > 1
+        p.o_part_floats = slots * p.splits * rows * a.head_dim if multi else 0
+        p.counters = slots if multi else 0
+        p.workspace_bytes = (p.o_part_floats + (slots * p.splits * rows if multi else 0)) * 4
+        self.ws = torch.empty(max(1, p.workspace_bytes), dtype=torch.uint8, device=self.ws.device)
 
     def __call__(self):
         import torch

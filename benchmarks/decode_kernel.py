@@ -1,0 +1,123 @@
+"""Decode attention kernels alone on the GPU (no TVM): our grouped-query decode kernel
+(``native/gqa_decode.cu``) vs cuDNN (PyTorch SDPA, ``enable_gqa``) and FA2 (PyTorch's flash forward,
+native GQA), batch 1, one query row, K/V in the in-place cache's (B, S, H_kv, D) layout. GPU kernel time
+per call from CUPTI, every output checked against fp32; ``--sweep`` also times our kernel at fixed
+keys-per-split values (how the plan's split rule was chosen).
+
+    PYTHONPATH=src python benchmarks/decode_kernel.py --out benchmarks/results/DATE-decode-kernel
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+SHAPES = [(64, 8, 128), (32, 8, 128), (71, 1, 64)]  # the attention benchmark's presets (H, H_kv, D)
+LENGTHS = [1024, 4096, 16384, 32768]
+HBM_BYTES_PER_S = 4.8e12  # H200
+
+
+def kernel_us(fn, iters: int) -> float:
+    """Summed CUPTI kernel time per call of ``fn`` (every kernel it launches)."""
+    import torch
+
+    from mqa_byoc.testing.cupti import capture_kernels
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with capture_kernels() as cap:
+        for _ in range(iters):
+            fn()
+    return sum(t for _, t in cap.events) / iters
+
+
+def run_case(h: int, hk: int, d: int, n: int, dtype, iters: int, sweep: bool) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from mqa_byoc.testing import decode_kernel as dk
+
+    gen = torch.Generator(device="cuda").manual_seed(n + h)
+    q = torch.randn(1, h, d, generator=gen, device="cuda").to(dtype)
+    k = torch.randn(1, n, hk, d, generator=gen, device="cuda").to(dtype)
+    v = torch.randn(1, n, hk, d, generator=gen, device="cuda").to(dtype)
+    out = torch.empty_like(q)
+    ours = dk.Decode(q, k, v, out, None, k_stride=k.stride()[:3], v_stride=v.stride()[:3], seqlen_k=n,
+                     num_heads_k=hk)
+    ref, _ = dk.reference(q, k, v, [n], hk)
+    ours()
+    torch.cuda.synchronize()
+    rec = {"shape": f"{h}/{hk}/{d}", "dtype": str(dtype).removeprefix("torch."), "keys": n,
+           "splits": ours.plan.splits, "keys_per_split": ours.plan.keys_per_split,
+           "hbm_us": 2 * n * hk * d * q.element_size() / HBM_BYTES_PER_S * 1e6,
+           "max_err_ours": (out.float() - ref).abs().max().item()}
+    rec["ours_us"] = kernel_us(ours, iters)
+    q4, k4, v4 = q.view(1, h, 1, d), k.transpose(1, 2), v.transpose(1, 2)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        o = F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)
+        rec["max_err_cudnn"] = (o.view(1, h, d).float() - ref).abs().max().item()
+        rec["cudnn_us"] = kernel_us(lambda: F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True), iters)
+
+    def fa2():
+        return torch.ops.aten._flash_attention_forward(q.view(1, 1, h, d), k, v, None, None, 1, n, 0.0, False,
+                                                       False, scale=1.0 / math.sqrt(d))[0]
+
+    rec["max_err_fa2"] = (fa2().view(1, h, d).float() - ref).abs().max().item()
+    rec["fa2_us"] = kernel_us(fa2, iters)
+    if sweep:
+        rec["sweep_us"] = {}
+        for kps in (128, 256, 512, 1024, 2048, 4096):
+            if -(-n // kps) <= 128 and kps <= 2 * n:
+                ours.set_keys_per_split(kps)
+                rec["sweep_us"][kps] = kernel_us(ours, iters)
+    return rec
+
+
+def markdown(header: dict, rows: list[dict]) -> str:
+    lines = [f"# Decode kernels alone, {header['gpu']} ({header['date']})", "",
+             f"`{header['command']}`; batch 1, one query row; GPU kernel time per call (CUPTI, µs); "
+             "`x HBM` = time / (K and V bytes at 4.8 TB/s).", "",
+             "| H/H_kv/D | dtype | keys | ours | cuDNN | FA2 | ours / cuDNN | ours x HBM | cuDNN x HBM | splits | max err ours / cuDNN |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['dtype']} | {r['keys']} | {r['ours_us']:.2f} | {r['cudnn_us']:.2f} | "
+                     f"{r['fa2_us']:.2f} | {r['ours_us'] / r['cudnn_us']:.2f} | {r['ours_us'] / r['hbm_us']:.2f} | "
+                     f"{r['cudnn_us'] / r['hbm_us']:.2f} | {r['splits']} x {r['keys_per_split']} | "
+                     f"{r['max_err_ours']:.1e} / {r['max_err_cudnn']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="write OUT.json and OUT.md")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
+    ap.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
+    ap.add_argument("--sweep", action="store_true", help="also time fixed keys-per-split values")
+    args = ap.parse_args(argv)
+    import torch
+
+    from mqa_byoc.testing.header import run_header
+
+    header = run_header()
+    rows = []
+    for h, hk, d in SHAPES:
+        for dt in args.dtypes:
+            for n in args.lengths:
+                r = run_case(h, hk, d, n, getattr(torch, dt), args.iters, args.sweep)
+                rows.append(r)
+                print(f"{r['shape']} {r['dtype']} {n:6d}: ours {r['ours_us']:7.2f}  cuDNN {r['cudnn_us']:7.2f}  "
+                      f"FA2 {r['fa2_us']:7.2f}  ours/cuDNN {r['ours_us'] / r['cudnn_us']:.2f}  "
+                      f"x HBM {r['ours_us'] / r['hbm_us']:.2f}  err {r['max_err_ours']:.1e}"
+                      + (f"  sweep {r['sweep_us']}" if args.sweep else ""), flush=True)
+    if args.out:
+        Path(args.out).with_suffix(".json").write_text(json.dumps({**header, "cases": rows}, indent=1) + "\n")
+        Path(args.out).with_suffix(".md").write_text(markdown(header, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
