@@ -329,7 +329,8 @@ def build_decoder(
     """Build the decoder as an IRModule; returns ``(mod, param_spec)``.
 
     ``param_spec`` is a list of :class:`ParamInfo` in the order the weights trail the inputs of
-    every function (see the module docstring for the functions and the graph forms).
+    every function (see the module docstring for the functions and the graph forms). The projections
+    are fused (``qkv_proj``, ``gate_up_proj``) or separate as ``config.fused_projections`` says.
 
     - ``batch``: None for a symbolic batch, or a static int.
     - ``num_layers``: overrides ``config.num_layers`` (e.g. ``config.max_layers_default``).
