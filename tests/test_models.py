@@ -160,9 +160,8 @@ def test_decoder_well_formed(name, form):
     h, hkv, d, r = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.group_size
     names = [p.name for p in spec]
     assert names[0] == "embed_tokens.weight" and names[-1] == "lm_head.weight"
-    assert "layers.0.self_attn.k_proj.weight" in names
-    k_proj = next(p for p in spec if p.name == "layers.0.self_attn.k_proj.weight")
-    assert k_proj.shape == (hkv * d, cfg.hidden_size) and k_proj.dtype == "float16"
+    qkv = next(p for p in spec if p.name == "layers.0.self_attn.qkv_proj.weight")  # fused by default
+    assert qkv.shape == ((h + 2 * hkv) * d, cfg.hidden_size) and qkv.dtype == "float16"
 
     for fname in ("prefill", "decode", "extend"):
         func = mod[fname]
@@ -382,18 +381,21 @@ def test_hf_fp16_native_matmuls(hf):
     assert matmul_dtypes(hf.fixes_convert_map()) == {"float32"}
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral"])
-def test_builder_matches_hf(hf, kind):
-    """build_decoder with HF's weights computes HF's logits (RoPE, RMSNorm, SwiGLU, window)."""
+@pytest.mark.parametrize("kind,fused", [("llama", True), ("mistral", True), ("llama", False)])
+def test_builder_matches_hf(hf, kind, fused):
+    """build_decoder with HF's weights computes HF's logits (RoPE, RMSNorm, SwiGLU, window); fused
+    projections: HF's q/k/v and gate/up weights stacked into qkv_proj / gate_up_proj."""
     torch = pytest.importorskip("torch")
     window = 3 if kind == "mistral" else None
     cfg = presets.DecoderConfig(
         "tiny", hidden_size=64, num_heads=8, num_kv_heads=2, head_dim=16, intermediate_size=96,
         vocab_size=80, num_layers=2, rope_theta=500000.0, rms_eps=1e-6, sliding_window=window,
+        fused_projections=fused,
     )
     model = hf.build_hf_model(hf.hf_config_from_decoder(cfg), seed=2, std=0.05)
     form = "hf-broadcast" if window else "repeat"
     mod, spec = build_decoder(cfg, dtype="float32", kv_expand=form, logits="all", functions=("prefill",))
+    assert ("layers.1.mlp.gate_up_proj.weight" in [p.name for p in spec]) == fused
     params = hf.params_from_hf(model, spec)
     ids = np.random.default_rng(0).integers(0, 80, (2, 7)).astype("int64")
     out = _vm(mod)["prefill"](_to_tvm(ids.astype("int32")), *_to_tvm(params))

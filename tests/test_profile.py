@@ -46,7 +46,8 @@ def test_cli_parses_profile_commands():
                       "python", "--kv-expand", "hf-broadcast", "--vocab", "512", "--dtype", "bfloat16"])
     assert (a.command, a.profile_command, a.preset, a.layers, a.out, a.provider, a.kv_expand, a.vocab, a.dtype) == \
         ("profile", "build", "llama3-8b", 2, "d", "python", "hf-broadcast", 512, "bfloat16")
-    assert a.logits == "last" and a.arch == "sm_90" and a.hidden_size is None
+    assert a.logits == "last" and a.arch == "sm_90" and a.hidden_size is None and a.projections == "fused"
+    assert p.parse_args(["profile", "build", "--projections", "separate"]).projections == "separate"
     a = p.parse_args(["profile", "build"])
     assert (a.preset, a.layers, a.provider, a.dtype, a.out) == ("codellama-34b", 4, "native", "float16",
                                                                  ".profile-artifacts")
@@ -61,7 +62,7 @@ def test_cli_parses_profile_commands():
     a = p.parse_args(["profile", "plot", "o.json", "--png", "o.png"])
     assert (a.json, a.png, a.top) == ("o.json", "o.png", 15)
     for bad in (["profile"], ["profile", "run"], ["profile", "plot", "o.json"],
-                ["profile", "build", "--provider", "cutlass"]):
+                ["profile", "build", "--provider", "cutlass"], ["profile", "build", "--projections", "qkv"]):
         with pytest.raises(SystemExit):
             p.parse_args(bad)
     with pytest.raises(SystemExit):  # main() rejects what parse_known_args would let through
@@ -528,6 +529,9 @@ def test_profile_build_writes_both_libraries(tmp_path, capsys):
         assert meta["preset"] == "llama3-8b" and meta["vocab_size"] == 256 and meta["hidden_size"] == 256
         names = [p[0] for p in meta["params"]]
         assert len(names) == len(set(names)) > 5 and all(len(p[1]) >= 1 for p in meta["params"])
+        # mlc-llm's fused projections by default (--projections separate: HF's five)
+        assert meta["fused_projections"] is True
+        assert {"layers.0.self_attn.qkv_proj.weight", "layers.0.mlp.gate_up_proj.weight"} <= set(names)
     # one attention per function (prefill, decode) in the one layer, offloaded with native K/V heads or not
     assert metas[0]["offloaded"] == {"flash_attn.attention_mqa": 2}
     assert metas[1]["offloaded"] == {"flash_attn.attention": 2}

@@ -56,6 +56,9 @@ def _profile_parser(sub):
     b.add_argument("--kv-expand", default="repeat", choices=["repeat", "repeat-chain", "hf-broadcast", "native"],
                    help="how the graph expands K/V before attention")
     b.add_argument("--kv-cache", default="inplace", choices=["inplace", "functional"], help=KV_CACHE_HELP)
+    b.add_argument("--projections", default="fused", choices=["fused", "separate"],
+                   help="fused: one qkv_proj and one gate_up_proj matmul per layer, split (mlc-llm's Llama); "
+                        "separate: q/k/v and gate/up projections (Hugging Face's)")
     b.add_argument("--provider", default="native", choices=list(PROVIDERS),
                    help="kernel provider (hopper: FA4's sm90 kernel for prefill, FA2 for decode; sm_90 only)")
     b.add_argument("--arch", default="sm_90")
@@ -175,11 +178,12 @@ def _profile(args, argv) -> int:
         from .models.presets import get_preset, scaled
 
         config = scaled(get_preset(args.preset), num_layers=args.layers, vocab_size=args.vocab,
-                        hidden_size=args.hidden_size, intermediate_size=args.intermediate_size)
+                        hidden_size=args.hidden_size, intermediate_size=args.intermediate_size
+                        ).replace(fused_projections=args.projections == "fused")
         print(f"mqa-byoc profile build: {config.name}, {config.num_layers} layers, H={config.num_heads} "
               f"H_kv={config.num_kv_heads} D={config.head_dim}, hidden {config.hidden_size}, MLP "
               f"{config.intermediate_size}, vocab {config.vocab_size}, {args.dtype}, {args.provider} provider, "
-              f"{args.kv_cache} KV cache", flush=True)
+              f"{args.kv_cache} KV cache, {args.projections} projections", flush=True)
         build_decoder_libraries(config, args.out, functions=("prefill", "decode"), dtype=args.dtype,
                                 kv_expand=args.kv_expand, kv_cache=args.kv_cache, provider=args.provider,
                                 arch=args.arch,

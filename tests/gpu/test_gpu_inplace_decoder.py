@@ -49,7 +49,8 @@ def test_inplace_decoder_matches_tvm(rt, runners, name):
         assert g_c.shape == (PROMPT + DECODE_STEPS, mqa.meta["num_kv_heads"], mqa.meta["head_dim"])
     errors = gpu_common.check_decoder_steps(torch, name, got_logits, want_logits, got_caches, want_caches)
     rt.results.setdefault("inplace_decoder", {})[name] = {
-        "max_rel_logit_err_per_step": [round(e, 6) for e in errors], "form": MANIFEST[name]["form"]}
+        "max_rel_logit_err_per_step": [round(e, 6) for e in errors], "form": MANIFEST[name]["form"],
+        "fused_projections": MANIFEST[name].get("fused_projections")}
 
 
 @pytest.mark.gpu

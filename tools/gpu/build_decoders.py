@@ -53,7 +53,8 @@ def build(out: Path, arch: str, names=None) -> None:
         if bad:
             raise SystemExit(f"{name}: not offloaded as expected: {bad}")
         files, _ = export_decoder_variants(out, name, target, arch, cfg, spec, mod, mod, mqa=True)
-        manifest[name] = {"preset": preset, "form": form, "window": window, "files": files,
+        manifest[name] = {"preset": preset, "form": form, "window": window,
+                          "fused_projections": cfg.fused_projections, "files": files,
                           "sites": [{"function": s.function, "causal": s.causal, "window": s.window,
                                      "composite": s.composite} for s in report]}
         print(f"{name}: {len(report)} sites offloaded, built in {time.time() - t0:.0f}s", flush=True)

@@ -5,7 +5,9 @@
 For each case: the decoder with ``kv_cache="inplace"`` (batch 1, prefill + decode, the form the
 presets, ``mqa-byoc demo`` and ``mqa-byoc profile`` build) partitioned with ``mqa=True`` and the
 native provider, and the same graph unpartitioned, lowered by TVM's own CUDA pipeline. The test
-runs both with the same random weights and compares prefill and decode logits and the caches.
+runs both with the same random weights and compares prefill and decode logits and the caches. The
+decoders have mlc-llm's fused ``qkv_proj`` / ``gate_up_proj`` (the default); one case keeps Hugging
+Face's separate projections (``DecoderConfig.fused_projections=False``).
 
 The build also proves, on the lowered decode of the mqa=True library, that nothing but the
 offloaded attention reads the cache (its views go through zero-copy reshapes into FA2 only:
@@ -27,9 +29,10 @@ from bundle import decoder_builder_main, decoder_manifest, export_decoder_varian
 from mqa_byoc.contract import CODEGEN  # noqa: E402
 
 CASES = {
-    # name: (preset, kv_expand form)
-    "llama3-inplace-repeat": ("llama3-8b", "repeat"),  # R.nn.attention on repeated views, as profile builds
-    "llama3-inplace-hf-broadcast": ("llama3-8b", "hf-broadcast"),  # an explicit chain: TVM's reference lowering
+    # name: (preset, kv_expand form, fused projections: qkv_proj / gate_up_proj split, or HF's separate ones)
+    "llama3-inplace-repeat": ("llama3-8b", "repeat", True),  # R.nn.attention on repeated views, as profile builds
+    "llama3-inplace-hf-broadcast": ("llama3-8b", "hf-broadcast", True),  # an explicit chain: TVM's reference lowering
+    "llama3-inplace-repeat-separate": ("llama3-8b", "repeat", False),  # HF's q/k/v and gate/up projections
 }
 
 
@@ -60,11 +63,12 @@ def build(out: Path, arch: str, names=None) -> None:
     target = tvm.target.Target({"kind": "cuda", "arch": arch})
     out.mkdir(parents=True, exist_ok=True)
     manifest_path, manifest = decoder_manifest(out, CASES)
-    for name, (preset, form) in CASES.items():
+    for name, (preset, form, fused) in CASES.items():
         if names and name not in names:
             continue
         t0 = time.time()
-        cfg = scaled(preset, num_layers=2, vocab_size=256, hidden_size=256, intermediate_size=512)
+        cfg = scaled(preset, num_layers=2, vocab_size=256, hidden_size=256, intermediate_size=512
+                     ).replace(fused_projections=fused)
         mod, spec = build_decoder(cfg, kv_expand=form, logits="all", functions=("prefill", "decode"),
                                   batch=1, kv_cache="inplace")
         report = mqa_byoc.offload_report(mod)
@@ -80,7 +84,8 @@ def build(out: Path, arch: str, names=None) -> None:
             out, name, target, arch, cfg, spec, part, mod, mqa=None,
             meta={"kv_cache": "inplace", "functions": ["prefill", "decode"]})
         decode_calls = {variant: vm_calls(ex)["decode"] for variant, ex in executables.items()}
-        manifest[name] = {"preset": preset, "form": form, "files": files, "num_layers": cfg.num_layers,
+        manifest[name] = {"preset": preset, "form": form, "fused_projections": fused, "files": files,
+                          "num_layers": cfg.num_layers,
                           "mqa_decode_cache_readers": readers, "decode_calls": decode_calls,
                           "sites": [{"function": s.function, "causal": s.causal, "num_kv_heads": s.num_kv_heads,
                                      "composite": s.composite} for s in report]}

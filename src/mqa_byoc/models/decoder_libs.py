@@ -70,7 +70,8 @@ def build_decoder_libraries(
     TVM's in-place cache objects, or "functional", K/V tensors concatenated per step; see
     :func:`mqa_byoc.models.llama.build_decoder`). Each library ``out_dir/<config.name>.{mqa,repeat}.so``
     gets a sidecar ``<lib>.json`` with the parameter shapes plus ``mqa``, ``provider``, ``kv_expand``,
-    ``kv_cache``, ``functions``, ``arch``, ``logits``, ``num_heads``, ``offloaded`` (composite name ->
+    ``kv_cache``, ``fused_projections`` (``config``'s: qkv_proj / gate_up_proj, or separate
+    projections), ``functions``, ``arch``, ``logits``, ``num_heads``, ``offloaded`` (composite name ->
     count) and ``extra``.
     """
     import tvm
@@ -99,11 +100,12 @@ def build_decoder_libraries(
         export_library(ex, path, arch=arch)  # a plain export without native kernels
         write_sidecar(path, config, spec, dtype, {
             "mqa": bool(mqa), "provider": provider, "kv_expand": kv_expand, "kv_cache": kv_cache,
-            "functions": list(functions),
+            "fused_projections": config.fused_projections, "functions": list(functions),
             "arch": arch, "logits": logits, "num_heads": config.num_heads, "hidden_size": config.hidden_size,
             "intermediate_size": config.intermediate_size, "offloaded": offloaded, **(extra or {}),
         })
-        progress(f"built {path} (mqa={mqa}, {provider} provider, {kv_cache} KV cache, offloaded: "
+        progress(f"built {path} (mqa={mqa}, {provider} provider, {kv_cache} KV cache, "
+                 f"{'fused' if config.fused_projections else 'separate'} projections, offloaded: "
                  + (", ".join(f"{n} x {c}" for c, n in offloaded.items()) or "nothing") + ")")
         paths.append(path)
     return paths

@@ -312,19 +312,18 @@ def fixes_convert_map() -> dict:
 
 def params_from_hf(model, param_spec) -> list[np.ndarray]:
     """The weights of an HF Llama / Mistral model in :func:`mqa_byoc.models.llama.build_decoder`'s
-    ``param_spec`` order (its names are HF's without the ``model.`` prefix), as numpy arrays of
-    the spec's dtypes. Lets the Relax decoder run a real (or this module's random) checkpoint."""
-    from .llama import _np_dtype
+    ``param_spec`` order, as numpy arrays of the spec's dtypes: HF's names without the ``model.``
+    prefix; the fused ``qkv_proj`` / ``gate_up_proj`` weights are HF's q, k, v (gate, up) weights
+    stacked by rows (:func:`~mqa_byoc.models.llama.params_by_name`). Lets the Relax decoder run a real
+    (or this module's random) checkpoint. Raises ValueError on a shape that does not match."""
+    from .llama import params_by_name
 
     sd = model.state_dict()
-    out = []
-    for p in param_spec:
-        key = p.name if p.name.startswith("lm_head.") else f"model.{p.name}"
-        t = sd[key]
-        if tuple(t.shape) != tuple(p.shape):
-            raise ValueError(f"{key}: HF shape {tuple(t.shape)} != spec shape {p.shape}")
-        out.append(t.detach().float().numpy().astype(_np_dtype(p.dtype)))
-    return out
+
+    def get(name):
+        return sd[name if name.startswith("lm_head.") else f"model.{name}"].detach().float().numpy()
+
+    return params_by_name(param_spec, get)
 
 
 def native_dtype_convert_map() -> dict:

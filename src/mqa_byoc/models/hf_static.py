@@ -110,7 +110,9 @@ def static_example_inputs(model, *, mode: str = "decode", batch: int = 1, seq_le
 def decoder_config_from_hf(hf_config, name: str = "hf"):
     """The :class:`~mqa_byoc.models.presets.DecoderConfig` of an HF Llama / Mistral config, so that
     ``build_decoder(config, kv_cache="inplace")`` + :func:`.hf.params_from_hf` runs the HF weights on
-    TVM's in-place cache (what no torch.export of an HF cache reaches). Only plain RoPE is modelled."""
+    TVM's in-place cache (what no torch.export of an HF cache reaches). Only plain RoPE is modelled. The
+    decoder gets the config's default fused ``qkv_proj`` / ``gate_up_proj`` (``params_from_hf`` stacks HF's
+    weights into them); ``.replace(fused_projections=False)`` keeps HF's separate projections."""
     from .presets import DecoderConfig
 
     rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}

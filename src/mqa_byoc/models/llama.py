@@ -2,7 +2,21 @@
 
 Built with the ``tvm.relax.frontend.nn`` Module API. The decoder is RMSNorm -> GQA attention with
 RoPE -> residual -> RMSNorm -> SwiGLU MLP -> residual, repeated, then RMSNorm and the LM head; its
-parameter names follow Hugging Face (``layers.0.self_attn.q_proj.weight``, ...).
+parameter names follow Hugging Face's (``layers.0.self_attn.o_proj.weight``, ...) except for the fused
+projections.
+
+Projections (``DecoderConfig.fused_projections``). Fused (default; mlc-llm's and TVM nn.llm's Llama),
+x ``(B, S, hidden)``::
+
+    qkv = R.matmul(x, R.permute_dims(qkv_proj.weight))           # (B, S, (H + 2 H_kv) * D)
+    q, k, v = R.split(qkv, [H * D, (H + H_kv) * D], axis=-1)
+    q = R.reshape(q, (B, S, H, D)); k = R.reshape(k, (B, S, H_kv, D)); v = ...
+    gate, up = R.split(R.matmul(x, R.permute_dims(gate_up_proj.weight)), 2, axis=-1)
+    mlp = down_proj(R.nn.silu(gate) * up)
+
+``qkv_proj.weight`` stacks HF's q, k, v weights by rows (in that order), ``gate_up_proj.weight`` gate's
+then up's (:data:`FUSED_PROJECTIONS`, :func:`params_by_name`). Separate (``fused_projections=False``,
+Hugging Face's form): ``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj``, ``up_proj``, one matmul each.
 
 Functions of the module from :func:`build_decoder` (weights trail the inputs, ``num_input`` attr):
 
@@ -95,7 +109,7 @@ or ``sliding_window=False``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,20 +165,30 @@ def _apply_rope(x, cos, sin):
 def _make_module_classes():
     nn, op = _nn()
 
+    def linear(n_in, n_out, dtype):
+        return nn.Linear(n_in, n_out, bias=False, dtype=dtype)
+
     class Attention(nn.Module):
         def __init__(self, cfg: DecoderConfig, dtype: str):
             self.cfg = cfg
-            self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=False, dtype=dtype)
-            self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=False, dtype=dtype)
-            self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=False, dtype=dtype)
-            self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False, dtype=dtype)
+            if cfg.fused_projections:
+                self.qkv_proj = linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, dtype)
+            else:
+                self.q_proj = linear(cfg.hidden_size, cfg.q_size, dtype)
+                self.k_proj = linear(cfg.hidden_size, cfg.kv_size, dtype)
+                self.v_proj = linear(cfg.hidden_size, cfg.kv_size, dtype)
+            self.o_proj = linear(cfg.q_size, cfg.hidden_size, dtype)
 
         def forward(self, x, cos, sin, kv, mask, kv_expand, window):
             cfg = self.cfg
             b, s, _ = x.shape
-            q = op.reshape(self.q_proj(x), (b, s, cfg.num_heads, cfg.head_dim))
-            k = op.reshape(self.k_proj(x), (b, s, cfg.num_kv_heads, cfg.head_dim))
-            v = op.reshape(self.v_proj(x), (b, s, cfg.num_kv_heads, cfg.head_dim))
+            if cfg.fused_projections:
+                q, k, v = op.split(self.qkv_proj(x), [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q = op.reshape(q, (b, s, cfg.num_heads, cfg.head_dim))
+            k = op.reshape(k, (b, s, cfg.num_kv_heads, cfg.head_dim))
+            v = op.reshape(v, (b, s, cfg.num_kv_heads, cfg.head_dim))
             q = _apply_rope(q, cos, sin)
             k = _apply_rope(k, cos, sin)
             k, v, k_out, v_out = kv.update(self, k, v)
@@ -174,12 +198,20 @@ def _make_module_classes():
 
     class MLP(nn.Module):
         def __init__(self, cfg: DecoderConfig, dtype: str):
-            self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False, dtype=dtype)
-            self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False, dtype=dtype)
-            self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype)
+            self.fused = cfg.fused_projections
+            if self.fused:
+                self.gate_up_proj = linear(cfg.hidden_size, 2 * cfg.intermediate_size, dtype)
+            else:
+                self.gate_proj = linear(cfg.hidden_size, cfg.intermediate_size, dtype)
+                self.up_proj = linear(cfg.hidden_size, cfg.intermediate_size, dtype)
+            self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, dtype)
 
         def forward(self, x):
-            return self.down_proj(op.multiply(op.silu(self.gate_proj(x)), self.up_proj(x)))
+            if self.fused:
+                gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
+            else:
+                gate, up = self.gate_proj(x), self.up_proj(x)
+            return self.down_proj(op.multiply(op.silu(gate), up))
 
     class Layer(nn.Module):
         def __init__(self, cfg: DecoderConfig, dtype: str):
@@ -297,7 +329,8 @@ def build_decoder(
     """Build the decoder as an IRModule; returns ``(mod, param_spec)``.
 
     ``param_spec`` is a list of :class:`ParamInfo` in the order the weights trail the inputs of
-    every function (see the module docstring for the functions and the graph forms).
+    every function (see the module docstring for the functions and the graph forms). The projections
+    are fused (``qkv_proj``, ``gate_up_proj``) or separate as ``config.fused_projections`` says.
 
     - ``batch``: None for a symbolic batch, or a static int.
     - ``num_layers``: overrides ``config.num_layers`` (e.g. ``config.max_layers_default``).
@@ -438,6 +471,29 @@ def _np_dtype(dtype: str):
     return np.dtype(dtype)
 
 
+#: each fused projection and the separate (Hugging Face) weights it stacks by rows, in this order
+FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def params_by_name(param_spec: Sequence[ParamInfo], get: Callable[[str], np.ndarray]) -> list[np.ndarray]:
+    """The weights of ``param_spec``, in order and in its dtypes, from ``get(name)``, which knows the
+    separate-projection names (Hugging Face's: ``layers.0.self_attn.q_proj.weight``, ...): a fused
+    weight (``...qkv_proj.weight``) is its parts' rows stacked (:data:`FUSED_PROJECTIONS`). So one set of
+    weights runs both graph forms. Raises ValueError on a shape that does not match the spec."""
+    out = []
+    for p in param_spec:
+        module, _, leaf = p.name.rpartition(".")
+        prefix, _, proj = module.rpartition(".")
+        if proj in FUSED_PROJECTIONS:
+            x = np.concatenate([np.asarray(get(f"{prefix}.{part}.{leaf}")) for part in FUSED_PROJECTIONS[proj]])
+        else:
+            x = np.asarray(get(p.name))
+        if tuple(x.shape) != tuple(p.shape):
+            raise ValueError(f"{p.name}: weight shape {tuple(x.shape)} != spec shape {p.shape}")
+        out.append(x.astype(_np_dtype(p.dtype)))
+    return out
+
+
 def random_params(
     param_spec: Sequence[ParamInfo], *, seed: int = 0, std: float = 0.02
 ) -> list[np.ndarray]:
@@ -445,7 +501,9 @@ def random_params(
 
     Matrices ~ N(0, std^2) (std 0.02, the HF init: fp16 stays far from overflow even at real
     widths); RMSNorm weights (names ending in ``norm.weight``) ~ 1 + N(0, std^2). bfloat16 arrays
-    use ``ml_dtypes.bfloat16``.
+    use ``ml_dtypes.bfloat16``. One seed gives the fused and the separate projections different
+    weights; to run both forms on the same ones, draw the separate form's and map them with
+    :func:`params_by_name`.
     """
     rng = np.random.default_rng(seed)
     out = []

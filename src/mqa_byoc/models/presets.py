@@ -19,8 +19,8 @@ falcon-7b-mqa  71    1     64   4544    18176  65024   32      1e4         -
 
 falcon-7b-mqa is multi-query attention (one K/V head shared by 71 query heads). We build it with the
 Llama block structure (RMSNorm, SwiGLU MLP, sequential residuals) and Falcon's attention shapes;
-Falcon's real block (parallel attention + MLP, LayerNorm, GELU, fused QKV) is not reproduced, which
-does not change the attention subgraph that the partitioner and FA2 see.
+Falcon's real block (parallel attention + MLP, LayerNorm, GELU) is not reproduced, which does not
+change the attention subgraph that the partitioner and FA2 see.
 
 This module needs nothing beyond the standard library.
 """
@@ -44,6 +44,12 @@ class DecoderConfig:
     ``max_layers_default``: how many layers the demo and the benchmarks build unless told
     otherwise; full depth with random weights is tens of GB (llama2-70b does not fit one GPU
     in fp16).
+
+    ``fused_projections``: the graph form of the projections, not a shape. True (default, the form
+    of mlc-llm's and TVM ``nn.llm``'s Llama): one ``qkv_proj`` Linear (out ``q_size + 2 * kv_size``)
+    split into q, k, v and one ``gate_up_proj`` (out ``2 * intermediate_size``) split into gate and
+    up: two matmuls per layer where the separate form has five. False: Hugging Face's separate
+    ``q_proj`` / ``k_proj`` / ``v_proj`` and ``gate_proj`` / ``up_proj``.
     """
 
     name: str
@@ -58,6 +64,7 @@ class DecoderConfig:
     rms_eps: float = 1e-5
     sliding_window: int | None = None
     max_layers_default: int = 4
+    fused_projections: bool = True
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -164,7 +171,7 @@ FALCON_7B_MQA = DecoderConfig(
 
 #: Falcon-7B's attention shapes (71 query heads, a single K/V head, D = 64: multi-query attention)
 #: with its hidden / MLP / vocabulary sizes. The real Falcon block differs (parallel attention and
-#: MLP, LayerNorm, GELU MLP, fused QKV); we build it with the Llama block structure, which does not
+#: MLP, LayerNorm, GELU MLP); we build it with the Llama block structure, which does not
 #: change the attention subgraph the partitioner sees.
 FALCON_NOTE = (
     "falcon-7b-mqa: real attention shapes (71 heads, 1 K/V head, D 64) on the Llama block "
