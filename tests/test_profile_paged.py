@@ -306,3 +306,22 @@ def test_profile_build_paged_writes_the_pair(tmp_path, capsys):
     # TVM keeps the CUDA source in the library: the TIR library has TVM's paged decode kernel, the FA2 one not
     blobs = [open(p, "rb").read() for p in libs]
     assert b"batch_decode_paged_kv_kernel" not in blobs[0] and b"batch_decode_paged_kv_kernel" in blobs[1]
+
+
+def test_the_png_of_a_paged_pair_says_so(tmp_path, monkeypatch):
+    """The chart's title names the paged cache (its modes' labels are mqa=True / mqa=False as for the others)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+
+    from mqa_byoc.runtime import kernel_plot
+    from test_profile import synthetic_profile
+
+    data = synthetic_profile()
+    for rec in data["modes"].values():
+        rec["kv_cache"] = "paged"
+    titles = []
+    original = matplotlib.figure.Figure.suptitle
+    monkeypatch.setattr(matplotlib.figure.Figure, "suptitle", lambda fig, t, **kw: titles.append(t) or original(fig, t, **kw))
+    kernel_plot.plot_profile(data, str(tmp_path / "p.png"))
+    assert "(FA2 vs TVM's TIR attention), paged KV cache" in titles[0]
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

@@ -24,7 +24,8 @@ A directory of ``profile build --kv-cache paged`` holds the PagedKVCache pair in
 ``kv_cache="paged"``): FA2 through ``UseFlashAttentionForPagedKVCache`` as ``mqa=True``, TVM's TIR
 kernels as ``mqa=False``, run by :class:`~mqa_byoc.runtime.paged_driver.PagedDecoderRunner` through
 the same phases, tables and comparison (its steps include the cache's ``begin_forward`` /
-``end_forward``). Its FA2 entries have no ``flash_attn`` NVTX range (only the step ranges).
+``end_forward``; the JSON keys of the modes stay ``mqa`` / ``repeat``). Its FA2 entries have no
+``flash_attn`` NVTX range (only the step ranges).
 """
 
 from __future__ import annotations
