@@ -93,7 +93,8 @@ def test_paged_config_keeps_the_preset_shapes():
 def test_find_libraries_keeps_one_cache_per_run(tmp_path):
     _write_libs(tmp_path, {**PAGED_PAIR, "m.mqa.so": {"mqa": True, "kv_cache": "inplace"},
                            "m.repeat.so": {"mqa": False, "kv_cache": "inplace"}})
-    with pytest.raises(profiling.ProfileError, match=r"several KV caches \(inplace, paged\); choose one with --kv-cache"):
+    with pytest.raises(profiling.ProfileError,
+                       match=r"several KV caches \(inplace, paged\); choose one with --kv-cache"):
         profiling.find_libraries(str(tmp_path))
     assert [os.path.basename(p) for p in profiling.find_libraries(str(tmp_path), "paged")] == \
         ["m.paged-fa2.so", "m.paged-tir.so"]  # mqa=True (FA2) first
@@ -293,7 +294,8 @@ def test_profile_build_paged_writes_the_pair(tmp_path, capsys):
         assert (meta["num_heads"], meta["num_kv_heads"], meta["head_dim"], meta["num_layers"]) == (32, 8, 128, 1)
         assert meta["preset"] == "llama3-8b" and meta["vocab_size"] == 256 and meta["logits"] == "all"
         pc = meta["paged_config"]
-        assert (pc["num_q_heads"], pc["num_kv_heads"], pc["head_dim"], pc["vocab"], pc["rope_mode"]) == (32, 8, 128, 256, 1)
+        assert (pc["num_q_heads"], pc["num_kv_heads"], pc["head_dim"], pc["vocab"], pc["rope_mode"]) == \
+            (32, 8, 128, 256, 1)
         names = [p[0] for p in meta["params"]]
         assert len(names) == len(set(names)) > 5 and "lm_head.weight" in names
     assert metas[0]["provider"] == "native" and "provider" not in metas[1]
@@ -321,7 +323,8 @@ def test_the_png_of_a_paged_pair_says_so(tmp_path, monkeypatch):
         rec["kv_cache"] = "paged"
     titles = []
     original = matplotlib.figure.Figure.suptitle
-    monkeypatch.setattr(matplotlib.figure.Figure, "suptitle", lambda fig, t, **kw: titles.append(t) or original(fig, t, **kw))
+    monkeypatch.setattr(matplotlib.figure.Figure, "suptitle",
+                        lambda fig, t, **kw: titles.append(t) or original(fig, t, **kw))
     kernel_plot.plot_profile(data, str(tmp_path / "p.png"))
     assert "(FA2 vs TVM's TIR attention), paged KV cache" in titles[0]
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,8 +1,9 @@
 """Drive an exported :class:`~mqa_byoc.models.paged_llama.PagedLlama` library and its PagedKVCache.
 
 Runtime only (``tvm.runtime`` + torch, no ``tvm.relax``): what the GPU test, the paged benchmark and
-``mqa-byoc profile run`` (:class:`PagedDecoderRunner`) share. The cache is driven the way mlc-llm drives it: ``vm.builtin.kv_state_add_sequence``, then per
-step ``kv_state_begin_forward(seq_ids, append_lengths)``, one model call, ``kv_state_end_forward``.
+``mqa-byoc profile run`` (:class:`PagedDecoderRunner`) share. The cache is driven the way mlc-llm
+drives it: ``vm.builtin.kv_state_add_sequence``, then per step ``kv_state_begin_forward(seq_ids,
+append_lengths)``, one model call, ``kv_state_end_forward``.
 """
 
 from __future__ import annotations
