@@ -8,12 +8,14 @@ import sys
 from .contract import PROVIDERS
 
 
-KV_CACHE_HELP = ("where K/V live between steps: inplace (TVM's in-place cache objects: append the new K/V, "
-                 "attend over a zero-copy view; batch 1) or functional (K/V tensors in and out, concatenated "
-                 "every step)")
-PROFILE_KV_CACHE_HELP = (KV_CACHE_HELP + ", or paged (TVM's PagedKVCache: relax.frontend.nn's "
-                         "TIRPagedKVCache decoder, mqa=True = its attention on our FA2 kernels, page size FA2's tile "
-                         "(128 for head dim 128), mqa=False = TVM's TIR kernels, page size 16; no sliding window)")
+_KV_INPLACE = ("inplace (TVM's in-place cache objects: append the new K/V, attend over a zero-copy view; "
+               "batch 1)")
+_KV_FUNCTIONAL = "functional (K/V tensors in and out, concatenated every step)"
+KV_CACHE_HELP = f"where K/V live between steps: {_KV_INPLACE} or {_KV_FUNCTIONAL}"
+PROFILE_KV_CACHE_HELP = (f"where K/V live between steps: {_KV_INPLACE}, {_KV_FUNCTIONAL}, or paged (TVM's "
+                         "PagedKVCache: relax.frontend.nn's TIRPagedKVCache decoder; mqa=True runs its attention on "
+                         "our FA2 kernels, page size FA2's tile (128 for head dim 128), mqa=False on TVM's TIR "
+                         "kernels, page size 16; no sliding window); default inplace")
 
 
 def _demo_parser(sub):
