@@ -46,9 +46,11 @@ def test_cli_parses_profile_commands():
                       "python", "--kv-expand", "hf-broadcast", "--vocab", "512", "--dtype", "bfloat16"])
     assert (a.command, a.profile_command, a.preset, a.layers, a.out, a.provider, a.kv_expand, a.vocab, a.dtype) == \
         ("profile", "build", "llama3-8b", 2, "d", "python", "hf-broadcast", 512, "bfloat16")
-    assert a.logits == "last" and a.arch == "sm_90" and a.hidden_size is None and a.projections == "fused"
+    assert a.logits is None and a.arch == "sm_90" and a.hidden_size is None  # None: the cache's default
+    assert a.projections == "fused"
     assert p.parse_args(["profile", "build", "--projections", "separate"]).projections == "separate"
     a = p.parse_args(["profile", "build"])
+    assert (a.kv_cache, a.kv_expand, a.logits) == ("inplace", None, None)
     assert (a.preset, a.layers, a.provider, a.dtype, a.out) == ("codellama-34b", 4, "native", "float16",
                                                                  ".profile-artifacts")
     a = p.parse_args(["profile", "run", "arts", "--prompt-len", "4096", "--decode-steps", "8", "--json", "o.json",
@@ -67,6 +69,22 @@ def test_cli_parses_profile_commands():
             p.parse_args(bad)
     with pytest.raises(SystemExit):  # main() rejects what parse_known_args would let through
         cli.main(["profile", "run", "arts", "--bogus"])
+
+
+def test_profile_build_defaults_of_the_inplace_cache(monkeypatch, tmp_path, capsys):
+    """--kv-expand / --logits not given: the in-place and functional builds get repeat / last."""
+    pytest.importorskip("tvm.relax")
+    from mqa_byoc.models import decoder_libs
+
+    calls = []
+    monkeypatch.setattr(decoder_libs, "build_decoder_libraries", lambda config, out, **kw: calls.append(kw))
+    out = str(tmp_path / "o")
+    assert cli.main(["profile", "build", "--layers", "1", "--out", out]) == 0
+    assert cli.main(["profile", "build", "--kv-cache", "functional", "--logits", "all", "--kv-expand", "native",
+                     "--out", out]) == 0
+    assert [(c["kv_cache"], c["kv_expand"], c["logits"]) for c in calls] == \
+        [("inplace", "repeat", "last"), ("functional", "native", "all")]
+    assert "inplace KV cache" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(_has_cuda_torch(), reason="checks the no-GPU message; this machine has a GPU")
@@ -89,11 +107,13 @@ def test_run_module_imports_without_tvm_relax(tmp_path):
 
         sys.meta_path.insert(0, Block())
         import mqa_byoc.runtime.profiling, mqa_byoc.runtime.kernel_plot, mqa_byoc.runtime.runner
+        import mqa_byoc.runtime.paged_driver  # the PagedKVCache runner of `profile run`
         from mqa_byoc import cli
         rc = cli.main(["profile", "run", {str(tmp_path)!r}])  # no GPU here: exits 1; on a GPU: no libraries
         bad = [m for m in sys.modules if m == "tvm.relax" or m.startswith(("tvm.relax.", "mqa_byoc.compiler"))]
         assert not bad, bad
-        assert "mqa_byoc.runtime.profiling" in sys.modules
+        assert "mqa_byoc.runtime.profiling" in sys.modules and "mqa_byoc.runtime.paged_driver" in sys.modules
+        assert "mqa_byoc.models.paged_llama" not in sys.modules and "mqa_byoc.models.decoder_libs" not in sys.modules
         print("OK", rc)
     """)
     assert res.returncode == 0 and "OK 1" in res.stdout, res.stdout + res.stderr

@@ -8,9 +8,14 @@ import sys
 from .contract import PROVIDERS
 
 
-KV_CACHE_HELP = ("where K/V live between steps: inplace (TVM's in-place cache objects: append the new K/V, "
-                 "attend over a zero-copy view; batch 1) or functional (K/V tensors in and out, concatenated "
-                 "every step)")
+_KV_INPLACE = ("inplace (TVM's in-place cache objects: append the new K/V, attend over a zero-copy view; "
+               "batch 1)")
+_KV_FUNCTIONAL = "functional (K/V tensors in and out, concatenated every step)"
+KV_CACHE_HELP = f"where K/V live between steps: {_KV_INPLACE} or {_KV_FUNCTIONAL}"
+PROFILE_KV_CACHE_HELP = (f"where K/V live between steps: {_KV_INPLACE}, {_KV_FUNCTIONAL}, or paged (TVM's "
+                         "PagedKVCache: relax.frontend.nn's TIRPagedKVCache decoder; mqa=True runs its attention on "
+                         "our FA2 kernels, page size FA2's tile (128 for head dim 128), mqa=False on TVM's TIR "
+                         "kernels, page size 16; no sliding window); default inplace")
 
 
 def _demo_parser(sub):
@@ -53,17 +58,21 @@ def _profile_parser(sub):
     b.add_argument("--hidden-size", type=int, default=None, help="default: the preset's")
     b.add_argument("--intermediate-size", type=int, default=None, help="default: the preset's")
     b.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
-    b.add_argument("--kv-expand", default="repeat", choices=["repeat", "repeat-chain", "hf-broadcast", "native"],
-                   help="how the graph expands K/V before attention")
-    b.add_argument("--kv-cache", default="inplace", choices=["inplace", "functional"], help=KV_CACHE_HELP)
+    b.add_argument("--kv-expand", default=None, choices=["repeat", "repeat-chain", "hf-broadcast", "native"],
+                   help="how the graph expands K/V before attention (default repeat; not with --kv-cache paged, "
+                        "whose attention takes the cache's K/V heads)")
+    b.add_argument("--kv-cache", default="inplace", choices=["inplace", "functional", "paged"],
+                   help=PROFILE_KV_CACHE_HELP)
     b.add_argument("--projections", default="fused", choices=["fused", "separate"],
                    help="fused: one qkv_proj and one gate_up_proj matmul per layer, split (mlc-llm's Llama); "
-                        "separate: q/k/v and gate/up projections (Hugging Face's)")
+                        "separate: q/k/v and gate/up projections (Hugging Face's); not with --kv-cache paged")
     b.add_argument("--provider", default="native", choices=list(PROVIDERS),
-                   help="kernel provider (hopper: FA4's sm90 kernel for prefill, FA2 for decode; sm_90 only)")
+                   help="kernel provider (hopper: FA4's sm90 kernel for prefill, FA2 for decode; sm_90 only; "
+                        "--kv-cache paged: native only)")
     b.add_argument("--arch", default="sm_90")
-    b.add_argument("--logits", default="last", choices=["last", "all"],
-                   help="prefill returns the last position's logits (serving) or all of them")
+    b.add_argument("--logits", default=None, choices=["last", "all"],
+                   help="prefill returns the last position's logits (serving; the default) or all of them "
+                        "(--kv-cache paged: all, the paged model's prefill)")
     b.add_argument("--out", default=".profile-artifacts", help="directory for the libraries and sidecars")
     r = ps.add_parser("run", help="run the libraries of DIR on the GPU (runtime-only TVM is enough)")
     r.add_argument("dir", help="directory written by `mqa-byoc profile build`")
@@ -78,6 +87,8 @@ def _profile_parser(sub):
                    help="no NVTX ranges (default: steps, and flash_attn calls via MQA_BYOC_NVTX=1)")
     r.add_argument("--no-cupti", action="store_true",
                    help="time the steps only, no torch.profiler run (use under nsys, which needs CUPTI itself)")
+    r.add_argument("--kv-cache", default=None, choices=["inplace", "functional", "paged"],
+                   help="run the libraries of this cache only (default: DIR's, which must hold one cache's)")
     r.add_argument("--setup", action="append", default=None, metavar="MODULE",
                    help="import MODULE first, e.g. the set-up of a runtime-only TVM kit (default: "
                         "$MQA_BYOC_RUNTIME_SETUP, comma-separated)")
@@ -172,33 +183,74 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _profile(args, argv) -> int:
-    if args.profile_command == "build":
-        from .models.decoder_libs import build_decoder_libraries
-        from .models.presets import get_preset, scaled
+def _paged_build_conflicts(args) -> list[str]:
+    """The ``profile build`` options that do not apply to ``--kv-cache paged``, as given."""
+    bad = [f"--provider {args.provider}"] if args.provider != "native" else []
+    bad += [f"--kv-expand {args.kv_expand}"] if args.kv_expand is not None else []
+    bad += [f"--projections {args.projections}"] if args.projections != "fused" else []
+    return bad + ([f"--logits {args.logits}"] if args.logits not in (None, "all") else [])
 
-        config = scaled(get_preset(args.preset), num_layers=args.layers, vocab_size=args.vocab,
-                        hidden_size=args.hidden_size, intermediate_size=args.intermediate_size
-                        ).replace(fused_projections=args.projections == "fused")
-        print(f"mqa-byoc profile build: {config.name}, {config.num_layers} layers, H={config.num_heads} "
-              f"H_kv={config.num_kv_heads} D={config.head_dim}, hidden {config.hidden_size}, MLP "
-              f"{config.intermediate_size}, vocab {config.vocab_size}, {args.dtype}, {args.provider} provider, "
-              f"{args.kv_cache} KV cache, {args.projections} projections", flush=True)
+
+def _describe_build(args, config, what: str) -> str:
+    return (f"mqa-byoc profile build: {config.name}, {config.num_layers} layers, H={config.num_heads} "
+            f"H_kv={config.num_kv_heads} D={config.head_dim}, hidden {config.hidden_size}, MLP "
+            f"{config.intermediate_size}, vocab {config.vocab_size}, {args.dtype}, {what}")
+
+
+def _profile_build_paged(args, config) -> int:
+    from .models.decoder_libs import build_paged_decoder_libraries
+
+    bad = _paged_build_conflicts(args)
+    if bad:
+        print(f"mqa-byoc profile build: error: {', '.join(bad)} does not apply to --kv-cache paged (its FA2 "
+              "entries are native code, its attention takes the cache's K/V heads, its prefill returns every "
+              "position's logits)", file=sys.stderr)
+        return 2
+    print(_describe_build(args, config, "paged KV cache (TVM's PagedKVCache): attention on FA2 (mqa=True) and "
+                                        "on TVM's TIR kernels (mqa=False)"), flush=True)
+    try:
+        build_paged_decoder_libraries(config, args.out, dtype=args.dtype, arch=args.arch,
+                                      extra={"preset": args.preset}, progress=lambda m: print(m, flush=True))
+    except ValueError as e:  # a sliding-window preset
+        print(f"mqa-byoc profile build: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _profile_build(args) -> int:
+    from .models.presets import get_preset, scaled
+
+    config = scaled(get_preset(args.preset), num_layers=args.layers, vocab_size=args.vocab,
+                    hidden_size=args.hidden_size, intermediate_size=args.intermediate_size)
+    if args.kv_cache == "paged":
+        rc = _profile_build_paged(args, config)
+    else:
+        from .models.decoder_libs import build_decoder_libraries
+
+        config = config.replace(fused_projections=args.projections == "fused")
+        print(_describe_build(args, config, f"{args.provider} provider, {args.kv_cache} KV cache, "
+                                            f"{args.projections} projections"), flush=True)
         build_decoder_libraries(config, args.out, functions=("prefill", "decode"), dtype=args.dtype,
-                                kv_expand=args.kv_expand, kv_cache=args.kv_cache, provider=args.provider,
-                                arch=args.arch,
-                                logits=args.logits, extra={"preset": args.preset},
+                                kv_expand=args.kv_expand or "repeat", kv_cache=args.kv_cache, provider=args.provider,
+                                arch=args.arch, logits=args.logits or "last", extra={"preset": args.preset},
                                 progress=lambda m: print(m, flush=True))
+        rc = 0
+    if rc == 0:
         print(f"next, on the GPU (a runtime-only TVM is enough; --setup MODULE imports its set-up first):\n"
               f"  python3 -m mqa_byoc.cli profile run {args.out} --prompt-len 2048 --decode-steps 32")
-        return 0
+    return rc
+
+
+def _profile(args, argv) -> int:
+    if args.profile_command == "build":
+        return _profile_build(args)
     if args.profile_command == "run":
         from .runtime.profiling import ProfileError, run_profile
 
         try:
             run_profile(args.dir, args.prompt_len, args.decode_steps, warmup=args.warmup, nvtx=not args.no_nvtx,
                         cupti=not args.no_cupti, json_path=args.json, png_path=args.png, top=args.top,
-                        command="mqa-byoc " + " ".join(argv), setup=args.setup)
+                        command="mqa-byoc " + " ".join(argv), setup=args.setup, kv_cache=args.kv_cache)
         except (ProfileError, FileNotFoundError) as e:
             print(f"mqa-byoc profile run: error: {e}", file=sys.stderr)
             return 1

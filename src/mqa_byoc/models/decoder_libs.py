@@ -109,3 +109,117 @@ def build_decoder_libraries(
                  + (", ".join(f"{n} x {c}" for c, n in offloaded.items()) or "nothing") + ")")
         paths.append(path)
     return paths
+
+
+# -- the PagedKVCache pair (``profile build --kv-cache paged``) -------------------------------------------
+
+#: which attention kernels a paged library runs: ours (mqa=True) or TVM's TIR ones (mqa=False)
+PAGED_ATTENTION = {True: "fa2", False: "tir"}
+#: the page size TVM 0.27 generates its TIR cache kernels for (the TIR library's cache must use it)
+TVM_TIR_PAGE_SIZE = 16
+#: the TVM kernels UseFlashAttentionForPagedKVCache must serve for the FA2 library to be the pair's "mqa=True"
+PAGED_SERVED = ("batch_decode_paged_kv", "batch_prefill_paged_kv", "batch_prefill_ragged_kv",
+                "tir_attention_merge_state")
+
+
+def paged_library_name(config_name: str, mqa: bool) -> str:
+    """``<config>.paged-fa2.so`` / ``<config>.paged-tir.so``."""
+    return f"{config_name}.paged-{PAGED_ATTENTION[bool(mqa)]}.so"
+
+
+def paged_config_of(config, dtype: str):
+    """The :class:`~mqa_byoc.models.paged_llama.PagedLlamaConfig` with ``config``'s shapes (a
+    :class:`~mqa_byoc.models.presets.DecoderConfig`); RoPE applied by the cache on append (mode NORMAL).
+
+    Raises
+    ------
+    ValueError
+        ``config`` has a sliding window: the paged model has none, and TVM's sliding-window entries
+        stay on TIR, generated for page size 16 only (docs/paged_kv_cache.md).
+    """
+    from .paged_llama import PagedLlamaConfig
+
+    if config.sliding_window is not None:
+        raise ValueError(f"{config.name}: the paged decoder has no sliding window (this config's is "
+                         f"{config.sliding_window}); TVM's sliding-window paged attention has no FA2 kernel")
+    return PagedLlamaConfig(num_q_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+                            head_dim=config.head_dim, hidden=config.hidden_size,
+                            intermediate=config.intermediate_size, layers=config.num_layers,
+                            vocab=config.vocab_size, dtype=dtype, rope_theta=config.rope_theta)
+
+
+def build_paged_decoder_libraries(
+    config,
+    out_dir: str,
+    *,
+    dtype: str = "float16",
+    arch: str = "sm_90",
+    modes: Sequence[bool] = (True, False),
+    extra: dict | None = None,
+    progress: Callable[[str], None] | None = print,
+) -> list[str]:
+    """Build ``config`` as :class:`~mqa_byoc.models.paged_llama.PagedLlama` (``relax.frontend.nn`` on TVM's
+    PagedKVCache) once per mode; returns the exported library paths.
+
+    ``mqa=True``: the cache's attention on our FA2 kernels with native K/V heads
+    (:class:`~mqa_byoc.compiler.paged.UseFlashAttentionForPagedKVCache`, page size = FA2's split-KV tile
+    of the head dim), exported with :func:`mqa_byoc.export_library`; ``mqa=False``: TVM's TIR kernels as
+    TVM builds them (page size 16). Both use the decoder pipeline (FuseTransposeMatmul). Each library
+    ``out_dir/<config.name>.paged-{fa2,tir}.so`` gets a sidecar with the fields of
+    :func:`build_decoder_libraries` (``kv_cache="paged"``, ``logits="all"``: the paged prefill returns every
+    position's) plus ``paged_attention`` ("fa2" / "tir"), ``page_size``, ``paged_config`` (what
+    :class:`mqa_byoc.runtime.paged_driver.PagedModel` needs) and ``paged_served`` (TVM kernels on FA2).
+
+    Raises
+    ------
+    ValueError
+        A sliding-window config (:func:`paged_config_of`).
+    RuntimeError
+        The pass does not serve every attention entry of the cache (its report in the message).
+    """
+    import dataclasses
+    from types import SimpleNamespace
+
+    import tvm
+
+    from ..compiler.export import export_library
+    from ..compiler.paged import (UseFlashAttentionForPagedKVCache, format_paged_report, page_unit,
+                                  paged_kv_cache_report)
+    from ..compiler.pipeline import cuda_decoder_pipeline
+    from ..sidecar import write_sidecar
+    from .paged_llama import export_paged_llama
+
+    progress = progress or (lambda _msg: None)
+    pcfg = paged_config_of(config, dtype)
+    target = tvm.target.Target({"kind": "cuda", "arch": arch})
+    mod, params, _ext = export_paged_llama(pcfg, target)
+    fa2_page = page_unit(pcfg.head_dim)
+    report = paged_kv_cache_report(mod, fa2_page)
+    served = sorted(d.kernel for d in report if d.offloaded)
+    if served != sorted(PAGED_SERVED):
+        raise RuntimeError(f"{config.name}: UseFlashAttentionForPagedKVCache serves {served}, not "
+                           f"{sorted(PAGED_SERVED)}:\n{format_paged_report(report)}")
+    spec = [SimpleNamespace(name=n, shape=[int(s) for s in p.shape], dtype=str(p.dtype)) for n, p in params]
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for mqa in modes:
+        path = os.path.join(out_dir, paged_library_name(config.name, mqa))
+        if mqa:
+            with target:
+                lib_mod = UseFlashAttentionForPagedKVCache(page_size=fa2_page)(mod)
+        else:
+            lib_mod = mod
+        ex = tvm.compile(lib_mod, target=target, relax_pipeline=cuda_decoder_pipeline(target))
+        export_library(ex, path, arch=arch)  # links FA2 + fa2_paged for the FA2 library; a plain export for TIR
+        write_sidecar(path, config, spec, dtype, {
+            "mqa": bool(mqa), "kv_cache": "paged", "paged_attention": PAGED_ATTENTION[bool(mqa)],
+            "page_size": fa2_page if mqa else TVM_TIR_PAGE_SIZE, "paged_config": dataclasses.asdict(pcfg),
+            "paged_served": served if mqa else [], **({"provider": "native"} if mqa else {}),
+            "functions": ["prefill", "decode"], "arch": arch, "logits": "all", "num_heads": config.num_heads,
+            "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size, **(extra or {}),
+        })
+        progress(f"built {path} (mqa={mqa}, paged KV cache, page size "
+                 f"{fa2_page if mqa else TVM_TIR_PAGE_SIZE}, attention on "
+                 + (f"FA2: {', '.join(served)})" if mqa else "TVM's TIR kernels)"))
+        paths.append(path)
+    return paths

@@ -131,8 +131,9 @@ def plot_profile(data: dict, png_path: str, top: int = 15) -> str:
     first = data["modes"][next(iter(data["modes"]))]
     model = first.get("preset") or first.get("library", "")
     heads = f"H={first.get('num_heads', '?')} H_kv={first.get('num_kv_heads', '?')} D={first.get('head_dim', '?')}"
+    cache = " (FA2 vs TVM's TIR attention), paged KV cache" if first.get("kv_cache") == "paged" else ""
     fig.suptitle(f"{model}, {first.get('num_layers', '?')} layers, {heads}, {first.get('provider', '')} provider"
-                 f" — {data.get('gpu', '')}", fontsize=11)
+                 f"{cache} — {data.get('gpu', '')}", fontsize=11)
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
     plt.close(fig)

@@ -1,14 +1,18 @@
 """Drive an exported :class:`~mqa_byoc.models.paged_llama.PagedLlama` library and its PagedKVCache.
 
-Runtime only (``tvm.runtime`` + torch, no ``tvm.relax``): what the GPU test and the paged benchmark
-share. The cache is driven the way mlc-llm drives it: ``vm.builtin.kv_state_add_sequence``, then per
-step ``kv_state_begin_forward(seq_ids, append_lengths)``, one model call, ``kv_state_end_forward``.
+Runtime only (``tvm.runtime`` + torch, no ``tvm.relax``): what the GPU test, the paged benchmark and
+``mqa-byoc profile run`` (:class:`PagedDecoderRunner`) share. The cache is driven the way mlc-llm
+drives it: ``vm.builtin.kv_state_add_sequence``, then per step ``kv_state_begin_forward(seq_ids,
+append_lengths)``, one model call, ``kv_state_end_forward``.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+
+from ..sidecar import read_sidecar
+from .runner import StepRunner
 
 
 class PagedModel:
@@ -77,8 +81,12 @@ class PagedModel:
 
     def logits(self, fn: str, cache, ids):
         """``prefill`` ((1, total) ids) or ``decode`` ((batch, 1) ids): float32 logits (torch)."""
-        out = self.vm[fn](self.tvm.runtime.from_dlpack(ids), cache, self.params)
-        return self.torch.from_dlpack(out[0]).float()
+        return self.torch.from_dlpack(self.call(fn, cache, self.tvm.runtime.from_dlpack(ids))).float()
+
+    def call(self, fn: str, cache, ids):
+        """``fn``'s logits as the library returns them (a TVM tensor of the model's dtype; launches
+        nothing but the model's kernels); ``ids`` a TVM tensor, between :meth:`begin` and :meth:`end`."""
+        return self.vm[fn](ids, cache, self.params)[0]
 
 
 def qkv_parts(cfg: dict, qkv):
@@ -117,3 +125,77 @@ class Reference:
             out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv))
         o = torch.cat(out)  # rows in sequence order: (1, total) for prefill, (batch, 1) for decode alike
         return o.reshape(qkv.shape[0], qkv.shape[1], *o.shape[1:])
+
+
+class PagedCaches:
+    """A PagedKVCache holding one sequence (:data:`PagedDecoderRunner.SEQ`) and its length in tokens."""
+
+    def __init__(self, cache, length: int):
+        self.cache = cache
+        self.length = int(length)
+
+
+class PagedDecoderRunner(StepRunner):
+    """A library of ``mqa-byoc profile build --kv-cache paged`` (sidecar ``kv_cache="paged"``) behind
+    :class:`~mqa_byoc.runtime.runner.DecoderRunner`'s interface, batch 1: one sequence whose every step
+    is ``kv_state_begin_forward`` / the model call / ``kv_state_end_forward`` (what mlc-llm does per
+    step; the cache's host bookkeeping and its copies of page tables to the GPU are part of the step).
+
+    The cache of :meth:`new_caches` has room for ``capacity`` tokens and takes them in one forward
+    (prefill chunk = capacity), so a prompt is one ``prefill`` call, as with the in-place cache.
+    """
+
+    SEQ = 0
+
+    def __init__(self, lib_path: str, device_id: int = 0, seed: int = 0, device: str = "cuda"):
+        """``device``: "cuda" (device 0), or "cpu" for a library built for llvm (the CPU test)."""
+        import torch
+        import tvm
+        import tvm.runtime.vm  # noqa: F401 - not loaded by tvm.runtime itself
+
+        if device_id != 0:
+            raise ValueError("PagedModel runs on CUDA device 0")
+        self.meta = read_sidecar(lib_path)
+        if self.meta.get("kv_cache") != "paged":
+            raise ValueError(f"{lib_path}: not a paged-cache library (sidecar kv_cache={self.meta.get('kv_cache')!r})")
+        impl = self.meta["paged_attention"]
+        case = {"config": self.meta["paged_config"], "page_size": {impl: self.meta["page_size"]},
+                "params": self.meta["params"]}
+        self.torch, self.tvm, self.ids_device = torch, tvm, device
+        self.dev = tvm.cuda(device_id) if device == "cuda" else tvm.cpu(0)
+        self.model = PagedModel(tvm, torch, lib_path, case, impl, device=device)
+        self.model.set_params(seed)
+        self.model.params = self.model.ffi.convert(self.model.params)  # one Array, not a list per call
+        self._keep = []
+
+    def new_caches(self, capacity: int) -> PagedCaches:
+        """An empty cache with the sequence added, room for ``capacity`` tokens (make it before a
+        profiled region: creating it launches kernels)."""
+        capacity = max(int(capacity), 1)
+        cache = self.model.new_cache(1, capacity, capacity)
+        self.model.add(cache, [self.SEQ])
+        return PagedCaches(cache, 0)
+
+    def _step(self, fn, caches: PagedCaches, ids, length: int):
+        m = self.model
+        m.begin(caches.cache, [self.SEQ], [length])
+        logits = m.call(fn, caches.cache, ids)
+        m.end(caches.cache)
+        return logits, PagedCaches(caches.cache, caches.length + length)
+
+    def prefill(self, batch, length, ids=None, *, caches=None, max_new_tokens: int = 0):
+        """Logits of every position (the paged model's prefill) and the cache, holding ``length`` tokens:
+        into ``caches`` (empty, from :meth:`new_caches`) or a new one with room for ``length +
+        max_new_tokens``."""
+        if batch != 1:
+            raise ValueError(f"the paged profile runs one sequence: batch must be 1, got {batch}")
+        ids = self.make_ids(batch, length) if ids is None else ids
+        caches = self.new_caches(length + max_new_tokens) if caches is None else caches
+        if caches.length:
+            raise ValueError(f"prefill needs an empty cache; this one holds {caches.length} tokens")
+        return self._step("prefill", caches, ids, length)
+
+    def decode(self, caches: PagedCaches, batch=1, ids=None):
+        if batch != 1:
+            raise ValueError(f"the paged profile runs one sequence: batch must be 1, got {batch}")
+        return self._step("decode", caches, self.make_ids(batch, 1) if ids is None else ids, 1)

@@ -19,6 +19,13 @@ NVTX ranges: ``prefill[L]`` and ``decode[i]`` around the model steps (:class:`De
 with ``MQA_BYOC_NVTX=1`` (set by this command unless ``--no-nvtx``), ``flash_attn[h=..,kv=..,d=..]``
 around each offloaded attention (both providers), so ``nsys profile`` of this command shows the same
 structure where nsys works.
+
+A directory of ``profile build --kv-cache paged`` holds the PagedKVCache pair instead (sidecar
+``kv_cache="paged"``): FA2 through ``UseFlashAttentionForPagedKVCache`` as ``mqa=True``, TVM's TIR
+kernels as ``mqa=False``, run by :class:`~mqa_byoc.runtime.paged_driver.PagedDecoderRunner` through
+the same phases, tables and comparison (its steps include the cache's ``begin_forward`` /
+``end_forward``; the JSON keys of the modes stay ``mqa`` / ``repeat``). Its FA2 entries have no
+``flash_attn`` NVTX range (only the step ranges).
 """
 
 from __future__ import annotations
@@ -33,10 +40,12 @@ from ..sidecar import read_sidecar
 from ..testing.cupti import capture_kernels
 from ..testing.header import run_header
 from ..testing.setup import import_setup
+from .paged_driver import PagedDecoderRunner
 from .providers import NVTX_ENV_VAR, nvtx_requested  # also registers the Python FA2 provider
 from .runner import DecoderRunner, format_summary, is_memory_op, stat_row
 
 MODE_LABELS = {"mqa": "mqa=True", "repeat": "mqa=False"}
+PAGED_ATTENTION_LABELS = {"fa2": "FA2 (UseFlashAttentionForPagedKVCache)", "tir": "TVM's TIR kernels"}
 
 
 class ProfileError(RuntimeError):
@@ -47,8 +56,14 @@ class NoGpu(ProfileError):
     """No CUDA device (or a torch without CUDA) here."""
 
 
-def find_libraries(directory: str) -> list[str]:
-    """Exported libraries in ``directory`` that have a sidecar, ``mqa=True`` first."""
+def find_libraries(directory: str, kv_cache: str | None = None) -> list[str]:
+    """Exported libraries in ``directory`` that have a sidecar, ``mqa=True`` first.
+
+    ``kv_cache``: only the libraries of that cache (the sidecar's ``kv_cache``: inplace, functional,
+    paged). Without it the directory must hold one cache's libraries: a run compares the two modes of
+    one cache, and a mixed directory (``profile build --kv-cache paged`` into a directory of the
+    in-place pair) raises :class:`ProfileError` naming the caches.
+    """
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"{directory} is not a directory (build it with `mqa-byoc profile build --out DIR`)")
     libs = []
@@ -57,10 +72,28 @@ def find_libraries(directory: str) -> list[str]:
         if f.endswith(".so") and os.path.isfile(path + ".json"):
             with open(path + ".json") as fh:
                 meta = json.load(fh)
-            libs.append((0 if meta.get("mqa") else 1, f, path))
+            libs.append((0 if meta.get("mqa") else 1, f, path, cache_of(meta)))
     if not libs:
         raise FileNotFoundError(f"no libraries with sidecars (<lib>.so + <lib>.so.json) in {directory}")
-    return [p for _, _, p in sorted(libs)]
+    caches = sorted({c for *_, c in libs})
+    if kv_cache is not None:
+        libs = [lib for lib in libs if lib[3] == kv_cache]
+        if not libs:
+            raise FileNotFoundError(f"no {kv_cache}-cache libraries in {directory} (it has: {', '.join(caches)})")
+    elif len(caches) > 1:
+        raise ProfileError(f"{directory} holds libraries of several KV caches ({', '.join(caches)}); choose one "
+                           "with --kv-cache")
+    return [p for _, _, p, _ in sorted(libs)]
+
+
+def cache_of(meta: dict) -> str:
+    """The KV cache of a library's sidecar (``functional`` for sidecars older than the field)."""
+    return meta.get("kv_cache", "functional")
+
+
+def open_runner(lib_path: str, meta: dict):
+    """The runner of a library: :class:`PagedDecoderRunner` for the paged cache, else :class:`DecoderRunner`."""
+    return PagedDecoderRunner(lib_path) if cache_of(meta) == "paged" else DecoderRunner(lib_path)
 
 
 def mode_of(meta: dict, lib_path: str) -> str:
@@ -107,10 +140,11 @@ def profile_library(lib_path: str, prompt_len: int, steps: int, *, warmup: int =
                     cupti: bool = True) -> dict:
     """Warm up, time and profile one library; the JSON record of it. ``cupti=False`` skips the
     profiled run (for running under nsys, which wants CUPTI to itself)."""
-    functions = read_sidecar(lib_path).get("functions", ["prefill", "decode"])
+    sidecar = read_sidecar(lib_path)
+    functions = sidecar.get("functions", ["prefill", "decode"])
     if not {"prefill", "decode"} <= set(functions):
         raise ProfileError(f"{lib_path} has only {functions}; `mqa-byoc profile build` makes prefill + decode")
-    runner = DecoderRunner(lib_path)
+    runner = open_runner(lib_path, sidecar)
     meta = runner.meta
     runner.run(prompt_len, warmup, nvtx=nvtx)
     times, _ = runner.run(prompt_len, steps, nvtx=nvtx)
@@ -119,7 +153,8 @@ def profile_library(lib_path: str, prompt_len: int, steps: int, *, warmup: int =
     del runner
     gc.collect()
     keys = ("preset", "mqa", "provider", "kv_expand", "kv_cache", "dtype", "num_layers", "num_heads", "num_kv_heads",
-            "head_dim", "hidden_size", "intermediate_size", "vocab_size", "logits", "arch", "offloaded")
+            "head_dim", "hidden_size", "intermediate_size", "vocab_size", "logits", "arch", "offloaded",
+            "paged_attention", "page_size", "paged_served")
     rec = {"library": os.path.basename(lib_path), "mode": mode_of(meta, lib_path),
            **{k: meta[k] for k in keys if k in meta},
            "phases": {"prefill": phase_record(prefill, times["prefill"], 1),
@@ -142,10 +177,15 @@ def _describe(rec: dict) -> str:
         words.append(f"H={rec.get('num_heads', '?')} H_kv={rec['num_kv_heads']} D={rec.get('head_dim', '?')}")
     if "dtype" in rec:
         words.append(rec["dtype"])
-    if "kv_cache" in rec:
+    if rec.get("kv_cache") == "paged":
+        words.append(f"paged KV cache (page size {rec.get('page_size', '?')}), attention on "
+                     + PAGED_ATTENTION_LABELS.get(rec.get("paged_attention"), "?"))
+    elif "kv_cache" in rec:
         words.append(f"{rec['kv_cache']} KV cache")
     if rec.get("offloaded"):
         words.append("offloaded " + ", ".join(f"{n} x {c}" for c, n in rec["offloaded"].items()))
+    if rec.get("paged_served"):
+        words.append("FA2 serves " + ", ".join(rec["paged_served"]))
     return ", ".join(words)
 
 
@@ -204,6 +244,8 @@ def format_comparison(cmp: dict, modes: dict) -> str:
     if not cmp:
         return ""
     lines = ["== mqa=True vs mqa=False =="]
+    if any(m.get("kv_cache") == "paged" for m in modes.values()):
+        lines[0] = "== mqa=True vs mqa=False (paged KV cache: attention on FA2 vs on TVM's TIR kernels) =="
     if "decode_loop_tokens_per_s_ratio" in cmp:
         lines.append(f"decode tokens/s (back to back): {modes['mqa']['decode_loop_tokens_per_s']} with mqa=True vs "
                      f"{modes['repeat']['decode_loop_tokens_per_s']} with mqa=False "
@@ -243,8 +285,9 @@ def write_png(data: dict, json_path: str, png_path: str, *, top: int = 15, print
 
 def run_profile(directory: str, prompt_len: int, steps: int, *, warmup: int = 2, nvtx: bool = True,
                 cupti: bool = True, json_path: str | None = None, png_path: str | None = None, top: int = 15,
-                command: str | None = None, setup=None, printer=print) -> dict:
-    """Profile every library in ``directory``; print the tables, write the JSON (and PNG).
+                command: str | None = None, setup=None, kv_cache: str | None = None, printer=print) -> dict:
+    """Profile every library in ``directory`` (those of ``kv_cache`` only, when given: see
+    :func:`find_libraries`); print the tables, write the JSON (and PNG).
 
     ``setup``: modules to import first (a runtime-only TVM's set-up; default ``$MQA_BYOC_RUNTIME_SETUP``).
     """
@@ -254,11 +297,14 @@ def run_profile(directory: str, prompt_len: int, steps: int, *, warmup: int = 2,
     if not torch.cuda.is_available():
         raise NoGpu(f"no CUDA GPU here (torch {torch.__version__}, CUDA build {torch.version.cuda}); "
                     "run `mqa-byoc profile run` on the GPU machine")
-    libs = find_libraries(directory)
+    libs = find_libraries(directory, kv_cache)
     if nvtx:
         os.environ.setdefault(NVTX_ENV_VAR, "1")  # before the first offloaded call reads it
-    data = {**run_header(command), "prompt_len": prompt_len, "decode_steps": steps, "warmup_steps": warmup,
-            "nvtx_steps": bool(nvtx), "nvtx_flash_attn": nvtx_requested(), "cupti": bool(cupti), "modes": {}}
+    cache = cache_of(read_sidecar(libs[0]))  # one cache per run (find_libraries)
+    data = {**run_header(command), "kv_cache": cache, "prompt_len": prompt_len, "decode_steps": steps,
+            "warmup_steps": warmup, "nvtx_steps": bool(nvtx),
+            # the paged FA2 entries (compiler.paged_codegen) open no flash_attn range
+            "nvtx_flash_attn": nvtx_requested() and cache != "paged", "cupti": bool(cupti), "modes": {}}
     json_path = json_path or os.path.join(directory, "profile.json")
     for lib in libs:
         rec = profile_library(lib, prompt_len, steps, warmup=warmup, nvtx=nvtx, cupti=cupti)

@@ -65,77 +65,23 @@ class InplaceCaches:
         self.length = int(length)
 
 
-class DecoderRunner:
-    """Prefill + decode through the Relax VM, with random weights made on the GPU.
+class StepRunner:
+    """The timing loops of a decoder runner (and its token ids), on what a subclass gives:
+    ``new_caches(capacity)``, ``prefill(batch, length, ids=, caches=, max_new_tokens=)`` and
+    ``decode(caches, batch, ids=)`` (both returning ``(logits, caches)``); ``torch``, ``tvm``, ``dev``,
+    ``meta`` (the sidecar) and ``_keep`` (tensors kept alive while TVM holds views of them).
+    :class:`DecoderRunner` (functional and in-place caches) and
+    :class:`mqa_byoc.runtime.paged_driver.PagedDecoderRunner` (TVM's PagedKVCache) are the two."""
 
-    Both caches of :func:`mqa_byoc.models.llama.build_decoder` (the sidecar's ``kv_cache``): the
-    functional one passes K/V tensors in and out; the in-place one passes :class:`InplaceCaches`,
-    made by the library's ``create_kv_cache`` with room for the prompt and ``max_new_tokens``
-    (beyond it the runtime reallocates and copies the cache: correct, but not what to time).
-    """
-
-    def __init__(self, lib_path: str, device_id: int = 0, seed: int = 0):
-        import torch
-        import tvm
-        import tvm.runtime.vm  # noqa: F401 - not loaded by tvm.runtime itself
-
-        self.meta = read_sidecar(lib_path)
-        self.kv_cache = self.meta.get("kv_cache", "functional")
-        self.torch = torch
-        self.tvm = tvm
-        self.dev = tvm.cuda(device_id)
-        lib = tvm.runtime.load_module(lib_path)
-        self.vm = tvm.runtime.vm.VirtualMachine(lib, self.dev)
-        gen = torch.Generator(device=f"cuda:{device_id}").manual_seed(seed)
-        self.params = []
-        self._keep = []
-        for name, shape, dtype in self.meta["params"]:
-            t = torch.randn(shape, generator=gen, device=f"cuda:{device_id}", dtype=torch.float32) * 0.02
-            if name.endswith("norm.weight"):
-                t += 1.0
-            t = t.to(getattr(torch, {"float16": "float16", "bfloat16": "bfloat16"}.get(dtype, "float32")))
-            self._keep.append(t)
-            self.params.append(tvm.runtime.from_dlpack(t))
+    ids_device = "cuda"  # torch's name of the device the token ids are made on
 
     def make_ids(self, batch, length):
         """Random token ids on the GPU, as a TVM tensor (make them before a profiled region: the
         random-number kernel would show in the profile)."""
         ids = self.torch.randint(0, self.meta["vocab_size"], (batch, length), dtype=self.torch.int32,
-                                 device="cuda")
+                                 device=self.ids_device)
         self._keep.append(ids)
         return self.tvm.runtime.from_dlpack(ids)
-
-    def new_caches(self, capacity: int):
-        """Empty in-place caches with room for ``capacity`` tokens (``create_kv_cache``); None for a
-        functional-cache library. Make them before a profiled region: creating them launches kernels."""
-        if self.kv_cache != "inplace":
-            return None
-        shape = self.tvm.runtime.ShapeTuple([max(int(capacity), 1)])
-        return InplaceCaches(self.vm["create_kv_cache"](shape), 0)
-
-    def prefill(self, batch, length, ids=None, *, caches=None, max_new_tokens: int = 0):
-        """Logits and caches of a prompt of ``length`` tokens. In-place: into ``caches`` (empty, from
-        :meth:`new_caches`), or new ones with room for ``length + max_new_tokens`` tokens."""
-        ids = self.make_ids(batch, length) if ids is None else ids
-        if self.kv_cache != "inplace":
-            out = self.vm["prefill"](ids, *self.params)
-            return out[0], out[1]
-        if batch != 1:
-            raise ValueError(f"the in-place cache holds one sequence: batch must be 1, got {batch}")
-        caches = self.new_caches(length + max_new_tokens) if caches is None else caches
-        if caches.length:
-            raise ValueError(f"prefill needs empty caches; these hold {caches.length} tokens")
-        out = self.vm["prefill"](ids, caches.objects, *self.params)
-        return out[0], InplaceCaches(out[1], length)
-
-    def decode(self, caches, batch=1, ids=None):
-        ids = self.make_ids(batch, 1) if ids is None else ids
-        if isinstance(caches, InplaceCaches):
-            past_len = self.tvm.runtime.ShapeTuple([caches.length])
-            out = self.vm["decode"](ids, past_len, caches.objects, *self.params)
-            return out[0], InplaceCaches(out[1], caches.length + 1)
-        out = self.vm["decode"](ids, caches, *self.params)
-        return out[0], out[1]
 
     def run(self, prompt_len: int, steps: int, batch: int = 1, nvtx: bool = True):
         """Prefill ``prompt_len`` tokens then ``steps`` decode steps; returns per-step seconds."""
@@ -181,6 +127,71 @@ class DecoderRunner:
         with capture_kernels(cpu=True) as cap:
             times, _ = self.run(prompt_len, steps, batch)
         return times, cap.stats()
+
+
+class DecoderRunner(StepRunner):
+    """Prefill + decode through the Relax VM, with random weights made on the GPU.
+
+    Both caches of :func:`mqa_byoc.models.llama.build_decoder` (the sidecar's ``kv_cache``): the
+    functional one passes K/V tensors in and out; the in-place one passes :class:`InplaceCaches`,
+    made by the library's ``create_kv_cache`` with room for the prompt and ``max_new_tokens``
+    (beyond it the runtime reallocates and copies the cache: correct, but not what to time).
+    """
+
+    def __init__(self, lib_path: str, device_id: int = 0, seed: int = 0):
+        import torch
+        import tvm
+        import tvm.runtime.vm  # noqa: F401 - not loaded by tvm.runtime itself
+
+        self.meta = read_sidecar(lib_path)
+        self.kv_cache = self.meta.get("kv_cache", "functional")
+        self.torch = torch
+        self.tvm = tvm
+        self.dev = tvm.cuda(device_id)
+        lib = tvm.runtime.load_module(lib_path)
+        self.vm = tvm.runtime.vm.VirtualMachine(lib, self.dev)
+        gen = torch.Generator(device=f"cuda:{device_id}").manual_seed(seed)
+        self.params = []
+        self._keep = []
+        for name, shape, dtype in self.meta["params"]:
+            t = torch.randn(shape, generator=gen, device=f"cuda:{device_id}", dtype=torch.float32) * 0.02
+            if name.endswith("norm.weight"):
+                t += 1.0
+            t = t.to(getattr(torch, {"float16": "float16", "bfloat16": "bfloat16"}.get(dtype, "float32")))
+            self._keep.append(t)
+            self.params.append(tvm.runtime.from_dlpack(t))
+
+    def new_caches(self, capacity: int):
+        """Empty in-place caches with room for ``capacity`` tokens (``create_kv_cache``); None for a
+        functional-cache library. Make them before a profiled region: creating them launches kernels."""
+        if self.kv_cache != "inplace":
+            return None
+        shape = self.tvm.runtime.ShapeTuple([max(int(capacity), 1)])
+        return InplaceCaches(self.vm["create_kv_cache"](shape), 0)
+
+    def prefill(self, batch, length, ids=None, *, caches=None, max_new_tokens: int = 0):
+        """Logits and caches of a prompt of ``length`` tokens. In-place: into ``caches`` (empty, from
+        :meth:`new_caches`), or new ones with room for ``length + max_new_tokens`` tokens."""
+        ids = self.make_ids(batch, length) if ids is None else ids
+        if self.kv_cache != "inplace":
+            out = self.vm["prefill"](ids, *self.params)
+            return out[0], out[1]
+        if batch != 1:
+            raise ValueError(f"the in-place cache holds one sequence: batch must be 1, got {batch}")
+        caches = self.new_caches(length + max_new_tokens) if caches is None else caches
+        if caches.length:
+            raise ValueError(f"prefill needs empty caches; these hold {caches.length} tokens")
+        out = self.vm["prefill"](ids, caches.objects, *self.params)
+        return out[0], InplaceCaches(out[1], length)
+
+    def decode(self, caches, batch=1, ids=None):
+        ids = self.make_ids(batch, 1) if ids is None else ids
+        if isinstance(caches, InplaceCaches):
+            past_len = self.tvm.runtime.ShapeTuple([caches.length])
+            out = self.vm["decode"](ids, past_len, caches.objects, *self.params)
+            return out[0], InplaceCaches(out[1], caches.length + 1)
+        out = self.vm["decode"](ids, caches, *self.params)
+        return out[0], out[1]
 
 
 def run_and_profile(lib_path, config, param_spec, args) -> None:

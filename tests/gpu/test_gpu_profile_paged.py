@@ -1,0 +1,110 @@
+"""``mqa-byoc profile`` on TVM's PagedKVCache, on the GPU: the pair that ``profile build --kv-cache paged``
+makes computes the same decoder (RoPE by the cache, mode NORMAL, which the paged-attention test's builds
+leave out), and ``profile run`` of it records FA2's kernels for ``mqa=True`` and TVM's TIR attention
+kernels for ``mqa=False``.
+
+Artifacts, built on the build machine (about 2 min) and carried as ``.gpu-artifacts/profile-paged``:
+
+    MQA_BYOC_KERNEL_DIR=<prebuilt FA2 objects> python -m mqa_byoc.cli profile build --kv-cache paged \\
+        --preset codellama-34b --layers 2 --vocab 4096 --hidden-size 2048 --intermediate-size 4096 \\
+        --out .gpu-artifacts/profile-paged
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / ".gpu-artifacts" / "profile-paged"
+sys.path.insert(0, str(ROOT / "src"))
+TOL = 2e-2  # max |err| / max |logits|, fp16 decoder of two layers (the paged decoder test measured 0.006)
+PROMPT, STEPS = 300, 3  # 300: not a multiple of either page size (16, 128)
+
+
+def _libraries() -> list[str]:
+    from mqa_byoc.runtime.profiling import find_libraries
+
+    try:
+        return find_libraries(str(ARTIFACTS), "paged")
+    except FileNotFoundError:
+        return []
+
+
+@pytest.fixture(scope="module")
+def env():
+    try:
+        import torch
+    except ImportError:
+        pytest.skip("torch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    if os.environ.get("TVM_USE_RUNTIME_LIB") == "1":
+        import boot  # noqa: F401 - .devkit/boot.py: CUDA runtime + nvcc hook
+    if len(_libraries()) != 2:
+        pytest.skip(f"no paged pair in {ARTIFACTS}: build it with the command in this file's docstring")
+    import tvm
+    import tvm.runtime.vm  # noqa: F401
+
+    return tvm, torch
+
+
+def _rel(got, want) -> float:
+    got, want = got.float(), want.float()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+
+
+@pytest.mark.gpu
+def test_profile_pair_computes_the_same_decoder(env):
+    """Same random weights, same tokens: prefill (last position) and decode logits of the FA2 and TIR libraries."""
+    from mqa_byoc.runtime.paged_driver import PagedDecoderRunner
+
+    _tvm, torch = env
+    fa2_path, tir_path = _libraries()
+    runners = [PagedDecoderRunner(p, seed=0) for p in (fa2_path, tir_path)]
+    assert [r.meta["paged_attention"] for r in runners] == ["fa2", "tir"]
+    vocab = runners[0].meta["vocab_size"]
+    ids = torch.randint(0, vocab, (1, PROMPT + STEPS), dtype=torch.int32, device="cuda",
+                        generator=torch.Generator(device="cuda").manual_seed(1))
+    prompt = ids[:, :PROMPT].clone()
+    tokens = [ids[:, PROMPT + i:PROMPT + i + 1].clone() for i in range(STEPS)]  # clones: 64-byte aligned
+    logits = []
+    for r in runners:
+        out, caches = r.prefill(1, PROMPT, ids=r.tvm.runtime.from_dlpack(prompt), caches=r.new_caches(PROMPT + STEPS))
+        seq = [torch.from_dlpack(out)[0, -1].clone()]
+        for t in tokens:
+            out, caches = r.decode(caches, ids=r.tvm.runtime.from_dlpack(t))
+            seq.append(torch.from_dlpack(out)[0, 0].clone())
+        torch.cuda.synchronize()
+        logits.append(seq)
+    errs = [_rel(a, b) for a, b in zip(*logits)]
+    assert all(torch.isfinite(x).all() for x in logits[0])
+    assert max(errs) < TOL, f"FA2 vs TIR logits (prefill, decode...): {errs}"
+
+
+@pytest.mark.gpu
+def test_profile_run_records_each_sides_attention(env, tmp_path):
+    from mqa_byoc.runtime.profiling import run_profile
+
+    printed = []
+    data = run_profile(str(ARTIFACTS), PROMPT, 4, warmup=1, json_path=str(tmp_path / "p.json"),
+                       png_path=str(tmp_path / "p.png"), kv_cache="paged", printer=printed.append)
+    text = "\n".join(printed)
+    assert data["kv_cache"] == "paged" and set(data["modes"]) == {"mqa", "repeat"}
+    names = {m: {ph: [k["name"] for k in data["modes"][m]["phases"][ph]["kernels"]] for ph in ("prefill", "decode")}
+             for m in data["modes"]}
+    for ph in ("prefill", "decode"):
+        assert any("flash_fwd" in n for n in names["mqa"][ph]), (ph, names["mqa"][ph])
+        assert not any("batch_prefill" in n or "batch_decode" in n for n in names["mqa"][ph]), names["mqa"][ph]
+        assert not any("flash_fwd" in n for n in names["repeat"][ph]), names["repeat"][ph]
+    assert any("batch_decode_paged_kv" in n for n in names["repeat"]["decode"])
+    assert any("batch_prefill_ragged_kv" in n for n in names["repeat"]["prefill"])
+    assert any("batch_decode_paged_kv" in n for n in data["comparison"]["decode_only_repeat"])
+    for rec in data["modes"].values():
+        assert rec["decode_loop_tokens_per_s"] > 0 and len(rec["phases"]["decode"]["wall_ms"]) == 4
+    assert "paged KV cache: attention on FA2 vs on TVM's TIR kernels" in text
+    assert json.loads((tmp_path / "p.json").read_text())["comparison"] == data["comparison"]
