@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from mqa_byoc.testing.cupti import is_attention_kernel  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / ".gpu-artifacts" / "profile-paged"
@@ -98,9 +99,9 @@ def test_profile_run_records_each_sides_attention(env, tmp_path):
     names = {m: {ph: [k["name"] for k in data["modes"][m]["phases"][ph]["kernels"]] for ph in ("prefill", "decode")}
              for m in data["modes"]}
     for ph in ("prefill", "decode"):
-        assert any("flash_fwd" in n for n in names["mqa"][ph]), (ph, names["mqa"][ph])
+        assert any(is_attention_kernel(n) for n in names["mqa"][ph]), (ph, names["mqa"][ph])
         assert not any("batch_prefill" in n or "batch_decode" in n for n in names["mqa"][ph]), names["mqa"][ph]
-        assert not any("flash_fwd" in n for n in names["repeat"][ph]), names["repeat"][ph]
+        assert not any(is_attention_kernel(n) for n in names["repeat"][ph]), names["repeat"][ph]
     assert any("batch_decode_paged_kv" in n for n in names["repeat"]["decode"])
     assert any("batch_prefill_ragged_kv" in n for n in names["repeat"]["prefill"])
     assert any("batch_decode_paged_kv" in n for n in data["comparison"]["decode_only_repeat"])

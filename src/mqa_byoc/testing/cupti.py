@@ -9,7 +9,17 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass, field
+
+#: the GPU kernels our providers run attention with: FA2's (``flash_fwd_*``), FA4's sm90 kernel
+#: (``...flash_fwd_sm90...``) and our grouped-query decode kernel (``native/gqa_decode.cu``)
+ATTENTION_KERNEL = re.compile(r"flash|gqa_decode_kernel", re.IGNORECASE)
+
+
+def is_attention_kernel(name: str) -> bool:
+    """Whether a CUPTI kernel name is one of our attention kernels (:data:`ATTENTION_KERNEL`)."""
+    return ATTENTION_KERNEL.search(name) is not None
 
 
 @dataclass
