@@ -23,10 +23,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from mqa_byoc.testing.cupti import ATTENTION_KERNEL  # noqa: E402  (our attention kernels' names)
 ARTIFACTS = ROOT / ".gpu-artifacts" / "paged"
-# the attention work of a call on either side: FA2 (+ its split combine) and our bridging kernels; TVM's
+# the attention work of a call on either side: ours (FA2, our decode kernel) and our bridging kernels; TVM's
 # TIR attention kernels and its LSE merge. The K/V append and RoPE kernels are the same on both sides.
-ATTENTION_KERNELS = re.compile(r"flash_fwd|csr_to_block_table|finish_rows|batch_(prefill|decode)_(paged|ragged)_kv|merge_state")
+ATTENTION_KERNELS = re.compile(ATTENTION_KERNEL.pattern + r"|csr_to_block_table|finish_rows|batch_(prefill|decode)_(paged|ragged)_kv"
+                               r"|merge_state", re.IGNORECASE)
 
 
 def _timed(torch, fn, iters):

@@ -5,11 +5,11 @@
 // for 8 real rows, a 2-stage load) and needs a second kernel for the combine; cuDNN's decode is faster.
 // Here each warp streams 16-key tiles of K and V through a 3-stage cp.async pipeline in its own shared
 // memory (no block barrier in the main loop), the G query rows of a K/V head are the M rows of
-// m16n8k16 tensor-core MMAs, the four warps' states merge in shared memory, and the last block of a
+// m16n8k16 tensor-core MMAs, the eight warps' states merge in shared memory, and the last block of a
 // (sequence, K/V head) to finish merges the splits (an arrival counter, reset by that block).
 //
 // Keys come from a contiguous cache (batch, row, head strides) or from TVM's pages (CSR page list; the
-// page size is any positive value: a tile's rows are located one by one).
+// page size is any positive value; with a multiple of 16 a tile lies in one page, looked up once).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -127,7 +127,7 @@ __device__ __forceinline__ int64_t row_offset(const mqa_byoc_decode_args& a, con
 }
 
 // Shared memory of one block: the pipeline (per warp: kStages x (K tile, V tile)), reused after the loop
-// for the four warps' outputs (fp32), plus the per-row statistics.
+// for the eight warps' outputs (fp32), plus the per-row statistics.
 template <int D, int RB>
 struct Smem {
   static constexpr int kRows = RB * 16;
@@ -189,19 +189,26 @@ __global__ void __launch_bounds__(kThreads) gqa_decode_kernel(const mqa_byoc_dec
   const int my_tiles = n_tiles_split > warp ? (n_tiles_split - warp + kWarps - 1) / kWarps : 0;
   T* pipe = reinterpret_cast<T*>(smem) + warp * kStages * 2 * kTileKeys * D;
 
-  // Each lane copies chunk `ch` of rows row_lane + it * kRowsPerIt of a tile. Contiguous K/V: one 64-bit
-  // offset per tile and constant steps (few instructions per copy: the loop is issue-bound otherwise);
-  // pages: each row's page looked up.
+  // Each lane copies chunk `ch` of rows row_lane + it * kRowsPerIt of a tile: from one start pointer and
+  // constant steps (few instructions per copy: the loop is issue-bound otherwise). Contiguous K/V: one
+  // offset per tile. Pages: when a tile lies in one page (page size a multiple of 16), one page lookup per
+  // tile, issued a tile ahead so that its latency hides behind the compute; otherwise each row's page.
   constexpr int kRowsPerIt = 32 / kChunks;
   const int ch = lane % kChunks, row_lane = lane / kChunks;
   const int64_t k_row = a.k_stride[1], v_row = a.v_stride[1];
-  const int64_t k_fixed = int64_t(b) * a.k_stride[0] + int64_t(kvh) * a.k_stride[2] + ch * 8;
-  const int64_t v_fixed = int64_t(b) * a.v_stride[0] + int64_t(kvh) * a.v_stride[2] + ch * 8;
-  auto load_tile = [&](int i, int stage) {
+  const int page_size = PAGED ? int(a.page_size) : 1;
+  const bool tile_in_page = PAGED && page_size % kTileKeys == 0 && k_begin % kTileKeys == 0;
+  const int* pages_of_b = PAGED ? a.page_values + a.page_indptr[b] : nullptr;
+  const int64_t k_fixed = (PAGED ? 0 : int64_t(b) * a.k_stride[0]) + int64_t(kvh) * a.k_stride[2] + ch * 8;
+  const int64_t v_fixed = (PAGED ? 0 : int64_t(b) * a.v_stride[0]) + int64_t(kvh) * a.v_stride[2] + ch * 8;
+  auto tile_page = [&](int i) -> int {  // page of tile i (tile_in_page only); 0 past this warp's tiles
+    return i < my_tiles ? __ldg(pages_of_b + (k_begin + (warp + i * kWarps) * kTileKeys) / page_size) : 0;
+  };
+  auto load_tile = [&](int i, int stage, int page) {
     const int key0 = k_begin + (warp + i * kWarps) * kTileKeys;
     uint4* ks = reinterpret_cast<uint4*>(pipe + stage * 2 * kTileKeys * D);
     uint4* vs = ks + kTileKeys * kChunks;
-    if constexpr (PAGED) {
+    if (PAGED && !tile_in_page) {
 #pragma unroll
       for (int it = 0; it < kTileKeys / kRowsPerIt; ++it) {
         const int r = row_lane + it * kRowsPerIt, key = key0 + r;
@@ -211,24 +218,29 @@ __global__ void __launch_bounds__(kThreads) gqa_decode_kernel(const mqa_byoc_dec
         cp_async16(ks + swz<D>(r, ch), kbase + ko, ok ? 16 : 0);
         cp_async16(vs + swz<D>(r, ch), vbase + vo, ok ? 16 : 0);
       }
-    } else {
-      const T* kp = kbase + k_fixed + int64_t(key0 + row_lane) * k_row;
-      const T* vp = vbase + v_fixed + int64_t(key0 + row_lane) * v_row;
+      return;
+    }
+    // first row of this lane: a row of the sequence (contiguous) or of the tile's page
+    const int64_t row0 = PAGED ? key0 % page_size + row_lane : int64_t(key0 + row_lane);
+    const T* kp = kbase + k_fixed + (PAGED ? int64_t(page) * a.k_stride[0] : 0) + row0 * k_row;
+    const T* vp = vbase + v_fixed + (PAGED ? int64_t(page) * a.v_stride[0] : 0) + row0 * v_row;
 #pragma unroll
-      for (int it = 0; it < kTileKeys / kRowsPerIt; ++it) {
-        const int r = row_lane + it * kRowsPerIt;
-        const bool ok = key0 + r < k_end;
-        cp_async16(ks + swz<D>(r, ch), ok ? kp : kbase, ok ? 16 : 0);
-        cp_async16(vs + swz<D>(r, ch), ok ? vp : vbase, ok ? 16 : 0);
-        kp += kRowsPerIt * k_row;
-        vp += kRowsPerIt * v_row;
-      }
+    for (int it = 0; it < kTileKeys / kRowsPerIt; ++it) {
+      const int r = row_lane + it * kRowsPerIt;
+      const bool ok = key0 + r < k_end;
+      cp_async16(ks + swz<D>(r, ch), ok ? kp : kbase, ok ? 16 : 0);
+      cp_async16(vs + swz<D>(r, ch), ok ? vp : vbase, ok ? 16 : 0);
+      kp += kRowsPerIt * k_row;
+      vp += kRowsPerIt * v_row;
     }
   };
 
+  int page_next = tile_in_page ? tile_page(0) : 0;
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) {
-    if (i < my_tiles) load_tile(i, i);
+    const int page = page_next;
+    page_next = tile_in_page ? tile_page(i + 1) : 0;
+    if (i < my_tiles) load_tile(i, i, page);
     cp_async_commit();
   }
 
@@ -248,7 +260,11 @@ __global__ void __launch_bounds__(kThreads) gqa_decode_kernel(const mqa_byoc_dec
   const float scale = a.softmax_scale * 1.4426950408889634f;  // scores in the log2 domain
 
   for (int i = 0; i < my_tiles; ++i) {
-    if (i + kStages - 1 < my_tiles) load_tile(i + kStages - 1, (i + kStages - 1) % kStages);
+    {
+      const int ahead = i + kStages - 1, page = page_next;
+      page_next = tile_in_page ? tile_page(ahead + 1) : 0;
+      if (ahead < my_tiles) load_tile(ahead, ahead % kStages, page);
+    }
     cp_async_commit();
     cp_async_wait<kStages - 1>();
     __syncwarp();
@@ -350,7 +366,7 @@ __global__ void __launch_bounds__(kThreads) gqa_decode_kernel(const mqa_byoc_dec
   }
   cp_async_wait<0>();
 
-  // ---- merge the four warps: row statistics first ----
+  // ---- merge the eight warps: row statistics first ----
 #pragma unroll
   for (int rb = 0; rb < RB; ++rb)
 #pragma unroll
