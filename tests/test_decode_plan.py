@@ -1,0 +1,73 @@
+"""The grid rule of our grouped-query decode kernel (native/gqa_decode.cu, host side): every key in a
+split, no empty split, at most one wave of CTAs, the scratch it sizes; refusals of what it cannot serve.
+The support object compiled by nvcc, called through ctypes (no GPU needed)."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import pytest
+
+from mqa_byoc import kernels as K
+from mqa_byoc.testing.decode_kernel import DecodeArgs, DecodePlan
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None or not K.nvcc_available(), reason="needs g++ and nvcc")
+SMS = 132  # the H200's
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    from mqa_byoc.kernels.build import static_cudart, support_object
+
+    out = tmp_path_factory.mktemp("decode") / "decode_host.so"
+    subprocess.run(["g++", "-shared", "-o", str(out), str(support_object("sm_90", None)), *static_cudart("sm_90")],
+                   check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.mqa_byoc_decode_make_plan.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int, ctypes.POINTER(DecodePlan)]
+    lib.mqa_byoc_decode_supported.argtypes = [ctypes.c_int64] * 3
+    return lib
+
+
+def _plan(lib, *, heads=64, heads_k=8, dim=128, batch=1, seqlen=4096, window_left=-1, pages=None):
+    a = DecodeArgs()
+    a.batch, a.num_heads, a.num_heads_k, a.head_dim, a.seqlen_k = batch, heads, heads_k, dim, seqlen
+    a.window_left = window_left
+    if pages is not None:  # (nnz_pages, page_size): only the counts matter to the plan
+        a.page_values, a.nnz_pages, a.page_size = 1, *pages
+    p = DecodePlan()
+    return lib.mqa_byoc_decode_make_plan(ctypes.byref(a), SMS, ctypes.byref(p)), p
+
+
+@pytest.mark.parametrize("heads,heads_k,dim", [(64, 8, 128), (32, 8, 128), (16, 16, 128), (71, 1, 64), (40, 2, 64)])
+@pytest.mark.parametrize("seqlen", [1, 100, 1024, 4096, 16384, 32768, 131072, 1_000_000])
+def test_contiguous_plan_covers_every_key_in_one_wave(lib, heads, heads_k, dim, seqlen):
+    rc, p = _plan(lib, heads=heads, heads_k=heads_k, dim=dim, seqlen=seqlen)
+    assert rc == 0
+    rows = 16 if dim == 128 else 32
+    assert p.row_groups == -(-(heads // heads_k) // rows)
+    assert p.keys_per_split % 128 == 0 and p.splits * p.keys_per_split >= seqlen
+    assert (p.splits - 1) * p.keys_per_split < seqlen  # no split without keys
+    slots = heads_k * p.row_groups
+    assert p.splits <= 32 and slots * p.splits <= max(SMS, slots)  # one wave (one CTA per SM)
+    per_split = slots * p.splits * rows
+    assert p.workspace_bytes == ((per_split * dim + per_split) * 4 if p.splits > 1 else 0)
+    assert p.counters == (slots if p.splits > 1 else 0)
+
+
+def test_window_limits_the_split_count(lib):
+    _, full = _plan(lib, seqlen=32768)
+    rc, win = _plan(lib, seqlen=32768, window_left=100)
+    assert rc == 0 and full.splits > 1 and win.splits == 1 and win.workspace_bytes == 0
+
+
+def test_paged_plan_is_sized_for_the_longest_possible_sequence(lib):
+    rc, p = _plan(lib, batch=8, seqlen=0, pages=(8 * 64, 256))  # 8 sequences, 16k keys each on average
+    assert rc == 0 and p.splits <= 128 and p.splits * p.keys_per_split >= 8 * 64 * 256
+
+
+@pytest.mark.parametrize("heads,heads_k,dim,batch", [(64, 8, 96, 1), (64, 8, 256, 1), (10, 4, 128, 1), (64, 8, 128, 0)])
+def test_refuses_what_it_cannot_serve(lib, heads, heads_k, dim, batch):
+    assert lib.mqa_byoc_decode_supported(dim, heads, heads_k) == int(dim in (64, 128) and heads % heads_k == 0)
+    assert _plan(lib, heads=heads, heads_k=heads_k, dim=dim, batch=batch)[0] == 2
