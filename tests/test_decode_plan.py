@@ -11,6 +11,7 @@ import subprocess
 import pytest
 
 from mqa_byoc import kernels as K
+from mqa_byoc.kernels.decode_rule import decode_kernel_serves
 from mqa_byoc.testing.decode_kernel import DecodeArgs, DecodePlan
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None or not K.nvcc_available(), reason="needs g++ and nvcc")
@@ -71,3 +72,11 @@ def test_paged_plan_is_sized_for_the_longest_possible_sequence(lib):
 def test_refuses_what_it_cannot_serve(lib, heads, heads_k, dim, batch):
     assert lib.mqa_byoc_decode_supported(dim, heads, heads_k) == int(dim in (64, 128) and heads % heads_k == 0)
     assert _plan(lib, heads=heads, heads_k=heads_k, dim=dim, batch=batch)[0] == 2
+
+
+@pytest.mark.parametrize("dim", [32, 64, 96, 128, 256])
+@pytest.mark.parametrize("heads,heads_k", [(64, 8), (32, 8), (16, 1), (32, 1), (33, 1), (71, 1), (12, 4), (10, 4)])
+def test_offload_reports_rule_is_the_kernels(lib, dim, heads, heads_k):
+    """decode_kernel_serves (offload_report's) == the kernel serves the call with one row group."""
+    rc, p = _plan(lib, heads=heads, heads_k=heads_k, dim=dim)
+    assert decode_kernel_serves(dim, heads, heads_k) == (rc == 0 and p.row_groups == 1)

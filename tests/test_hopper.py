@@ -87,12 +87,17 @@ def test_wrapper_calls_fa4_and_keeps_fa2():
 def test_offload_report_names_the_kernel():
     mod = graphs.attention_repeat_bsnh(h=64, hkv=8, d=128, s="n")
     site = mqa_byoc.offload_report(mod, target=SM90, provider="hopper")[0]
-    assert site.provider == "hopper" and site.kernel.startswith("FA4 sm90") and "FA2 split-KV" in site.kernel
+    assert site.provider == "hopper" and site.kernel.startswith("FA4 sm90")
+    assert site.kernel.endswith("otherwise FA2 (decode: our grouped-query decode kernel)")
     site = mqa_byoc.offload_report(mod, target={"kind": "cuda", "arch": "sm_80"}, provider="native")[0]
     assert site.provider == "native" and site.kernel.startswith("FA2")
     small = mqa_byoc.offload_report(graphs.attention_repeat_bsnh(h=8, hkv=2, d=32, s="n"), target=SM90,
                                     provider="hopper")[0]
     assert small.kernel.startswith("FA2") and "head dim 32" in small.kernel
+    assert small.kernel.startswith("FA2 (decode: FA2 split-KV)")  # no decode kernel for head dim 32
+    falcon = mqa_byoc.offload_report(graphs.attention_repeat_bsnh(h=71, hkv=1, d=64, s="n"), target=SM90,
+                                     provider="native")[0]
+    assert falcon.kernel == "FA2 (decode: FA2 split-KV), linked"  # 71 query rows: more than one CTA holds
 
 
 def test_unavailable_reasons(monkeypatch, tmp_path):

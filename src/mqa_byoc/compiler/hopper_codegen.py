@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from mqa_byoc.compiler.spec import AttentionSpec
 from mqa_byoc.kernels import hopper
+from mqa_byoc.kernels.decode_rule import decode_kernel_serves
 
 #: FA4 runs a call when it has at least this many query tiles (batch x K/V heads x tiles of packed
 #: query rows): about half the SMs of an H100/H200 (132), since FA4's sm90 kernel has no split-KV and
@@ -29,7 +30,9 @@ def describe_kernel(provider: str, *, dtype, head_dim, num_q_heads, num_kv_heads
     """What an offloaded site runs on with ``provider`` (the ``kernel`` of ``offload_report``)."""
     if provider == "python":
         return "FA2 through the python provider (flash-attn or PyTorch at run time)"
-    fa2 = "FA2 var-len forward" if var_len else "FA2 (split-KV when the queries are few)"
+    decode = ("our grouped-query decode kernel" if decode_kernel_serves(head_dim, num_q_heads, num_kv_heads)
+              else "FA2 split-KV")
+    fa2 = "FA2 var-len forward" if var_len else f"FA2 (decode: {decode})"
     if provider != "hopper":
         return fa2 + ", linked"
     if var_len:
@@ -41,7 +44,7 @@ def describe_kernel(provider: str, *, dtype, head_dim, num_q_heads, num_kv_heads
     mask = "local" if window else ("causal" if causal else "none")
     out = (f"FA4 sm90 (flash-attn-4 {hopper.FA4_VERSION}, group {group}, {mask}) for calls with >= "
            f"{MIN_FA4_TILES} query tiles")
-    return out + "; otherwise (decode) FA2 split-KV"
+    return out + f"; otherwise FA2 (decode: {decode})"
 
 
 def _rejection(dtype, head_dim, head_dim_v) -> str | None:

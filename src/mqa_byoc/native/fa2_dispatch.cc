@@ -411,8 +411,7 @@ bool own_decode_enabled() {
 
 bool own_decode_fits(int64_t head_dim, int64_t num_heads, int64_t num_heads_k, int64_t batch) {
   if (!own_decode_enabled() || !mqa_byoc_decode_supported(head_dim, num_heads, num_heads_k)) return false;
-  const int64_t rows = head_dim <= 64 ? 32 : 16;
-  return num_heads / num_heads_k <= rows && batch <= 65535 && num_heads_k <= 65535;
+  return num_heads / num_heads_k <= mqa_byoc_decode_rows_per_cta(head_dim) && batch <= 65535 && num_heads_k <= 65535;
 }
 
 int own_decode(const mqa_byoc_decode_args& a, int device_id, cudaStream_t stream) {

@@ -574,6 +574,10 @@ int launch_typed(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, v
 
 extern "C" {
 
+__attribute__((visibility("default"))) int mqa_byoc_decode_rows_per_cta(int64_t head_dim) {
+  return head_dim <= 64 ? 16 * rows_per_block<64>() : 16 * rows_per_block<128>();
+}
+
 __attribute__((visibility("default"))) int mqa_byoc_decode_supported(int64_t head_dim, int64_t num_heads,
                                                                      int64_t num_heads_k) {
   return (head_dim == 64 || head_dim == 128) && num_heads_k > 0 && num_heads % num_heads_k == 0 ? 1 : 0;
@@ -583,7 +587,7 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_b
                                                                      mqa_byoc_decode_plan* p) {
   if (!mqa_byoc_decode_supported(a->head_dim, a->num_heads, a->num_heads_k) || a->batch <= 0) return 2;
   const int64_t group = a->num_heads / a->num_heads_k;
-  const int rows = a->head_dim <= 64 ? 32 : 16;
+  const int rows = mqa_byoc_decode_rows_per_cta(a->head_dim);
   p->row_groups = int((group + rows - 1) / rows);
   // Keys of the longest sequence (contiguous: all alike) and, for pages, what the pages could hold at most.
   int64_t typical = a->seqlen_k, longest = a->seqlen_k;

@@ -34,6 +34,9 @@ typedef struct {
   size_t workspace_bytes;  // device scratch for mqa_byoc_decode_launch (0: none needed)
 } mqa_byoc_decode_plan;
 
+// Query rows (query heads of one K/V head) one CTA holds: 32 for head dim 64, 16 for 128. More make
+// several row groups that each read the K/V (the dispatcher leaves such groupings to FA2).
+int mqa_byoc_decode_rows_per_cta(int64_t head_dim);
 // 1 when the kernel serves this head dim and head grouping (head dim 64 or 128, H a multiple of H_kv).
 int mqa_byoc_decode_supported(int64_t head_dim, int64_t num_heads, int64_t num_heads_k);
 // The grid and scratch of a call on a device with num_sms SMs. 0 on success.
