@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+import gpu_common
+
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / ".gpu-artifacts" / "paged"
 sys.path.insert(0, str(ROOT / "src"))
@@ -35,12 +37,9 @@ RESULTS: dict = {}
 
 @pytest.fixture(scope="module")
 def env():
-    try:
-        import torch
-    except ImportError:
-        pytest.skip("torch is not installed")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
+    if gpu_common.skip_reason():  # no torch, or no CUDA GPU
+        pytest.skip(gpu_common.skip_reason())
+    import torch
     if not MANIFEST:
         pytest.skip(f"no artifacts in {ARTIFACTS}: run `python tools/gpu/build_paged.py` on the build machine "
                     "and carry .gpu-artifacts/paged")

@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import gpu_common
 from mqa_byoc.testing.cupti import is_attention_kernel  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,12 +40,9 @@ def _libraries() -> list[str]:
 
 @pytest.fixture(scope="module")
 def env():
-    try:
-        import torch
-    except ImportError:
-        pytest.skip("torch is not installed")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
+    if gpu_common.skip_reason():  # no torch, or no CUDA GPU
+        pytest.skip(gpu_common.skip_reason())
+    import torch
     if os.environ.get("TVM_USE_RUNTIME_LIB") == "1":
         import boot  # noqa: F401 - .devkit/boot.py: CUDA runtime + nvcc hook
     if len(_libraries()) != 2:
