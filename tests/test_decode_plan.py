@@ -28,6 +28,7 @@ def lib(tmp_path_factory):
     lib = ctypes.CDLL(str(out))
     lib.mqa_byoc_decode_make_plan.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int, ctypes.POINTER(DecodePlan)]
     lib.mqa_byoc_decode_supported.argtypes = [ctypes.c_int64] * 3
+    lib.mqa_byoc_decode_plan_split.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int64, ctypes.POINTER(DecodePlan)]
     return lib
 
 
@@ -80,3 +81,18 @@ def test_offload_reports_rule_is_the_kernels(lib, dim, heads, heads_k):
     """decode_kernel_serves (offload_report's) == the kernel serves the call with one row group."""
     rc, p = _plan(lib, heads=heads, heads_k=heads_k, dim=dim)
     assert decode_kernel_serves(dim, heads, heads_k) == (rc == 0 and p.row_groups == 1)
+
+
+def test_plan_for_a_given_split_size(lib):
+    """plan_split (the benchmark's sweep) with make_plan's split size gives make_plan's plan; it refuses a
+    size that is not whole warps' tiles or that makes more splits than the merging CTA holds."""
+    a = DecodeArgs()
+    a.batch, a.num_heads, a.num_heads_k, a.head_dim, a.seqlen_k, a.window_left = 1, 64, 8, 128, 32768, -1
+    made, again = DecodePlan(), DecodePlan()
+    assert lib.mqa_byoc_decode_make_plan(ctypes.byref(a), SMS, ctypes.byref(made)) == 0
+    assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), made.keys_per_split, ctypes.byref(again)) == 0
+    fields = [f for f, _ in DecodePlan._fields_]
+    assert [getattr(again, f) for f in fields] == [getattr(made, f) for f in fields]
+    assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), 512, ctypes.byref(again)) == 0 and again.splits == 64
+    assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), 100, ctypes.byref(again)) == 2  # not 128-key units
+    assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), 128, ctypes.byref(again)) == 2  # 256 splits

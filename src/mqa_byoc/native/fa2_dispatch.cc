@@ -215,6 +215,27 @@ bool nvtx_enabled() {
   return enabled;
 }
 
+// An NVTX range named by `format` (a "<name>[h=%lld,kv=%lld,d=%lld]" format) for its scope, when
+// MQA_BYOC_NVTX is on.
+class NvtxRange {
+ public:
+  NvtxRange(const char* format, int64_t num_heads, int64_t num_heads_k, int64_t head_dim) : on_(nvtx_enabled()) {
+    if (!on_) return;
+    char name[96];
+    std::snprintf(name, sizeof(name), format, static_cast<long long>(num_heads), static_cast<long long>(num_heads_k),
+                  static_cast<long long>(head_dim));
+    nvtxRangePushA(name);
+  }
+  ~NvtxRange() {
+    if (on_) nvtxRangePop();
+  }
+  NvtxRange(const NvtxRange&) = delete;
+  NvtxRange& operator=(const NvtxRange&) = delete;
+
+ private:
+  bool on_;
+};
+
 // ---- pieces both entry points share ----------------------------------------------------------
 
 // The head-count, head-dim and stride checks of both entry points; last_axis is the index of the
@@ -320,16 +341,12 @@ int alloc_workspace(void** ws, size_t bytes, int device_id, cudaStream_t stream)
 int launch_and_free(EntryFn fn, Params* p, cudaStream_t stream, void* ws, const char* range_format,
                     int64_t num_heads, int64_t num_heads_k, int64_t head_dim, const std::string& what,
                     const std::function<int()>& after = nullptr) {
-  const bool nvtx = nvtx_enabled();
-  if (nvtx) {
-    char name[96];
-    std::snprintf(name, sizeof(name), range_format, static_cast<long long>(num_heads),
-                  static_cast<long long>(num_heads_k), static_cast<long long>(head_dim));
-    nvtxRangePushA(name);
+  int after_rc = 0;
+  {
+    NvtxRange range(range_format, num_heads, num_heads_k, head_dim);
+    fn(p, stream);
+    after_rc = (after && cudaPeekAtLastError() == cudaSuccess) ? after() : 0;
   }
-  fn(p, stream);
-  const int after_rc = (after && cudaPeekAtLastError() == cudaSuccess) ? after() : 0;
-  if (nvtx) nvtxRangePop();
   cudaError_t launch = cudaGetLastError();
   cudaError_t err = cudaFreeAsync(ws, stream);
   if (launch != cudaSuccess) return fail(what + " launch failed: " + cudaGetErrorString(launch));
@@ -424,15 +441,11 @@ int own_decode(const mqa_byoc_decode_args& a, int device_id, cudaStream_t stream
   if (plan.workspace_bytes > 0) {
     if (int rc = alloc_workspace(&ws, plan.workspace_bytes, device_id, stream)) return rc;
   }
-  const bool nvtx = nvtx_enabled();
-  if (nvtx) {
-    char name[96];
-    std::snprintf(name, sizeof(name), "flash_attn[h=%lld,kv=%lld,d=%lld]", static_cast<long long>(a.num_heads),
-                  static_cast<long long>(a.num_heads_k), static_cast<long long>(a.head_dim));
-    nvtxRangePushA(name);
+  int rc = 0;
+  {
+    NvtxRange range("flash_attn[h=%lld,kv=%lld,d=%lld]", a.num_heads, a.num_heads_k, a.head_dim);
+    rc = mqa_byoc_decode_launch(&a, &plan, ws, device_id, stream);
   }
-  const int rc = mqa_byoc_decode_launch(&a, &plan, ws, device_id, stream);
-  if (nvtx) nvtxRangePop();
   const cudaError_t launch = cudaGetLastError();
   const cudaError_t freed = ws != nullptr ? cudaFreeAsync(ws, stream) : cudaSuccess;
   if (rc != 0 || launch != cudaSuccess) {

@@ -28,6 +28,7 @@ constexpr int kWarps = 8;  // one CTA per SM (the pipeline takes 192 KB for head
 constexpr int kThreads = kWarps * 32;
 constexpr int kTileKeys = 16;  // keys per warp step (one m16n8k16 K step of P @ V)
 constexpr int kStages = 3;
+constexpr int kMaxSplits = 128;  // splits per (sequence, K/V head): the merging CTA keeps their weights
 
 template <typename T>
 struct Mma;
@@ -458,7 +459,8 @@ __global__ void __launch_bounds__(kThreads) gqa_decode_kernel(const mqa_byoc_dec
   for (int u = 0; u < kPre; ++u) {
     pre[u] = (threadIdx.x < n4 && u < n_splits) ? __ldcg(src0 + u * kSplitStride4) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  float* s_w = reinterpret_cast<float*>(smem);  // [split][row], n_splits <= 128 (the plan's bound)
+  static_assert(kMaxSplits * kRows * 4 <= S::kMainBytes, "the split weights must fit the merge buffer");
+  float* s_w = reinterpret_cast<float*>(smem);  // [split][row], n_splits <= kMaxSplits (the plan's bound)
   for (int idx = threadIdx.x; idx < n_splits * rows_here; idx += kThreads) {
     const int sp = idx / rows_here, r = idx % rows_here;
     s_w[sp * kRows + r] = __ldcg(all_l + sp * kRows + r);
@@ -544,6 +546,14 @@ int* counters_for(int device, cudaStream_t stream, int64_t n) {
   return p;
 }
 
+// Keys of the longest sequence a call can have (contiguous: all alike; pages: all the call's pages),
+// within the window.
+int64_t longest_keys(const mqa_byoc_decode_args& a) {
+  int64_t longest = a.page_values != nullptr ? a.nnz_pages * a.page_size : a.seqlen_k;
+  if (a.window_left >= 0) longest = std::min<int64_t>(longest, a.window_left + 1);
+  return std::max<int64_t>(longest, 1);
+}
+
 template <int D>
 constexpr int rows_per_block() {
   return D <= 64 ? 2 : 1;  // row blocks of 16 per CTA (registers: Q and O fragments)
@@ -583,42 +593,47 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_supported(int64_t hea
   return (head_dim == 64 || head_dim == 128) && num_heads_k > 0 && num_heads % num_heads_k == 0 ? 1 : 0;
 }
 
+__attribute__((visibility("default"))) int mqa_byoc_decode_plan_split(const mqa_byoc_decode_args* a,
+                                                                      int64_t keys_per_split,
+                                                                      mqa_byoc_decode_plan* p) {
+  if (!mqa_byoc_decode_supported(a->head_dim, a->num_heads, a->num_heads_k) || a->batch <= 0) return 2;
+  const int64_t unit = int64_t(kWarps) * kTileKeys;
+  if (keys_per_split <= 0 || keys_per_split % unit != 0) return 2;
+  const int64_t splits = (longest_keys(*a) + keys_per_split - 1) / keys_per_split;
+  if (splits > kMaxSplits) return 2;  // the merging CTA's weights live in shared memory
+  const int64_t rows = mqa_byoc_decode_rows_per_cta(a->head_dim);
+  p->row_groups = int((a->num_heads / a->num_heads_k + rows - 1) / rows);
+  p->keys_per_split = int(keys_per_split);
+  p->splits = int(splits);
+  const int64_t slots = a->batch * a->num_heads_k * p->row_groups;
+  p->o_part_floats = splits > 1 ? slots * splits * rows * a->head_dim : 0;
+  const int64_t lse_floats = splits > 1 ? slots * splits * rows : 0;
+  p->workspace_bytes = size_t(p->o_part_floats + lse_floats) * sizeof(float);
+  p->counters = splits > 1 ? slots : 0;
+  return 0;
+}
+
 __attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_byoc_decode_args* a, int num_sms,
                                                                      mqa_byoc_decode_plan* p) {
   if (!mqa_byoc_decode_supported(a->head_dim, a->num_heads, a->num_heads_k) || a->batch <= 0) return 2;
-  const int64_t group = a->num_heads / a->num_heads_k;
-  const int rows = mqa_byoc_decode_rows_per_cta(a->head_dim);
-  p->row_groups = int((group + rows - 1) / rows);
-  // Keys of the longest sequence (contiguous: all alike) and, for pages, what the pages could hold at most.
-  int64_t typical = a->seqlen_k, longest = a->seqlen_k;
-  if (a->page_values != nullptr) {
-    longest = a->nnz_pages * a->page_size;
-    typical = (longest + a->batch - 1) / a->batch;
-  }
-  if (a->window_left >= 0) {
-    typical = std::min<int64_t>(typical, a->window_left + 1);
-    longest = std::min<int64_t>(longest, a->window_left + 1);
-  }
+  const int64_t rows = mqa_byoc_decode_rows_per_cta(a->head_dim);
+  const int64_t row_groups = (a->num_heads / a->num_heads_k + rows - 1) / rows;
+  const int64_t longest = longest_keys(*a);
+  // pages: a typical sequence holds an even share of the pages
+  int64_t typical = a->page_values != nullptr ? (a->nnz_pages * a->page_size + a->batch - 1) / a->batch : a->seqlen_k;
+  if (a->window_left >= 0) typical = std::min<int64_t>(typical, a->window_left + 1);
   typical = std::max<int64_t>(typical, 1);
-  longest = std::max<int64_t>(longest, 1);
   // At most one CTA per SM (one wave) and 32 splits per slot (the last CTA's merge reads every split:
   // measured on the H200, more splits cost more there than they gain), at least one 16-key tile per
-  // warp, and at most 128 splits (the grid of a paged batch is sized by `longest`).
-  const int64_t slots = a->batch * a->num_heads_k * p->row_groups;
+  // warp, and at most kMaxSplits splits (the grid of a paged batch is sized by `longest`).
+  const int64_t slots = a->batch * a->num_heads_k * row_groups;
   const int64_t target = std::min<int64_t>(32, std::max<int64_t>(1, int64_t(std::max(num_sms, 1)) / slots));
   const int64_t unit = int64_t(kWarps) * kTileKeys;
   int64_t kps = (typical + target - 1) / target;
   kps = std::max<int64_t>(kps, unit);
-  kps = std::max<int64_t>(kps, (longest + 127) / 128);
+  kps = std::max<int64_t>(kps, (longest + kMaxSplits - 1) / kMaxSplits);
   kps = (kps + unit - 1) / unit * unit;
-  p->keys_per_split = int(kps);
-  p->splits = int((longest + kps - 1) / kps);
-  const int64_t kRows = rows;
-  p->o_part_floats = p->splits > 1 ? slots * p->splits * kRows * a->head_dim : 0;
-  const int64_t lse_floats = p->splits > 1 ? slots * p->splits * kRows : 0;
-  p->workspace_bytes = size_t(p->o_part_floats + lse_floats) * sizeof(float);
-  p->counters = p->splits > 1 ? slots : 0;
-  return 0;
+  return mqa_byoc_decode_plan_split(a, kps, p);
 }
 
 __attribute__((visibility("default"))) int mqa_byoc_decode_launch(const mqa_byoc_decode_args* a,

@@ -41,6 +41,9 @@ int mqa_byoc_decode_rows_per_cta(int64_t head_dim);
 int mqa_byoc_decode_supported(int64_t head_dim, int64_t num_heads, int64_t num_heads_k);
 // The grid and scratch of a call on a device with num_sms SMs. 0 on success.
 int mqa_byoc_decode_make_plan(const mqa_byoc_decode_args* args, int num_sms, mqa_byoc_decode_plan* plan);
+// The plan with a given split size (a multiple of 128 keys, at most 128 splits; else 2): what make_plan
+// ends with, for a benchmark's sweep of split sizes.
+int mqa_byoc_decode_plan_split(const mqa_byoc_decode_args* args, int64_t keys_per_split, mqa_byoc_decode_plan* plan);
 // Launches on `stream` (a cudaStream_t of device_id, current); workspace: plan->workspace_bytes. 0 on success.
 int mqa_byoc_decode_launch(const mqa_byoc_decode_args* args, const mqa_byoc_decode_plan* plan, void* workspace,
                            int device_id, void* stream);

@@ -44,6 +44,8 @@ def library(arch: str = "sm_90a", lineinfo: bool = False) -> ctypes.CDLL:
     )
     lib = ctypes.CDLL(str(out))
     lib.mqa_byoc_decode_make_plan.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int, ctypes.POINTER(DecodePlan)]
+    lib.mqa_byoc_decode_plan_split.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int64,
+                                                ctypes.POINTER(DecodePlan)]
     lib.mqa_byoc_decode_launch.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.POINTER(DecodePlan), ctypes.c_void_p,
                                            ctypes.c_int, ctypes.c_void_p]
     return lib
@@ -90,19 +92,12 @@ class Decode:
         self.ws = torch.empty(max(1, self.plan.workspace_bytes), dtype=torch.uint8, device=q.device)
 
     def set_keys_per_split(self, kps: int) -> None:
-        """Replaces the plan's split size (the benchmark's sweep); the scratch follows."""
+        """Replaces the plan's split size (the benchmark's sweep; the kernel's own rule for the rest)."""
         import torch
 
-        p, a = self.plan, self.args
-        longest = a.seqlen_k if not a.page_values else a.nnz_pages * a.page_size
-        rows = 32 if a.head_dim <= 64 else 16
-        slots = a.batch * a.num_heads_k * p.row_groups
-        p.keys_per_split, p.splits = kps, -(-longest // kps)
-        multi = p.splits > 1
-        p.o_part_floats = slots * p.splits * rows * a.head_dim if multi else 0
-        p.counters = slots if multi else 0
-        p.workspace_bytes = (p.o_part_floats + (slots * p.splits * rows if multi else 0)) * 4
-        self.ws = torch.empty(max(1, p.workspace_bytes), dtype=torch.uint8, device=self.ws.device)
+        rc = self.lib.mqa_byoc_decode_plan_split(ctypes.byref(self.args), kps, ctypes.byref(self.plan))
+        assert rc == 0, f"plan_split({kps}) rc={rc}"
+        self.ws = torch.empty(max(1, self.plan.workspace_bytes), dtype=torch.uint8, device=self.ws.device)
 
     def __call__(self):
         import torch
