@@ -34,7 +34,8 @@ def _demo_parser(sub):
     p.add_argument("--arch", default="sm_90", help="CUDA arch to build for")
     p.add_argument("--provider", default="auto", choices=["auto", *PROVIDERS],
                    help="kernel provider (auto: native on a GPU machine with nvcc, or where its kernels are "
-                        "already built; else python; hopper: FA4's sm90 kernel for prefill, FA2 for decode)")
+                        "already built; else python; hopper: FA4's sm90 kernel for prefill, native's for "
+                        "decode)")
     p.add_argument("--build-kernels", action="store_true",
                    help="compile the FA2 kernels the native library needs if missing (minutes per file)")
     p.add_argument("--out", default=None, help="directory for the exported library")
@@ -67,8 +68,8 @@ def _profile_parser(sub):
                    help="fused: one qkv_proj and one gate_up_proj matmul per layer, split (mlc-llm's Llama); "
                         "separate: q/k/v and gate/up projections (Hugging Face's); not with --kv-cache paged")
     b.add_argument("--provider", default="native", choices=list(PROVIDERS),
-                   help="kernel provider (hopper: FA4's sm90 kernel for prefill, FA2 for decode; sm_90 only; "
-                        "--kv-cache paged: native only)")
+                   help="kernel provider (hopper: FA4's sm90 kernel for prefill, native's for decode; sm_90 "
+                        "only; --kv-cache paged: native only)")
     b.add_argument("--arch", default="sm_90")
     b.add_argument("--logits", default=None, choices=["last", "all"],
                    help="prefill returns the last position's logits (serving; the default) or all of them "

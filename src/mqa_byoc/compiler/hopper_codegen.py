@@ -1,9 +1,9 @@
-"""The ``hopper`` provider's part of a native wrapper: FA4's sm90 kernel for prefill, FA2 for decode.
+"""The ``hopper`` provider's part of a native wrapper: FA4's sm90 kernel for prefill, native's for decode.
 
 A native wrapper emitted for the hopper provider (:func:`mqa_byoc.compiler.native_codegen.emit_native_source`
 with ``hopper=True``) calls the FA4 object of its :class:`~mqa_byoc.kernels.hopper.HopperKernelKey`
 when the call has enough query rows to fill the GPU, and FA2 (the native provider's dispatcher, with its
-split-KV decode) otherwise: FA4's sm90 forward has no split-KV, so at decode one CTA per K/V head would
+decode kernels) otherwise: FA4's sm90 forward has no split-KV, so at decode one CTA per K/V head would
 read the whole cache alone. :func:`fa4_rejection` says why a site stays on FA2 altogether.
 
 This module does not import TVM.
