@@ -11,7 +11,7 @@ import pytest
 import tvm
 
 from mqa_byoc.models.paged_llama import PagedLlamaConfig, export_paged_llama
-from mqa_byoc.runtime.paged_driver import PagedModel, Reference
+from mqa_byoc.runtime.paged_driver import DecoderReference, PagedModel, Reference
 
 torch = pytest.importorskip("torch")
 
@@ -60,3 +60,25 @@ def test_decoder_calls(model):
     model.end(cache)
     assert prefill.shape == (1, 8, 32) and decode.shape == (2, 1, 32)
     assert torch.isfinite(prefill).all() and torch.isfinite(decode).all() and prefill.abs().max() > 0
+
+
+def test_decoder_reference_matches_tvm_decoder(model):
+    """The fp32 decoder oracle of the GPU test: the llvm build's logits over a prefill, a second chunk
+    that starts a sequence, and decode steps."""
+    cfg = model.cfg
+    model.set_params(seed=1)
+    ref = DecoderReference(torch, cfg, model.weights)
+    cache = model.new_cache(3, 96, 32)
+    model.add(cache, [0, 1, 2])
+    gen = torch.Generator().manual_seed(3)
+    steps = [([0, 1], [5, 3]), ([0, 1, 2], [2, 1, 4]), ([0, 1, 2], [1, 1, 1]), ([0, 1, 2], [1, 1, 1])]
+    for i, (seqs, lengths) in enumerate(steps):
+        decode = all(n == 1 for n in lengths) and i >= 2
+        ids = torch.randint(0, cfg["vocab"], (len(seqs), 1) if decode else (1, sum(lengths)), generator=gen,
+                            dtype=torch.int32)
+        model.begin(cache, seqs, lengths)
+        got = model.logits("decode" if decode else "prefill", cache, ids)
+        model.end(cache)
+        want = ref.step(seqs, lengths, ids)
+        assert got.shape == want.shape
+        assert float((got - want).abs().max() / want.abs().max()) < 1e-4, f"step {i}"

@@ -6,8 +6,14 @@ a prefill (ragged attention only), a second prefill chunk on the filled sequence
 prefill over the prefixes, one sequence without any, + ragged + TVM's LSE merge: checks the base-2 LSE
 and the empty-sequence rows), then decode steps. Every output is
 compared with an fp32 reference of the K/V history; TVM's TIR output is recorded against it too, and
-FA2 must agree with TIR wherever TIR agrees with the reference. Then the whole decoder (GQA case):
-prefill and decode logits of both libraries with the same random weights.
+FA2 must agree with TIR wherever TIR agrees with the reference. Then the whole decoder (GQA cases):
+prefill and decode logits of both libraries with the same random weights against each other, and each
+against an fp32 torch decoder (``DecoderReference``): where FA2 and TIR differ beyond the tolerance, FA2
+must be the nearer to it. Measured on the H200: TVM's own GPU kernels, which both libraries share, are
+off the fp32 decoder (bf16: 0.10 from the prefill on, where rounding each op to bf16 gives 0.0065; the
+fp16 case's shortest sequences at the second and third decode step: 0.18 and 0.47, FA2 and TIR alike),
+while TVM's llvm build meets it (tests/test_paged_driver_cpu.py; in fp16 with the test's lengths and
+four layers, 0.006 at every step).
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ ARTIFACTS = ROOT / ".gpu-artifacts" / "paged"
 sys.path.insert(0, str(ROOT / "src"))
 MANIFEST = json.loads((ARTIFACTS / "manifest.json").read_text()) if (ARTIFACTS / "manifest.json").is_file() else {}
 TOL = 2e-2  # max |err| / max |reference|: fp16 inputs and outputs
-# decoder logits FA2 vs TIR after two layers of random weights: each side's rounding compounds; bf16
-# keeps 8 mantissa bits to fp16's 11 (8x the step), and the fp16 case measured 0.006 on the H200
+# decoder logits FA2 vs TIR (max |err| / max |reference|) after the layers of random weights: each side's
+# rounding compounds; bf16 keeps 8 mantissa bits to fp16's 11 (8x the step)
 DECODER_TOL = {"float16": 2e-2, "bfloat16": 1.2e-1}
 BATCHES = {1: [777], 8: [1, 37, 129, 256, 300, 513, 64, 1000]}
 SECOND_CHUNK = {1: [33], 8: [5, 17, 1, 128, 3, 64, 250, 2]}
@@ -133,6 +139,8 @@ def test_paged_attention_matches_reference_and_tir(env, name, batch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", [n for n in sorted(MANIFEST) if n.startswith("gqa")] or ["(no artifacts)"])
 def test_paged_decoder_logits_match_tir(env, name):
+    from mqa_byoc.runtime.paged_driver import DecoderReference
+
     tvm, torch = env
     models = _models(env, name)
     cfg = MANIFEST[name]["config"]
@@ -155,7 +163,20 @@ def test_paged_decoder_logits_match_tir(env, name):
             got.append(m.logits("decode", cache, ids).clone())
             m.end(cache)
         logits[impl] = got
-    errs = [_rel(torch, f, t) for f, t in zip(logits["fa2"], logits["tir"])]
-    RESULTS.setdefault("decoder", {})[name] = [round(e, 6) for e in errs]
+    # the fp32 oracle on the same (rounded) weights: which library is off, not only that they differ
+    ref = DecoderReference(torch, cfg, models["fa2"].weights)
+    want = [ref.step(seqs, lens, prompt)] + [ref.step(seqs, [1] * len(lens), ids) for ids in steps]
+    errs = {impl: [_rel(torch, g, w) for g, w in zip(logits[impl], want)] for impl in logits}
+    errs["fa2_vs_tir"] = [_rel(torch, f, t) for f, t in zip(logits["fa2"], logits["tir"])]
+    # per sequence (prefill: its tokens; decode: its row), FA2 vs the oracle: where an error sits
+    bounds = [sum(lens[:i]) for i in range(len(lens) + 1)]
+    errs["fa2_per_sequence"] = [[_rel(torch, logits["fa2"][0][:, bounds[i]:bounds[i + 1]], want[0][:, bounds[i]:bounds[i + 1]])
+                                 for i in seqs]]
+    errs["fa2_per_sequence"] += [[_rel(torch, g[i], w[i]) for i in seqs] for g, w in zip(logits["fa2"][1:], want[1:])]
+    RESULTS.setdefault("decoder", {})[name] = {k: [v if isinstance(v, list) else round(v, 6) for v in vs]
+                                               for k, vs in errs.items()}
     tol = DECODER_TOL[cfg.get("dtype", "float16")]
-    assert max(errs) < tol, f"{name}: decoder logits FA2 vs TIR per step {errs} (tolerance {tol})"
+    for i, (f_t, f_ref, t_ref) in enumerate(zip(errs["fa2_vs_tir"], errs["fa2"], errs["tir"])):
+        # the unrewritten library is the baseline; where FA2 and TIR part, FA2 must be the one nearer the math
+        assert f_t < tol or f_ref <= t_ref, (f"{name} step {i}: decoder logits FA2 vs TIR {f_t:.4f} (tolerance "
+                                            f"{tol}) and FA2 farther from the fp32 decoder than TIR: {errs}")

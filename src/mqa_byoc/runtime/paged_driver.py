@@ -69,13 +69,14 @@ class PagedModel:
         """Random weights (normal, std 0.02; norms 1) of the case's parameter list, on the device."""
         torch, dev = self.torch, self.device
         gen = torch.Generator(device=dev).manual_seed(seed)
-        tensors = []
+        tensors, self.weights = [], {}
         for name, shape, dtype in self.case["params"]:
             dt = getattr(torch, dtype)
             if "norm" in name:
                 t = torch.ones(shape, dtype=dt, device=dev)
             else:
                 t = (torch.randn(shape, generator=gen, device=dev, dtype=torch.float32) * 0.02).to(dt)
+            self.weights[name] = t
             tensors.append(self.tvm.runtime.from_dlpack(t))
         self.params = tensors
 
@@ -125,6 +126,36 @@ class Reference:
             out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv))
         o = torch.cat(out)  # rows in sequence order: (1, total) for prefill, (batch, 1) for decode alike
         return o.reshape(qkv.shape[0], qkv.shape[1], *o.shape[1:])
+
+
+class DecoderReference:
+    """:class:`~mqa_byoc.models.paged_llama.PagedLlama` in fp32 torch (RoPE mode NONE) on the model's
+    weights (``PagedModel.weights`` after ``set_params``, widened to fp32), its K/V history in a
+    :class:`Reference`: the oracle both libraries' logits are measured against."""
+
+    def __init__(self, torch, cfg: dict, weights: dict):
+        if cfg.get("rope_mode", 0) != 0:
+            raise ValueError("DecoderReference has no RoPE: build the case with rope_mode=0")
+        self.torch, self.cfg = torch, cfg
+        self.w = {name: t.float() for name, t in weights.items()}
+        self.attn = [Reference(torch, cfg) for _ in range(cfg["layers"])]
+
+    def _norm(self, x, name):
+        return x * self.torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.w[name]
+
+    def step(self, seq_ids, lengths, ids):
+        """fp32 logits of ``ids`` ((1, sum(lengths)) prefill, (batch, 1) decode), like ``logits``."""
+        torch, c, w = self.torch, self.cfg, self.w
+        x = w["embed.weight"][ids.long()]
+        for i, ref in enumerate(self.attn):
+            p = f"layers.{i}."
+            qkv = self._norm(x, p + "attn_norm.weight") @ w[p + "attn.qkv_proj.weight"].t()
+            qkv = qkv.reshape(*ids.shape, c["num_q_heads"] + 2 * c["num_kv_heads"], c["head_dim"])
+            o = ref.step(seq_ids, lengths, qkv).reshape(*ids.shape, -1)
+            x = x + o @ w[p + "attn.o_proj.weight"].t()
+            gate, up = (self._norm(x, p + "mlp_norm.weight") @ w[p + "gate_up.weight"].t()).chunk(2, dim=-1)
+            x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "down.weight"].t()
+        return self._norm(x, "norm.weight") @ w["lm_head.weight"].t()
 
 
 class PagedCaches:
