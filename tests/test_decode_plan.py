@@ -58,6 +58,16 @@ def test_contiguous_plan_covers_every_key_in_one_wave(lib, heads, heads_k, dim, 
     assert p.counters == (slots if p.splits > 1 else 0)
 
 
+@pytest.mark.parametrize("heads,heads_k,seqlen,batch,splits", [
+    (64, 8, 1024, 1, 8), (64, 8, 32768, 1, 8),  # 8 slots: clusters of 8 at every length
+    (8, 1, 4096, 1, 16), (8, 1, 16384, 1, 32),  # one slot: a cluster of 16 up to 4k keys, then 32 splits
+    (64, 8, 4096, 2, 8), (32, 8, 100, 1, 1)])
+def test_plan_sizes_splits_for_the_cluster_merge(lib, heads, heads_k, seqlen, batch, splits):
+    """Where the splits merging in a cluster pays (make_plan's rule), the plan makes a cluster's worth."""
+    rc, p = _plan(lib, heads=heads, heads_k=heads_k, batch=batch, seqlen=seqlen)
+    assert rc == 0 and p.splits == splits and p.merge == 0  # MQA_BYOC_DECODE_MERGE_AUTO
+
+
 def test_window_limits_the_split_count(lib):
     _, full = _plan(lib, seqlen=32768)
     rc, win = _plan(lib, seqlen=32768, window_left=100)

@@ -1,7 +1,8 @@
 """The grouped-query decode kernel (native/gqa_decode.cu) alone, against fp32 attention, on the GPU:
 contiguous and paged K/V, fp16/bf16, head dims 64/128, GQA and MQA groupings, one split and many (the
-fused combine), strided query/output rows, sliding window, empty and ragged sequences, repeated calls
-(the arrival counters reset). Needs torch with CUDA and nvcc; no TVM."""
+fused combine: through a thread-block cluster's shared memory and through the workspace), strided
+query/output rows, sliding window, empty and ragged sequences, repeated calls (the arrival counters
+reset). Needs torch with CUDA and nvcc; no TVM."""
 from __future__ import annotations
 
 import math
@@ -22,7 +23,8 @@ from mqa_byoc.testing import decode_kernel as dk  # noqa: E402
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def _contiguous_case(batch, heads, heads_k, dim, seqlen, dtype, window_left=-1, strided=False, seed=0):
+def _contiguous_case(batch, heads, heads_k, dim, seqlen, dtype, window_left=-1, strided=False, seed=0,
+                     merge="auto"):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     if strided:  # q and out as row slices of wider buffers (a fused qkv output, an (B, H*D + pad) output)
         qbuf = torch.randn(batch, heads + 2 * heads_k, dim, generator=gen, device="cuda").to(dtype)
@@ -38,7 +40,7 @@ def _contiguous_case(batch, heads, heads_k, dim, seqlen, dtype, window_left=-1, 
     v = torch.randn(batch, cap, heads_k, dim, generator=gen, device="cuda").to(dtype)
     lse = torch.zeros(batch, heads, dtype=torch.float32, device="cuda")
     call = dk.Decode(q, k, v, out, lse, k_stride=k.stride()[:3], v_stride=v.stride()[:3], seqlen_k=seqlen,
-                     num_heads_k=heads_k, window_left=window_left)
+                     num_heads_k=heads_k, window_left=window_left, merge=merge)
     ref_o, ref_lse = dk.reference(q, k, v, [seqlen] * batch, heads_k, window_left=window_left)
     return call, out, lse, ref_o, ref_lse
 
@@ -61,10 +63,26 @@ def test_contiguous(dtype, heads, heads_k, dim, seqlen):
     _check(out, lse, ref_o, ref_lse, dtype)
 
 
+@pytest.mark.parametrize("merge", ["global", "cluster"])
+@pytest.mark.parametrize("heads,heads_k,dim,seqlen", [(64, 8, 128, 1000), (64, 8, 128, 4096), (32, 8, 128, 16411),
+                                                      (71, 1, 64, 2000), (40, 2, 64, 2048)])
+def test_each_merge(merge, heads, heads_k, dim, seqlen):
+    """Both ways of merging the splits, forced (the plan's AUTO picks the cluster where it fits)."""
+    call, out, lse, ref_o, ref_lse = _contiguous_case(1, heads, heads_k, dim, seqlen, torch.bfloat16, merge=merge)
+    assert 1 < call.plan.splits <= 16, call.plan.splits  # a cluster holds them
+    for _ in range(2):
+        out.zero_()
+        call()
+    torch.cuda.synchronize()
+    _check(out, lse, ref_o, ref_lse, torch.bfloat16)
+
+
+@pytest.mark.parametrize("merge", ["global", "auto"])
 @pytest.mark.parametrize("window_left", [0, 100, 5000])
 @pytest.mark.parametrize("strided", [False, True])
-def test_batch_window_strided_repeat(window_left, strided):
-    call, out, lse, ref_o, ref_lse = _contiguous_case(3, 32, 8, 128, 3000, torch.float16, window_left, strided)
+def test_batch_window_strided_repeat(window_left, strided, merge):
+    call, out, lse, ref_o, ref_lse = _contiguous_case(3, 32, 8, 128, 3000, torch.float16, window_left, strided,
+                                                      merge=merge)
     for _ in range(3):  # the arrival counters must be back at zero after each call
         out.zero_()
         call()
@@ -76,7 +94,8 @@ def test_batch_window_strided_repeat(window_left, strided):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("page_size", [16, 128, 256])
 @pytest.mark.parametrize("heads,heads_k,dim", [(64, 8, 128), (71, 1, 64)])
-def test_paged(dtype, page_size, heads, heads_k, dim):
+@pytest.mark.parametrize("merge", ["auto", "global"])
+def test_paged(dtype, page_size, heads, heads_k, dim, merge):
     gen = torch.Generator(device="cuda").manual_seed(1)
     lengths = [0, 1, page_size, 5000, 777, 2 * page_size + 3, 12000, 31]
     batch = len(lengths)
@@ -95,7 +114,7 @@ def test_paged(dtype, page_size, heads, heads_k, dim):
     kview, vview = pages[:, 0], pages[:, 1]  # (page, H_kv, P, D)
     stride = (kview.stride(0), kview.stride(2), kview.stride(1))  # (page, row in page, head)
     call = dk.Decode(q, kview, vview, out, lse, k_stride=stride, v_stride=stride, seqlen_k=0, num_heads_k=heads_k,
-                     pages=(indptr, values, last, page_size))
+                     pages=(indptr, values, last, page_size), merge=merge)
     call()
     call()
     torch.cuda.synchronize()

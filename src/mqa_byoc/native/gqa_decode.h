@@ -28,10 +28,16 @@ typedef struct {
   float lse_empty;  // the LSE written for a sequence without keys (its output row is zero)
 } mqa_byoc_decode_args;
 
+// How the splits of a (sequence, K/V head) merge. AUTO: in a thread-block cluster through distributed
+// shared memory when they are at most 16 and the grid's clusters are co-resident, else GLOBAL: the last
+// block to finish merges the partials in the workspace. CLUSTER: only the former (launch returns 4 if not).
+enum { MQA_BYOC_DECODE_MERGE_AUTO = 0, MQA_BYOC_DECODE_MERGE_GLOBAL = 1, MQA_BYOC_DECODE_MERGE_CLUSTER = 2 };
+
 typedef struct {
   int splits, keys_per_split, row_groups;
   int64_t o_part_floats, counters;
   size_t workspace_bytes;  // device scratch for mqa_byoc_decode_launch (0: none needed)
+  int merge;               // MQA_BYOC_DECODE_MERGE_*: the plan functions set AUTO
 } mqa_byoc_decode_plan;
 
 // Query rows (query heads of one K/V head) one CTA holds: 32 for head dim 64, 16 for 128. More make
@@ -44,7 +50,9 @@ int mqa_byoc_decode_make_plan(const mqa_byoc_decode_args* args, int num_sms, mqa
 // The plan with a given split size (a multiple of 128 keys, at most 128 splits; else 2): what make_plan
 // ends with, for a benchmark's sweep of split sizes.
 int mqa_byoc_decode_plan_split(const mqa_byoc_decode_args* args, int64_t keys_per_split, mqa_byoc_decode_plan* plan);
-// Launches on `stream` (a cudaStream_t of device_id, current); workspace: plan->workspace_bytes. 0 on success.
+// Launches on `stream` (a cudaStream_t of device_id, current); workspace: plan->workspace_bytes (also when
+// the splits merge in a cluster: the fallback needs it). 0 on success; 1 CUDA error; 2 unsupported;
+// 3 no counters; 4 MQA_BYOC_DECODE_MERGE_CLUSTER asked for a grid whose clusters are not co-resident.
 int mqa_byoc_decode_launch(const mqa_byoc_decode_args* args, const mqa_byoc_decode_plan* plan, void* workspace,
                            int device_id, void* stream);
 

@@ -30,7 +30,11 @@ class DecodePlan(ctypes.Structure):
     _fields_ = [
         ("splits", ctypes.c_int), ("keys_per_split", ctypes.c_int), ("row_groups", ctypes.c_int),
         ("o_part_floats", ctypes.c_int64), ("counters", ctypes.c_int64), ("workspace_bytes", ctypes.c_size_t),
+        ("merge", ctypes.c_int),
     ]
+
+
+MERGES = {"auto": 0, "global": 1, "cluster": 2}  # gqa_decode.h's MQA_BYOC_DECODE_MERGE_*
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,10 +82,13 @@ class Decode:
     """One prepared call: ``plan`` holds the grid; ``__call__`` launches on torch's current stream."""
 
     def __init__(self, q, k, v, out, lse=None, *, k_stride, v_stride, seqlen_k, num_heads_k, scale=None,
-                 window_left=-1, pages=None):
+                 window_left=-1, pages=None, merge: str = "auto"):
+        """``merge``: how the splits merge (:data:`MERGES`; "cluster" fails the launch with rc 4 where the
+        grid's clusters are not co-resident)."""
         import torch
 
         self.lib = library()
+        self.merge = MERGES[merge]
         self.keep = (q, k, v, out, lse, pages)
         self.args = _args(q, k, v, out, lse, k_stride=k_stride, v_stride=v_stride, seqlen_k=seqlen_k,
                           num_heads_k=num_heads_k, scale=scale, window_left=window_left, pages=pages)
@@ -89,6 +96,7 @@ class Decode:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         rc = self.lib.mqa_byoc_decode_make_plan(ctypes.byref(self.args), sms, ctypes.byref(self.plan))
         assert rc == 0, f"make_plan rc={rc}"
+        self.plan.merge = self.merge
         self.ws = torch.empty(max(1, self.plan.workspace_bytes), dtype=torch.uint8, device=q.device)
 
     def set_keys_per_split(self, kps: int) -> None:
@@ -97,6 +105,7 @@ class Decode:
 
         rc = self.lib.mqa_byoc_decode_plan_split(ctypes.byref(self.args), kps, ctypes.byref(self.plan))
         assert rc == 0, f"plan_split({kps}) rc={rc}"
+        self.plan.merge = self.merge
         self.ws = torch.empty(max(1, self.plan.workspace_bytes), dtype=torch.uint8, device=self.ws.device)
 
     def __call__(self):
