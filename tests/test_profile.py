@@ -531,6 +531,19 @@ def test_dispatcher_has_the_nvtx_ranges(monkeypatch, tmp_path):
     assert K.cache.dispatcher_name() != obj.name
 
 
+@pytest.mark.skipif(_native_toolchain() is None, reason="nvcc or flash-attn sources not available offline")
+def test_paged_entries_open_nvtx_ranges(monkeypatch):
+    """The PagedKVCache entries (fa2_paged.cu) name their calls through the dispatcher's NVTX switch."""
+    from mqa_byoc.compiler.paged_build import paged_object
+
+    monkeypatch.setenv("MQA_BYOC_FLASH_ATTN_SRC", str(_native_toolchain()))
+    obj = paged_object("sm_90", progress=None)
+    blob = obj.read_bytes()
+    assert b"flash_attn_paged[h=%lld,kv=%lld,d=%lld]" in blob and b"flash_attn_ragged[h=%lld,kv=%lld,d=%lld]" in blob
+    syms = subprocess.run(["nm", str(obj)], capture_output=True, text=True).stdout
+    assert "U mqa_byoc_fa2_nvtx_push" in syms and "U mqa_byoc_fa2_nvtx_pop" in syms
+
+
 @pytest.mark.slow
 def test_profile_build_writes_both_libraries(tmp_path, capsys):
     pytest.importorskip("tvm.relax")

@@ -136,7 +136,7 @@ def test_run_profile_paged_pair(tmp_path, fake_gpu, monkeypatch):  # noqa: F811 
     text = "\n".join(printed)
     assert ranges == ["prefill[16]", "decode[0]", "decode[1]", "decode[2]"] * 2
     assert data["kv_cache"] == "paged" and data["nvtx_steps"] is True
-    assert data["nvtx_flash_attn"] is False  # the paged FA2 entries open no flash_attn range
+    assert data["nvtx_flash_attn"] is True  # the paged FA2 entries open flash_attn_paged / _ragged ranges
     saved = json.loads((d / "profile.json").read_text())
     assert saved["modes"].keys() == {"mqa", "repeat"}
     assert saved["modes"]["mqa"]["library"] == "m.paged-fa2.so" and saved["modes"]["repeat"]["page_size"] == 16

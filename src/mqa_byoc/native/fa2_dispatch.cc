@@ -215,19 +215,29 @@ bool nvtx_enabled() {
   return enabled;
 }
 
+}  // namespace
+
+extern "C" int mqa_byoc_fa2_nvtx_push(const char* format, int64_t num_heads, int64_t num_heads_k, int64_t head_dim) {
+  if (!nvtx_enabled()) return 0;
+  char name[96];
+  std::snprintf(name, sizeof(name), format, static_cast<long long>(num_heads), static_cast<long long>(num_heads_k),
+                static_cast<long long>(head_dim));
+  nvtxRangePushA(name);
+  return 1;
+}
+
+extern "C" void mqa_byoc_fa2_nvtx_pop(void) { nvtxRangePop(); }
+
+namespace {
+
 // An NVTX range named by `format` (a "<name>[h=%lld,kv=%lld,d=%lld]" format) for its scope, when
 // MQA_BYOC_NVTX is on.
 class NvtxRange {
  public:
-  NvtxRange(const char* format, int64_t num_heads, int64_t num_heads_k, int64_t head_dim) : on_(nvtx_enabled()) {
-    if (!on_) return;
-    char name[96];
-    std::snprintf(name, sizeof(name), format, static_cast<long long>(num_heads), static_cast<long long>(num_heads_k),
-                  static_cast<long long>(head_dim));
-    nvtxRangePushA(name);
-  }
+  NvtxRange(const char* format, int64_t num_heads, int64_t num_heads_k, int64_t head_dim)
+      : on_(mqa_byoc_fa2_nvtx_push(format, num_heads, num_heads_k, head_dim) != 0) {}
   ~NvtxRange() {
-    if (on_) nvtxRangePop();
+    if (on_) mqa_byoc_fa2_nvtx_pop();
   }
   NvtxRange(const NvtxRange&) = delete;
   NvtxRange& operator=(const NvtxRange&) = delete;

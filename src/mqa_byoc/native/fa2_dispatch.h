@@ -75,6 +75,11 @@ int mqa_byoc_combine_chunks(const void* o_part, const float* lse, void* out, int
 int mqa_byoc_fa2_own_decode_fits(int64_t head_dim, int64_t num_heads, int64_t num_heads_k, int64_t batch);
 int mqa_byoc_fa2_own_decode(const mqa_byoc_decode_args* args, int device_id, void* stream);
 
+// An NVTX range around a call, when MQA_BYOC_NVTX is on: push names it by `format` (a
+// "<name>[h=%lld,kv=%lld,d=%lld]" format) and returns 1 when it opened one, which the caller pops.
+int mqa_byoc_fa2_nvtx_push(const char* format, int64_t num_heads, int64_t num_heads_k, int64_t head_dim);
+void mqa_byoc_fa2_nvtx_pop(void);
+
 // 1 when the kernel family (hdim in {32,64,96,128,192,256}) was linked in, else 0.
 int mqa_byoc_fa2_kernel_available(int hdim, int is_bf16, int causal, int split);
 

@@ -24,8 +24,8 @@ A directory of ``profile build --kv-cache paged`` holds the PagedKVCache pair in
 ``kv_cache="paged"``): FA2 through ``UseFlashAttentionForPagedKVCache`` as ``mqa=True``, TVM's TIR
 kernels as ``mqa=False``, run by :class:`~mqa_byoc.runtime.paged_driver.PagedDecoderRunner` through
 the same phases, tables and comparison (its steps include the cache's ``begin_forward`` /
-``end_forward``; the JSON keys of the modes stay ``mqa`` / ``repeat``). Its FA2 entries have no
-``flash_attn`` NVTX range (only the step ranges).
+``end_forward``; the JSON keys of the modes stay ``mqa`` / ``repeat``). Its FA2 entries open
+``flash_attn_paged[...]`` / ``flash_attn_ragged[...]`` ranges (decode on our kernel: ``flash_attn[...]``).
 """
 
 from __future__ import annotations
@@ -304,7 +304,7 @@ def run_profile(directory: str, prompt_len: int, steps: int, *, warmup: int = 2,
     data = {**run_header(command), "kv_cache": cache, "prompt_len": prompt_len, "decode_steps": steps,
             "warmup_steps": warmup, "nvtx_steps": bool(nvtx),
             # the paged FA2 entries (compiler.paged_codegen) open no flash_attn range
-            "nvtx_flash_attn": nvtx_requested() and cache != "paged", "cupti": bool(cupti), "modes": {}}
+            "nvtx_flash_attn": nvtx_requested(), "cupti": bool(cupti), "modes": {}}
     json_path = json_path or os.path.join(directory, "profile.json")
     for lib in libs:
         rec = profile_library(lib, prompt_len, steps, warmup=warmup, nvtx=nvtx, cupti=cupti)
