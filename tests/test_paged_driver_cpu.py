@@ -62,9 +62,21 @@ def test_decoder_calls(model):
     assert torch.isfinite(prefill).all() and torch.isfinite(decode).all() and prefill.abs().max() > 0
 
 
-def test_decoder_reference_matches_tvm_decoder(model):
-    """The fp32 decoder oracle of the GPU test: the llvm build's logits over a prefill, a second chunk
-    that starts a sequence, and decode steps."""
+def _rope_model():
+    cfg = PagedLlamaConfig(num_q_heads=4, num_kv_heads=2, head_dim=16, hidden=32, intermediate=64, layers=2,
+                           vocab=32, rope_mode=1, rope_theta=500.0, dtype="float32")
+    mod, params, _ = export_paged_llama(cfg, {"kind": "llvm"})
+    ex = tvm.compile(mod, target=tvm.target.Target({"kind": "llvm"}))
+    case = {"config": dataclasses.asdict(cfg), "page_size": {"tir": 16},
+            "params": [[n, [int(x) for x in p.shape], str(p.dtype)] for n, p in params]}
+    return PagedModel(tvm, torch, ex.mod, case, "tir", device="cpu")
+
+
+@pytest.mark.parametrize("rope", [False, True], ids=["rope_none", "rope_normal"])
+def test_decoder_reference_matches_tvm_decoder(model, rope):
+    """The fp32 decoder oracle of the GPU tests: the llvm build's logits over a prefill, a second chunk
+    that starts a sequence, and decode steps (RoPE applied by the cache: mode NORMAL, theta 500)."""
+    model = _rope_model() if rope else model
     cfg = model.cfg
     model.set_params(seed=1)
     ref = DecoderReference(torch, cfg, model.weights)

@@ -96,8 +96,19 @@ def test_batch_window_strided_repeat(window_left, strided, merge):
 @pytest.mark.parametrize("heads,heads_k,dim", [(64, 8, 128), (71, 1, 64)])
 @pytest.mark.parametrize("merge", ["auto", "global"])
 def test_paged(dtype, page_size, heads, heads_k, dim, merge):
+    _paged_case(dtype, page_size, heads, heads_k, dim, merge, [0, 1, page_size, 5000, 777, 2 * page_size + 3, 12000, 31])
+
+
+@pytest.mark.parametrize("page_size,length", [(128, 301), (128, 302), (128, 1000), (128, 4100), (256, 300)])
+@pytest.mark.parametrize("merge", ["cluster", "global"])
+def test_paged_one_sequence(page_size, length, merge):
+    """One sequence (a serving loop's batch 1): few splits, merged in a cluster or through the workspace;
+    (256, 300): the grid, sized by the pages, has a split past the sequence's end (an empty partial)."""
+    _paged_case(torch.float16, page_size, 64, 8, 128, merge, [length])
+
+
+def _paged_case(dtype, page_size, heads, heads_k, dim, merge, lengths):
     gen = torch.Generator(device="cuda").manual_seed(1)
-    lengths = [0, 1, page_size, 5000, 777, 2 * page_size + 3, 12000, 31]
     batch = len(lengths)
     n_pages = [math.ceil(n / page_size) for n in lengths]
     pool = sum(n_pages) + 5

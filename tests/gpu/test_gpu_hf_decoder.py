@@ -19,7 +19,7 @@ one decode step):
   GQA / split-KV path differs) and ``mqa=True`` is no less accurate than TVM's own unpartitioned
   build (x1.5 + the fp16-eager error);
 - decode fed with the GPU prefill's caches (generation as it runs) stays within 2x the tolerance;
-- with ``torch.profiler`` (CUPTI): the ``mqa=True`` functions launch one FA2 forward kernel per layer
+- with ``torch.profiler`` (CUPTI): the ``mqa=True`` functions launch one attention kernel per layer (FA2 forward or our decode kernel)
   and no K/V expansion kernel (TVM names kernels after the fused ops: ``repeat``, ``broadcast_to``,
   ``tile``, ``expand_dims``), while ``mqa=False`` launches the expansion.
 
@@ -40,14 +40,13 @@ import numpy as np
 import pytest
 
 import gpu_common as gc
-from mqa_byoc.testing.cupti import is_attention_kernel  # noqa: E402
+from mqa_byoc.testing.cupti import ATTENTION_FORWARD, is_attention_kernel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 HF_ARTIFACTS = Path(os.environ.get("MQA_BYOC_GPU_HF_ARTIFACTS", gc.ROOT / ".gpu-artifacts" / "hf"))
 MODES = ("prefill", "decode")
 VARIANTS = ("mqa", "nomqa", "tvm")
-FA2_FORWARD = re.compile(r"flash_fwd(_splitkv)?_kernel")  # one per attention call (not the split-KV combine)
 TIMING_ITERS = 10
 
 
@@ -264,12 +263,12 @@ def test_mqa_launches_fa2_and_no_kv_expansion(hf, name, mode):
 
     mqa, nomqa = kernels["mqa"], kernels["nomqa"]
     assert mqa, "no CUDA activity recorded for the mqa=True call"
-    fa2 = [k for k in mqa if FA2_FORWARD.search(k)]
-    assert len(fa2) == layers, f"mqa=True: {len(fa2)} FA2 forward kernels for {layers} attention layers: {mqa}"
+    fa2 = [k for k in mqa if ATTENTION_FORWARD.search(k)]
+    assert len(fa2) == layers, f"mqa=True: {len(fa2)} attention kernels (FA2 forward, our decode) for {layers} attention layers: {mqa}"
     # TVM's kernels carry the fused ops' names; FA2's (C++ templates) are left out of the pattern match
     expanded = [k for k in mqa if not is_attention_kernel(k) and expansion.search(k)]
     assert not expanded, f"mqa=True launched K/V expansion kernels: {expanded}"
-    assert sum(bool(FA2_FORWARD.search(k)) for k in nomqa) == layers, f"mqa=False FA2 kernels: {nomqa}"
+    assert sum(bool(ATTENTION_FORWARD.search(k)) for k in nomqa) == layers, f"mqa=False attention kernels: {nomqa}"
     if expands:
         assert any(not is_attention_kernel(k) and expansion.search(k) for k in nomqa), (
             f"mqa=False launched no K/V expansion kernel: {nomqa}")

@@ -13,7 +13,7 @@ one decode step):
   in ``test_gpu_hf_decoder.py``: 16x the relative L2 / max abs error of fp16 eager, because TVM's
   fp16 matmuls accumulate in fp16); top-1 agrees where the reference's margin is clear;
 - ``mqa`` is no less accurate than TVM's own build (x1.5 + the fp16-eager error);
-- with ``torch.profiler``: ``mqa`` launches one FA2 forward kernel per layer and no K/V expansion
+- with ``torch.profiler``: ``mqa`` launches one attention kernel per layer (FA2 forward, our decode) and no K/V expansion
   kernel (TVM kernels named like one that the builder proved are not K/V's are listed in the manifest).
 
 Skips without a CUDA GPU or without the artifacts. ``MQA_BYOC_GPU_HF_STANDARD_ARTIFACTS=<dir>``
@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 import gpu_common as gc
-from test_gpu_hf_decoder import FA2_FORWARD, _stats, _top1_failures, _within
+from test_gpu_hf_decoder import ATTENTION_FORWARD, _stats, _top1_failures, _within
 from mqa_byoc.testing.cupti import is_attention_kernel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -128,8 +128,8 @@ def test_standard_path_launches_fa2_and_no_kv_expansion(std, name, mode):
     except Exception as err:  # noqa: BLE001 - CUPTI may be unavailable
         pytest.skip(f"torch.profiler (CUPTI) could not record kernels: {type(err).__name__}: {err}")
     std.rt.results.setdefault(f"hf-standard:{name}-{mode}", {})["kernels"] = kernels
-    fa2 = [k for k in kernels if FA2_FORWARD.search(k)]
-    assert len(fa2) == layers, f"{len(fa2)} FA2 forward kernels for {layers} layers: {kernels}"
+    fa2 = [k for k in kernels if ATTENTION_FORWARD.search(k)]
+    assert len(fa2) == layers, f"{len(fa2)} attention kernels (FA2 forward, our decode) for {layers} layers: {kernels}"
     # kernels named like an expansion that the builder proved are not K/V's (the o_proj weight
     # broadcast of an sdpa graph, a no-op broadcast_to before a batched matmul)
     allowed = MANIFEST["models"][name]["functions"][mode]["not_kv_expansion_kernels"]

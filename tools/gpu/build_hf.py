@@ -94,7 +94,7 @@ INIT_STD = 0.02  # build_hf_model's default
 # Tolerances of the GPU test against the float32 eager reference, as multiples of the error of fp16
 # PyTorch eager (same weights, CPU) against it; see tolerances() and the GPU test.
 TVM_FP16_FACTOR = 16.0
-SAME_FA2_FACTOR = 2.0
+SAME_FA2_FACTOR = 4.0
 
 
 @dataclass(frozen=True)
@@ -207,9 +207,12 @@ def tolerances(e16: dict, names: list[str]) -> dict:
       rel_l2 7.1-8.5x: Llama prefill 0.022 vs 0.0029; max_abs up to 10x); 16x leaves room for the
       GPU's different reduction order. A wrong head grouping, mask or window changes attention
       outputs by O(1) and the logits far beyond it.
-    - ``mqa_vs_nomqa``: both run the same TVM kernels and FA2; only FA2's path differs (native GQA /
-      split-KV decode vs plain MHA on expanded K/V), i.e. float32 reduction order inside attention:
-      <= SAME_FA2_FACTOR * e16 (a rounding-level difference, well below fp16 eager's own).
+    - ``mqa_vs_nomqa``: both run the same TVM kernels and our attention kernels; only the attention's
+      path differs (native GQA vs plain MHA on expanded K/V: other tiles, split counts and merges of the
+      decode kernel), i.e. the float32 reduction order and where P and the output round to fp16:
+      <= SAME_FA2_FACTOR * e16. Measured on the H200 with our decode kernel: 2.5x e16 at decode (logits
+      rel_l2 0.0054 vs e16 0.0022, while mqa's own error against float32 is the smallest of the three
+      variants); a wrong grouping or mask differs by O(1).
     - ``top1``: where the float32 top-1 / top-2 margin exceeds 2 * the max_abs tolerance the top-1
       token must agree (implied by max_abs, checked explicitly); elsewhere near-ties flip with any
       fp16 accumulation order (TVM's fp16 module on CPU agrees with float32 eager at 94.9% of the Llama

@@ -441,12 +441,25 @@ bool own_decode_fits(int64_t head_dim, int64_t num_heads, int64_t num_heads_k, i
   return num_heads / num_heads_k <= mqa_byoc_decode_rows_per_cta(head_dim) && batch <= 65535 && num_heads_k <= 65535;
 }
 
+// How its splits merge: MQA_BYOC_DECODE_MERGE=global (through the workspace) or cluster (only in a
+// thread-block cluster; a launch that cannot fails), else the plan's choice (AUTO).
+int own_decode_merge() {
+  static const int merge = [] {
+    const char* v = std::getenv("MQA_BYOC_DECODE_MERGE");
+    if (v != nullptr && std::strcmp(v, "global") == 0) return int(MQA_BYOC_DECODE_MERGE_GLOBAL);
+    if (v != nullptr && std::strcmp(v, "cluster") == 0) return int(MQA_BYOC_DECODE_MERGE_CLUSTER);
+    return int(MQA_BYOC_DECODE_MERGE_AUTO);
+  }();
+  return merge;
+}
+
 int own_decode(const mqa_byoc_decode_args& a, int device_id, cudaStream_t stream) {
   mqa_byoc_decode_plan plan{};
   if (mqa_byoc_decode_make_plan(&a, num_sms(device_id), &plan) != 0) {
     return fail("the grouped-query decode kernel does not serve head dim " + std::to_string(a.head_dim) + " with " +
                 std::to_string(a.num_heads) + " / " + std::to_string(a.num_heads_k) + " heads");
   }
+  plan.merge = own_decode_merge();
   void* ws = nullptr;
   if (plan.workspace_bytes > 0) {
     if (int rc = alloc_workspace(&ws, plan.workspace_bytes, device_id, stream)) return rc;

@@ -129,16 +129,28 @@ class Reference:
 
 
 class DecoderReference:
-    """:class:`~mqa_byoc.models.paged_llama.PagedLlama` in fp32 torch (RoPE mode NONE) on the model's
-    weights (``PagedModel.weights`` after ``set_params``, widened to fp32), its K/V history in a
-    :class:`Reference`: the oracle both libraries' logits are measured against."""
+    """:class:`~mqa_byoc.models.paged_llama.PagedLlama` in fp32 torch on the model's weights
+    (``PagedModel.weights`` after ``set_params``, widened to fp32), its K/V history in a
+    :class:`Reference`: the oracle both libraries' logits are measured against. RoPE mode NONE (0) or
+    NORMAL (1: TVM's ``rope_freq_default``, rotate-half pairs (i, i + D/2), position = the token's index
+    in its sequence, applied to q and k before the cache)."""
 
     def __init__(self, torch, cfg: dict, weights: dict):
-        if cfg.get("rope_mode", 0) != 0:
-            raise ValueError("DecoderReference has no RoPE: build the case with rope_mode=0")
+        if cfg.get("rope_mode", 0) not in (0, 1):
+            raise ValueError(f"DecoderReference has RoPE modes NONE and NORMAL, not {cfg.get('rope_mode')}")
         self.torch, self.cfg = torch, cfg
         self.w = {name: t.float() for name, t in weights.items()}
         self.attn = [Reference(torch, cfg) for _ in range(cfg["layers"])]
+
+    def _rope(self, x, pos):
+        """x (rows, heads, D) at positions pos (rows,)."""
+        torch, d = self.torch, self.cfg["head_dim"]
+        half = d // 2
+        inv = self.cfg.get("rope_theta", 10000.0) ** (-torch.arange(half, dtype=torch.float64, device=x.device) * 2 / d)
+        ang = (pos.double()[:, None] * inv[None, :]).float()
+        cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+        rot = torch.cat([-x[..., half:], x[..., :half]], -1)
+        return x * cos + rot * sin
 
     def _norm(self, x, name):
         return x * self.torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.w[name]
@@ -151,6 +163,13 @@ class DecoderReference:
             p = f"layers.{i}."
             qkv = self._norm(x, p + "attn_norm.weight") @ w[p + "attn.qkv_proj.weight"].t()
             qkv = qkv.reshape(*ids.shape, c["num_q_heads"] + 2 * c["num_kv_heads"], c["head_dim"])
+            if c.get("rope_mode", 0) == 1:
+                pos = torch.cat([torch.arange(n, device=qkv.device) + (len(ref.k[s]) if s in ref.k else 0)
+                                 for s, n in zip(seq_ids, lengths)])
+                rows = qkv.reshape(-1, *qkv.shape[2:])
+                h, hk = c["num_q_heads"], c["num_kv_heads"]
+                rows = torch.cat([self._rope(rows[:, :h + hk], pos), rows[:, h + hk:]], 1)
+                qkv = rows.reshape(qkv.shape)
             o = ref.step(seq_ids, lengths, qkv).reshape(*ids.shape, -1)
             x = x + o @ w[p + "attn.o_proj.weight"].t()
             gate, up = (self._norm(x, p + "mlp_norm.weight") @ w[p + "gate_up.weight"].t()).chunk(2, dim=-1)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 #: the GPU kernels our providers run attention with: FA2's (``flash_fwd_*``), FA4's sm90 kernel
 #: (``...flash_fwd_sm90...``) and our grouped-query decode kernel (``native/gqa_decode.cu``)
 ATTENTION_KERNEL = re.compile(r"flash|gqa_decode_kernel", re.IGNORECASE)
+#: one per native attention call: FA2's forward (split-KV or not; not its combine) or our decode kernel
+ATTENTION_FORWARD = re.compile(r"flash_fwd(_splitkv)?_kernel|gqa_decode_kernel")
 
 
 def is_attention_kernel(name: str) -> bool:
