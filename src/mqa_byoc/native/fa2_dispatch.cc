@@ -230,22 +230,6 @@ extern "C" void mqa_byoc_fa2_nvtx_pop(void) { nvtxRangePop(); }
 
 namespace {
 
-// An NVTX range named by `format` (a "<name>[h=%lld,kv=%lld,d=%lld]" format) for its scope, when
-// MQA_BYOC_NVTX is on.
-class NvtxRange {
- public:
-  NvtxRange(const char* format, int64_t num_heads, int64_t num_heads_k, int64_t head_dim)
-      : on_(mqa_byoc_fa2_nvtx_push(format, num_heads, num_heads_k, head_dim) != 0) {}
-  ~NvtxRange() {
-    if (on_) mqa_byoc_fa2_nvtx_pop();
-  }
-  NvtxRange(const NvtxRange&) = delete;
-  NvtxRange& operator=(const NvtxRange&) = delete;
-
- private:
-  bool on_;
-};
-
 // ---- pieces both entry points share ----------------------------------------------------------
 
 // The head-count, head-dim and stride checks of both entry points; last_axis is the index of the
@@ -353,7 +337,7 @@ int launch_and_free(EntryFn fn, Params* p, cudaStream_t stream, void* ws, const 
                     const std::function<int()>& after = nullptr) {
   int after_rc = 0;
   {
-    NvtxRange range(range_format, num_heads, num_heads_k, head_dim);
+    MqaByocNvtxRange range(range_format, num_heads, num_heads_k, head_dim);
     fn(p, stream);
     after_rc = (after && cudaPeekAtLastError() == cudaSuccess) ? after() : 0;
   }
@@ -466,7 +450,7 @@ int own_decode(const mqa_byoc_decode_args& a, int device_id, cudaStream_t stream
   }
   int rc = 0;
   {
-    NvtxRange range("flash_attn[h=%lld,kv=%lld,d=%lld]", a.num_heads, a.num_heads_k, a.head_dim);
+    MqaByocNvtxRange range("flash_attn[h=%lld,kv=%lld,d=%lld]", a.num_heads, a.num_heads_k, a.head_dim);
     rc = mqa_byoc_decode_launch(&a, &plan, ws, device_id, stream);
   }
   const cudaError_t launch = cudaGetLastError();

@@ -85,4 +85,19 @@ int mqa_byoc_fa2_kernel_available(int hdim, int is_bf16, int causal, int split);
 
 #ifdef __cplusplus
 }
+
+// mqa_byoc_fa2_nvtx_push/pop for a scope (the dispatcher's calls and fa2_paged.cu's).
+class MqaByocNvtxRange {
+ public:
+  MqaByocNvtxRange(const char* format, int64_t num_heads, int64_t num_heads_k, int64_t head_dim)
+      : on_(mqa_byoc_fa2_nvtx_push(format, num_heads, num_heads_k, head_dim) != 0) {}
+  ~MqaByocNvtxRange() {
+    if (on_) mqa_byoc_fa2_nvtx_pop();
+  }
+  MqaByocNvtxRange(const MqaByocNvtxRange&) = delete;
+  MqaByocNvtxRange& operator=(const MqaByocNvtxRange&) = delete;
+
+ private:
+  bool on_;
+};
 #endif

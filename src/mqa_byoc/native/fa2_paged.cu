@@ -265,15 +265,6 @@ struct DeviceGuard {
   }
 };
 
-// The dispatcher's NVTX range (MQA_BYOC_NVTX) for a scope.
-struct NvtxScope {
-  int on;
-  NvtxScope(const char* format, int64_t h, int64_t hk, int64_t d) : on(mqa_byoc_fa2_nvtx_push(format, h, hk, d)) {}
-  ~NvtxScope() {
-    if (on) mqa_byoc_fa2_nvtx_pop();
-  }
-};
-
 }  // namespace
 
 extern "C" const char* mqa_byoc_fa2_paged_last_error(void) { return g_error.c_str(); }
@@ -395,7 +386,7 @@ extern "C" int mqa_byoc_fa2_paged_forward(const void* q, const int32_t* qo_indpt
     if (mqa_byoc_fa2_own_decode(&a, device_id, stream) != 0) return fail(mqa_byoc_fa2_last_error());
     return 0;
   }
-  NvtxScope range("flash_attn_paged[h=%lld,kv=%lld,d=%lld]", num_heads, num_heads_k, head_dim);
+  MqaByocNvtxRange range("flash_attn_paged[h=%lld,kv=%lld,d=%lld]", num_heads, num_heads_k, head_dim);
   const bool is_causal = causal != 0 && !decode;
   const int hdim = kernel_hdim(head_dim);
   const EntryFn split_fn = entry(hdim, is_bf16, is_causal, true);
@@ -516,7 +507,7 @@ extern "C" int mqa_byoc_fa2_ragged_forward(const void* q, const void* k, const v
   cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
   DeviceGuard guard;
   if (int rc = guard.set(device_id)) return rc;
-  NvtxScope range("flash_attn_ragged[h=%lld,kv=%lld,d=%lld]", num_heads, num_heads_k, head_dim);
+  MqaByocNvtxRange range("flash_attn_ragged[h=%lld,kv=%lld,d=%lld]", num_heads, num_heads_k, head_dim);
   const bool is_causal = causal != 0;
   const int hdim = kernel_hdim(head_dim);
   EntryFn fn = entry(hdim, is_bf16, is_causal, false);

@@ -204,8 +204,8 @@ __device__ __forceinline__ void merge_in_cluster(const mqa_byoc_decode_args& a, 
 }
 
 // CLUSTER: the grid's splits of a slot are one thread-block cluster and merge through distributed shared
-// memory (a cluster barrier, then each block reads its slice of every peer's partial): no workspace round
-// trip, no arrival atomic. Otherwise the last block of a slot to arrive merges the partials in `o_part`.
+// memory (merge_in_cluster): no workspace round trip, no arrival atomic. Otherwise the last block of a
+// slot to arrive merges the partials in `o_part`.
 template <typename T, int D, int RB, bool PAGED, bool CLUSTER>
 __global__ void __launch_bounds__(kThreads) gqa_decode_kernel(const mqa_byoc_decode_args a, int keys_per_split,
                                                               int row_groups, float* o_part, float* lse_part,

@@ -303,7 +303,6 @@ def run_profile(directory: str, prompt_len: int, steps: int, *, warmup: int = 2,
     cache = cache_of(read_sidecar(libs[0]))  # one cache per run (find_libraries)
     data = {**run_header(command), "kv_cache": cache, "prompt_len": prompt_len, "decode_steps": steps,
             "warmup_steps": warmup, "nvtx_steps": bool(nvtx),
-            # the paged FA2 entries (compiler.paged_codegen) open no flash_attn range
             "nvtx_flash_attn": nvtx_requested(), "cupti": bool(cupti), "modes": {}}
     json_path = json_path or os.path.join(directory, "profile.json")
     for lib in libs:
