@@ -16,6 +16,10 @@ from mqa_byoc.testing.decode_kernel import DecodeArgs, DecodePlan
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None or not K.nvcc_available(), reason="needs g++ and nvcc")
 SMS = 132  # the H200's
+#: co-resident clusters of n = 1..16 blocks of the cluster kernel on the H200 (head dim 128: one CTA per SM;
+#: 64: two), as mqa_byoc_decode_cluster_capacity reported it there
+H200_CAPACITY = {128: [132, 66, 39, 30, 22, 17, 15, 15, 9, 7, 7, 7, 7, 7, 7, 7],
+                 64: [264, 132, 79, 62, 47, 39, 32, 30, 23, 21, 16, 16, 14, 14, 14, 14]}
 
 
 @pytest.fixture(scope="module")
@@ -26,46 +30,56 @@ def lib(tmp_path_factory):
     subprocess.run(["g++", "-shared", "-o", str(out), str(support_object("sm_90", None)), *static_cudart("sm_90")],
                    check=True)
     lib = ctypes.CDLL(str(out))
-    lib.mqa_byoc_decode_make_plan.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int, ctypes.POINTER(DecodePlan)]
+    lib.mqa_byoc_decode_make_plan.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int, ctypes.POINTER(ctypes.c_int),
+                                              ctypes.POINTER(DecodePlan)]
     lib.mqa_byoc_decode_supported.argtypes = [ctypes.c_int64] * 3
     lib.mqa_byoc_decode_plan_split.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int64, ctypes.POINTER(DecodePlan)]
     return lib
 
 
-def _plan(lib, *, heads=64, heads_k=8, dim=128, batch=1, seqlen=4096, window_left=-1, pages=None):
+def _plan(lib, *, heads=64, heads_k=8, dim=128, batch=1, seqlen=4096, window_left=-1, pages=None, clusters=True):
     a = DecodeArgs()
     a.batch, a.num_heads, a.num_heads_k, a.head_dim, a.seqlen_k = batch, heads, heads_k, dim, seqlen
     a.window_left = window_left
     if pages is not None:  # (nnz_pages, page_size): only the counts matter to the plan
         a.page_values, a.nnz_pages, a.page_size = 1, *pages
     p = DecodePlan()
-    return lib.mqa_byoc_decode_make_plan(ctypes.byref(a), SMS, ctypes.byref(p)), p
+    cap = (ctypes.c_int * 16)(*H200_CAPACITY[dim]) if clusters and dim in H200_CAPACITY else None
+    return lib.mqa_byoc_decode_make_plan(ctypes.byref(a), SMS, cap, ctypes.byref(p)), p
 
 
-@pytest.mark.parametrize("heads,heads_k,dim", [(64, 8, 128), (32, 8, 128), (16, 16, 128), (71, 1, 64), (40, 2, 64)])
+@pytest.mark.parametrize("heads,heads_k,dim", [(64, 8, 128), (32, 8, 128), (16, 16, 128), (71, 1, 64), (40, 2, 64),
+                                               (48, 1, 128)])
 @pytest.mark.parametrize("seqlen", [1, 100, 1024, 4096, 16384, 32768, 131072, 1_000_000])
-def test_contiguous_plan_covers_every_key_in_one_wave(lib, heads, heads_k, dim, seqlen):
-    rc, p = _plan(lib, heads=heads, heads_k=heads_k, dim=dim, seqlen=seqlen)
+@pytest.mark.parametrize("clusters", [True, False])
+def test_contiguous_plan_covers_every_key_in_one_wave(lib, heads, heads_k, dim, seqlen, clusters):
+    rc, p = _plan(lib, heads=heads, heads_k=heads_k, dim=dim, seqlen=seqlen, clusters=clusters)
     assert rc == 0
-    rows = 16 if dim == 128 else 32
+    rows = 16
     assert p.row_groups == -(-(heads // heads_k) // rows)
-    assert p.keys_per_split % 128 == 0 and p.splits * p.keys_per_split >= seqlen
+    assert p.keys_per_split % 16 == 0 and p.keys_per_split >= 128 and p.splits * p.keys_per_split >= seqlen
     assert (p.splits - 1) * p.keys_per_split < seqlen  # no split without keys
     slots = heads_k * p.row_groups
     assert p.splits <= 32 and slots * p.splits <= max(SMS, slots)  # one wave (one CTA per SM)
+    if clusters and 1 < p.splits <= 16:  # a cluster's worth: every slot's cluster co-resident
+        assert H200_CAPACITY[dim][p.splits - 1] >= slots
     per_split = slots * p.splits * rows
     assert p.workspace_bytes == ((per_split * dim + per_split) * 4 if p.splits > 1 else 0)
     assert p.counters == (slots if p.splits > 1 else 0)
 
 
-@pytest.mark.parametrize("heads,heads_k,seqlen,batch,splits", [
-    (64, 8, 1024, 1, 8), (64, 8, 32768, 1, 8),  # 8 slots: clusters of 8 at every length
-    (8, 1, 4096, 1, 16), (8, 1, 16384, 1, 32),  # one slot: a cluster of 16 up to 4k keys, then 32 splits
-    (64, 8, 4096, 2, 8), (32, 8, 100, 1, 1)])
-def test_plan_sizes_splits_for_the_cluster_merge(lib, heads, heads_k, seqlen, batch, splits):
+@pytest.mark.parametrize("heads,heads_k,dim,seqlen,batch,splits", [
+    (64, 8, 128, 2048, 1, 8), (64, 8, 128, 32768, 1, 8),  # 8 slots: clusters of 8 fill half the GPU
+    (71, 1, 64, 32768, 1, 16),  # Falcon: 5 row groups x 16 (two CTAs per SM)
+    (8, 1, 128, 4096, 1, 16), (8, 1, 128, 8192, 1, 32),  # one slot: a cluster of 16 up to ~500 keys a split
+    (48, 1, 128, 16384, 1, 16), (48, 1, 128, 32768, 1, 32),  # three slots: up to ~1500
+    (64, 8, 128, 4096, 2, 4), (64, 8, 128, 4096, 4, 2), (32, 8, 128, 100, 1, 1)])
+def test_plan_sizes_splits_for_the_cluster_merge(lib, heads, heads_k, dim, seqlen, batch, splits):
     """Where the splits merging in a cluster pays (make_plan's rule), the plan makes a cluster's worth."""
-    rc, p = _plan(lib, heads=heads, heads_k=heads_k, batch=batch, seqlen=seqlen)
+    rc, p = _plan(lib, heads=heads, heads_k=heads_k, dim=dim, batch=batch, seqlen=seqlen)
     assert rc == 0 and p.splits == splits and p.merge == 0  # MQA_BYOC_DECODE_MERGE_AUTO
+    rc, q = _plan(lib, heads=heads, heads_k=heads_k, dim=dim, batch=batch, seqlen=seqlen, clusters=False)
+    assert rc == 0 and q.splits == min(32, max(1, SMS // (batch * heads_k * p.row_groups)), -(-seqlen // 128))
 
 
 def test_window_limits_the_split_count(lib):
@@ -88,9 +102,9 @@ def test_refuses_what_it_cannot_serve(lib, heads, heads_k, dim, batch):
 @pytest.mark.parametrize("dim", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("heads,heads_k", [(64, 8), (32, 8), (16, 1), (32, 1), (33, 1), (71, 1), (12, 4), (10, 4)])
 def test_offload_reports_rule_is_the_kernels(lib, dim, heads, heads_k):
-    """decode_kernel_serves (offload_report's) == the kernel serves the call with one row group."""
+    """decode_kernel_serves (offload_report's) == the kernel plans the call (every group size, in 16-row CTAs)."""
     rc, p = _plan(lib, heads=heads, heads_k=heads_k, dim=dim)
-    assert decode_kernel_serves(dim, heads, heads_k) == (rc == 0 and p.row_groups == 1)
+    assert decode_kernel_serves(dim, heads, heads_k) == (rc == 0)
 
 
 def test_plan_for_a_given_split_size(lib):
@@ -99,10 +113,11 @@ def test_plan_for_a_given_split_size(lib):
     a = DecodeArgs()
     a.batch, a.num_heads, a.num_heads_k, a.head_dim, a.seqlen_k, a.window_left = 1, 64, 8, 128, 32768, -1
     made, again = DecodePlan(), DecodePlan()
-    assert lib.mqa_byoc_decode_make_plan(ctypes.byref(a), SMS, ctypes.byref(made)) == 0
+    cap = (ctypes.c_int * 16)(*H200_CAPACITY[128])
+    assert lib.mqa_byoc_decode_make_plan(ctypes.byref(a), SMS, cap, ctypes.byref(made)) == 0
     assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), made.keys_per_split, ctypes.byref(again)) == 0
     fields = [f for f, _ in DecodePlan._fields_]
     assert [getattr(again, f) for f in fields] == [getattr(made, f) for f in fields]
     assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), 512, ctypes.byref(again)) == 0 and again.splits == 64
-    assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), 100, ctypes.byref(again)) == 2  # not 128-key units
+    assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), 100, ctypes.byref(again)) == 2  # not 16-key tiles
     assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), 128, ctypes.byref(again)) == 2  # 256 splits

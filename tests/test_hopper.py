@@ -97,7 +97,7 @@ def test_offload_report_names_the_kernel():
     assert small.kernel.startswith("FA2 (decode: FA2 split-KV)")  # no decode kernel for head dim 32
     falcon = mqa_byoc.offload_report(graphs.attention_repeat_bsnh(h=71, hkv=1, d=64, s="n"), target=SM90,
                                      provider="native")[0]
-    assert falcon.kernel == "FA2 (decode: FA2 split-KV), linked"  # 71 query rows: more than one CTA holds
+    assert falcon.kernel == "FA2 (decode: our grouped-query decode kernel), linked"  # 71 rows: 5 CTAs per split
 
 
 def test_unavailable_reasons(monkeypatch, tmp_path):

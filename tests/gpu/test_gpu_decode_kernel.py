@@ -78,6 +78,19 @@ def test_each_merge(merge, heads, heads_k, dim, seqlen):
 
 
 @pytest.mark.parametrize("merge", ["global", "auto"])
+@pytest.mark.parametrize("keys_per_split", [16, 48, 144, 1008])
+def test_split_sizes_in_tiles(keys_per_split, merge):
+    """Splits of any whole number of 16-key tiles: warps with one tile more than others, warps without
+    any (16 and 48 keys: only the first warps stream), 21 splits or more (past a cluster: the workspace)."""
+    call, out, lse, ref_o, ref_lse = _contiguous_case(2, 71, 1, 64, 1000, torch.float16, merge=merge)
+    call.set_keys_per_split(keys_per_split)
+    assert call.plan.splits == -(-1000 // keys_per_split)
+    call()
+    torch.cuda.synchronize()
+    _check(out, lse, ref_o, ref_lse, torch.float16)
+
+
+@pytest.mark.parametrize("merge", ["global", "auto"])
 @pytest.mark.parametrize("window_left", [0, 100, 5000])
 @pytest.mark.parametrize("strided", [False, True])
 def test_batch_window_strided_repeat(window_left, strided, merge):

@@ -409,9 +409,9 @@ int chunked_decode(Params& p, EntryFn fn, int splits, int block_n, int64_t seqle
 }
 
 // Decode (one query row per sequence) on our grouped-query kernel (gqa_decode.cu): split-KV and the
-// combine in one launch, K/V read once per group. It serves head dims 64 and 128 when one CTA holds a K/V
-// head's query rows (16 for 128, 32 for 64; the larger MQA groups, e.g. Falcon's 71, go on FA2's split-KV);
-// MQA_BYOC_DECODE_KERNEL=fa2 turns it off (the FA2 paths below).
+// combine in one launch, K/V read once per 16 query heads of a group (Falcon's 71: five CTAs per split
+// read its K/V head, from L2 after the first). It serves head dims 64 and 128; MQA_BYOC_DECODE_KERNEL=fa2
+// turns it off (the FA2 paths below).
 bool own_decode_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("MQA_BYOC_DECODE_KERNEL");
@@ -422,7 +422,9 @@ bool own_decode_enabled() {
 
 bool own_decode_fits(int64_t head_dim, int64_t num_heads, int64_t num_heads_k, int64_t batch) {
   if (!own_decode_enabled() || !mqa_byoc_decode_supported(head_dim, num_heads, num_heads_k)) return false;
-  return num_heads / num_heads_k <= mqa_byoc_decode_rows_per_cta(head_dim) && batch <= 65535 && num_heads_k <= 65535;
+  const int64_t row_groups = (num_heads / num_heads_k + mqa_byoc_decode_rows_per_cta(head_dim) - 1) /
+                             mqa_byoc_decode_rows_per_cta(head_dim);
+  return batch <= 65535 && num_heads_k * row_groups <= 65535;  // the grid's z and y
 }
 
 // How its splits merge: MQA_BYOC_DECODE_MERGE=global (through the workspace) or cluster (only in a
@@ -439,7 +441,10 @@ int own_decode_merge() {
 
 int own_decode(const mqa_byoc_decode_args& a, int device_id, cudaStream_t stream) {
   mqa_byoc_decode_plan plan{};
-  if (mqa_byoc_decode_make_plan(&a, num_sms(device_id), &plan) != 0) {
+  int capacity[16];
+  const bool clusters = mqa_byoc_decode_cluster_capacity(&a, device_id, capacity) == 0;
+  if (!clusters) cudaGetLastError();
+  if (mqa_byoc_decode_make_plan(&a, num_sms(device_id), clusters ? capacity : nullptr, &plan) != 0) {
     return fail("the grouped-query decode kernel does not serve head dim " + std::to_string(a.head_dim) + " with " +
                 std::to_string(a.num_heads) + " / " + std::to_string(a.num_heads_k) + " heads");
   }

@@ -139,7 +139,10 @@ struct Smem {
   static constexpr int kRows = RB * 16;
   static constexpr int kTileBytes = kTileKeys * D * 2;
   static constexpr int kPipeBytes = kWarps * kStages * 2 * kTileBytes;
-  static constexpr int kMergeBytes = kWarps * kRows * D * 4;
+  // the warps' outputs [warp][row][kOStride] (fp32): rows padded by 8 floats so that a warp's float2 stores
+  // (8 rows x 4 column pairs) hit 32 different banks (unpadded: 8-way conflicts, 1.5 us per call measured)
+  static constexpr int kOStride = D + 8;
+  static constexpr int kMergeBytes = kWarps * kRows * kOStride * 4;
   static constexpr int kMainBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
   static constexpr int kStatsBytes = 3 * kWarps * kRows * 4 + 64;  // row statistics, the arrival flag
   // the cluster merge's receive buffers: every peer's share of this block's slice (float4s), their LSEs
@@ -152,14 +155,15 @@ __device__ __forceinline__ void cluster_arrive_release() { asm volatile("barrier
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
 
 // The splits of one slot, a cluster of gridDim.x blocks (block rank = split), merge their outputs: s_o
-// holds this block's eight warps' shares ([warp][row][D], fp32, normalized by the block's LSE), s_f the
-// block's base-2 LSE per row. Block j merges slice j of the slot's output: every block sums its warps'
+// holds this block's eight warps' shares ([warp][row][kOStride], fp32, normalized by the block's LSE), s_f
+// the block's base-2 LSE per row. Block j merges slice j of the slot's output: every block sums its warps'
 // shares of slice j and stores them, with its LSEs, into block j's receive buffers (distributed shared
 // memory, outside the pipeline's memory that a slower peer may still stream into), then one cluster
-// barrier, then each block merges from its own shared memory. The caller's first barrier phase (arrived
-// at the start) is waited for here: DSMEM of a block is only valid once every block of the cluster runs.
-template <typename T, int D, int kRows>
-__device__ __forceinline__ void merge_in_cluster(const mqa_byoc_decode_args& a, const float* s_o, const float* s_f,
+// barrier, then each block merges from its own shared memory (s_o, no longer read by anyone, holds the
+// weights). The caller's first barrier phase (arrived at the start) is waited for here: DSMEM of a block is
+// only valid once every block of the cluster runs.
+template <typename T, int D, int kRows, int kOStride>
+__device__ __forceinline__ void merge_in_cluster(const mqa_byoc_decode_args& a, float* s_o, const float* s_f,
                                                  float4* recv, float* recv_l, int rows_here, int b, int head0) {
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
@@ -171,7 +175,7 @@ __device__ __forceinline__ void merge_in_cluster(const mqa_byoc_decode_args& a, 
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      const float4 x = *reinterpret_cast<const float4*>(s_o + (w * kRows + r) * D + d4 * 4);
+      const float4 x = *reinterpret_cast<const float4*>(s_o + (w * kRows + r) * kOStride + d4 * 4);
       v.x += x.x, v.y += x.y, v.z += x.z, v.w += x.w;
     }
     *cluster.map_shared_rank(recv + me * per + (idx - owner * per), owner) = v;
@@ -181,25 +185,34 @@ __device__ __forceinline__ void merge_in_cluster(const mqa_byoc_decode_args& a, 
   }
   cluster_arrive_release();
   cluster_wait();  // every block's shares of this block's slice have landed
-  const int first = me * per;
-  for (int i = threadIdx.x; i < per && first + i < n4; i += kThreads) {
-    const int idx = first + i, r = idx / (D / 4), d4 = idx % (D / 4);
-    float mx = -INFINITY;
-    for (int sp = 0; sp < n; ++sp) mx = fmaxf(mx, recv_l[sp * kRows + r]);
-    float tot = 0.f;
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int sp = 0; sp < n; ++sp) {
-      const float l = recv_l[sp * kRows + r];
-      const float w = l == -INFINITY ? 0.f : exp2f(l - mx);
-      const float4 x = recv[sp * per + i];
-      tot += w;
-      v.x += w * x.x, v.y += w * x.y, v.z += w * x.z, v.w += w * x.w;
-    }
+  // weights: one warp per row of the slice, a lane per split (n <= kMaxCluster <= 32)
+  const int first = me * per, last = min(n4, first + per);
+  const int row_lo = first / (D / 4), rows = last > first ? (last - 1) / (D / 4) - row_lo + 1 : 0;
+  float* s_w = s_o;  // [row of the slice][split], then 1 / sum per row at [rows * kMaxCluster + row]
+  const int lane = threadIdx.x % 32;
+  for (int rr = threadIdx.x / 32; rr < rows; rr += kWarps) {
+    const int r = row_lo + rr;
+    const float l = lane < n ? recv_l[lane * kRows + r] : -INFINITY;
+    float mx = l;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    const float w = l == -INFINITY ? 0.f : exp2f(l - mx);
+    float tot = w;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, off);
     const float inv = tot > 0.f ? 1.f / tot : 0.f;
-    T* o = static_cast<T*>(a.out) + int64_t(b) * a.o_stride[0] + int64_t(head0 + r) * a.o_stride[1] + d4 * 4;
-    o[0] = Mma<T>::from_float(v.x * inv), o[1] = Mma<T>::from_float(v.y * inv);
-    o[2] = Mma<T>::from_float(v.z * inv), o[3] = Mma<T>::from_float(v.w * inv);
-    if (d4 == 0 && a.lse != nullptr) a.lse[int64_t(b) * a.num_heads + head0 + r] = tot > 0.f ? mx + log2f(tot) : a.lse_empty;
+    if (lane < n) s_w[rr * kMaxCluster + lane] = w * inv;
+    if (lane == 0 && a.lse != nullptr) a.lse[int64_t(b) * a.num_heads + head0 + r] = tot > 0.f ? mx + log2f(tot) : a.lse_empty;
+  }
+  __syncthreads();
+  // one output element per thread: the weighted sum of the splits' shares
+  const float* recv_f = reinterpret_cast<const float*>(recv);
+  for (int e = threadIdx.x; e < (last - first) * 4; e += kThreads) {
+    const int idx = first + e / 4, r = idx / (D / 4), d = (idx % (D / 4)) * 4 + e % 4;
+    const float* w = s_w + (r - row_lo) * kMaxCluster;
+    float v = 0.f;
+    for (int sp = 0; sp < n; ++sp) v += w[sp] * recv_f[sp * per * 4 + e];
+    static_cast<T*>(a.out)[int64_t(b) * a.o_stride[0] + int64_t(head0 + r) * a.o_stride[1] + d] = Mma<T>::from_float(v);
   }
 }
 
@@ -207,7 +220,7 @@ __device__ __forceinline__ void merge_in_cluster(const mqa_byoc_decode_args& a, 
 // memory (merge_in_cluster): no workspace round trip, no arrival atomic. Otherwise the last block of a
 // slot to arrive merges the partials in `o_part`.
 template <typename T, int D, int RB, bool PAGED, bool CLUSTER>
-__global__ void __launch_bounds__(kThreads) gqa_decode_kernel(const mqa_byoc_decode_args a, int keys_per_split,
+__global__ void __launch_bounds__(kThreads, D <= 64 ? 2 : 1) gqa_decode_kernel(const mqa_byoc_decode_args a, int keys_per_split,
                                                               int row_groups, float* o_part, float* lse_part,
                                                               int* counters) {
   using M = Mma<T>;
@@ -458,7 +471,7 @@ __global__ void __launch_bounds__(kThreads) gqa_decode_kernel(const mqa_byoc_dec
       }
     }
   __syncthreads();  // also: every warp is done with the pipeline memory reused below
-  float* s_o = reinterpret_cast<float*>(smem);  // [warp][row][D]
+  float* s_o = reinterpret_cast<float*>(smem);  // [warp][row][S::kOStride]
 #pragma unroll
   for (int rb = 0; rb < RB; ++rb)
 #pragma unroll
@@ -478,7 +491,7 @@ __global__ void __launch_bounds__(kThreads) gqa_decode_kernel(const mqa_byoc_dec
 #pragma unroll
       for (int j = 0; j < D / 8; ++j) {
         float2 v = make_float2(acc[rb][j][half * 2] * f, acc[rb][j][half * 2 + 1] * f);
-        *reinterpret_cast<float2*>(s_o + (warp * kRows + r) * D + j * 8 + 2 * t) = v;
+        *reinterpret_cast<float2*>(s_o + (warp * kRows + r) * S::kOStride + j * 8 + 2 * t) = v;
       }
       if (warp == 0 && t == 0) s_f[r] = l_tot > 0.f ? mx + log2f(l_tot) : -INFINITY;  // block LSE (base 2)
     }
@@ -489,7 +502,7 @@ __global__ void __launch_bounds__(kThreads) gqa_decode_kernel(const mqa_byoc_dec
   T* out = static_cast<T*>(a.out);
   if constexpr (CLUSTER) {
     if (!single) {
-      merge_in_cluster<T, D, kRows>(a, s_o, s_f, s_recv, s_recv_l, rows_here, b, kvh * group + row0);
+      merge_in_cluster<T, D, kRows, S::kOStride>(a, s_o, s_f, s_recv, s_recv_l, rows_here, b, kvh * group + row0);
       return;
     }
   }
@@ -499,7 +512,7 @@ __global__ void __launch_bounds__(kThreads) gqa_decode_kernel(const mqa_byoc_dec
     const int r = idx / D, d = idx % D;
     float v = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) v += s_o[(w * kRows + r) * D + d];
+    for (int w = 0; w < kWarps; ++w) v += s_o[(w * kRows + r) * S::kOStride + d];
     if (single) {
       out[int64_t(b) * a.o_stride[0] + int64_t(kvh * group + row0 + r) * a.o_stride[1] + d] = M::from_float(v);
     } else {
@@ -637,7 +650,7 @@ int64_t longest_keys(const mqa_byoc_decode_args& a) {
 
 template <int D>
 constexpr int rows_per_block() {
-  return D <= 64 ? 2 : 1;  // row blocks of 16 per CTA (registers: Q and O fragments)
+  return 1;  // row blocks of 16 per CTA: also for head dim 64, where 32 rows took 1.3-1.4x as long (Falcon)
 }
 
 // Max co-resident clusters of `n` blocks of a kernel on a device (0: none), asked once per (device, size).
@@ -662,6 +675,21 @@ int max_clusters(K kernel, int device, int n, size_t smem) {
   }
   known[key] = count;
   return count;
+}
+
+// capacity[n - 1]: the co-resident clusters of n blocks (n = 1..kMaxCluster) of the cluster-merging kernel.
+template <typename T, int D>
+int cluster_capacity(bool paged, int device, int* capacity) {
+  constexpr int RB = rows_per_block<D>();
+  using S = Smem<D, RB>;
+  auto kernel = paged ? gqa_decode_kernel<T, D, RB, true, true> : gqa_decode_kernel<T, D, RB, false, true>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes) != cudaSuccess ||
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+    cudaGetLastError();
+    return 1;
+  }
+  for (int n = 1; n <= kMaxCluster; ++n) capacity[n - 1] = max_clusters(kernel, device, n, S::kBytes);
+  return 0;
 }
 
 template <typename T, int D>
@@ -729,12 +757,13 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_plan_split(const mqa_
                                                                       int64_t keys_per_split,
                                                                       mqa_byoc_decode_plan* p) {
   if (!mqa_byoc_decode_supported(a->head_dim, a->num_heads, a->num_heads_k) || a->batch <= 0) return 2;
-  const int64_t unit = int64_t(kWarps) * kTileKeys;
-  if (keys_per_split <= 0 || keys_per_split % unit != 0) return 2;
+  if (keys_per_split <= 0 || keys_per_split % kTileKeys != 0) return 2;
   const int64_t splits = (longest_keys(*a) + keys_per_split - 1) / keys_per_split;
   if (splits > kMaxSplits) return 2;  // the merging CTA's weights live in shared memory
   const int64_t rows = mqa_byoc_decode_rows_per_cta(a->head_dim);
-  p->row_groups = int((a->num_heads / a->num_heads_k + rows - 1) / rows);
+  const int64_t row_groups = (a->num_heads / a->num_heads_k + rows - 1) / rows;
+  if (a->batch > 65535 || a->num_heads_k * row_groups > 65535) return 2;  // grid z and y
+  p->row_groups = int(row_groups);
   p->keys_per_split = int(keys_per_split);
   p->splits = int(splits);
   const int64_t slots = a->batch * a->num_heads_k * p->row_groups;
@@ -746,8 +775,29 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_plan_split(const mqa_
   return 0;
 }
 
+__attribute__((visibility("default"))) int mqa_byoc_decode_cluster_capacity(const mqa_byoc_decode_args* a,
+                                                                            int device_id, int* capacity) {
+  if (!mqa_byoc_decode_supported(a->head_dim, a->num_heads, a->num_heads_k)) return 2;
+  int previous = 0;
+  if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(device_id) != cudaSuccess) {
+    cudaGetLastError();
+    return 1;
+  }
+  const bool paged = a->page_values != nullptr;
+  int rc = 0;
+  if (a->head_dim == 64) {
+    rc = a->is_bf16 ? cluster_capacity<__nv_bfloat16, 64>(paged, device_id, capacity)
+                    : cluster_capacity<__half, 64>(paged, device_id, capacity);
+  } else {
+    rc = a->is_bf16 ? cluster_capacity<__nv_bfloat16, 128>(paged, device_id, capacity)
+                    : cluster_capacity<__half, 128>(paged, device_id, capacity);
+  }
+  cudaSetDevice(previous);
+  return rc;
+}
+
 __attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_byoc_decode_args* a, int num_sms,
-                                                                     mqa_byoc_decode_plan* p) {
+                                                                     const int* capacity, mqa_byoc_decode_plan* p) {
   if (!mqa_byoc_decode_supported(a->head_dim, a->num_heads, a->num_heads_k) || a->batch <= 0) return 2;
   const int64_t rows = mqa_byoc_decode_rows_per_cta(a->head_dim);
   const int64_t row_groups = (a->num_heads / a->num_heads_k + rows - 1) / rows;
@@ -756,19 +806,24 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_b
   int64_t typical = a->page_values != nullptr ? (a->nnz_pages * a->page_size + a->batch - 1) / a->batch : a->seqlen_k;
   if (a->window_left >= 0) typical = std::min<int64_t>(typical, a->window_left + 1);
   typical = std::max<int64_t>(typical, 1);
-  // At most one CTA per SM (one wave) and 32 splits per slot (the last CTA's merge reads every split:
-  // measured on the H200, more splits cost more there than they gain), at least one 16-key tile per
-  // warp, and at most kMaxSplits splits (the grid of a paged batch is sized by `longest`).
+  // Merged through the workspace: at most one CTA per SM (one wave) and 32 splits per slot (the last CTA's
+  // merge reads every split: measured on the H200, more splits cost more there than they gain).
   const int64_t slots = a->batch * a->num_heads_k * row_groups;
   int64_t target = std::min<int64_t>(32, std::max<int64_t>(1, int64_t(std::max(num_sms, 1)) / slots));
-  // Splits that fit one cluster merge through its shared memory, 1.6 us sooner than through the workspace
-  // at 1k keys. Measured on the H200 (64/8/128: 8 clusters of 8 beat 16 splits merged globally from 1k to
-  // 32k keys except at 8k, by 4%): worth the fewer splits when the clusters spread over the GPU (8 or more
-  // slots) or the sequence is short (4k keys or fewer; a longer one with few slots streams faster from 32
-  // splits). 8 slots' clusters of 16 CTAs are not co-resident there (one CTA per SM), 3 are: 16 for up to
-  // 3 slots, else 8.
-  if (slots >= 8 || typical <= 4096) target = std::min<int64_t>(target, slots <= 3 ? kMaxCluster : 8);
-  const int64_t unit = int64_t(kWarps) * kTileKeys;
+  // Merged in a cluster (through the workspace takes 1.5-2.5 us more, measured on the H200): clusters of a
+  // power of two blocks (clusters of 9 and splits of 912 keys ran 5-10% slower than 8 of 1024), the
+  // largest of which every slot's can be co-resident. Worth its fewer splits (fitted to the H200's sweep,
+  // benchmarks/results/2026-12-01-decode-plan.json) when the clusters fill about half the GPU (the K/V
+  // stream is bandwidth-bound by then: 64/8/128 from 1k to 32k keys), or when a split's keys stay within
+  // 4096 x the fraction of SMs the clusters fill (one CTA streams ~75 GB/s: MQA with one slot at 8k keys,
+  // three slots at 32k, run faster on 32 splits).
+  int cluster = 0;
+  for (int n = kMaxCluster; capacity != nullptr && n >= 2 && cluster == 0; n /= 2) {
+    if (capacity[n - 1] >= slots) cluster = n;
+  }
+  const int64_t ctas = slots * cluster, sms = std::max(num_sms, 1);
+  if (cluster > 0 && (20 * ctas >= 9 * sms || typical * sms <= int64_t(4096) * cluster * ctas)) target = cluster;
+  const int64_t unit = int64_t(kWarps) * kTileKeys;  // whole tiles for every warp
   int64_t kps = (typical + target - 1) / target;
   kps = std::max<int64_t>(kps, unit);
   kps = std::max<int64_t>(kps, (longest + kMaxSplits - 1) / kMaxSplits);

@@ -40,14 +40,20 @@ typedef struct {
   int merge;               // MQA_BYOC_DECODE_MERGE_*: the plan functions set AUTO
 } mqa_byoc_decode_plan;
 
-// Query rows (query heads of one K/V head) one CTA holds: 32 for head dim 64, 16 for 128. More make
-// several row groups that each read the K/V (the dispatcher leaves such groupings to FA2).
+// Query rows (query heads of one K/V head) one CTA holds: 16. A larger group makes several row groups,
+// each reading the K/V head (from L2 after the first).
 int mqa_byoc_decode_rows_per_cta(int64_t head_dim);
 // 1 when the kernel serves this head dim and head grouping (head dim 64 or 128, H a multiple of H_kv).
 int mqa_byoc_decode_supported(int64_t head_dim, int64_t num_heads, int64_t num_heads_k);
-// The grid and scratch of a call on a device with num_sms SMs. 0 on success.
-int mqa_byoc_decode_make_plan(const mqa_byoc_decode_args* args, int num_sms, mqa_byoc_decode_plan* plan);
-// The plan with a given split size (a multiple of 128 keys, at most 128 splits; else 2): what make_plan
+// capacity[n - 1] (n = 1..16): how many thread-block clusters of n blocks of the kernel that serves `args`
+// (head dim, dtype, pages or not) device_id holds at once; what make_plan sizes cluster merges by. 0 on
+// success (answers are cached per device and kernel); 1 CUDA error; 2 unsupported.
+int mqa_byoc_decode_cluster_capacity(const mqa_byoc_decode_args* args, int device_id, int* capacity);
+// The grid and scratch of a call on a device with num_sms SMs and the given cluster capacity (NULL: plan
+// for the workspace merge only). 0 on success.
+int mqa_byoc_decode_make_plan(const mqa_byoc_decode_args* args, int num_sms, const int* capacity,
+                              mqa_byoc_decode_plan* plan);
+// The plan with a given split size (a multiple of 16 keys, at most 128 splits; else 2): what make_plan
 // ends with, for a benchmark's sweep of split sizes.
 int mqa_byoc_decode_plan_split(const mqa_byoc_decode_args* args, int64_t keys_per_split, mqa_byoc_decode_plan* plan);
 // Launches on `stream` (a cudaStream_t of device_id, current); workspace: plan->workspace_bytes (also when

@@ -46,8 +46,16 @@ def library(arch: str = "sm_90a", lineinfo: bool = False) -> ctypes.CDLL:
          *(["-lineinfo"] if lineinfo else []), "-shared", "-o", str(out), str(NATIVE / "gqa_decode.cu")],
         check=True,
     )
-    lib = ctypes.CDLL(str(out))
-    lib.mqa_byoc_decode_make_plan.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int, ctypes.POINTER(DecodePlan)]
+    return load_library(out)
+
+
+def load_library(path) -> ctypes.CDLL:
+    """A built decode-kernel library with its C API's argument types set."""
+    lib = ctypes.CDLL(str(path))
+    lib.mqa_byoc_decode_make_plan.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int, ctypes.POINTER(ctypes.c_int),
+                                              ctypes.POINTER(DecodePlan)]
+    lib.mqa_byoc_decode_cluster_capacity.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int,
+                                                     ctypes.POINTER(ctypes.c_int)]
     lib.mqa_byoc_decode_plan_split.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int64,
                                                 ctypes.POINTER(DecodePlan)]
     lib.mqa_byoc_decode_launch.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.POINTER(DecodePlan), ctypes.c_void_p,
@@ -94,7 +102,11 @@ class Decode:
                           num_heads_k=num_heads_k, scale=scale, window_left=window_left, pages=pages)
         self.plan = DecodePlan()
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        rc = self.lib.mqa_byoc_decode_make_plan(ctypes.byref(self.args), sms, ctypes.byref(self.plan))
+        self.capacity = (ctypes.c_int * 16)()
+        device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        rc = self.lib.mqa_byoc_decode_cluster_capacity(ctypes.byref(self.args), device, self.capacity)
+        assert rc == 0, f"cluster_capacity rc={rc}"
+        rc = self.lib.mqa_byoc_decode_make_plan(ctypes.byref(self.args), sms, self.capacity, ctypes.byref(self.plan))
         assert rc == 0, f"make_plan rc={rc}"
         self.plan.merge = self.merge
         self.ws = torch.empty(max(1, self.plan.workspace_bytes), dtype=torch.uint8, device=q.device)
