@@ -22,6 +22,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 #include "gqa_decode.h"
@@ -97,6 +98,14 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* p) {
                : "r"(smem_addr(p)));
 }
 
+// The 8x8 b16 matrix whose fragment (thread g*4+t: row g, columns 2t, 2t+1) is x, transposed: the
+// fragment of its transpose.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
 // A tile row is D/8 chunks of 16 bytes; chunk c of row r sits at c ^ (r & 7) so that the 8 rows an
 // ldmatrix reads hit 8 different bank groups.
 template <int D>
@@ -134,14 +143,15 @@ __device__ __forceinline__ int64_t row_offset(const mqa_byoc_decode_args& a, con
 
 // Shared memory of one block: the pipeline (per warp: kStages x (K tile, V tile)), reused after the loop
 // for the eight warps' outputs (fp32), plus the per-row statistics.
-template <int D, int RB>
+template <int D, bool SWAP>
 struct Smem {
-  static constexpr int kRows = RB * 16;
+  static constexpr int kRows = 16;  // query rows of a block (8 used when SWAP)
   static constexpr int kTileBytes = kTileKeys * D * 2;
   static constexpr int kPipeBytes = kWarps * kStages * 2 * kTileBytes;
-  // the warps' outputs [warp][row][kOStride] (fp32): rows padded by 8 floats so that a warp's float2 stores
-  // (8 rows x 4 column pairs) hit 32 different banks (unpadded: 8-way conflicts, 1.5 us per call measured)
-  static constexpr int kOStride = D + 8;
+  // the warps' outputs [warp][row][kOStride] (fp32): rows padded so that a warp's stores hit 32 different
+  // banks (unpadded: 8-way conflicts, 1 us per call measured): float2s of 8 rows x 4 column pairs (RowsAsM),
+  // floats of 8 dims x 4 row pairs (RowsAsN)
+  static constexpr int kOStride = SWAP ? D + 4 : D + 8;
   static constexpr int kMergeBytes = kWarps * kRows * kOStride * 4;
   static constexpr int kMainBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
   static constexpr int kStatsBytes = 3 * kWarps * kRows * 4 + 64;  // row statistics, the arrival flag
@@ -216,15 +226,249 @@ __device__ __forceinline__ void merge_in_cluster(const mqa_byoc_decode_args& a, 
   }
 }
 
+// One warp's attention over its key tiles, for the block's query rows (those past the group are zero):
+// the Q fragments, the running max and sum, the output accumulators. Two orientations of m16n8k16:
+//
+// RowsAsM: the 16 query rows are the M of S = Q K^T and O = P V (any group size, in 16-row groups).
+template <typename T, int D>
+struct RowsAsM {
+  using M = Mma<T>;
+  uint32_t qf[D / 16][4];
+  float acc[D / 8][4];       // O: (row g, dims 8j + 2t, +1), (row g + 8, same)
+  float m_run[2], l_run[2];  // rows g, g + 8; l_run: this thread's keys (summed over t at the end)
+
+  __device__ __forceinline__ void init(const T* q0, int64_t q_head_stride, int rows, int g, int t) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = g + half * 8;
+      const bool ok = r < rows;
+      const T* qrow = q0 + int64_t(ok ? r : 0) * q_head_stride;
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        qf[ks][half] = ok ? *reinterpret_cast<const uint32_t*>(qrow + ks * 16 + 2 * t) : 0u;
+        qf[ks][2 + half] = ok ? *reinterpret_cast<const uint32_t*>(qrow + ks * 16 + 8 + 2 * t) : 0u;
+      }
+      m_run[half] = -INFINITY;
+      l_run[half] = 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  }
+
+  // keys key0 .. key0 + 15 (those from k_end on are masked) from the tiles ks4 / vs4
+  __device__ __forceinline__ void step(const uint4* ks4, const uint4* vs4, int key0, int k_end, float scale,
+                                       int lane) {
+    const int t = lane % 4, mi = lane / 8;
+    // S = Q K^T, 16 rows x 16 keys (two n-tiles of 8 keys), in two chains over the dims (half the
+    // dependent MMA latency)
+    float s[2][2][4] = {};
+#pragma unroll
+    for (int kstep = 0; kstep < D / 16; ++kstep) {
+      // matrices: (keys 0-7, dims 16k..+7), (keys 0-7, +8..+15), (keys 8-15, ...), (keys 8-15, +8..)
+      uint32_t kb[4];
+      ldmatrix_x4(kb, ks4 + swz<D>((mi / 2) * 8 + lane % 8, kstep * 2 + mi % 2));
+      M::run(s[kstep % 2][0], qf[kstep], kb[0], kb[1]);
+      M::run(s[kstep % 2][1], qf[kstep], kb[2], kb[3]);
+    }
+    const bool full_tile = key0 + kTileKeys <= k_end;
+    uint32_t pf[4];
+    float corr[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float x[4];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = key0 + nt * 8 + 2 * t + e;
+          const float v = s[0][nt][half * 2 + e] + s[1][nt][half * 2 + e];
+          x[nt * 2 + e] = (full_tile || key < k_end) ? v * scale : -INFINITY;
+        }
+      float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run[half], mx);
+      const float base = m_new == -INFINITY ? 0.f : m_new;
+      corr[half] = exp2f(m_run[half] - base);
+      m_run[half] = m_new;
+      float p[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) p[e] = exp2f(x[e] - base);
+      l_run[half] = l_run[half] * corr[half] + (p[0] + p[1]) + (p[2] + p[3]);
+      // A fragment of P (row x key): a0 (row g, keys 2t..), a1 (row g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)
+      pf[half] = M::pack(p[0], p[1]);
+      pf[2 + half] = M::pack(p[2], p[3]);
+    }
+    // rescale O only when some row's running max moved (after the first tiles it rarely does)
+    if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        acc[j][0] *= corr[0], acc[j][1] *= corr[0];
+        acc[j][2] *= corr[1], acc[j][3] *= corr[1];
+      }
+    }
+    // O += P V: the V tile (16 keys x D) as the B operand, transposed by ldmatrix
+#pragma unroll
+    for (int jj = 0; jj < D / 16; ++jj) {
+      // matrices: (keys 0-7, dims 16jj..+7), (keys 8-15, same), (keys 0-7, +8..+15), (keys 8-15, +8..)
+      uint32_t vb[4];
+      ldmatrix_x4_trans(vb, vs4 + swz<D>((mi % 2) * 8 + lane % 8, jj * 2 + mi / 2));
+      M::run(acc[2 * jj], pf, vb[0], vb[1]);
+      M::run(acc[2 * jj + 1], pf, vb[2], vb[3]);
+    }
+  }
+
+  // the warp's row statistics into s_m / s_l ([warp][row])
+  __device__ __forceinline__ void stats(float* s_m, float* s_l, int warp, int lane) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float l = l_run[half];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      if (lane % 4 == 0) {
+        s_m[warp * 16 + lane / 4 + half * 8] = m_run[half];
+        s_l[warp * 16 + lane / 4 + half * 8] = l;
+      }
+    }
+  }
+
+  // the warp's output, scaled by its share of the block's softmax (factor(row, own max)), into s_o
+  template <int kOStride, typename F>
+  __device__ __forceinline__ void output(float* s_o, int warp, int lane, F factor) {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = g + half * 8;
+      const float f = factor(r, m_run[half]);
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        *reinterpret_cast<float2*>(s_o + (warp * 16 + r) * kOStride + j * 8 + 2 * t) =
+            make_float2(acc[j][half * 2] * f, acc[j][half * 2 + 1] * f);
+      }
+    }
+  }
+};
+
+// RowsAsN (a group of at most 8 query rows): the rows are the N of S^T = K Q^T and O^T = V^T P^T, the keys
+// and dims the M, so no MMA computes a padding row: half the tensor work and accumulators of RowsAsM.
+// P^T's fragments become P's (the B operand) by transposing 8x8 blocks in registers (movmatrix).
+template <typename T, int D>
+struct RowsAsN {
+  using M = Mma<T>;
+  uint32_t qf[D / 16][2];    // B fragments of Q^T: (dims 16k + 2t, +1; row g), (dims 16k + 8 + 2t, +1; row g)
+  float acc[D / 16][4];      // O^T: (dim 16j + g; rows 2t, 2t+1), (dim 16j + g + 8; rows 2t, 2t+1)
+  float m_run[2], l_run[2];  // rows 2t, 2t + 1; l_run: this thread's keys (summed over g at the end)
+
+  __device__ __forceinline__ void init(const T* q0, int64_t q_head_stride, int rows, int g, int t) {
+    const bool ok = g < rows;
+    const T* qrow = q0 + int64_t(ok ? g : 0) * q_head_stride;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      qf[ks][0] = ok ? *reinterpret_cast<const uint32_t*>(qrow + ks * 16 + 2 * t) : 0u;
+      qf[ks][1] = ok ? *reinterpret_cast<const uint32_t*>(qrow + ks * 16 + 8 + 2 * t) : 0u;
+    }
+    m_run[0] = m_run[1] = -INFINITY;
+    l_run[0] = l_run[1] = 0.f;
+#pragma unroll
+    for (int j = 0; j < D / 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  }
+
+  __device__ __forceinline__ void step(const uint4* ks4, const uint4* vs4, int key0, int k_end, float scale,
+                                       int lane) {
+    const int g = lane / 4, mi = lane / 8;
+    // S^T = K Q^T: 16 keys x 8 rows, two chains over the dims
+    float s[2][4] = {};
+#pragma unroll
+    for (int kstep = 0; kstep < D / 16; ++kstep) {
+      // A fragment of K: matrices (keys 0-7, dims 16k..+7), (keys 8-15, same), (keys 0-7, +8..), (keys 8-15, +8..)
+      uint32_t ka[4];
+      ldmatrix_x4(ka, ks4 + swz<D>((mi % 2) * 8 + lane % 8, kstep * 2 + mi / 2));
+      M::run(s[kstep % 2], ka, qf[kstep][0], qf[kstep][1]);
+    }
+    const bool full_tile = key0 + kTileKeys <= k_end;
+    // this thread: keys g (x[0], x[1]) and g + 8 (x[2], x[3]) of rows 2t (x[0], x[2]) and 2t + 1
+    float x[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = key0 + g + (e / 2) * 8;
+      x[e] = (full_tile || key < k_end) ? (s[0][e] + s[1][e]) * scale : -INFINITY;
+    }
+    float p[4], corr[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = fmaxf(x[r], x[r + 2]);
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+      const float m_new = fmaxf(m_run[r], mx);
+      const float base = m_new == -INFINITY ? 0.f : m_new;
+      corr[r] = exp2f(m_run[r] - base);
+      m_run[r] = m_new;
+      p[r] = exp2f(x[r] - base);
+      p[r + 2] = exp2f(x[r + 2] - base);
+      l_run[r] = l_run[r] * corr[r] + (p[r] + p[r + 2]);
+    }
+    // B fragments of P^T (key x row): (keys 2t, 2t+1; row g), (keys 2t+8, 2t+9; row g)
+    const uint32_t b0 = movmatrix_trans(M::pack(p[0], p[1]));
+    const uint32_t b1 = movmatrix_trans(M::pack(p[2], p[3]));
+    if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
+#pragma unroll
+      for (int j = 0; j < D / 16; ++j) {
+        acc[j][0] *= corr[0], acc[j][1] *= corr[1];
+        acc[j][2] *= corr[0], acc[j][3] *= corr[1];
+      }
+    }
+    // O^T += V^T P^T: A fragments of V^T, transposed from the V tile by ldmatrix
+#pragma unroll
+    for (int jj = 0; jj < D / 16; ++jj) {
+      // matrices: (keys 0-7, dims 16jj..+7), (keys 0-7, +8..+15), (keys 8-15, ...), (keys 8-15, +8..)
+      uint32_t va[4];
+      ldmatrix_x4_trans(va, vs4 + swz<D>((mi / 2) * 8 + lane % 8, jj * 2 + mi % 2));
+      M::run(acc[jj], va, b0, b1);
+    }
+  }
+
+  __device__ __forceinline__ void stats(float* s_m, float* s_l, int warp, int lane) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float l = l_run[r];
+      l += __shfl_xor_sync(0xffffffffu, l, 4);
+      l += __shfl_xor_sync(0xffffffffu, l, 8);
+      l += __shfl_xor_sync(0xffffffffu, l, 16);
+      if (lane < 4) {
+        s_m[warp * 16 + 2 * lane + r] = m_run[r];
+        s_l[warp * 16 + 2 * lane + r] = l;
+      }
+    }
+  }
+
+  template <int kOStride, typename F>
+  __device__ __forceinline__ void output(float* s_o, int warp, int lane, F factor) {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float f = factor(2 * t + r, m_run[r]);
+      float* row = s_o + (warp * 16 + 2 * t + r) * kOStride + g;
+#pragma unroll
+      for (int j = 0; j < D / 16; ++j) {
+        row[16 * j] = acc[j][r] * f;
+        row[16 * j + 8] = acc[j][2 + r] * f;
+      }
+    }
+  }
+};
+
 // CLUSTER: the grid's splits of a slot are one thread-block cluster and merge through distributed shared
 // memory (merge_in_cluster): no workspace round trip, no arrival atomic. Otherwise the last block of a
 // slot to arrive merges the partials in `o_part`.
-template <typename T, int D, int RB, bool PAGED, bool CLUSTER>
-__global__ void __launch_bounds__(kThreads, D <= 64 ? 2 : 1) gqa_decode_kernel(const mqa_byoc_decode_args a, int keys_per_split,
-                                                              int row_groups, float* o_part, float* lse_part,
-                                                              int* counters) {
+// SWAP: the group's (at most 8) query rows as the N of the MMAs (RowsAsN), else 16-row groups as the M.
+template <typename T, int D, bool SWAP, bool PAGED, bool CLUSTER>
+__global__ void __launch_bounds__(kThreads, D <= 64 ? 2 : 1)
+    gqa_decode_kernel(const mqa_byoc_decode_args a, int keys_per_split, int row_groups, float* o_part, float* lse_part,
+                      int* counters) {
   using M = Mma<T>;
-  using S = Smem<D, RB>;
+  using S = Smem<D, SWAP>;
+  using Warp = std::conditional_t<SWAP, RowsAsN<T, D>, RowsAsM<T, D>>;
   constexpr int kRows = S::kRows;
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   extern __shared__ __align__(128) unsigned char smem[];
@@ -236,7 +480,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 2 : 1) gqa_decode_kernel(c
   float* s_recv_l = reinterpret_cast<float*>(s_recv + kRows * D / 4 + kMaxCluster);
 
   const int split = blockIdx.x, kvh = blockIdx.y / row_groups, rg = blockIdx.y % row_groups, b = blockIdx.z;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = int(a.num_heads / a.num_heads_k);
   const int row0 = rg * kRows;  // first query row (within the group) of this block
   const SeqRange sr = seq_range(a, b);
@@ -253,25 +497,10 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 2 : 1) gqa_decode_kernel(c
   const T* kbase = static_cast<const T*>(a.k);
   const T* vbase = static_cast<const T*>(a.v);
 
-  // ---- Q fragments (A operand), rows = query heads kvh*group + row0 + r; missing rows are zero ----
-  uint32_t qf[RB][D / 16][4];
-  const T* qbase = static_cast<const T*>(a.q) + int64_t(b) * a.q_stride[0];
-#pragma unroll
-  for (int rb = 0; rb < RB; ++rb) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = row0 + rb * 16 + g + half * 8;
-      const bool ok = r < group;
-      const T* qrow = qbase + int64_t(kvh * group + (ok ? r : 0)) * a.q_stride[1];
-#pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks) {
-        const uint32_t lo = ok ? *reinterpret_cast<const uint32_t*>(qrow + ks * 16 + 2 * t) : 0u;
-        const uint32_t hi = ok ? *reinterpret_cast<const uint32_t*>(qrow + ks * 16 + 8 + 2 * t) : 0u;
-        qf[rb][ks][half] = lo;
-        qf[rb][ks][2 + half] = hi;
-      }
-    }
-  }
+  // ---- the warp's state; query rows kvh*group + row0 + r, those past the group zero ----
+  Warp w;
+  w.init(static_cast<const T*>(a.q) + int64_t(b) * a.q_stride[0] + int64_t(kvh * group + row0) * a.q_stride[1],
+         a.q_stride[1], group - row0, lane / 4, lane % 4);
 
   // ---- this warp's tiles: k_begin + (warp + 4 i) * 16 ----
   const int n_tiles_split = (k_end - k_begin + kTileKeys - 1) / kTileKeys;
@@ -333,19 +562,6 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 2 : 1) gqa_decode_kernel(c
     cp_async_commit();
   }
 
-  float acc[RB][D / 8][4];
-#pragma unroll
-  for (int rb = 0; rb < RB; ++rb)
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[rb][j][e] = 0.f;
-  float m_run[RB][2], l_run[RB][2];
-#pragma unroll
-  for (int rb = 0; rb < RB; ++rb) {
-    m_run[rb][0] = m_run[rb][1] = -INFINITY;
-    l_run[rb][0] = l_run[rb][1] = 0.f;
-  }
   const float scale = a.softmax_scale * 1.4426950408889634f;  // scores in the log2 domain
 
   for (int i = 0; i < my_tiles; ++i) {
@@ -362,139 +578,28 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 2 : 1) gqa_decode_kernel(c
     const uint4* vs4 = ks4 + kTileKeys * kChunks;
     const int key0 = k_begin + (warp + i * kWarps) * kTileKeys;
 
-    // S = Q K^T: 16 rows x 16 keys per row block (two n-tiles of 8 keys)
-    float s[RB][2][4];
-#pragma unroll
-    for (int rb = 0; rb < RB; ++rb)
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[rb][nt][e] = 0.f;
-#pragma unroll
-    for (int kstep = 0; kstep < D / 16; ++kstep) {
-      // matrices: (keys 0-7, dims 16k..+7), (keys 0-7, +8..+15), (keys 8-15, ...), (keys 8-15, +8..)
-      const int mi = lane / 8;
-      const int r = (mi / 2) * 8 + (lane % 8);
-      uint32_t kb[4];
-      ldmatrix_x4(kb, ks4 + swz<D>(r, kstep * 2 + (mi % 2)));
-#pragma unroll
-      for (int rb = 0; rb < RB; ++rb) {
-        M::run(s[rb][0], qf[rb][kstep], kb[0], kb[1]);
-        M::run(s[rb][1], qf[rb][kstep], kb[2], kb[3]);
-      }
-    }
-
-    // online softmax (rows g and g + 8 of each row block; this thread's keys 2t, 2t+1 of each n-tile)
-    const bool full_tile = key0 + kTileKeys <= k_end;
-    uint32_t pf[RB][4];
-    float corr[RB][2];
-#pragma unroll
-    for (int rb = 0; rb < RB; ++rb) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float x[4];
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int key = key0 + nt * 8 + 2 * t + e;
-            x[nt * 2 + e] = (full_tile || key < k_end) ? s[rb][nt][half * 2 + e] * scale : -INFINITY;
-          }
-        float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m_run[rb][half], mx);
-        const float base = m_new == -INFINITY ? 0.f : m_new;
-        const float c = exp2f(m_run[rb][half] - base);
-        m_run[rb][half] = m_new;
-        float p[4], sum = 0.f;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          p[e] = exp2f(x[e] - base);
-          sum += p[e];
-        }
-        l_run[rb][half] = l_run[rb][half] * c + sum;
-        corr[rb][half] = c;
-        // A fragment of P (row x key): a0 (row g, keys 2t..), a1 (row g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)
-        pf[rb][half] = M::pack(p[0], p[1]);
-        pf[rb][2 + half] = M::pack(p[2], p[3]);
-      }
-    }
-
-    // rescale O only when some row's running max moved (after the first tiles it rarely does)
-    bool moved = false;
-#pragma unroll
-    for (int rb = 0; rb < RB; ++rb) moved |= corr[rb][0] != 1.f || corr[rb][1] != 1.f;
-    if (__any_sync(0xffffffffu, moved)) {
-#pragma unroll
-      for (int rb = 0; rb < RB; ++rb)
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-          acc[rb][j][0] *= corr[rb][0];
-          acc[rb][j][1] *= corr[rb][0];
-          acc[rb][j][2] *= corr[rb][1];
-          acc[rb][j][3] *= corr[rb][1];
-        }
-    }
-
-    // O += P V: V tile (16 keys x D) as the B operand, transposed by ldmatrix
-#pragma unroll
-    for (int jj = 0; jj < D / 16; ++jj) {
-      // matrices: (keys 0-7, dims 16jj..+7), (keys 8-15, same), (keys 0-7, +8..+15), (keys 8-15, +8..)
-      const int mi = lane / 8;
-      const int r = (mi % 2) * 8 + (lane % 8);
-      uint32_t vb[4];
-      ldmatrix_x4_trans(vb, vs4 + swz<D>(r, jj * 2 + mi / 2));
-#pragma unroll
-      for (int rb = 0; rb < RB; ++rb) {
-        M::run(acc[rb][2 * jj], pf[rb], vb[0], vb[1]);
-        M::run(acc[rb][2 * jj + 1], pf[rb], vb[2], vb[3]);
-      }
-    }
+    w.step(ks4, vs4, key0, k_end, scale, lane);
     __syncwarp();
   }
   cp_async_wait<0>();
 
   // ---- merge the eight warps: row statistics first ----
-#pragma unroll
-  for (int rb = 0; rb < RB; ++rb)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float l = l_run[rb][half];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      l_run[rb][half] = l;
-      if (t == 0) {
-        const int r = rb * 16 + g + half * 8;
-        s_m[warp * kRows + r] = m_run[rb][half];
-        s_l[warp * kRows + r] = l;
-      }
-    }
+  w.stats(s_m, s_l, warp, lane);
   __syncthreads();  // also: every warp is done with the pipeline memory reused below
   float* s_o = reinterpret_cast<float*>(smem);  // [warp][row][S::kOStride]
+  w.template output<S::kOStride>(s_o, warp, lane, [&](int r, float mine) {
+    float mx = -INFINITY;
 #pragma unroll
-  for (int rb = 0; rb < RB; ++rb)
+    for (int v = 0; v < kWarps; ++v) mx = fmaxf(mx, s_m[v * kRows + r]);
+    float l_tot = 0.f;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = rb * 16 + g + half * 8;
-      float mx = -INFINITY;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, s_m[w * kRows + r]);
-      float l_tot = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float mw = s_m[w * kRows + r];
-        l_tot += mw == -INFINITY ? 0.f : exp2f(mw - mx) * s_l[w * kRows + r];
-      }
-      const float mine = m_run[rb][half];
-      const float f = (mine == -INFINITY || l_tot == 0.f) ? 0.f : exp2f(mine - mx) / l_tot;
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        float2 v = make_float2(acc[rb][j][half * 2] * f, acc[rb][j][half * 2 + 1] * f);
-        *reinterpret_cast<float2*>(s_o + (warp * kRows + r) * S::kOStride + j * 8 + 2 * t) = v;
-      }
-      if (warp == 0 && t == 0) s_f[r] = l_tot > 0.f ? mx + log2f(l_tot) : -INFINITY;  // block LSE (base 2)
+    for (int v = 0; v < kWarps; ++v) {
+      const float mv = s_m[v * kRows + r];
+      l_tot += mv == -INFINITY ? 0.f : exp2f(mv - mx) * s_l[v * kRows + r];
     }
+    if (warp == 0) s_f[r] = l_tot > 0.f ? mx + log2f(l_tot) : -INFINITY;  // block LSE (base 2)
+    return (mine == -INFINITY || l_tot == 0.f) ? 0.f : exp2f(mine - mx) / l_tot;
+  });
   __syncthreads();
 
   const bool single = n_splits == 1;
@@ -648,9 +753,22 @@ int64_t longest_keys(const mqa_byoc_decode_args& a) {
   return std::max<int64_t>(longest, 1);
 }
 
-template <int D>
-constexpr int rows_per_block() {
-  return 1;  // row blocks of 16 per CTA: also for head dim 64, where 32 rows took 1.3-1.4x as long (Falcon)
+// Calls fn(Tag<T>, integral_constant D, bool_constant SWAP) with the kernel's types for a call: its dtype,
+// head dim (64 or 128; else 2) and orientation (RowsAsN for groups of at most 8 query heads).
+template <typename T>
+struct Tag {
+  using type = T;
+};
+template <typename F>
+int with_kernel_types(const mqa_byoc_decode_args& a, F&& fn) {
+  const bool swap = a.num_heads / a.num_heads_k <= 8;
+  auto by_swap = [&](auto tag, auto d) { return swap ? fn(tag, d, std::true_type{}) : fn(tag, d, std::false_type{}); };
+  auto by_dim = [&](auto tag) {
+    if (a.head_dim == 64) return by_swap(tag, std::integral_constant<int, 64>{});
+    if (a.head_dim == 128) return by_swap(tag, std::integral_constant<int, 128>{});
+    return 2;
+  };
+  return a.is_bf16 ? by_dim(Tag<__nv_bfloat16>{}) : by_dim(Tag<__half>{});
 }
 
 // Max co-resident clusters of `n` blocks of a kernel on a device (0: none), asked once per (device, size).
@@ -678,11 +796,10 @@ int max_clusters(K kernel, int device, int n, size_t smem) {
 }
 
 // capacity[n - 1]: the co-resident clusters of n blocks (n = 1..kMaxCluster) of the cluster-merging kernel.
-template <typename T, int D>
+template <typename T, int D, bool SWAP>
 int cluster_capacity(bool paged, int device, int* capacity) {
-  constexpr int RB = rows_per_block<D>();
-  using S = Smem<D, RB>;
-  auto kernel = paged ? gqa_decode_kernel<T, D, RB, true, true> : gqa_decode_kernel<T, D, RB, false, true>;
+  using S = Smem<D, SWAP>;
+  auto kernel = paged ? gqa_decode_kernel<T, D, SWAP, true, true> : gqa_decode_kernel<T, D, SWAP, false, true>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes) != cudaSuccess ||
       cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
     cudaGetLastError();
@@ -692,11 +809,10 @@ int cluster_capacity(bool paged, int device, int* capacity) {
   return 0;
 }
 
-template <typename T, int D>
+template <typename T, int D, bool SWAP>
 int launch_typed(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, void* ws, int* counters,
                  cudaStream_t stream) {
-  constexpr int RB = rows_per_block<D>();
-  using S = Smem<D, RB>;
+  using S = Smem<D, SWAP>;
   static bool configured[2][2][64] = {};  // per kernel and device: the shared-memory (and cluster) opt-ins
   const bool paged = a.page_values != nullptr;
   dim3 grid(p.splits, unsigned(a.num_heads_k * p.row_groups), unsigned(a.batch));
@@ -713,7 +829,7 @@ int launch_typed(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, v
   };
   // The cluster merge when a slot's splits fit one cluster and every cluster of the grid is co-resident
   // (one wave, as the plan intends); else the workspace and the arrival counters.
-  auto ckernel = paged ? gqa_decode_kernel<T, D, RB, true, true> : gqa_decode_kernel<T, D, RB, false, true>;
+  auto ckernel = paged ? gqa_decode_kernel<T, D, SWAP, true, true> : gqa_decode_kernel<T, D, SWAP, false, true>;
   bool cluster = false;
   if (p.merge != MQA_BYOC_DECODE_MERGE_GLOBAL && p.splits > 1 && p.splits <= kMaxCluster) {
     if (!configure(ckernel, true)) return 1;
@@ -734,7 +850,7 @@ int launch_typed(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, v
                ? 0
                : 1;
   }
-  auto kernel = paged ? gqa_decode_kernel<T, D, RB, true, false> : gqa_decode_kernel<T, D, RB, false, false>;
+  auto kernel = paged ? gqa_decode_kernel<T, D, SWAP, true, false> : gqa_decode_kernel<T, D, SWAP, false, false>;
   if (!configure(kernel, false)) return 1;
   kernel<<<grid, kThreads, S::kBytes, stream>>>(a, p.keys_per_split, p.row_groups, o_part, lse_part, counters);
   return cudaGetLastError() == cudaSuccess ? 0 : 1;
@@ -745,7 +861,8 @@ int launch_typed(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, v
 extern "C" {
 
 __attribute__((visibility("default"))) int mqa_byoc_decode_rows_per_cta(int64_t head_dim) {
-  return head_dim <= 64 ? 16 * rows_per_block<64>() : 16 * rows_per_block<128>();
+  (void)head_dim;
+  return 16;
 }
 
 __attribute__((visibility("default"))) int mqa_byoc_decode_supported(int64_t head_dim, int64_t num_heads,
@@ -784,14 +901,10 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_cluster_capacity(cons
     return 1;
   }
   const bool paged = a->page_values != nullptr;
-  int rc = 0;
-  if (a->head_dim == 64) {
-    rc = a->is_bf16 ? cluster_capacity<__nv_bfloat16, 64>(paged, device_id, capacity)
-                    : cluster_capacity<__half, 64>(paged, device_id, capacity);
-  } else {
-    rc = a->is_bf16 ? cluster_capacity<__nv_bfloat16, 128>(paged, device_id, capacity)
-                    : cluster_capacity<__half, 128>(paged, device_id, capacity);
-  }
+  const int rc = with_kernel_types(*a, [&](auto tag, auto d, auto swap) {
+    return cluster_capacity<typename decltype(tag)::type, decltype(d)::value, decltype(swap)::value>(paged, device_id,
+                                                                                                  capacity);
+  });
   cudaSetDevice(previous);
   return rc;
 }
@@ -813,16 +926,23 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_b
   // Merged in a cluster (through the workspace takes 1.5-2.5 us more, measured on the H200): clusters of a
   // power of two blocks (clusters of 9 and splits of 912 keys ran 5-10% slower than 8 of 1024), the
   // largest of which every slot's can be co-resident. Worth its fewer splits (fitted to the H200's sweep,
-  // benchmarks/results/2026-12-01-decode-plan.json) when the clusters fill about half the GPU (the K/V
-  // stream is bandwidth-bound by then: 64/8/128 from 1k to 32k keys), or when a split's keys stay within
-  // 4096 x the fraction of SMs the clusters fill (one CTA streams ~75 GB/s: MQA with one slot at 8k keys,
-  // three slots at 32k, run faster on 32 splits).
+  // benchmarks/results/2026-12-01-decode-plan.json) when
+  // - it has as many splits as the workspace plan would,
+  // - or the group is small (RowsAsN) and the clusters fill about half the GPU: the K/V stream is
+  //   bandwidth-bound then (64/8/128 and 32/8/128 from 1k to 32k keys),
+  // - or a split holds few keys: up to 512 + 2048 x the fraction of SMs the clusters fill (more splits
+  //   shorten a stream that compute or one CTA's load rate bounds: Falcon's 71 heads at 32k keys, one K/V
+  //   head of 8 query heads at 16k).
   int cluster = 0;
   for (int n = kMaxCluster; capacity != nullptr && n >= 2 && cluster == 0; n /= 2) {
     if (capacity[n - 1] >= slots) cluster = n;
   }
   const int64_t ctas = slots * cluster, sms = std::max(num_sms, 1);
-  if (cluster > 0 && (20 * ctas >= 9 * sms || typical * sms <= int64_t(4096) * cluster * ctas)) target = cluster;
+  const bool small_group = a->num_heads / a->num_heads_k <= 8;
+  if (cluster > 0 && (cluster >= target || (small_group && 20 * ctas >= 9 * sms) ||
+                      typical * sms <= cluster * (512 * sms + 2048 * ctas))) {
+    target = cluster;
+  }
   const int64_t unit = int64_t(kWarps) * kTileKeys;  // whole tiles for every warp
   int64_t kps = (typical + target - 1) / target;
   kps = std::max<int64_t>(kps, unit);
@@ -840,15 +960,10 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_launch(const mqa_byoc
     counters = counters_for(device_id, stream, p->counters);
     if (counters == nullptr) return 3;
   }
-  if (a->head_dim == 64) {
-    return a->is_bf16 ? launch_typed<__nv_bfloat16, 64>(*a, *p, workspace, counters, stream)
-                      : launch_typed<__half, 64>(*a, *p, workspace, counters, stream);
-  }
-  if (a->head_dim == 128) {
-    return a->is_bf16 ? launch_typed<__nv_bfloat16, 128>(*a, *p, workspace, counters, stream)
-                      : launch_typed<__half, 128>(*a, *p, workspace, counters, stream);
-  }
-  return 2;
+  return with_kernel_types(*a, [&](auto tag, auto d, auto swap) {
+    return launch_typed<typename decltype(tag)::type, decltype(d)::value, decltype(swap)::value>(*a, *p, workspace,
+                                                                                              counters, stream);
+  });
 }
 
 }  // extern "C"
