@@ -36,41 +36,39 @@ constexpr int kStages = 3;
 constexpr int kMaxSplits = 128;  // splits per (sequence, K/V head): the merging CTA keeps their weights
 constexpr int kMaxCluster = 16;  // splits merged through distributed shared memory (non-portable size 16)
 
+// m16n8k16 tensor-core MMA with fp32 accumulators on T (__half or __nv_bfloat16), and T's conversions.
 template <typename T>
-struct Mma;
-
-template <>
-struct Mma<__half> {
+struct Mma {
+  static constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
   static __device__ __forceinline__ void run(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#define MQA_BYOC_MMA(TY)                                                                                      \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, " \
+               "{%0,%1,%2,%3};\n"                                                                             \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                               \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+    if constexpr (kBf16) {
+      MQA_BYOC_MMA("bf16");
+    } else {
+      MQA_BYOC_MMA("f16");
+    }
+#undef MQA_BYOC_MMA
   }
   static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
+    if constexpr (kBf16) {
+      __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+      return *reinterpret_cast<uint32_t*>(&h);
+    } else {
+      __half2 h = __floats2half2_rn(lo, hi);
+      return *reinterpret_cast<uint32_t*>(&h);
+    }
   }
-  static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-  static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
-};
-
-template <>
-struct Mma<__nv_bfloat16> {
-  static __device__ __forceinline__ void run(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  static __device__ __forceinline__ T from_float(float x) {
+    if constexpr (kBf16) {
+      return __float2bfloat16_rn(x);
+    } else {
+      return __float2half_rn(x);
+    }
   }
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-  static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -771,6 +769,16 @@ int with_kernel_types(const mqa_byoc_decode_args& a, F&& fn) {
   return a.is_bf16 ? by_dim(Tag<__nv_bfloat16>{}) : by_dim(Tag<__half>{});
 }
 
+// The launch of `grid` blocks in clusters of n along x (the splits of a slot); attr: its storage.
+cudaLaunchConfig_t cluster_launch(dim3 grid, int n, size_t smem, cudaStream_t stream, cudaLaunchAttribute* attr) {
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = unsigned(n), attr->val.clusterDim.y = 1, attr->val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid, cfg.blockDim = dim3(kThreads), cfg.dynamicSmemBytes = smem, cfg.stream = stream;
+  cfg.attrs = attr, cfg.numAttrs = 1;
+  return cfg;
+}
+
 // Max co-resident clusters of `n` blocks of a kernel on a device (0: none), asked once per (device, size).
 template <typename K>
 int max_clusters(K kernel, int device, int n, size_t smem) {
@@ -781,12 +789,8 @@ int max_clusters(K kernel, int device, int n, size_t smem) {
   auto it = known.find(key);
   if (it != known.end()) return it->second;
   int count = 0;
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = unsigned(n), attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
-  cfg.gridDim = dim3(unsigned(n)), cfg.blockDim = dim3(kThreads), cfg.dynamicSmemBytes = smem;
-  cfg.attrs = attr, cfg.numAttrs = 1;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = cluster_launch(dim3(unsigned(n)), n, smem, nullptr, &attr);
   if (cudaOccupancyMaxActiveClusters(&count, kernel, &cfg) != cudaSuccess) {
     cudaGetLastError();
     count = 0;
@@ -839,12 +843,8 @@ int launch_typed(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, v
   float* o_part = static_cast<float*>(ws);
   float* lse_part = o_part + p.o_part_floats;
   if (cluster) {
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = unsigned(p.splits), attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
-    cfg.gridDim = grid, cfg.blockDim = dim3(kThreads), cfg.dynamicSmemBytes = S::kBytes, cfg.stream = stream;
-    cfg.attrs = attr, cfg.numAttrs = 1;
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = cluster_launch(grid, p.splits, S::kBytes, stream, &attr);
     return cudaLaunchKernelEx(&cfg, ckernel, a, p.keys_per_split, p.row_groups, o_part, lse_part, counters) ==
                    cudaSuccess
                ? 0
