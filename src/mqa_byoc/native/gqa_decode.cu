@@ -19,6 +19,7 @@
 #include <stdint.h>
 
 #include <algorithm>
+#include <array>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -753,13 +754,16 @@ int64_t longest_keys(const mqa_byoc_decode_args& a) {
 
 // Calls fn(Tag<T>, integral_constant D, bool_constant SWAP) with the kernel's types for a call: its dtype,
 // head dim (64 or 128; else 2) and orientation (RowsAsN for groups of at most 8 query heads).
+// Whether a call's group (query heads per K/V head) runs as the MMAs' N (RowsAsN): at most 8.
+bool rows_as_n(const mqa_byoc_decode_args& a) { return a.num_heads / a.num_heads_k <= 8; }
+
 template <typename T>
 struct Tag {
   using type = T;
 };
 template <typename F>
 int with_kernel_types(const mqa_byoc_decode_args& a, F&& fn) {
-  const bool swap = a.num_heads / a.num_heads_k <= 8;
+  const bool swap = rows_as_n(a);
   auto by_swap = [&](auto tag, auto d) { return swap ? fn(tag, d, std::true_type{}) : fn(tag, d, std::false_type{}); };
   auto by_dim = [&](auto tag) {
     if (a.head_dim == 64) return by_swap(tag, std::integral_constant<int, 64>{});
@@ -895,18 +899,31 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_plan_split(const mqa_
 __attribute__((visibility("default"))) int mqa_byoc_decode_cluster_capacity(const mqa_byoc_decode_args* a,
                                                                             int device_id, int* capacity) {
   if (!mqa_byoc_decode_supported(a->head_dim, a->num_heads, a->num_heads_k)) return 2;
-  int previous = 0;
-  if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(device_id) != cudaSuccess) {
-    cudaGetLastError();
-    return 1;
-  }
+  // asked on every decode call (the dispatcher plans each): the device's answers are kept per kernel
+  using Key = std::tuple<int, int64_t, int, bool, bool>;  // device, head dim, bf16, swap, pages
+  static std::mutex mutex;
+  static std::map<Key, std::array<int, kMaxCluster>> known;
   const bool paged = a->page_values != nullptr;
-  const int rc = with_kernel_types(*a, [&](auto tag, auto d, auto swap) {
-    return cluster_capacity<typename decltype(tag)::type, decltype(d)::value, decltype(swap)::value>(paged, device_id,
-                                                                                                  capacity);
-  });
-  cudaSetDevice(previous);
-  return rc;
+  const Key key{device_id, a->head_dim, a->is_bf16, rows_as_n(*a), paged};
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = known.find(key);
+  if (it == known.end()) {
+    int previous = 0;
+    if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(device_id) != cudaSuccess) {
+      cudaGetLastError();
+      return 1;
+    }
+    std::array<int, kMaxCluster> found{};
+    const int rc = with_kernel_types(*a, [&](auto tag, auto d, auto swap) {
+      return cluster_capacity<typename decltype(tag)::type, decltype(d)::value, decltype(swap)::value>(
+          paged, device_id, found.data());
+    });
+    cudaSetDevice(previous);
+    if (rc != 0) return rc;
+    it = known.emplace(key, found).first;
+  }
+  std::copy(it->second.begin(), it->second.end(), capacity);
+  return 0;
 }
 
 __attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_byoc_decode_args* a, int num_sms,
@@ -938,8 +955,7 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_b
     if (capacity[n - 1] >= slots) cluster = n;
   }
   const int64_t ctas = slots * cluster, sms = std::max(num_sms, 1);
-  const bool small_group = a->num_heads / a->num_heads_k <= 8;
-  if (cluster > 0 && (cluster >= target || (small_group && 20 * ctas >= 9 * sms) ||
+  if (cluster > 0 && (cluster >= target || (rows_as_n(*a) && 20 * ctas >= 9 * sms) ||
                       typical * sms <= cluster * (512 * sms + 2048 * ctas))) {
     target = cluster;
   }
