@@ -52,7 +52,7 @@ def run_case(h: int, hk: int, d: int, n: int, dtype, iters: int, sweep: bool) ->
     ours()
     torch.cuda.synchronize()
     rec = {"shape": f"{h}/{hk}/{d}", "dtype": str(dtype).removeprefix("torch."), "keys": n,
-           "splits": ours.plan.splits, "keys_per_split": ours.plan.keys_per_split,
+           "splits": ours.plan.splits, "keys_per_split": ours.plan.keys_per_split, "warps": ours.plan.warps,
            "hbm_us": 2 * n * hk * d * q.element_size() / HBM_BYTES_PER_S * 1e6,
            "max_err_ours": (out.float() - ref).abs().max().item()}
     rec["ours_us"] = kernel_us(ours, iters)
@@ -87,13 +87,13 @@ def markdown(header: dict, rows: list[dict]) -> str:
              f"`{header['command']}`; batch 1, one query row; GPU kernel time per call (CUPTI, µs); "
              "`x HBM` = time / (K and V bytes at 4.8 TB/s).", "",
              "| H/H_kv/D | dtype | keys | ours | ours, workspace merge | cuDNN | FA2 | ours / cuDNN | ours x HBM | "
-             "cuDNN x HBM | splits | max err ours / cuDNN |",
+             "cuDNN x HBM | splits x keys (warps a CTA) | max err ours / cuDNN |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['dtype']} | {r['keys']} | {r['ours_us']:.2f} | "
                      f"{r['ours_workspace_merge_us']:.2f} | {r['cudnn_us']:.2f} | "
                      f"{r['fa2_us']:.2f} | {r['ours_us'] / r['cudnn_us']:.2f} | {r['ours_us'] / r['hbm_us']:.2f} | "
-                     f"{r['cudnn_us'] / r['hbm_us']:.2f} | {r['splits']} x {r['keys_per_split']} | "
+                     f"{r['cudnn_us'] / r['hbm_us']:.2f} | {r['splits']} x {r['keys_per_split']} ({r['warps']}) | "
                      f"{r['max_err_ours']:.1e} / {r['max_err_cudnn']:.1e} |")
     return "\n".join(lines) + "\n"
 

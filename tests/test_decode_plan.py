@@ -57,7 +57,9 @@ def test_contiguous_plan_covers_every_key_in_one_wave(lib, heads, heads_k, dim, 
     assert rc == 0
     rows = 16
     assert p.row_groups == -(-(heads // heads_k) // rows)
-    assert p.keys_per_split % 16 == 0 and p.keys_per_split >= 128 and p.splits * p.keys_per_split >= seqlen
+    # 4 warps a CTA for splits of at most two tiles a warp of 8, each warp at least one tile
+    assert p.warps == (4 if p.keys_per_split <= 256 else 8)
+    assert p.keys_per_split % (16 * p.warps) == 0 and p.splits * p.keys_per_split >= seqlen
     assert (p.splits - 1) * p.keys_per_split < seqlen  # no split without keys
     slots = heads_k * p.row_groups
     assert p.splits <= 32 and slots * p.splits <= max(SMS, slots)  # one wave (one CTA per SM)
@@ -71,6 +73,8 @@ def test_contiguous_plan_covers_every_key_in_one_wave(lib, heads, heads_k, dim, 
 @pytest.mark.parametrize("heads,heads_k,dim,seqlen,batch,splits", [
     (64, 8, 128, 2048, 1, 8), (64, 8, 128, 32768, 1, 8),  # 8 slots: clusters of 8 fill half the GPU
     (71, 1, 64, 16384, 1, 16), (71, 1, 64, 32768, 1, 26),  # Falcon: 5 row groups x 16 (two CTAs per SM), then 26
+    (71, 1, 64, 1024, 1, 16),  # 4-warp CTAs: splits of 64 keys (8 warps: at least 128)
+    (32, 4, 128, 16384, 1, 16), (32, 4, 128, 32768, 1, 32),  # clusters of 16 in 4 GPCs: up to ~1500 keys a split
     (8, 1, 128, 8192, 1, 16), (8, 1, 128, 16384, 1, 32),  # one slot: a cluster of 16 up to ~760 keys a split
     (48, 1, 128, 16384, 1, 16), (48, 1, 128, 32768, 1, 32),  # three slots: up to ~1250
     (64, 8, 128, 4096, 2, 4), (64, 8, 128, 4096, 4, 2), (32, 8, 128, 100, 1, 1)])
@@ -79,7 +83,17 @@ def test_plan_sizes_splits_for_the_cluster_merge(lib, heads, heads_k, dim, seqle
     rc, p = _plan(lib, heads=heads, heads_k=heads_k, dim=dim, batch=batch, seqlen=seqlen)
     assert rc == 0 and p.splits == splits and p.merge == 0  # MQA_BYOC_DECODE_MERGE_AUTO
     rc, q = _plan(lib, heads=heads, heads_k=heads_k, dim=dim, batch=batch, seqlen=seqlen, clusters=False)
-    assert rc == 0 and q.splits == min(32, max(1, SMS // (batch * heads_k * p.row_groups)), -(-seqlen // 128))
+    target = min(32, max(1, SMS // (batch * heads_k * p.row_groups)))
+    assert rc == 0 and q.splits == -(-seqlen // _split_keys(seqlen, target))
+
+
+def _split_keys(seqlen, target):
+    """The workspace plan's split: a target share of the keys in whole tiles of 8 warps (128 keys), or of
+    4 warps (64) where that is at most 256 keys and the sequence needs more than one split."""
+    def whole(unit):
+        return -(-max(-(-seqlen // target), unit) // unit) * unit
+    kps = whole(128)
+    return whole(64) if kps <= 256 and kps < seqlen else kps
 
 
 def test_window_limits_the_split_count(lib):

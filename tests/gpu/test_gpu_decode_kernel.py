@@ -90,6 +90,20 @@ def test_split_sizes_in_tiles(keys_per_split, merge):
     _check(out, lse, ref_o, ref_lse, torch.float16)
 
 
+@pytest.mark.parametrize("merge", ["cluster", "global"])
+@pytest.mark.parametrize("keys_per_split,warps", [(64, 4), (256, 4), (272, 8), (512, 8)])
+@pytest.mark.parametrize("heads,heads_k,dim", [(64, 8, 128), (48, 1, 128), (71, 1, 64), (8, 1, 64)])
+def test_blocks_of_4_and_8_warps(heads, heads_k, dim, keys_per_split, warps, merge):
+    """Splits of at most 256 keys run in 4-warp CTAs, longer ones in 8-warp CTAs: both, in both
+    orientations and head dims, merged in a cluster (up to 15 splits) and through the workspace."""
+    call, out, lse, ref_o, ref_lse = _contiguous_case(1, heads, heads_k, dim, 900, torch.float16, merge=merge)
+    call.set_keys_per_split(keys_per_split)
+    assert call.plan.warps == warps and call.plan.splits == -(-900 // keys_per_split)
+    call()
+    torch.cuda.synchronize()
+    _check(out, lse, ref_o, ref_lse, torch.float16)
+
+
 @pytest.mark.parametrize("merge", ["global", "auto"])
 @pytest.mark.parametrize("window_left", [0, 100, 5000])
 @pytest.mark.parametrize("strided", [False, True])

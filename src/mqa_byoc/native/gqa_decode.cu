@@ -3,8 +3,8 @@
 //
 // Why not FA2's split-KV kernel: at decode it streams K/V at about 3.2 TB/s on the H200 (64-row query tiles
 // for 8 real rows, a 2-stage load) and needs a second kernel for the combine; cuDNN's decode is faster.
-// Here each warp streams 16-key tiles of K and V through a 3-stage cp.async pipeline in its own shared
-// memory (no block barrier in the main loop), the G query rows of a K/V head are the M rows of
+// Here each warp streams 16-key tiles of K and V through a cp.async pipeline in its own shared memory (no
+// block barrier in the main loop), the G query rows of a K/V head are the M rows of
 // m16n8k16 tensor-core MMAs, and the eight warps' states merge in shared memory. The splits of a
 // (sequence, K/V head) merge in a thread-block cluster through distributed shared memory when they fit
 // one (at most 16, co-resident), else the last block to finish merges them from a workspace (an arrival
@@ -30,10 +30,15 @@
 
 namespace {
 
-constexpr int kWarps = 8;  // one CTA per SM (the pipeline takes 192 KB for head dim 128)
-constexpr int kThreads = kWarps * 32;
+// Warps of a CTA: 8, or 4 where 8 would stream at most two tiles each (make_plan, warps_for).
+constexpr int kMaxWarps = 8;
+constexpr int kFewWarps = 4;
 constexpr int kTileKeys = 16;  // keys per warp step (one m16n8k16 K step of P @ V)
-constexpr int kStages = 3;
+// Pipeline stages: each warp keeps 8 KB of K/V loads in flight beyond the tile it computes on (one tile of
+// head dim 128, two of 64). On the H200, a third stage at head dim 128 (16 KB) was 2-10% slower at 1k-8k
+// keys (no faster at 16k-32k); two stages at head dim 64 slowed Falcon (71/1) by 5-17% from 2k keys on.
+template <int D>
+constexpr int kStages = 1 + 8192 / (kTileKeys * D * 2 * 2);
 constexpr int kMaxSplits = 128;  // splits per (sequence, K/V head): the merging CTA keeps their weights
 constexpr int kMaxCluster = 16;  // splits merged through distributed shared memory (non-portable size 16)
 
@@ -140,20 +145,20 @@ __device__ __forceinline__ int64_t row_offset(const mqa_byoc_decode_args& a, con
   return int64_t(b) * stride[0] + int64_t(row) * stride[1] + int64_t(h) * stride[2];
 }
 
-// Shared memory of one block: the pipeline (per warp: kStages x (K tile, V tile)), reused after the loop
-// for the eight warps' outputs (fp32), plus the per-row statistics.
-template <int D, bool SWAP>
+// Shared memory of one block of W warps: the pipeline (per warp: kStages x (K tile, V tile)), reused after
+// the loop for the warps' outputs (fp32), plus the per-row statistics.
+template <int D, bool SWAP, int W>
 struct Smem {
   static constexpr int kRows = 16;  // query rows of a block (8 used when SWAP)
   static constexpr int kTileBytes = kTileKeys * D * 2;
-  static constexpr int kPipeBytes = kWarps * kStages * 2 * kTileBytes;
+  static constexpr int kPipeBytes = W * kStages<D> * 2 * kTileBytes;
   // the warps' outputs [warp][row][kOStride] (fp32): rows padded so that a warp's stores hit 32 different
   // banks (unpadded: 8-way conflicts, 1 us per call measured): float2s of 8 rows x 4 column pairs (RowsAsM),
   // floats of 8 dims x 4 row pairs (RowsAsN)
   static constexpr int kOStride = SWAP ? D + 4 : D + 8;
-  static constexpr int kMergeBytes = kWarps * kRows * kOStride * 4;
+  static constexpr int kMergeBytes = W * kRows * kOStride * 4;
   static constexpr int kMainBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
-  static constexpr int kStatsBytes = 3 * kWarps * kRows * 4 + 64;  // row statistics, the arrival flag
+  static constexpr int kStatsBytes = 3 * W * kRows * 4 + 64;  // row statistics, the arrival flag
   // the cluster merge's receive buffers: every peer's share of this block's slice (float4s), their LSEs
   static constexpr int kRecvBytes = (kRows * D / 4 + kMaxCluster) * 16 + kMaxCluster * kRows * 4;
   static constexpr int kBytes = kMainBytes + kStatsBytes + kRecvBytes;
@@ -164,14 +169,14 @@ __device__ __forceinline__ void cluster_arrive_release() { asm volatile("barrier
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
 
 // The splits of one slot, a cluster of gridDim.x blocks (block rank = split), merge their outputs: s_o
-// holds this block's eight warps' shares ([warp][row][kOStride], fp32, normalized by the block's LSE), s_f
+// holds this block's W warps' shares ([warp][row][kOStride], fp32, normalized by the block's LSE), s_f
 // the block's base-2 LSE per row. Block j merges slice j of the slot's output: every block sums its warps'
 // shares of slice j and stores them, with its LSEs, into block j's receive buffers (distributed shared
 // memory, outside the pipeline's memory that a slower peer may still stream into), then one cluster
 // barrier, then each block merges from its own shared memory (s_o, no longer read by anyone, holds the
 // weights). The caller's first barrier phase (arrived at the start) is waited for here: DSMEM of a block is
 // only valid once every block of the cluster runs.
-template <typename T, int D, int kRows, int kOStride>
+template <typename T, int D, int W, int kRows, int kOStride>
 __device__ __forceinline__ void merge_in_cluster(const mqa_byoc_decode_args& a, float* s_o, const float* s_f,
                                                  float4* recv, float* recv_l, int rows_here, int b, int head0) {
   namespace cg = cooperative_groups;
@@ -179,17 +184,17 @@ __device__ __forceinline__ void merge_in_cluster(const mqa_byoc_decode_args& a, 
   const int n = int(gridDim.x), me = int(blockIdx.x);
   const int n4 = rows_here * (D / 4), per = (n4 + n - 1) / n;
   cluster_wait();
-  for (int idx = threadIdx.x; idx < n4; idx += kThreads) {
+  for (int idx = threadIdx.x; idx < n4; idx += W * 32) {
     const int r = idx / (D / 4), d4 = idx % (D / 4), owner = idx / per;
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
+    for (int w = 0; w < W; ++w) {
       const float4 x = *reinterpret_cast<const float4*>(s_o + (w * kRows + r) * kOStride + d4 * 4);
       v.x += x.x, v.y += x.y, v.z += x.z, v.w += x.w;
     }
     *cluster.map_shared_rank(recv + me * per + (idx - owner * per), owner) = v;
   }
-  for (int i = threadIdx.x; i < rows_here * n; i += kThreads) {
+  for (int i = threadIdx.x; i < rows_here * n; i += W * 32) {
     *cluster.map_shared_rank(recv_l + me * kRows + i % rows_here, i / rows_here) = s_f[i % rows_here];
   }
   cluster_arrive_release();
@@ -199,7 +204,7 @@ __device__ __forceinline__ void merge_in_cluster(const mqa_byoc_decode_args& a, 
   const int row_lo = first / (D / 4), rows = last > first ? (last - 1) / (D / 4) - row_lo + 1 : 0;
   float* s_w = s_o;  // [row of the slice][split], then 1 / sum per row at [rows * kMaxCluster + row]
   const int lane = threadIdx.x % 32;
-  for (int rr = threadIdx.x / 32; rr < rows; rr += kWarps) {
+  for (int rr = threadIdx.x / 32; rr < rows; rr += W) {
     const int r = row_lo + rr;
     const float l = lane < n ? recv_l[lane * kRows + r] : -INFINITY;
     float mx = l;
@@ -216,7 +221,7 @@ __device__ __forceinline__ void merge_in_cluster(const mqa_byoc_decode_args& a, 
   __syncthreads();
   // one output element per thread: the weighted sum of the splits' shares
   const float* recv_f = reinterpret_cast<const float*>(recv);
-  for (int e = threadIdx.x; e < (last - first) * 4; e += kThreads) {
+  for (int e = threadIdx.x; e < (last - first) * 4; e += W * 32) {
     const int idx = first + e / 4, r = idx / (D / 4), d = (idx % (D / 4)) * 4 + e % 4;
     const float* w = s_w + (r - row_lo) * kMaxCluster;
     float v = 0.f;
@@ -461,20 +466,23 @@ struct RowsAsN {
 // memory (merge_in_cluster): no workspace round trip, no arrival atomic. Otherwise the last block of a
 // slot to arrive merges the partials in `o_part`.
 // SWAP: the group's (at most 8) query rows as the N of the MMAs (RowsAsN), else 16-row groups as the M.
-template <typename T, int D, bool SWAP, bool PAGED, bool CLUSTER>
-__global__ void __launch_bounds__(kThreads, D <= 64 ? 2 : 1)
+// W: warps of the block (kMaxWarps or kFewWarps); 16 warps an SM at head dim 64, 8 at 128 (shared memory).
+template <typename T, int D, bool SWAP, bool PAGED, bool CLUSTER, int W>
+__global__ void __launch_bounds__(W * 32, (D <= 64 ? 2 : 1) * kMaxWarps / W)
     gqa_decode_kernel(const mqa_byoc_decode_args a, int keys_per_split, int row_groups, float* o_part, float* lse_part,
                       int* counters) {
   using M = Mma<T>;
-  using S = Smem<D, SWAP>;
+  using S = Smem<D, SWAP, W>;
   using Warp = std::conditional_t<SWAP, RowsAsN<T, D>, RowsAsM<T, D>>;
   constexpr int kRows = S::kRows;
+  constexpr int kStg = kStages<D>;
+  constexpr int kThreads = W * 32;
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   extern __shared__ __align__(128) unsigned char smem[];
   float* s_m = reinterpret_cast<float*>(smem + S::kMainBytes);  // [warp][row]
-  float* s_l = s_m + kWarps * kRows;
-  float* s_f = s_l + kWarps * kRows;  // the block's per-row combine values
-  int* s_flag = reinterpret_cast<int*>(s_f + kWarps * kRows);
+  float* s_l = s_m + W * kRows;
+  float* s_f = s_l + W * kRows;  // the block's per-row combine values
+  int* s_flag = reinterpret_cast<int*>(s_f + W * kRows);
   float4* s_recv = reinterpret_cast<float4*>(smem + S::kMainBytes + S::kStatsBytes);
   float* s_recv_l = reinterpret_cast<float*>(s_recv + kRows * D / 4 + kMaxCluster);
 
@@ -501,10 +509,10 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 2 : 1)
   w.init(static_cast<const T*>(a.q) + int64_t(b) * a.q_stride[0] + int64_t(kvh * group + row0) * a.q_stride[1],
          a.q_stride[1], group - row0, lane / 4, lane % 4);
 
-  // ---- this warp's tiles: k_begin + (warp + 4 i) * 16 ----
+  // ---- this warp's tiles: k_begin + (warp + W i) * 16 ----
   const int n_tiles_split = (k_end - k_begin + kTileKeys - 1) / kTileKeys;
-  const int my_tiles = n_tiles_split > warp ? (n_tiles_split - warp + kWarps - 1) / kWarps : 0;
-  T* pipe = reinterpret_cast<T*>(smem) + warp * kStages * 2 * kTileKeys * D;
+  const int my_tiles = n_tiles_split > warp ? (n_tiles_split - warp + W - 1) / W : 0;
+  T* pipe = reinterpret_cast<T*>(smem) + warp * kStg * 2 * kTileKeys * D;
 
   // Each lane copies chunk `ch` of rows row_lane + it * kRowsPerIt of a tile: from one start pointer and
   // constant steps (few instructions per copy: the loop is issue-bound otherwise). Contiguous K/V: one
@@ -519,10 +527,10 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 2 : 1)
   const int64_t k_fixed = (PAGED ? 0 : int64_t(b) * a.k_stride[0]) + int64_t(kvh) * a.k_stride[2] + ch * 8;
   const int64_t v_fixed = (PAGED ? 0 : int64_t(b) * a.v_stride[0]) + int64_t(kvh) * a.v_stride[2] + ch * 8;
   auto tile_page = [&](int i) -> int {  // page of tile i (tile_in_page only); 0 past this warp's tiles
-    return i < my_tiles ? __ldg(pages_of_b + (k_begin + (warp + i * kWarps) * kTileKeys) / page_size) : 0;
+    return i < my_tiles ? __ldg(pages_of_b + (k_begin + (warp + i * W) * kTileKeys) / page_size) : 0;
   };
   auto load_tile = [&](int i, int stage, int page) {
-    const int key0 = k_begin + (warp + i * kWarps) * kTileKeys;
+    const int key0 = k_begin + (warp + i * W) * kTileKeys;
     uint4* ks = reinterpret_cast<uint4*>(pipe + stage * 2 * kTileKeys * D);
     uint4* vs = ks + kTileKeys * kChunks;
     if (PAGED && !tile_in_page) {
@@ -554,7 +562,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 2 : 1)
 
   int page_next = tile_in_page ? tile_page(0) : 0;
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) {
+  for (int i = 0; i < kStg - 1; ++i) {
     const int page = page_next;
     page_next = tile_in_page ? tile_page(i + 1) : 0;
     if (i < my_tiles) load_tile(i, i, page);
@@ -565,34 +573,34 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 2 : 1)
 
   for (int i = 0; i < my_tiles; ++i) {
     {
-      const int ahead = i + kStages - 1, page = page_next;
+      const int ahead = i + kStg - 1, page = page_next;
       page_next = tile_in_page ? tile_page(ahead + 1) : 0;
-      if (ahead < my_tiles) load_tile(ahead, ahead % kStages, page);
+      if (ahead < my_tiles) load_tile(ahead, ahead % kStg, page);
     }
     cp_async_commit();
-    cp_async_wait<kStages - 1>();
+    cp_async_wait<kStg - 1>();
     __syncwarp();
-    const T* ks = pipe + (i % kStages) * 2 * kTileKeys * D;
+    const T* ks = pipe + (i % kStg) * 2 * kTileKeys * D;
     const uint4* ks4 = reinterpret_cast<const uint4*>(ks);
     const uint4* vs4 = ks4 + kTileKeys * kChunks;
-    const int key0 = k_begin + (warp + i * kWarps) * kTileKeys;
+    const int key0 = k_begin + (warp + i * W) * kTileKeys;
 
     w.step(ks4, vs4, key0, k_end, scale, lane);
     __syncwarp();
   }
   cp_async_wait<0>();
 
-  // ---- merge the eight warps: row statistics first ----
+  // ---- merge the W warps: row statistics first ----
   w.stats(s_m, s_l, warp, lane);
   __syncthreads();  // also: every warp is done with the pipeline memory reused below
   float* s_o = reinterpret_cast<float*>(smem);  // [warp][row][S::kOStride]
   w.template output<S::kOStride>(s_o, warp, lane, [&](int r, float mine) {
     float mx = -INFINITY;
 #pragma unroll
-    for (int v = 0; v < kWarps; ++v) mx = fmaxf(mx, s_m[v * kRows + r]);
+    for (int v = 0; v < W; ++v) mx = fmaxf(mx, s_m[v * kRows + r]);
     float l_tot = 0.f;
 #pragma unroll
-    for (int v = 0; v < kWarps; ++v) {
+    for (int v = 0; v < W; ++v) {
       const float mv = s_m[v * kRows + r];
       l_tot += mv == -INFINITY ? 0.f : exp2f(mv - mx) * s_l[v * kRows + r];
     }
@@ -606,7 +614,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 2 : 1)
   T* out = static_cast<T*>(a.out);
   if constexpr (CLUSTER) {
     if (!single) {
-      merge_in_cluster<T, D, kRows, S::kOStride>(a, s_o, s_f, s_recv, s_recv_l, rows_here, b, kvh * group + row0);
+      merge_in_cluster<T, D, W, kRows, S::kOStride>(a, s_o, s_f, s_recv, s_recv_l, rows_here, b, kvh * group + row0);
       return;
     }
   }
@@ -616,7 +624,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 2 : 1)
     const int r = idx / D, d = idx % D;
     float v = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) v += s_o[(w * kRows + r) * S::kOStride + d];
+    for (int w = 0; w < W; ++w) v += s_o[(w * kRows + r) * S::kOStride + d];
     if (single) {
       out[int64_t(b) * a.o_stride[0] + int64_t(kvh * group + row0 + r) * a.o_stride[1] + d] = M::from_float(v);
     } else {
@@ -664,7 +672,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 2 : 1)
     s_w[sp * kRows + r] = __ldcg(all_l + sp * kRows + r);
   }
   __syncthreads();
-  for (int r = warp; r < rows_here; r += kWarps) {  // one warp per row: max, weights, sum
+  for (int r = warp; r < rows_here; r += W) {  // one warp per row: max, weights, sum
     float mx = -INFINITY;
     for (int sp = lane; sp < n_splits; sp += 32) mx = fmaxf(mx, s_w[sp * kRows + r]);
 #pragma unroll
@@ -773,19 +781,21 @@ int with_kernel_types(const mqa_byoc_decode_args& a, F&& fn) {
   return a.is_bf16 ? by_dim(Tag<__nv_bfloat16>{}) : by_dim(Tag<__half>{});
 }
 
-// The launch of `grid` blocks in clusters of n along x (the splits of a slot); attr: its storage.
-cudaLaunchConfig_t cluster_launch(dim3 grid, int n, size_t smem, cudaStream_t stream, cudaLaunchAttribute* attr) {
+// The launch of `grid` blocks of `warps` warps in clusters of n along x (the splits of a slot); attr: its
+// storage.
+cudaLaunchConfig_t cluster_launch(dim3 grid, int warps, int n, size_t smem, cudaStream_t stream,
+                                  cudaLaunchAttribute* attr) {
   attr->id = cudaLaunchAttributeClusterDimension;
   attr->val.clusterDim.x = unsigned(n), attr->val.clusterDim.y = 1, attr->val.clusterDim.z = 1;
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid, cfg.blockDim = dim3(kThreads), cfg.dynamicSmemBytes = smem, cfg.stream = stream;
+  cfg.gridDim = grid, cfg.blockDim = dim3(unsigned(warps * 32)), cfg.dynamicSmemBytes = smem, cfg.stream = stream;
   cfg.attrs = attr, cfg.numAttrs = 1;
   return cfg;
 }
 
 // Max co-resident clusters of `n` blocks of a kernel on a device (0: none), asked once per (device, size).
 template <typename K>
-int max_clusters(K kernel, int device, int n, size_t smem) {
+int max_clusters(K kernel, int warps, int device, int n, size_t smem) {
   static std::mutex mutex;
   static std::map<std::tuple<int, int, const void*>, int> known;
   std::lock_guard<std::mutex> lock(mutex);
@@ -794,7 +804,7 @@ int max_clusters(K kernel, int device, int n, size_t smem) {
   if (it != known.end()) return it->second;
   int count = 0;
   cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = cluster_launch(dim3(unsigned(n)), n, smem, nullptr, &attr);
+  const cudaLaunchConfig_t cfg = cluster_launch(dim3(unsigned(n)), warps, n, smem, nullptr, &attr);
   if (cudaOccupancyMaxActiveClusters(&count, kernel, &cfg) != cudaSuccess) {
     cudaGetLastError();
     count = 0;
@@ -803,24 +813,26 @@ int max_clusters(K kernel, int device, int n, size_t smem) {
   return count;
 }
 
-// capacity[n - 1]: the co-resident clusters of n blocks (n = 1..kMaxCluster) of the cluster-merging kernel.
+// capacity[n - 1]: the co-resident clusters of n blocks (n = 1..kMaxCluster) of the cluster-merging kernel
+// of 8 warps (the 4-warp blocks' capacity is at least as large).
 template <typename T, int D, bool SWAP>
 int cluster_capacity(bool paged, int device, int* capacity) {
-  using S = Smem<D, SWAP>;
-  auto kernel = paged ? gqa_decode_kernel<T, D, SWAP, true, true> : gqa_decode_kernel<T, D, SWAP, false, true>;
+  constexpr int W = kMaxWarps;
+  using S = Smem<D, SWAP, W>;
+  auto kernel = paged ? gqa_decode_kernel<T, D, SWAP, true, true, W> : gqa_decode_kernel<T, D, SWAP, false, true, W>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes) != cudaSuccess ||
       cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
     cudaGetLastError();
     return 1;
   }
-  for (int n = 1; n <= kMaxCluster; ++n) capacity[n - 1] = max_clusters(kernel, device, n, S::kBytes);
+  for (int n = 1; n <= kMaxCluster; ++n) capacity[n - 1] = max_clusters(kernel, W, device, n, S::kBytes);
   return 0;
 }
 
-template <typename T, int D, bool SWAP>
+template <typename T, int D, bool SWAP, int W>
 int launch_typed(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, void* ws, int* counters,
                  cudaStream_t stream) {
-  using S = Smem<D, SWAP>;
+  using S = Smem<D, SWAP, W>;
   static bool configured[2][2][64] = {};  // per kernel and device: the shared-memory (and cluster) opt-ins
   const bool paged = a.page_values != nullptr;
   dim3 grid(p.splits, unsigned(a.num_heads_k * p.row_groups), unsigned(a.batch));
@@ -837,28 +849,33 @@ int launch_typed(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, v
   };
   // The cluster merge when a slot's splits fit one cluster and every cluster of the grid is co-resident
   // (one wave, as the plan intends); else the workspace and the arrival counters.
-  auto ckernel = paged ? gqa_decode_kernel<T, D, SWAP, true, true> : gqa_decode_kernel<T, D, SWAP, false, true>;
+  auto ckernel = paged ? gqa_decode_kernel<T, D, SWAP, true, true, W> : gqa_decode_kernel<T, D, SWAP, false, true, W>;
   bool cluster = false;
   if (p.merge != MQA_BYOC_DECODE_MERGE_GLOBAL && p.splits > 1 && p.splits <= kMaxCluster) {
     if (!configure(ckernel, true)) return 1;
-    cluster = int64_t(grid.y) * grid.z <= max_clusters(ckernel, device, p.splits, S::kBytes);
+    cluster = int64_t(grid.y) * grid.z <= max_clusters(ckernel, W, device, p.splits, S::kBytes);
   }
   if (p.merge == MQA_BYOC_DECODE_MERGE_CLUSTER && !cluster) return 4;
   float* o_part = static_cast<float*>(ws);
   float* lse_part = o_part + p.o_part_floats;
   if (cluster) {
     cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = cluster_launch(grid, p.splits, S::kBytes, stream, &attr);
+    const cudaLaunchConfig_t cfg = cluster_launch(grid, W, p.splits, S::kBytes, stream, &attr);
     return cudaLaunchKernelEx(&cfg, ckernel, a, p.keys_per_split, p.row_groups, o_part, lse_part, counters) ==
                    cudaSuccess
                ? 0
                : 1;
   }
-  auto kernel = paged ? gqa_decode_kernel<T, D, SWAP, true, false> : gqa_decode_kernel<T, D, SWAP, false, false>;
+  auto kernel = paged ? gqa_decode_kernel<T, D, SWAP, true, false, W> : gqa_decode_kernel<T, D, SWAP, false, false, W>;
   if (!configure(kernel, false)) return 1;
-  kernel<<<grid, kThreads, S::kBytes, stream>>>(a, p.keys_per_split, p.row_groups, o_part, lse_part, counters);
+  kernel<<<grid, W * 32, S::kBytes, stream>>>(a, p.keys_per_split, p.row_groups, o_part, lse_part, counters);
   return cudaGetLastError() == cudaSuccess ? 0 : 1;
 }
+
+// Warps of a CTA streaming splits of kps keys: 4 where 8 would stream at most two tiles each. A CTA's fixed
+// costs (its first tiles' latency, the merge of its warps' outputs) then weigh most: on the H200, 4 warps
+// streaming twice the tiles were 3-10% faster there (1k-4k keys), 8 warps faster from four tiles a warp on.
+int warps_for(int64_t kps) { return kps <= 2 * kMaxWarps * kTileKeys ? kFewWarps : kMaxWarps; }
 
 }  // namespace
 
@@ -887,6 +904,7 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_plan_split(const mqa_
   p->row_groups = int(row_groups);
   p->keys_per_split = int(keys_per_split);
   p->splits = int(splits);
+  p->warps = warps_for(keys_per_split);
   const int64_t slots = a->batch * a->num_heads_k * p->row_groups;
   p->o_part_floats = splits > 1 ? slots * splits * rows * a->head_dim : 0;
   const int64_t lse_floats = splits > 1 ? slots * splits * rows : 0;
@@ -945,8 +963,10 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_b
   // largest of which every slot's can be co-resident. Worth its fewer splits (fitted to the H200's sweep,
   // benchmarks/results/2026-12-01-decode-plan.json) when
   // - it has as many splits as the workspace plan would,
-  // - or the group is small (RowsAsN) and the clusters fill about half the GPU: the K/V stream is
-  //   bandwidth-bound then (64/8/128 and 32/8/128 from 1k to 32k keys),
+  // - or the group is small (RowsAsN) and clusters of at most 8 fill about half the GPU: the K/V stream
+  //   is bandwidth-bound then (64/8/128 and 32/8/128 from 1k to 32k keys). A cluster lies in one GPC
+  //   (16-18 SMs): four clusters of 16 stream through half the GPCs (32/4/128 at 32k keys: 12% slower
+  //   than the same 64 CTAs merging through the workspace),
   // - or a split holds few keys: up to 512 + 2048 x the fraction of SMs the clusters fill (more splits
   //   shorten a stream that compute or one CTA's load rate bounds: Falcon's 71 heads at 32k keys, one K/V
   //   head of 8 query heads at 16k).
@@ -955,15 +975,20 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_b
     if (capacity[n - 1] >= slots) cluster = n;
   }
   const int64_t ctas = slots * cluster, sms = std::max(num_sms, 1);
-  if (cluster > 0 && (cluster >= target || (rows_as_n(*a) && 20 * ctas >= 9 * sms) ||
+  if (cluster > 0 && (cluster >= target || (rows_as_n(*a) && cluster <= 8 && 20 * ctas >= 9 * sms) ||
                       typical * sms <= cluster * (512 * sms + 2048 * ctas))) {
     target = cluster;
   }
-  const int64_t unit = int64_t(kWarps) * kTileKeys;  // whole tiles for every warp
-  int64_t kps = (typical + target - 1) / target;
-  kps = std::max<int64_t>(kps, unit);
-  kps = std::max<int64_t>(kps, (longest + kMaxSplits - 1) / kMaxSplits);
-  kps = (kps + unit - 1) / unit * unit;
+  // whole tiles for every warp of 8; where that makes splits of 4-warp CTAs (warps_for), whole tiles for
+  // every warp of 4: more splits, unless one split holds every key (no merge)
+  auto split_keys = [&](int64_t warps) {
+    const int64_t unit = warps * kTileKeys;
+    int64_t kps = std::max<int64_t>((typical + target - 1) / target, unit);
+    kps = std::max<int64_t>(kps, (longest + kMaxSplits - 1) / kMaxSplits);
+    return (kps + unit - 1) / unit * unit;
+  };
+  int64_t kps = split_keys(kMaxWarps);
+  if (warps_for(kps) == kFewWarps && kps < longest) kps = split_keys(kFewWarps);
   return mqa_byoc_decode_plan_split(a, kps, p);
 }
 
@@ -976,9 +1001,13 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_launch(const mqa_byoc
     counters = counters_for(device_id, stream, p->counters);
     if (counters == nullptr) return 3;
   }
+  if (p->warps != kMaxWarps && p->warps != kFewWarps) return 2;
   return with_kernel_types(*a, [&](auto tag, auto d, auto swap) {
-    return launch_typed<typename decltype(tag)::type, decltype(d)::value, decltype(swap)::value>(*a, *p, workspace,
-                                                                                              counters, stream);
+    using T = typename decltype(tag)::type;
+    constexpr int D = decltype(d)::value;
+    constexpr bool SWAP = decltype(swap)::value;
+    return p->warps == kFewWarps ? launch_typed<T, D, SWAP, kFewWarps>(*a, *p, workspace, counters, stream)
+                                 : launch_typed<T, D, SWAP, kMaxWarps>(*a, *p, workspace, counters, stream);
   });
 }
 

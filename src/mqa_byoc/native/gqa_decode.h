@@ -38,6 +38,7 @@ typedef struct {
   int64_t o_part_floats, counters;
   size_t workspace_bytes;  // device scratch for mqa_byoc_decode_launch (0: none needed)
   int merge;               // MQA_BYOC_DECODE_MERGE_*: the plan functions set AUTO
+  int warps;               // of a CTA: 8, or 4 for splits of at most 256 keys (the plan functions set it)
 } mqa_byoc_decode_plan;
 
 // Query rows (query heads of one K/V head) one CTA holds: 16. A larger group makes several row groups,
