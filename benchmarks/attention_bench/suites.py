@@ -50,11 +50,12 @@ VARIANT_ORDER = [
 
 VARIANT_DOC = {
     "fa2-direct": "FA2 called directly (PyTorch's `aten._flash_attention_forward`, native K/V heads); the reference",
-    "mqa-native": "ours: `partition_for_cutlass(mqa=True)`, native provider (FA2 linked into the library), via TVM's VM",
+    "mqa-native": "ours: `partition_for_cutlass(mqa=True)`, native provider (FA2 linked into the library; decode: our "
+                  "grouped-query decode kernel, `native/gqa_decode.cu`), via TVM's VM",
     "mqa-python": "ours, Python provider (FA2 through a Python bridge)",
     "mqa-hopper": "ours, hopper provider: FA4's sm90 kernel (flash-attn-4, compiled ahead of time and linked) for "
-                  "prefill-sized calls, FA2 split-KV for decode (MQA_BYOC_HOPPER_FA4=always: FA4 for every call, "
-                  "decode through our split-KV around it)",
+                  "prefill-sized calls, our grouped-query decode kernel for decode, as `mqa-native` "
+                  "(MQA_BYOC_HOPPER_FA4=always: FA4 for every call, decode through our split-KV around it)",
     "mqa-native-fa2-combine": "`mqa-native` with `MQA_BYOC_FA2_COMBINE=fa2`: FA2's own split-KV and combine kernel "
                               "for batch-1 decode instead of ours (separate run, same artifacts)",
     "mqa-hopper-fa4-decode": "`mqa-hopper` with `MQA_BYOC_HOPPER_FA4=always`: batch-1 decode through our split-KV around "
