@@ -4,8 +4,8 @@
 // Why not FA2's split-KV kernel: at decode it streams K/V at about 3.2 TB/s on the H200 (64-row query tiles
 // for 8 real rows, a 2-stage load) and needs a second kernel for the combine; cuDNN's decode is faster.
 // Here each warp streams 16-key tiles of K and V through a cp.async pipeline in its own shared memory (no
-// block barrier in the main loop), the G query rows of a K/V head are the M rows of
-// m16n8k16 tensor-core MMAs, and the eight warps' states merge in shared memory. The splits of a
+// block barrier in the main loop), the G query rows of a K/V head are the M rows (or, G <= 8, the N) of
+// m16n8k16 tensor-core MMAs, and the block's 8 (or 4) warps' states merge in shared memory. The splits of a
 // (sequence, K/V head) merge in a thread-block cluster through distributed shared memory when they fit
 // one (at most 16, co-resident), else the last block to finish merges them from a workspace (an arrival
 // counter, reset by that block).
