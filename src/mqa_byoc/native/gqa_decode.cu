@@ -81,9 +81,13 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// 16 bytes global -> shared; src_bytes 0 fills zeros (rows past the end: no NaN from stale memory).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+// 16 bytes global -> shared (a shared-window address): whole, or src_bytes of them (0: zeros, for rows past
+// the end: no NaN from stale memory)
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -91,15 +95,15 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* p) {
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
+               : "r"(addr));
 }
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* p) {
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
+               : "r"(addr));
 }
 
 // The 8x8 b16 matrix whose fragment (thread g*4+t: row g, columns 2t, 2t+1) is x, transposed: the
@@ -116,6 +120,18 @@ template <int D>
 __device__ __forceinline__ int swz(int row, int chunk) {
   return row * (D / 8) + (chunk ^ (row & 7));
 }
+
+// A lane's byte offsets, in a swizzled tile, of the rows its ldmatrix reads at chunks 2 k + c (k = 0 ..
+// D / 16 - 1): the swizzle only permutes chunks within groups of 8, so four offsets serve every k.
+template <int D>
+struct TileOffsets {
+  uint32_t off[4];
+  __device__ __forceinline__ void init(int row, int c) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) off[q] = 16u * uint32_t(swz<D>(row, 2 * q + c));
+  }
+  __device__ __forceinline__ uint32_t at(int k) const { return off[k % 4] + uint32_t(k / 4) * 128u; }
+};
 
 struct SeqRange {
   int begin, end;  // keys [begin, end) of this sequence that the query row attends to
@@ -240,8 +256,14 @@ struct RowsAsM {
   uint32_t qf[D / 16][4];
   float acc[D / 8][4];       // O: (row g, dims 8j + 2t, +1), (row g + 8, same)
   float m_run[2], l_run[2];  // rows g, g + 8; l_run: this thread's keys (summed over t at the end)
+  // ldmatrix rows of K: (keys 0-7, dims 16k..+7), (keys 0-7, +8..+15), (keys 8-15, ...), (keys 8-15, +8..);
+  // of V (transposed): (keys 0-7, dims 16jj..+7), (keys 8-15, same), (keys 0-7, +8..+15), (keys 8-15, +8..)
+  TileOffsets<D> k_off, v_off;
 
   __device__ __forceinline__ void init(const T* q0, int64_t q_head_stride, int rows, int g, int t) {
+    const int lane = g * 4 + t, mi = lane / 8;
+    k_off.init((mi / 2) * 8 + lane % 8, mi % 2);
+    v_off.init((mi % 2) * 8 + lane % 8, mi / 2);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = g + half * 8;
@@ -259,18 +281,16 @@ struct RowsAsM {
     for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
   }
 
-  // keys key0 .. key0 + 15 (those from k_end on are masked) from the tiles ks4 / vs4
-  __device__ __forceinline__ void step(const uint4* ks4, const uint4* vs4, int key0, int k_end, float scale,
-                                       int lane) {
-    const int t = lane % 4, mi = lane / 8;
+  // keys key0 .. key0 + 15 (those from k_end on are masked) from the tiles at shared addresses ks / vs
+  __device__ __forceinline__ void step(uint32_t ks, uint32_t vs, int key0, int k_end, float scale, int lane) {
+    const int t = lane % 4;
     // S = Q K^T, 16 rows x 16 keys (two n-tiles of 8 keys), in two chains over the dims (half the
     // dependent MMA latency)
     float s[2][2][4] = {};
 #pragma unroll
     for (int kstep = 0; kstep < D / 16; ++kstep) {
-      // matrices: (keys 0-7, dims 16k..+7), (keys 0-7, +8..+15), (keys 8-15, ...), (keys 8-15, +8..)
       uint32_t kb[4];
-      ldmatrix_x4(kb, ks4 + swz<D>((mi / 2) * 8 + lane % 8, kstep * 2 + mi % 2));
+      ldmatrix_x4(kb, ks + k_off.at(kstep));
       M::run(s[kstep % 2][0], qf[kstep], kb[0], kb[1]);
       M::run(s[kstep % 2][1], qf[kstep], kb[2], kb[3]);
     }
@@ -284,9 +304,8 @@ struct RowsAsM {
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int key = key0 + nt * 8 + 2 * t + e;
-          const float v = s[0][nt][half * 2 + e] + s[1][nt][half * 2 + e];
-          x[nt * 2 + e] = (full_tile || key < k_end) ? v * scale : -INFINITY;
+          x[nt * 2 + e] = (s[0][nt][half * 2 + e] + s[1][nt][half * 2 + e]) * scale;
+          if (!full_tile && key0 + nt * 8 + 2 * t + e >= k_end) x[nt * 2 + e] = -INFINITY;  // warp-uniform test first
         }
       float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -314,9 +333,8 @@ struct RowsAsM {
     // O += P V: the V tile (16 keys x D) as the B operand, transposed by ldmatrix
 #pragma unroll
     for (int jj = 0; jj < D / 16; ++jj) {
-      // matrices: (keys 0-7, dims 16jj..+7), (keys 8-15, same), (keys 0-7, +8..+15), (keys 8-15, +8..)
       uint32_t vb[4];
-      ldmatrix_x4_trans(vb, vs4 + swz<D>((mi % 2) * 8 + lane % 8, jj * 2 + mi / 2));
+      ldmatrix_x4_trans(vb, vs + v_off.at(jj));
       M::run(acc[2 * jj], pf, vb[0], vb[1]);
       M::run(acc[2 * jj + 1], pf, vb[2], vb[3]);
     }
@@ -362,8 +380,14 @@ struct RowsAsN {
   uint32_t qf[D / 16][2];    // B fragments of Q^T: (dims 16k + 2t, +1; row g), (dims 16k + 8 + 2t, +1; row g)
   float acc[D / 16][4];      // O^T: (dim 16j + g; rows 2t, 2t+1), (dim 16j + g + 8; rows 2t, 2t+1)
   float m_run[2], l_run[2];  // rows 2t, 2t + 1; l_run: this thread's keys (summed over g at the end)
+  // ldmatrix rows of K (A fragment): (keys 0-7, dims 16k..+7), (keys 8-15, same), (keys 0-7, +8..),
+  // (keys 8-15, +8..); of V^T: (keys 0-7, dims 16jj..+7), (keys 0-7, +8..+15), (keys 8-15, ...), (8-15, +8..)
+  TileOffsets<D> k_off, v_off;
 
   __device__ __forceinline__ void init(const T* q0, int64_t q_head_stride, int rows, int g, int t) {
+    const int lane = g * 4 + t, mi = lane / 8;
+    k_off.init((mi % 2) * 8 + lane % 8, mi / 2);
+    v_off.init((mi / 2) * 8 + lane % 8, mi % 2);
     const bool ok = g < rows;
     const T* qrow = q0 + int64_t(ok ? g : 0) * q_head_stride;
 #pragma unroll
@@ -377,16 +401,14 @@ struct RowsAsN {
     for (int j = 0; j < D / 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
   }
 
-  __device__ __forceinline__ void step(const uint4* ks4, const uint4* vs4, int key0, int k_end, float scale,
-                                       int lane) {
-    const int g = lane / 4, mi = lane / 8;
+  __device__ __forceinline__ void step(uint32_t ks, uint32_t vs, int key0, int k_end, float scale, int lane) {
+    const int g = lane / 4;
     // S^T = K Q^T: 16 keys x 8 rows, two chains over the dims
     float s[2][4] = {};
 #pragma unroll
     for (int kstep = 0; kstep < D / 16; ++kstep) {
-      // A fragment of K: matrices (keys 0-7, dims 16k..+7), (keys 8-15, same), (keys 0-7, +8..), (keys 8-15, +8..)
-      uint32_t ka[4];
-      ldmatrix_x4(ka, ks4 + swz<D>((mi % 2) * 8 + lane % 8, kstep * 2 + mi / 2));
+      uint32_t ka[4];  // A fragment of K
+      ldmatrix_x4(ka, ks + k_off.at(kstep));
       M::run(s[kstep % 2], ka, qf[kstep][0], qf[kstep][1]);
     }
     const bool full_tile = key0 + kTileKeys <= k_end;
@@ -394,8 +416,8 @@ struct RowsAsN {
     float x[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int key = key0 + g + (e / 2) * 8;
-      x[e] = (full_tile || key < k_end) ? (s[0][e] + s[1][e]) * scale : -INFINITY;
+      x[e] = (s[0][e] + s[1][e]) * scale;
+      if (!full_tile && key0 + g + (e / 2) * 8 >= k_end) x[e] = -INFINITY;  // warp-uniform test first
     }
     float p[4], corr[2];
 #pragma unroll
@@ -425,9 +447,8 @@ struct RowsAsN {
     // O^T += V^T P^T: A fragments of V^T, transposed from the V tile by ldmatrix
 #pragma unroll
     for (int jj = 0; jj < D / 16; ++jj) {
-      // matrices: (keys 0-7, dims 16jj..+7), (keys 0-7, +8..+15), (keys 8-15, ...), (keys 8-15, +8..)
       uint32_t va[4];
-      ldmatrix_x4_trans(va, vs4 + swz<D>((mi / 2) * 8 + lane % 8, jj * 2 + mi % 2));
+      ldmatrix_x4_trans(va, vs + v_off.at(jj));
       M::run(acc[jj], va, b0, b1);
     }
   }
@@ -529,34 +550,64 @@ __global__ void __launch_bounds__(W * 32, (D <= 64 ? 2 : 1) * kMaxWarps / W)
   auto tile_page = [&](int i) -> int {  // page of tile i (tile_in_page only); 0 past this warp's tiles
     return i < my_tiles ? __ldg(pages_of_b + (k_begin + (warp + i * W) * kTileKeys) / page_size) : 0;
   };
+  // This lane's shared-memory destinations in stage 0's K tile (V: + kVBytes, stage s: + s * kStageBytes):
+  // the swizzle repeats every 8 rows, so kPeriod addresses serve all kIters rows of a tile.
+  constexpr int kIters = kTileKeys / kRowsPerIt, kPeriod = 8 / kRowsPerIt < kIters ? 8 / kRowsPerIt : kIters;
+  constexpr uint32_t kVBytes = kTileKeys * D * sizeof(T), kStageBytes = 2 * kVBytes;
+  const uint32_t dst_base = smem_addr(pipe);  // the warp's stage 0
+  uint32_t dst0[kPeriod];
+#pragma unroll
+  for (int p = 0; p < kPeriod; ++p) dst0[p] = dst_base + 16u * uint32_t(swz<D>(row_lane + p * kRowsPerIt, ch));
+  auto dst = [&](int stage, int it) {  // rows it and it + kPeriod * m differ by 8 m rows of D * 2 bytes
+    return dst0[it % kPeriod] + uint32_t(stage) * kStageBytes + uint32_t(it / kPeriod) * (8 * D * 2);
+  };
+  const int64_t k_step = kRowsPerIt * k_row, v_step = kRowsPerIt * v_row;  // between a lane's rows
+  // contiguous K/V: this lane's first row of the warp's next tile to load (one add per tile)
+  const T* k_next = kbase + k_fixed + int64_t(k_begin + warp * kTileKeys + row_lane) * k_row;
+  const T* v_next = vbase + v_fixed + int64_t(k_begin + warp * kTileKeys + row_lane) * v_row;
+  const int64_t k_tile = int64_t(W) * kTileKeys * k_row, v_tile = int64_t(W) * kTileKeys * v_row;
   auto load_tile = [&](int i, int stage, int page) {
     const int key0 = k_begin + (warp + i * W) * kTileKeys;
-    uint4* ks = reinterpret_cast<uint4*>(pipe + stage * 2 * kTileKeys * D);
-    uint4* vs = ks + kTileKeys * kChunks;
     if (PAGED && !tile_in_page) {
 #pragma unroll
-      for (int it = 0; it < kTileKeys / kRowsPerIt; ++it) {
+      for (int it = 0; it < kIters; ++it) {
         const int r = row_lane + it * kRowsPerIt, key = key0 + r;
         const bool ok = key < k_end;
         const int64_t ko = ok ? row_offset(a, a.k_stride, b, key, kvh) + ch * 8 : 0;
         const int64_t vo = ok ? row_offset(a, a.v_stride, b, key, kvh) + ch * 8 : 0;
-        cp_async16(ks + swz<D>(r, ch), kbase + ko, ok ? 16 : 0);
-        cp_async16(vs + swz<D>(r, ch), vbase + vo, ok ? 16 : 0);
+        cp_async16(dst(stage, it), kbase + ko, ok ? 16 : 0);
+        cp_async16(dst(stage, it) + kVBytes, vbase + vo, ok ? 16 : 0);
       }
       return;
     }
     // first row of this lane: a row of the sequence (contiguous) or of the tile's page
-    const int64_t row0 = PAGED ? key0 % page_size + row_lane : int64_t(key0 + row_lane);
-    const T* kp = kbase + k_fixed + (PAGED ? int64_t(page) * a.k_stride[0] : 0) + row0 * k_row;
-    const T* vp = vbase + v_fixed + (PAGED ? int64_t(page) * a.v_stride[0] : 0) + row0 * v_row;
+    const T* kp = k_next;
+    const T* vp = v_next;
+    if constexpr (PAGED) {
+      const int64_t row0 = key0 % page_size + row_lane;
+      kp = kbase + k_fixed + int64_t(page) * a.k_stride[0] + row0 * k_row;
+      vp = vbase + v_fixed + int64_t(page) * a.v_stride[0] + row0 * v_row;
+    } else {
+      k_next += k_tile;
+      v_next += v_tile;
+    }
+    if (key0 + kTileKeys <= k_end) {  // a whole tile: no row past the end
 #pragma unroll
-    for (int it = 0; it < kTileKeys / kRowsPerIt; ++it) {
-      const int r = row_lane + it * kRowsPerIt;
-      const bool ok = key0 + r < k_end;
-      cp_async16(ks + swz<D>(r, ch), ok ? kp : kbase, ok ? 16 : 0);
-      cp_async16(vs + swz<D>(r, ch), ok ? vp : vbase, ok ? 16 : 0);
-      kp += kRowsPerIt * k_row;
-      vp += kRowsPerIt * v_row;
+      for (int it = 0; it < kIters; ++it) {
+        cp_async16(dst(stage, it), kp);
+        cp_async16(dst(stage, it) + kVBytes, vp);
+        kp += k_step;
+        vp += v_step;
+      }
+      return;
+    }
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const bool ok = key0 + row_lane + it * kRowsPerIt < k_end;
+      cp_async16(dst(stage, it), ok ? kp : kbase, ok ? 16 : 0);
+      cp_async16(dst(stage, it) + kVBytes, ok ? vp : vbase, ok ? 16 : 0);
+      kp += k_step;
+      vp += v_step;
     }
   };
 
@@ -580,12 +631,10 @@ __global__ void __launch_bounds__(W * 32, (D <= 64 ? 2 : 1) * kMaxWarps / W)
     cp_async_commit();
     cp_async_wait<kStg - 1>();
     __syncwarp();
-    const T* ks = pipe + (i % kStg) * 2 * kTileKeys * D;
-    const uint4* ks4 = reinterpret_cast<const uint4*>(ks);
-    const uint4* vs4 = ks4 + kTileKeys * kChunks;
+    const uint32_t ks = dst_base + uint32_t(i % kStg) * kStageBytes;
     const int key0 = k_begin + (warp + i * W) * kTileKeys;
 
-    w.step(ks4, vs4, key0, k_end, scale, lane);
+    w.step(ks, ks + kVBytes, key0, k_end, scale, lane);
     __syncwarp();
   }
   cp_async_wait<0>();
