@@ -74,9 +74,10 @@ def test_contiguous_plan_covers_every_key_in_one_wave(lib, heads, heads_k, dim, 
     (64, 8, 128, 2048, 1, 8), (64, 8, 128, 32768, 1, 8),  # 8 slots: clusters of 8 fill half the GPU
     (71, 1, 64, 16384, 1, 16), (71, 1, 64, 32768, 1, 26),  # Falcon: 5 row groups x 16 (two CTAs per SM), then 26
     (71, 1, 64, 1024, 1, 16),  # 4-warp CTAs: splits of 64 keys (8 warps: at least 128)
-    (32, 4, 128, 16384, 1, 16), (32, 4, 128, 32768, 1, 32),  # clusters of 16 in 4 GPCs: up to ~1500 keys a split
-    (8, 1, 128, 8192, 1, 16), (8, 1, 128, 16384, 1, 32),  # one slot: a cluster of 16 up to ~760 keys a split
-    (48, 1, 128, 16384, 1, 16), (48, 1, 128, 32768, 1, 32),  # three slots: up to ~1250
+    (32, 4, 128, 16384, 1, 16), (32, 4, 128, 32768, 1, 32),  # clusters of 16 in 4 GPCs: up to ~1630 keys a split
+    (8, 1, 128, 8192, 1, 16), (8, 1, 128, 16384, 1, 32),  # one slot: a cluster of 16 up to ~890 keys a split
+    (48, 1, 128, 16384, 1, 16), (48, 1, 128, 32768, 1, 32),  # three slots: up to ~1380
+    (32, 1, 64, 16384, 1, 16), (32, 1, 64, 32768, 1, 32),  # two slots: up to ~1140
     (64, 8, 128, 4096, 2, 4), (64, 8, 128, 4096, 4, 2), (32, 8, 128, 100, 1, 1)])
 def test_plan_sizes_splits_for_the_cluster_merge(lib, heads, heads_k, dim, seqlen, batch, splits):
     """Where the splits merging in a cluster pays (make_plan's rule), the plan makes a cluster's worth."""

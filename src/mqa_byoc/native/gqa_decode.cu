@@ -1009,23 +1009,23 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_b
   int64_t target = std::min<int64_t>(32, std::max<int64_t>(1, int64_t(std::max(num_sms, 1)) / slots));
   // Merged in a cluster (through the workspace takes 1.5-2.5 us more, measured on the H200): clusters of a
   // power of two blocks (clusters of 9 and splits of 912 keys ran 5-10% slower than 8 of 1024), the
-  // largest of which every slot's can be co-resident. Worth its fewer splits (fitted to the H200's sweep,
-  // benchmarks/results/2026-12-01-decode-plan.json) when
+  // largest of which every slot's can be co-resident. Worth its fewer splits (fitted to the H200's sweeps,
+  // benchmarks/results/2026-12-01-decode-plan.json and -decode-load-path-fp16.json) when
   // - it has as many splits as the workspace plan would,
   // - or the group is small (RowsAsN) and clusters of at most 8 fill about half the GPU: the K/V stream
   //   is bandwidth-bound then (64/8/128 and 32/8/128 from 1k to 32k keys). A cluster lies in one GPC
   //   (16-18 SMs): four clusters of 16 stream through half the GPCs (32/4/128 at 32k keys: 12% slower
   //   than the same 64 CTAs merging through the workspace),
-  // - or a split holds few keys: up to 512 + 2048 x the fraction of SMs the clusters fill (more splits
+  // - or a split holds few keys: up to 640 + 2048 x the fraction of SMs the clusters fill (more splits
   //   shorten a stream that compute or one CTA's load rate bounds: Falcon's 71 heads at 32k keys, one K/V
-  //   head of 8 query heads at 16k).
+  //   head of 8 query heads at 16k; 32/1/64 at 16k keys: 16 splits in clusters 9% faster than 32).
   int cluster = 0;
   for (int n = kMaxCluster; capacity != nullptr && n >= 2 && cluster == 0; n /= 2) {
     if (capacity[n - 1] >= slots) cluster = n;
   }
   const int64_t ctas = slots * cluster, sms = std::max(num_sms, 1);
   if (cluster > 0 && (cluster >= target || (rows_as_n(*a) && cluster <= 8 && 20 * ctas >= 9 * sms) ||
-                      typical * sms <= cluster * (512 * sms + 2048 * ctas))) {
+                      typical * sms <= cluster * (640 * sms + 2048 * ctas))) {
     target = cluster;
   }
   // whole tiles for every warp of 8; where that makes splits of 4-warp CTAs (warps_for), whole tiles for
