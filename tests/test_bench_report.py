@@ -180,9 +180,10 @@ def _synthetic():
                  max_abs_err_vs_fa2=0.5, ref_max_abs=0.06, rel_err_vs_fa2=8.3, bad_heads=[68, 69, 70],
                  num_bad_heads=3, kernel="batch_decode_paged_kv"),
             {**_rec("d16k", "stock-tvm", None), "error": "RuntimeError: boom\nmore"},
-            _rec("p1k", "fa2-direct", 80.0, mode="prefill", seq=1024, ratio_vs_fa2_direct=1.0, tflops=215.0),
+            _rec("p1k", "fa2-direct", 80.0, mode="prefill", seq=1024, ratio_vs_fa2_direct=1.0, tflops=215.0,
+                 sm_clock_mhz=1980, clock_limits=[]),
             _rec("p1k", "mqa-native", 76.0, mode="prefill", seq=1024, ratio_vs_fa2_direct=0.95, tflops=226.1,
-                 numerics_ok=True, notes=["mistral-7b uses a 4096-token sliding window; measured without one"]),
+                 numerics_ok=True, sm_clock_mhz=1575, clock_limits=["sw_power_cap"], notes=["mistral-7b uses a 4096-token sliding window; measured without one"]),
             _rec("p1k", "stock-tvm", 47000.0, mode="prefill", seq=1024, ratio_vs_fa2_direct=587.5, tflops=0.37,
                  numerics_ok=True),
             _rec("p1k", "cublas-qk-gemm", 40.0, mode="prefill", seq=1024, ratio_vs_fa2_direct=0.5, tflops=430.0),
@@ -212,6 +213,9 @@ def test_render_markdown(bench):
     assert "h71-kv1-d64 fp16: TVM's `batch_decode_paged_kv` thread layout writes only 68 of the 71" in md
     assert "h64-kv8-d128 fp16: TVM" not in md
     assert "![2026-12-01-attention-issue6-fp16.png](2026-12-01-attention-issue6-fp16.png)" in md
+    clock_hdr = lines.index("## SM clock during the timed loops")
+    clock_row = next(ln for ln in lines[clock_hdr:] if ln.startswith("| p1k"))
+    assert clock_row == "| p1k | 226 TF/s at 1,575 MHz | 215 TF/s at 1,980 MHz | sw_power_cap |"
 
 
 def test_report_files(bench, tmp_path):

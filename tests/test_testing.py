@@ -131,3 +131,17 @@ def test_import_setup(monkeypatch, tmp_path):
     assert setup.import_setup() == []
     with pytest.raises(ImportError):
         setup.import_setup(["no_such_kit_module_xyz"])
+
+
+def test_clock_sampler_summary(monkeypatch):
+    """The SM clock summary: mean and lowest clock, mean power, every limit reason seen; nothing without NVML."""
+    from mqa_byoc.testing import gpu_clock
+
+    monkeypatch.setattr(gpu_clock, "_library", lambda: None)
+    with gpu_clock.ClockSampler() as none:
+        pass
+    assert none.summary() == {} and none.samples == []
+    s = gpu_clock.ClockSampler()
+    s.samples = [(1980, 300.0, 0), (1500, 700.0, 0x4), (1560, 690.0, 0x4 | 0x20)]
+    assert s.summary() == {"sm_clock_mhz": 1680, "sm_clock_min_mhz": 1500, "power_w": 563.3,
+                           "clock_limits": ["sw_power_cap", "sw_thermal"], "clock_samples": 3}

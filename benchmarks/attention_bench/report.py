@@ -88,6 +88,32 @@ def kernel_time_section(recs):
     return lines + [""]
 
 
+CLOCK_VARIANTS = ("mqa-hopper", "torch-sdpa-gqa", "mqa-native", "fa2-direct")
+
+
+def clock_section(recs, max_mhz=1980):
+    """The SM clock (NVML, mean over the timed loop) beside the TFLOP/s of each long call: under the power
+    limit the clock drops, and TFLOP/s of two runs compare only at the same clock."""
+    by_case = {}
+    for r in recs:
+        if r.get("sm_clock_mhz") and r.get("tflops") is not None and r.get("variant") in CLOCK_VARIANTS:
+            by_case.setdefault(r["case"], {})[r["variant"]] = r
+    if not by_case:
+        return []
+    cols = [v for v in CLOCK_VARIANTS if any(v in c for c in by_case.values())]
+    lines = ["## SM clock during the timed loops", "",
+             f"TFLOP/s at the mean SM clock NVML read while the loop ran (MHz; the H200's boost clock is {max_mhz:,}); "
+             "`limits`: the clock-limit reasons NVML reported in any sample (`sw_power_cap`: the board's power "
+             "limit).", "",
+             "| case | " + " | ".join(f"`{v}`" for v in cols) + " | limits |", "|---|" + "---:|" * len(cols) + "---|"]
+    for case, vs in by_case.items():
+        cells = [f"{_fmt_tflops(vs[v]['tflops'])} TF/s at {vs[v]['sm_clock_mhz']:,} MHz" if v in vs else "–"
+                 for v in cols]
+        limits = sorted({x for r in vs.values() for x in (r.get("clock_limits") or [])})
+        lines.append(f"| {case} | " + " | ".join(cells) + f" | {', '.join(limits) or 'none'} |")
+    return lines + [""]
+
+
 def render_markdown(data, plots=()):
     """Markdown report of one run's JSON (``run``'s output)."""
     recs = [r for r in data["records"] if r.get("benchmark", "attention") == "attention"]
@@ -163,6 +189,7 @@ def render_markdown(data, plots=()):
             lines.append(f"| {shape}" + (f" ({model})" if model else "") + f" | {dt} | {label} | {cells} |")
         lines.append("")
     lines += kernel_time_section(recs)
+    lines += clock_section(recs)
     notes = sorted({n for r in recs for n in (r.get("notes") or [])})
     if notes:
         lines += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]

@@ -16,6 +16,7 @@ from contextlib import ExitStack
 
 from mqa_byoc.testing.header import run_header
 from mqa_byoc.testing.setup import import_setup
+from mqa_byoc.testing.gpu_clock import ClockSampler
 from mqa_byoc.testing.timing import cuda_time_us, time_call_us
 
 from .cuda_cache import serve_fatbins
@@ -151,6 +152,11 @@ def kernel_time_us(call, calls=3):
     return sum(t for _, t in cap.events) / calls, sorted({n for n, _ in cap.events})
 
 
+#: calls at least this long (µs) are timed with the SM clock sampled (a sampling thread would perturb
+#: the launch-bound loops of short calls)
+CLOCK_SAMPLE_MIN_US = 100.0
+
+
 def measure(call, args, ref=None, dtype=None, warmup=3, extra=None, ref32=None):
     """One variant: the first call (checked against ``ref`` and the fp32 ``ref32``), then back-to-back
     calls for about ``args.budget_ms`` (and, with ``args.kernel_time``, its CUPTI kernel time).
@@ -174,6 +180,11 @@ def measure(call, args, ref=None, dtype=None, warmup=3, extra=None, ref32=None):
         if n == 0:
             us = first_us
             entry["note"] = "one cold call (slower than --max-call-s)"
+        elif est_us >= CLOCK_SAMPLE_MIN_US:
+            # long tensor-core calls can reach the power limit, which lowers the SM clock: record it
+            with ClockSampler(period_s=0.005) as clock:
+                us = cuda_time_us(call, n, warmup=w)
+            entry.update(clock.summary())
         else:
             us = cuda_time_us(call, n, warmup=w)
         entry.update(us=us, iters=n, first_call_us=round(first_us, 2))
