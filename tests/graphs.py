@@ -306,8 +306,8 @@ def hf_chains_shared_kv(sites=2, h=8, hkv=2, d=64, s=16, b=1, dtype=F16, share_e
     with bb.function("main", qs + [k, v]):
         with bb.dataflow():
             def repeat_kv(x):
-                e = bb.emit(R.broadcast_to(bb.emit(R.expand_dims(x, axis=[2])), [b, hkv, r, s, d]))
-                return bb.emit(R.reshape(e, [b, h, s, d]))
+                e = bb.emit(R.broadcast_to(bb.emit(R.expand_dims(x, axis=[2])), [b, hkv, r, s_kv, d]))
+                return bb.emit(R.reshape(e, [b, h, s_kv, d]))
 
             shared = (repeat_kv(k), repeat_kv(v)) if share_expansion else None
             outs = []
@@ -519,3 +519,69 @@ def native_export_skip_reason() -> str | None:
     except K.NativeKernelsUnavailable as err:
         return str(err)
     return None
+
+
+def safe_softmax_chain(h=8, hkv=2, d=64, s=16, s_kv=None, b=1, dtype=F16, cond="torch", masked=False):
+    """torch's SDPA decomposition as TVM's frontend imports it, after ToMixedPrecision: BNSH, K/V
+    expanded by broadcasting, ``softmax`` in float32, then the safe softmax's dead-row guard
+    ``where(cond, 0, probs)``. ``cond`` spells the guard:
+
+    - "torch": ``not(any(not(scores == -inf)))`` (any as a max over int8, the frontend's spelling),
+      compared on a second astype of the fp16 scores (what ToMixedPrecision leaves);
+    - "all": ``all(scores == -inf)`` (a min); "ne": ``not(any(scores != -inf))``;
+    - not the guard: "any" (``any(scores == -inf)``), "no-not" (``any(not(scores == -inf))``),
+      "heads-axis" (reduced over the query axis), "threshold" (``all(scores < -1)``), "raw" (the raw
+      scores compared while the softmax sees the masked ones; needs ``masked``).
+    ``masked``: a causal mask (aligned to the last key) added to the scores before the softmax."""
+    s_kv = s if s_kv is None else s_kv
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", _tensor([b, h, s, d], dtype))
+    k = relax.Var("k", _tensor([b, hkv, s_kv, d], dtype))
+    v = relax.Var("v", _tensor([b, hkv, s_kv, d], dtype))
+    r = h // hkv
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            def expand(x):
+                e = bb.emit(R.broadcast_to(bb.emit(R.expand_dims(x, axis=[2])), [b, hkv, r, s_kv, d]))
+                return bb.emit(R.reshape(e, [b, h, s_kv, d]))
+
+            kk, vv = expand(k), expand(v)
+            q = bb.emit(R.multiply(q, relax.const(1.0 / math.sqrt(d), dtype)))
+            raw = bb.emit(R.matmul(q, bb.emit(R.permute_dims(kk, [0, 1, 3, 2]))))
+            sc = raw
+            if masked:
+                keys = bb.emit(R.arange(0, s_kv, 1, "int64"))
+                last = bb.emit(R.reshape(bb.emit(R.arange(s_kv - s, s_kv, 1, "int64")), [s, 1]))
+                future = bb.emit(R.greater(keys, last))
+                mask = bb.emit(R.where(future, relax.const(-np.inf, dtype), relax.const(0.0, dtype)))
+                sc = bb.emit(R.add(sc, bb.emit(R.reshape(mask, [1, 1, s, s_kv]))))
+            probs = bb.emit(R.nn.softmax(bb.emit(R.astype(sc, "float32")), axis=-1))
+            seen = bb.emit(R.astype(raw if cond == "raw" else sc, "float32"))
+            neg_inf = relax.const(-np.inf, "float32")
+
+            def reduce(x, op, axis=-1):
+                x8 = bb.emit(R.astype(x, "int8"))
+                return bb.emit(R.astype(bb.emit(op(x8, axis=[axis], keepdims=True)), "bool"))
+
+            eq = bb.emit(R.equal(seen, neg_inf))
+            if cond in ("torch", "raw"):
+                c = bb.emit(R.logical_not(reduce(bb.emit(R.logical_not(eq)), R.max)))
+            elif cond == "all":
+                c = reduce(eq, R.min)
+            elif cond == "ne":
+                c = bb.emit(R.logical_not(reduce(bb.emit(R.not_equal(seen, neg_inf)), R.max)))
+            elif cond == "any":
+                c = reduce(eq, R.max)
+            elif cond == "no-not":
+                c = reduce(bb.emit(R.logical_not(eq)), R.max)
+            elif cond == "heads-axis":
+                c = bb.emit(R.logical_not(reduce(bb.emit(R.logical_not(eq)), R.max, axis=-2)))
+            elif cond == "threshold":
+                c = reduce(bb.emit(R.less(seen, relax.const(-1.0, "float32"))), R.min)
+            else:
+                raise ValueError(cond)
+            zero = bb.emit(R.full_like(probs, relax.const(0.0, "float32")))
+            p = bb.emit(R.astype(bb.emit(R.where(c, zero, probs)), dtype))
+            o = bb.emit_output(R.matmul(p, vv))
+        bb.emit_func_output(o)
+    return _finish(bb)

@@ -65,6 +65,8 @@ BUILDERS = {
     # (B, S, D) in and out: one head, no head axis ("merged" (B, S, 1*D))
     "bsh_chain": {"inputs": "BSH", "output": "BSNH", "merged": True, "reference_matmul_rule": False,
                   "single_head": True},
+    # torch's SDPA decomposition (enable_gqa, the safe softmax's dead-row guard), BNSH in and out
+    "safe_softmax_chain": {"inputs": "BNSH", "output": "BNSH", "merged": False, "reference_matmul_rule": False},
 }
 # TVM 0.27's dlight gpu.Matmul rule on the explicit chains' fp16 score matmuls: with apache-tvm-ffi
 # 0.1.15 it segfaulted at build time; with 0.1.14 it builds a kernel that faults at run time
@@ -122,6 +124,9 @@ class Case:
         elif self.builder == "hf_repeat_kv_chain":
             assert not kw.get("outer")
             causal = "BottomRight"  # key j > query i masked, S_q == S_kv
+        elif self.builder == "safe_softmax_chain":
+            assert kw.get("cond", "torch") in ("torch", "all", "ne")
+            causal = "BottomRight" if kw.get("masked") else None
         elif self.builder == "bsh_chain":
             assert kw.get("mask", "none") != "runtime"
             causal = None if kw.get("mask", "none") == "none" else "BottomRight"
@@ -202,6 +207,11 @@ CASES = [
     # constant, causal where-mask with S_q < S_kv, float32 softmax
     Case("bsh_f16_causal_chunked", "8 bsh single-head", "bsh_chain",
          dict(d=D, b=2, s=64, s_kv=192, mask="where", divide=True)),
+    # torch SDPA exported (enable_gqa=True): the safe softmax's guard, decode without a mask, and a chunk
+    # after a cache under an additive -inf causal mask
+    Case("sdpa_gqa_f16_decode_b1", "10 torch sdpa", "safe_softmax_chain", dict(GQA, b=1, s=1, s_kv=300)),
+    Case("sdpa_gqa_bf16_causal_chunked", "10 torch sdpa", "safe_softmax_chain",
+         dict(GQA, b=2, s=32, s_kv=160, masked=True, dtype="bfloat16")),
 ]
 
 

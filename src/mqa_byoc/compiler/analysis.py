@@ -232,8 +232,9 @@ def _strip_probs(expr, bindings):
     """Walk from the P operand of P@V to the softmax; returns (softmax var, dead-row conditions).
 
     torch's SDPA decomposition zeroes rows whose scores are all -inf:
-    ``where(not(any(scores != -inf)), 0, softmax(scores))``. The condition is a function of the
-    scores alone; a proven causal/window mask never hides a whole row, so the where is a no-op."""
+    ``where(not(any(scores != -inf)), 0, softmax(scores))``. The kernels do the same (a row without
+    a visible key is zero), and a proven causal/window mask never hides a whole row anyway;
+    :func:`_is_dead_row_condition` checks that the condition is that one."""
     conds = []
     while True:
         expr = _strip_views(expr, bindings)
@@ -245,20 +246,60 @@ def _strip_probs(expr, bindings):
         return expr, conds
 
 
-def _depends_only_on(expr, allowed, bindings, limit=64) -> bool:
-    """True when ``expr`` is computed from the vars in ``allowed`` and constants only."""
-    stack, seen = [expr], set()
-    while stack:
-        e = stack.pop()
-        if isinstance(e, relax.Var):
-            if e in allowed or e in seen:
-                continue
-            seen.add(e)
-            value = bindings.get(e)
-            if value is None or len(seen) > limit:
-                return False
-            stack.extend(a for a in getattr(value, "args", []) if isinstance(a, relax.Expr))
-    return True
+_TRUTH_DTYPES = ("bool", "int8", "uint8", "int32", "int64")
+
+
+def _strip_truth_casts(expr, bindings):
+    """Through ``astype`` between bool and integer dtypes (how TVM's frontend spells ``any``/``all``:
+    a max/min over int8): the truth of a 0/1 value is kept."""
+    while True:
+        value = bindings.get(expr)
+        if op_name(value) != "relax.astype":
+            return expr
+        src = getattr(value.args[0].ty, "dtype", None)
+        if str(src) not in _TRUTH_DTYPES or str(value.attrs.dtype) not in _TRUTH_DTYPES:
+            return expr
+        expr = value.args[0]
+
+
+def _strip_not(expr, bindings):
+    """(expr under any logical_not / truth casts, whether an odd number of logical_not was crossed)."""
+    negated = False
+    while True:
+        expr = _strip_truth_casts(expr, bindings)
+        value = bindings.get(expr)
+        if op_name(value) != "relax.logical_not":
+            return expr, negated
+        negated, expr = not negated, value.args[0]
+
+
+def _is_dead_row_condition(cond, scores, bindings) -> bool:
+    """True when ``cond`` is, row by row, "every score is -inf": torch's safe softmax
+    (``not(any(not(scores == -inf)))``) or ``all(scores == -inf)``, with ``!=`` for ``not ==``.
+    ``scores``: the softmax input with its views and casts stripped; the comparison must be made on
+    the same tensor (the masked scores, not the raw ones) and reduce over its last (key) axis."""
+    expr, outer_not = _strip_not(cond, bindings)
+    reduce = bindings.get(expr)
+    name = op_name(reduce)
+    if name not in ("relax.max", "relax.min") or not bool(reduce.attrs.keepdims):
+        return False
+    ndim = len(shape_of(reduce.args[0]) or [])
+    axes = [int(a) for a in (reduce.attrs.axis or [])]
+    if ndim == 0 or [a % ndim for a in axes] != [ndim - 1]:
+        return False
+    elem, inner_not = _strip_not(reduce.args[0], bindings)
+    cmp = bindings.get(elem)
+    if op_name(cmp) not in ("relax.equal", "relax.not_equal"):
+        return False
+    inner_not ^= op_name(cmp) == "relax.not_equal"
+    a, b = cmp.args
+    if bindings.resolve_scalar(b) is None:
+        a, b = b, a
+    if bindings.resolve_scalar(b) != float("-inf") or not _strip_views(a, bindings).same_as(scores):
+        return False
+    # all(x) == not(any(not x)); a max over 0/1 values is any, a min all
+    return (name == "relax.min" and not outer_not and not inner_not) or (
+        name == "relax.max" and outer_not and inner_not)
 
 
 def _reaches_matmul(expr, bindings, depth=8):
@@ -351,8 +392,10 @@ def _chain_site(func_name, var, value, bindings, evaluator, allow_kv_expansion=T
     site = AttentionSite(func_name, var, "matmul-softmax chain")
     if problem:
         return site.reject(problem)
-    if any(not _depends_only_on(c, {softmax.args[0]}, bindings) for c in dead_row_conds):
-        return site.reject("softmax probabilities zeroed by a condition that is not a function of the scores")
+    scores = _strip_views(softmax.args[0], bindings)
+    if any(not _is_dead_row_condition(c, scores, bindings) for c in dead_row_conds):
+        return site.reject("softmax probabilities zeroed where a condition holds that is not \"every score of the "
+                           "row is -inf\" (torch's safe softmax)")
     q_expr, kt_expr, v_expr = qk.args[0], qk.args[1], value.args[1]
     nd = len(shape_of(q_expr) or [])
     if nd == 4:
