@@ -167,7 +167,7 @@ def _synthetic():
     return {
         "benchmark": "attention", "suite": "issue6", "command": "benchmarks/attention.py run ...",
         "date": "2026-12-01T10:00:00+00:00", "gpu": "NVIDIA H200", "hbm_peak_tb_s": 4.8,
-        "rel_tol": {"float16": 0.02, "bfloat16": 0.05}, "budget_ms": 250, "max_iters": 200,
+        "rel_tol": {"float16": 0.02, "bfloat16": 0.05}, "budget_ms": 250, "max_iters": 200, "idle_s": 1.0,
         "build": {"build_command": "python benchmarks/attention.py build --suite issue6", "tvm": "0.27",
                   "offload": {"a": {"variant": "mqa-native", "check": "ok"},
                               "b": {"variant": "repeat-native", "check": "ok"}},
@@ -183,7 +183,8 @@ def _synthetic():
             _rec("p1k", "fa2-direct", 80.0, mode="prefill", seq=1024, ratio_vs_fa2_direct=1.0, tflops=215.0,
                  sm_clock_mhz=1980, clock_limits=[]),
             _rec("p1k", "mqa-native", 76.0, mode="prefill", seq=1024, ratio_vs_fa2_direct=0.95, tflops=226.1,
-                 numerics_ok=True, sm_clock_mhz=1575, clock_limits=["sw_power_cap"], notes=["mistral-7b uses a 4096-token sliding window; measured without one"]),
+                 numerics_ok=True, sm_clock_mhz=1575, clock_limits=["sw_power_cap"], kernel_sm_clock_mhz=1980,
+                 notes=["mistral-7b uses a 4096-token sliding window; measured without one"]),
             _rec("p1k", "stock-tvm", 47000.0, mode="prefill", seq=1024, ratio_vs_fa2_direct=587.5, tflops=0.37,
                  numerics_ok=True),
             _rec("p1k", "cublas-qk-gemm", 40.0, mode="prefill", seq=1024, ratio_vs_fa2_direct=0.5, tflops=430.0),
@@ -215,7 +216,8 @@ def test_render_markdown(bench):
     assert "![2026-12-01-attention-issue6-fp16.png](2026-12-01-attention-issue6-fp16.png)" in md
     clock_hdr = lines.index("## SM clock during the timed loops")
     clock_row = next(ln for ln in lines[clock_hdr:] if ln.startswith("| p1k"))
-    assert clock_row == "| p1k | 226 TF/s at 1,575 MHz | 215 TF/s at 1,980 MHz | sw_power_cap |"
+    assert clock_row == "| p1k | 226 TF/s at 1,575 MHz; CUPTI at 1,980 | 215 TF/s at 1,980 MHz | sw_power_cap |"
+    assert "1 s idle before the loop" in md
 
 
 def test_report_files(bench, tmp_path):

@@ -102,13 +102,14 @@ def clock_section(recs, max_mhz=1980):
         return []
     cols = [v for v in CLOCK_VARIANTS if any(v in c for c in by_case.values())]
     lines = ["## SM clock during the timed loops", "",
-             f"TFLOP/s at the mean SM clock NVML read while the loop ran (MHz; the H200's boost clock is {max_mhz:,}); "
-             "`limits`: the clock-limit reasons NVML reported in any sample (`sw_power_cap`: the board's power "
-             "limit).", "",
+             f"TFLOP/s at the mean SM clock NVML read while the loop ran (MHz; the H200's boost clock is {max_mhz:,}), "
+             "and the clock during the CUPTI kernel timing where sampled; `limits`: the clock-limit reasons NVML "
+             "reported in any sample (`sw_power_cap`: the board's power limit).", "",
              "| case | " + " | ".join(f"`{v}`" for v in cols) + " | limits |", "|---|" + "---:|" * len(cols) + "---|"]
     for case, vs in by_case.items():
-        cells = [f"{_fmt_tflops(vs[v]['tflops'])} TF/s at {vs[v]['sm_clock_mhz']:,} MHz" if v in vs else "–"
-                 for v in cols]
+        cells = [(f"{_fmt_tflops(vs[v]['tflops'])} TF/s at {vs[v]['sm_clock_mhz']:,} MHz"
+                  + (f"; CUPTI at {vs[v]['kernel_sm_clock_mhz']:,}" if vs[v].get("kernel_sm_clock_mhz") else ""))
+                 if v in vs else "–" for v in cols]
         limits = sorted({x for r in vs.values() for x in (r.get("clock_limits") or [])})
         lines.append(f"| {case} | " + " | ".join(cells) + f" | {', '.join(limits) or 'none'} |")
     return lines + [""]
@@ -150,7 +151,9 @@ def render_markdown(data, plots=()):
                              f"(`bdy` is halved until it fits 512 threads; `group // bdy` drops the remainder)")
     lines += [
         f"- torch {data.get('torch')}, CUDA {data.get('cuda')}; timing: CUDA events over back-to-back calls "
-        f"(per variant about {data.get('budget_ms')} ms, at most {data.get('max_iters')} calls)",
+        f"(per variant about {data.get('budget_ms')} ms, at most {data.get('max_iters')} calls"
+        + (f"; {data['idle_s']:g} s idle before the loop and the kernel timing of every call of 100 µs or more"
+           if data.get("idle_s") else "") + ")",
         "- cell: µs (ratio to FA2 direct; prefill: TFLOP/s with FLOPs = 4·S_q·S_kv·H·D, halved for causal; "
         f"decode: K/V bytes / time as a fraction of the H200's {peak} TB/s HBM3e peak)",
         "- ✗: output differs from FA2 direct by more than the tolerance (max |Δ| / max |FA2| > "

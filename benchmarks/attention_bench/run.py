@@ -181,7 +181,9 @@ def measure(call, args, ref=None, dtype=None, warmup=3, extra=None, ref32=None):
             us = first_us
             entry["note"] = "one cold call (slower than --max-call-s)"
         elif est_us >= CLOCK_SAMPLE_MIN_US:
-            # long tensor-core calls can reach the power limit, which lowers the SM clock: record it
+            # long tensor-core calls can reach the power limit, which lowers the SM clock: record it, and
+            # with --idle-s start every such loop from an idle GPU (not from the previous variant's heat)
+            time.sleep(getattr(args, "idle_s", 0.0))
             with ClockSampler(period_s=0.005) as clock:
                 us = cuda_time_us(call, n, warmup=w)
             entry.update(clock.summary())
@@ -189,8 +191,13 @@ def measure(call, args, ref=None, dtype=None, warmup=3, extra=None, ref32=None):
             us = cuda_time_us(call, n, warmup=w)
         entry.update(us=us, iters=n, first_call_us=round(first_us, 2))
         if getattr(args, "kernel_time", False) and first_us <= max_call_us:
-            k_us, names = kernel_time_us(call)
+            if est_us >= CLOCK_SAMPLE_MIN_US:
+                time.sleep(getattr(args, "idle_s", 0.0))
+            with ClockSampler(period_s=0.001) as clock:
+                k_us, names = kernel_time_us(call)
             entry.update(kernel_us=round(k_us, 2), kernels=names[:8])
+            if est_us >= CLOCK_SAMPLE_MIN_US and clock.summary():
+                entry["kernel_sm_clock_mhz"] = clock.summary()["sm_clock_mhz"]
     except Exception as ex:  # noqa: BLE001
         entry["error"] = _short_error(ex)
         if args.verbose:
@@ -351,7 +358,7 @@ def run(args):
     cache_stats = {"hits": 0, "misses": 0, "miss_compile_s": 0.0}
     t_start = time.time()
     out = {"benchmark": "attention", "suite": meta.get("suite"), **run_header(),
-           "hbm_peak_tb_s": HBM_PEAK_TB_S, "rel_tol": REL_TOL, "budget_ms": args.budget_ms, "max_iters": args.iters,
+           "hbm_peak_tb_s": HBM_PEAK_TB_S, "rel_tol": REL_TOL, "budget_ms": args.budget_ms, "idle_s": getattr(args, "idle_s", 0.0), "max_iters": args.iters,
            "build": _build_summary(meta),
            "flops_convention": "4*S_q*S_kv*H*D, halved for causal; GEMM: 2*H*S_q*S_kv*D",
            "hbm_bytes_convention": "K and V bytes: 2*S_kv*H_kv*D*sizeof(dtype)",
