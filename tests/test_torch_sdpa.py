@@ -44,16 +44,20 @@ class Attention(torch.nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, **kw)
 
 
-def _import(module, s_q, s_kv, dynamic=False):
+def _import(module, s_q, s_kv, dynamic=None):
     from tvm.relax.frontend.torch import from_exported_program
 
     gen = torch.Generator().manual_seed(0)
-    args = (torch.randn(1, H, s_q, D, generator=gen), torch.randn(1, HKV, s_kv, D, generator=gen),
-            torch.randn(1, HKV, s_kv, D, generator=gen))
+    b = 2 if dynamic == "prefill" else 1  # torch.export specializes an example size of 1
+    args = (torch.randn(b, H, s_q, D, generator=gen), torch.randn(b, HKV, s_kv, D, generator=gen),
+            torch.randn(b, HKV, s_kv, D, generator=gen))
     dyn = None
-    if dynamic:  # the cache length symbolic, as in a decode loop
+    if dynamic == "decode":  # the cache length symbolic, as in a decode loop
         past = torch.export.Dim("kv_len", min=2, max=64)
         dyn = ({}, {2: past}, {2: past})
+    elif dynamic == "prefill":  # batch and prompt length symbolic
+        b, s = torch.export.Dim("batch", min=1, max=4), torch.export.Dim("seq", min=2, max=64)
+        dyn = ({0: b, 2: s}, {0: b, 2: s}, {0: b, 2: s})
     ep = torch.export.export(module.eval(), args, dynamic_shapes=dyn)
     mod = relax.transform.ToMixedPrecision(out_dtype="float16")(from_exported_program(ep))
     return mod, [a.numpy() for a in args]
@@ -96,12 +100,17 @@ def test_exported_sdpa_offloaded_and_rewrite_numerics(expand, causal, mask, s_q,
     np.testing.assert_allclose(got, ref, rtol=2e-2, atol=2e-2)
 
 
-def test_exported_sdpa_decode_with_a_symbolic_cache_length():
-    mod, _ = _import(Attention("enable_gqa"), 1, 12, dynamic=True)
+@pytest.mark.parametrize("dynamic, causal, mask, s_q, causal_kind", [
+    ("decode", False, False, 1, None),  # a symbolic cache length
+    ("prefill", True, False, 12, "BottomRight"),  # symbolic batch and prompt length, is_causal
+    ("prefill", False, True, 12, "BottomRight"),  # the same with a boolean causal mask
+])
+def test_exported_sdpa_with_symbolic_shapes(dynamic, causal, mask, s_q, causal_kind):
+    mod, _ = _import(Attention("enable_gqa", causal, mask), s_q, 12, dynamic=dynamic)
     assert relax.analysis.free_symbolic_vars(mod["main"]) or relax.analysis.defined_symbolic_vars(mod["main"])
     (site,) = offload_report(mod)
     assert site.offloaded, site.reason
-    assert (site.num_kv_heads, site.causal) == (HKV, None)
+    assert (site.num_kv_heads, site.causal) == (HKV, causal_kind)
 
 
 @pytest.mark.parametrize("cond", ["torch", "all", "ne"])
