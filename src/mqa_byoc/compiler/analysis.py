@@ -302,6 +302,32 @@ def _is_dead_row_condition(cond, scores, bindings) -> bool:
         name == "relax.max" and outer_not and inner_not)
 
 
+def _computed_from_matmul(expr, bindings, limit=64) -> bool:
+    """True when a matmul is among ``expr``'s producers (any ops; masks and biases have none)."""
+    stack, seen = [expr], set()
+    while stack and len(seen) <= limit:
+        e = stack.pop()
+        value = bindings.get(e) if isinstance(e, relax.Var) else None
+        if value is None or e in seen:
+            continue
+        seen.add(e)
+        if op_name(value) == "relax.matmul":
+            return True
+        stack.extend(x for x in getattr(value, "args", []) if isinstance(x, relax.Var))
+    return False
+
+
+def _scores_operand(a, b, bindings) -> bool:
+    """Whether ``a`` (not ``b``) carries the scores into an elementwise op: the operand that reaches
+    Q@K^T through the ops the walk understands, else the one computed from a matmul at all (so that
+    the walk stops at the op it does not understand, e.g. a soft-capping tanh, not inside the mask)."""
+    if _reaches_matmul(a, bindings):
+        return True
+    if _reaches_matmul(b, bindings):
+        return False
+    return _computed_from_matmul(a, bindings) or not _computed_from_matmul(b, bindings)
+
+
 def _reaches_matmul(expr, bindings, depth=8):
     for _ in range(depth):
         value = bindings.get(expr)
@@ -360,7 +386,7 @@ def _chain_site(func_name, var, value, bindings, evaluator, allow_kv_expansion=T
             x = other
         elif name in ("relax.add", "relax.minimum", "relax.maximum"):
             a, b = xv.args
-            scores, mask = (a, b) if _reaches_matmul(a, bindings) else (b, a)
+            scores, mask = (a, b) if _scores_operand(a, b, bindings) else (b, a)
             if name == "relax.maximum":
                 c = bindings.resolve_scalar(mask)
                 if c is None or c * post_scale > masks.MASKED_LOGIT_BOUND or post_scale <= 0:
@@ -374,7 +400,7 @@ def _chain_site(func_name, var, value, bindings, evaluator, allow_kv_expansion=T
             x = scores
         elif name == "relax.where":
             cond, a, b = xv.args
-            if _reaches_matmul(a, bindings):
+            if _scores_operand(a, b, bindings):
                 kind, fill, scores = "where-keep", b, a
             else:
                 kind, fill, scores = "where-drop", a, b
@@ -384,6 +410,10 @@ def _chain_site(func_name, var, value, bindings, evaluator, allow_kv_expansion=T
                 break
             mask_ops.append((kind, cond, post_scale))
             x = scores
+        elif name == "relax.tanh":
+            problem = ("scores pass through tanh (logit soft-capping, as in Gemma 2): the kernels are built "
+                       "without soft-capping")
+            break
         else:
             problem = f"unsupported op '{name or type(xv).__name__}' between Q@K^T and softmax"
             break
