@@ -27,9 +27,9 @@ F = torch.nn.functional
 class Attention(torch.nn.Module):
     """The attention of a decoder layer as users write it: SDPA on BNSH tensors."""
 
-    def __init__(self, expand="enable_gqa", causal=False, mask=False):
+    def __init__(self, expand="enable_gqa", causal=False, mask=False, scale=None):
         super().__init__()
-        self.expand, self.causal, self.mask = expand, causal, mask
+        self.expand, self.causal, self.mask, self.scale = expand, causal, mask, scale
 
     def forward(self, q, k, v):
         kw = {}
@@ -41,7 +41,7 @@ class Attention(torch.nn.Module):
             s_q, s_kv = q.shape[2], k.shape[2]
             rows = torch.arange(s_q).reshape(s_q, 1) + (s_kv - s_q)
             kw["attn_mask"] = torch.arange(s_kv) <= rows
-        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, **kw)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=self.scale, **kw)
 
 
 def _import(module, s_q, s_kv, dynamic=None):
@@ -98,6 +98,15 @@ def test_exported_sdpa_offloaded_and_rewrite_numerics(expand, causal, mask, s_q,
     q, k, v = (torch.from_numpy(a) for a in args)
     ref = Attention(expand, causal, mask)(q, k, v).numpy()
     np.testing.assert_allclose(got, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_exported_sdpa_with_its_own_scale():
+    """torch's decomposition multiplies Q and K^T by sqrt(scale) each: FA2 gets their product."""
+    mod, args = _import(Attention("enable_gqa", causal=True, scale=0.05), 12, 12)
+    (site,) = offload_report(mod)
+    assert site.offloaded and site.scale == pytest.approx(0.05, rel=1e-3)
+    got = _run(LegalizeGroupedAttention()(canonicalize_attention(mod)), args)
+    np.testing.assert_allclose(got, _run(mod, args), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("dynamic, causal, mask, s_q, causal_kind", [
