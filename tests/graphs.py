@@ -306,8 +306,8 @@ def hf_chains_shared_kv(sites=2, h=8, hkv=2, d=64, s=16, b=1, dtype=F16, share_e
     with bb.function("main", qs + [k, v]):
         with bb.dataflow():
             def repeat_kv(x):
-                e = bb.emit(R.broadcast_to(bb.emit(R.expand_dims(x, axis=[2])), [b, hkv, r, s_kv, d]))
-                return bb.emit(R.reshape(e, [b, h, s_kv, d]))
+                e = bb.emit(R.broadcast_to(bb.emit(R.expand_dims(x, axis=[2])), [b, hkv, r, s, d]))
+                return bb.emit(R.reshape(e, [b, h, s, d]))
 
             shared = (repeat_kv(k), repeat_kv(v)) if share_expansion else None
             outs = []
