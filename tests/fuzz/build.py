@@ -275,14 +275,32 @@ class _SiteEmitter:
             return x
 
         sc = scale(mask(sc)) if site.mask_first else mask(scale(sc))
-        if site.softmax_f32 and dt != "float32":
-            p = bb.emit(R.astype(bb.emit(R.nn.softmax(bb.emit(R.astype(sc, "float32")), axis=-1)), dt))
-        else:
-            p = bb.emit(R.nn.softmax(sc, axis=-1))
+        f32 = site.softmax_f32 and dt != "float32"
+        p = bb.emit(R.nn.softmax(bb.emit(R.astype(sc, "float32")) if f32 else sc, axis=-1))
+        if site.row_guard != "none":
+            p = self._row_guard(site, bb.emit(R.astype(sc, "float32")) if f32 else sc, p)
+        if f32:
+            p = bb.emit(R.astype(p, dt))
         o = bb.emit(R.matmul(p, v), name_hint=f"root{i}")
         if three:
             o = bb.emit(R.reshape(o, [b, h, sq, d]))
         return o
+
+    def _row_guard(self, site, scores, p):
+        """where(cond, 0, p): torch's safe-softmax guard (not(any(not(scores == -inf))), with `any` as
+        TVM's frontend spells it: a max over int8), or "any": rows with any -inf score."""
+        bb = self.bb
+        eq = bb.emit(R.equal(scores, _const(float("-inf"), str(scores.ty.dtype))))
+
+        def any_row(x):
+            m = bb.emit(R.max(bb.emit(R.astype(x, "int8")), axis=[-1], keepdims=True))
+            return bb.emit(R.astype(m, "bool"))
+
+        if site.row_guard == "safe":
+            cond = bb.emit(R.logical_not(any_row(bb.emit(R.logical_not(eq)))))
+        else:
+            cond = any_row(eq)
+        return bb.emit(R.where(cond, bb.emit(R.full_like(p, _const(0.0, str(p.ty.dtype)))), p))
 
     def _mask(self, i, site, dt, x, sq, skv, extra):
         bb = self.bb
@@ -474,6 +492,11 @@ def reference(built: Built, inputs: dict, values: dict) -> list:
             m = logits.max(axis=-1, keepdims=True)
             e = np.exp(logits - m)
             p = e / e.sum(axis=-1, keepdims=True)
+        if site.fill == "-inf" and site.mask_op not in ("none", "runtime_bias", "const_bias"):
+            # masked scores are -inf in the graph: the row guards see them (a safe guard's rows stay
+            # undefined, NaN, as a row that sees no key is)
+            if site.row_guard == "any":
+                p = np.where((~allowed).any(axis=-1, keepdims=True), 0.0, p)
         o = np.einsum("bhij,bjhd->bihd", p, v)  # BSNH, NaN rows where nothing is visible
         if site.out_layout == "BNSH":
             o = o.transpose(0, 2, 1, 3)

@@ -77,6 +77,10 @@ class Site:
     fill: str = "min"  # "min" (dtype's lowest finite) | "-inf"
     mask_dims: int = 4  # chain3d: mask applied to a 4-D view (HF) or directly to 3-D scores
     softmax_f32: bool = True  # astype float32 around the softmax
+    # chains: where(cond, 0, softmax) after the softmax: "safe" (torch's safe softmax: rows whose scores
+    # are all -inf, compared on a second astype of the scores as ToMixedPrecision leaves it) | "any" (rows
+    # with any -inf score: not what the kernels do)
+    row_guard: str = "none"
 
     __repr__ = _compact_repr
 
@@ -207,6 +211,7 @@ def _draw_site(c, gi, g: KVGroup, varlen: bool) -> Site:
     site["fill"] = c.choice(("min", "-inf"))
     site["mask_dims"] = c.choice((4, 3)) if form == "chain3d" else 4
     site["softmax_f32"] = c.chance(0.7)
+    site["row_guard"] = "none" if c.chance(0.7) else c.choice(("safe", "safe", "any"))
     return Site(**site)
 
 

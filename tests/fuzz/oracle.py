@@ -23,6 +23,7 @@ BIAS = ("neither 0 nor", "bias")
 TOP_LEFT = ("TopLeft", "top-left", "same causal", "no sample", "S_q <= S_kv")
 SQ_LE_SKV = ("S_q <= S_kv", "no sample", "hides every key")
 MASK_BEFORE_SCALE = "mask applied before a scale that brings its fill above -1e4"
+ROW_GUARD = ("every score of the row is -inf",)
 
 
 @dataclass
@@ -100,6 +101,8 @@ def expect(spec: GraphSpec, i: int) -> Expect:
     elif site.mask_op in ("where", "add", "minmax"):
         if not le and not (sq == 1 and site.window is None and site.causal == "BottomRight"):
             e.causes.append(("causal where S_q <= S_kv is not provable", SQ_LE_SKV))
+    if site.row_guard == "any":
+        e.causes.append(("rows zeroed where any score is -inf", ROW_GUARD))
     e.offload = not e.causes
     if site.form == "varlen":
         # being added (issue 10 item 3): only the rejections FA2 itself forces are expected
