@@ -170,6 +170,13 @@ def mlc_4d_chain(h=8, hkv=2, d=64, s=16, s_kv=None, b=1, dtype=F16, divide=True,
     return _finish(bb)
 
 
+def hf_repeat_kv(bb, x, b, hkv, r, s, d):
+    """HF's ``repeat_kv`` on a BNSH (b, hkv, s, d) tensor as TVM's torch frontend emits it:
+    ``expand_dims(axis=2)`` -> 5-D ``broadcast_to`` (b, hkv, r, s, d) -> ``reshape`` (b, hkv * r, s, d)."""
+    e = bb.emit(R.broadcast_to(bb.emit(R.expand_dims(x, axis=[2])), [b, hkv, r, s, d]))
+    return bb.emit(R.reshape(e, [b, hkv * r, s, d]))
+
+
 def hf_repeat_kv_chain(h=8, hkv=2, d=64, s=16, b=1, dtype=F16, compute_dtype="float32", outer=False,
                        mqa_broadcast=False):
     """Form 4 (as TVM's PyTorch frontend emits HF ``repeat_kv`` + eager attention, after
@@ -187,12 +194,9 @@ def hf_repeat_kv_chain(h=8, hkv=2, d=64, s=16, b=1, dtype=F16, compute_dtype="fl
             def repeat_kv(x):
                 if mqa_broadcast:
                     return bb.emit(R.broadcast_to(x, [b, h, s, d]))
-                if outer:
-                    e = bb.emit(R.expand_dims(x, axis=[1]))
-                    e = bb.emit(R.broadcast_to(e, [b, r, hkv, s, d]))
-                else:
-                    e = bb.emit(R.expand_dims(x, axis=[2]))
-                    e = bb.emit(R.broadcast_to(e, [b, hkv, r, s, d]))
+                if not outer:
+                    return hf_repeat_kv(bb, x, b, hkv, r, s, d)
+                e = bb.emit(R.broadcast_to(bb.emit(R.expand_dims(x, axis=[1])), [b, r, hkv, s, d]))
                 return bb.emit(R.reshape(e, [b, h, s, d]))
 
             kk, vv = repeat_kv(k), repeat_kv(v)
@@ -218,6 +222,26 @@ def hf_repeat_kv_chain(h=8, hkv=2, d=64, s=16, b=1, dtype=F16, compute_dtype="fl
             o = bb.emit_output(R.reshape(o, [b, s, h * d]))
         bb.emit_func_output(o)
     return _finish(bb)
+
+
+def run_llvm(mod, args):
+    """``main`` of ``mod`` built for llvm and run on the numpy ``args``: its (first) output, as float32."""
+    import tvm
+
+    vm = relax.VirtualMachine(relax.build(mod, target="llvm"), tvm.cpu())
+    out = vm["main"](*[tvm.runtime.tensor(a) for a in args])
+    return (out[0] if not hasattr(out, "numpy") else out).numpy().astype("float32")
+
+
+def rewritten_on_cpu(mod, args, rtol=2e-2, atol=2e-2):
+    """``mod`` rewritten as the partition does (attention on the un-expanded K/V, TVM's lowering with the
+    h // r grouping) returns on the CPU what ``mod`` returns; the rewritten graph's output."""
+    from mqa_byoc.compiler.gqa_legalize import LegalizeGroupedAttention
+    from mqa_byoc.compiler.partition import canonicalize_attention
+
+    got = run_llvm(LegalizeGroupedAttention()(canonicalize_attention(mod)), args)
+    np.testing.assert_allclose(got, run_llvm(mod, args), rtol=rtol, atol=atol)
+    return got
 
 
 def count_ops(mod, name, function="main"):
@@ -306,8 +330,7 @@ def hf_chains_shared_kv(sites=2, h=8, hkv=2, d=64, s=16, b=1, dtype=F16, share_e
     with bb.function("main", qs + [k, v]):
         with bb.dataflow():
             def repeat_kv(x):
-                e = bb.emit(R.broadcast_to(bb.emit(R.expand_dims(x, axis=[2])), [b, hkv, r, s, d]))
-                return bb.emit(R.reshape(e, [b, h, s, d]))
+                return hf_repeat_kv(bb, x, b, hkv, r, s, d)
 
             shared = (repeat_kv(k), repeat_kv(v)) if share_expansion else None
             outs = []
@@ -541,11 +564,7 @@ def safe_softmax_chain(h=8, hkv=2, d=64, s=16, s_kv=None, b=1, dtype=F16, cond="
     r = h // hkv
     with bb.function("main", [q, k, v]):
         with bb.dataflow():
-            def expand(x):
-                e = bb.emit(R.broadcast_to(bb.emit(R.expand_dims(x, axis=[2])), [b, hkv, r, s_kv, d]))
-                return bb.emit(R.reshape(e, [b, h, s_kv, d]))
-
-            kk, vv = expand(k), expand(v)
+            kk, vv = (hf_repeat_kv(bb, x, b, hkv, r, s_kv, d) for x in (k, v))
             q = bb.emit(R.multiply(q, relax.const(1.0 / math.sqrt(d), dtype)))
             raw = bb.emit(R.matmul(q, bb.emit(R.permute_dims(kk, [0, 1, 3, 2]))))
             sc = raw
