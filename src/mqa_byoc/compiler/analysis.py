@@ -320,12 +320,13 @@ def _computed_from_matmul(expr, bindings, limit=64) -> bool:
 def _scores_operand(a, b, bindings) -> bool:
     """Whether ``a`` (not ``b``) carries the scores into an elementwise op: the operand that reaches
     Q@K^T through the ops the walk understands, else the one computed from a matmul at all (so that
-    the walk stops at the op it does not understand, e.g. a soft-capping tanh, not inside the mask)."""
+    the walk stops at the op it does not understand, e.g. a soft-capping tanh, not inside the mask);
+    ``b`` where that does not tell them apart."""
     if _reaches_matmul(a, bindings):
         return True
     if _reaches_matmul(b, bindings):
         return False
-    return _computed_from_matmul(a, bindings) or not _computed_from_matmul(b, bindings)
+    return _computed_from_matmul(a, bindings) and not _computed_from_matmul(b, bindings)
 
 
 def _reaches_matmul(expr, bindings, depth=8):
