@@ -12,7 +12,7 @@ import os
 import re
 import time
 import traceback
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 
 from mqa_byoc.testing.header import run_header
 from mqa_byoc.testing.setup import import_setup
@@ -191,13 +191,16 @@ def measure(call, args, ref=None, dtype=None, warmup=3, extra=None, ref32=None):
             us = cuda_time_us(call, n, warmup=w)
         entry.update(us=us, iters=n, first_call_us=round(first_us, 2))
         if getattr(args, "kernel_time", False) and first_us <= max_call_us:
+            sampler = None
             if est_us >= CLOCK_SAMPLE_MIN_US:
                 time.sleep(getattr(args, "idle_s", 0.0))
-            with ClockSampler(period_s=0.001) as clock:
+                sampler = ClockSampler(period_s=0.001)
+            with sampler or nullcontext():
                 k_us, names = kernel_time_us(call)
             entry.update(kernel_us=round(k_us, 2), kernels=names[:8])
-            if est_us >= CLOCK_SAMPLE_MIN_US and clock.summary():
-                entry["kernel_sm_clock_mhz"] = clock.summary()["sm_clock_mhz"]
+            clock = sampler.summary() if sampler else {}
+            if clock:
+                entry["kernel_sm_clock_mhz"] = clock["sm_clock_mhz"]
     except Exception as ex:  # noqa: BLE001
         entry["error"] = _short_error(ex)
         if args.verbose:
@@ -358,7 +361,8 @@ def run(args):
     cache_stats = {"hits": 0, "misses": 0, "miss_compile_s": 0.0}
     t_start = time.time()
     out = {"benchmark": "attention", "suite": meta.get("suite"), **run_header(),
-           "hbm_peak_tb_s": HBM_PEAK_TB_S, "rel_tol": REL_TOL, "budget_ms": args.budget_ms, "idle_s": getattr(args, "idle_s", 0.0), "max_iters": args.iters,
+           "hbm_peak_tb_s": HBM_PEAK_TB_S, "rel_tol": REL_TOL, "budget_ms": args.budget_ms,
+           "idle_s": getattr(args, "idle_s", 0.0), "max_iters": args.iters,
            "build": _build_summary(meta),
            "flops_convention": "4*S_q*S_kv*H*D, halved for causal; GEMM: 2*H*S_q*S_kv*D",
            "hbm_bytes_convention": "K and V bytes: 2*S_kv*H_kv*D*sizeof(dtype)",
