@@ -66,7 +66,7 @@ def main(argv=None):
     r.add_argument("--max-call-s", type=float, default=5.0, help="a first call slower than this is not repeated")
     r.add_argument("--cases", default=None, help="regex on case names")
     r.add_argument("--idle-s", type=float, default=0.0,
-                   help="seconds idle before the timed loop and the kernel timing of each call of 100 us or more "
+                   help="seconds idle before the timed loop and the kernel timing of each call of 300 us or more "
                         "(every variant then starts at the same clock; the board's power limit lowers it in long loops)")
     r.add_argument("--skip-variants", default=None, help="comma list of glob patterns, e.g. 'tvm-llm-*,stock-tvm'")
     r.add_argument("--kernel-time", action="store_true",

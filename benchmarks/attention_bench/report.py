@@ -152,7 +152,7 @@ def render_markdown(data, plots=()):
     lines += [
         f"- torch {data.get('torch')}, CUDA {data.get('cuda')}; timing: CUDA events over back-to-back calls "
         f"(per variant about {data.get('budget_ms')} ms, at most {data.get('max_iters')} calls"
-        + (f"; {data['idle_s']:g} s idle before the loop and the kernel timing of every call of 100 µs or more"
+        + (f"; {data['idle_s']:g} s idle before the loop and the kernel timing of every call of 300 µs or more"
            if data.get("idle_s") else "") + ")",
         "- cell: µs (ratio to FA2 direct; prefill: TFLOP/s with FLOPs = 4·S_q·S_kv·H·D, halved for causal; "
         f"decode: K/V bytes / time as a fraction of the H200's {peak} TB/s HBM3e peak)",

@@ -152,9 +152,10 @@ def kernel_time_us(call, calls=3):
     return sum(t for _, t in cap.events) / calls, sorted({n for n, _ in cap.events})
 
 
-#: calls at least this long (µs) are timed with the SM clock sampled (a sampling thread would perturb
-#: the launch-bound loops of short calls)
-CLOCK_SAMPLE_MIN_US = 100.0
+#: calls at least this long (µs, a second call's time) are timed with the SM clock sampled: long
+#: tensor-core loops meet the power limit; a sampling thread would perturb the launch-bound loops of
+#: short calls (decode: tens of µs a call, mostly the host's)
+CLOCK_SAMPLE_MIN_US = 300.0
 
 
 def measure(call, args, ref=None, dtype=None, warmup=3, extra=None, ref32=None):
@@ -173,8 +174,9 @@ def measure(call, args, ref=None, dtype=None, warmup=3, extra=None, ref32=None):
                          numerics_ok_vs_fp32=c["numerics_ok"])
         del o
         est_us = first_us
-        if 1e3 < first_us <= max_call_us:
-            # the first call may carry one-time costs (workspace allocation, module init): plan from a second one
+        if CLOCK_SAMPLE_MIN_US < first_us <= max_call_us:
+            # the first call may carry one-time costs (workspace allocation, module init): plan, and decide
+            # on sampling the clock, from a second one
             est_us = min(first_us, time_call_us(call)[1])
         n, w = plan_iterations(est_us, budget_us, args.iters, warmup, max_call_us)
         if n == 0:
