@@ -61,6 +61,7 @@ def run(objs: Path, cases, rounds: int, budget_ms: float, idle_s: float = 0.0):
 
     from mqa_byoc.kernels.hopper import RUNTIME_ARCHIVE
     from mqa_byoc.testing.gpu_clock import ClockSampler
+    from mqa_byoc.testing.timing import cuda_time_us
 
     cuda = os.environ.get("CUDA_HOME", "/usr/local/cuda")
     ffi_dir = next(Path(tvm_ffi.__file__).parent.rglob("libtvm_ffi.so")).parent
@@ -80,14 +81,9 @@ def run(objs: Path, cases, rounds: int, budget_ms: float, idle_s: float = 0.0):
     def timed(fn, n):
         torch.cuda.synchronize()
         time.sleep(idle_s)  # from an idle GPU: the clock before the power limit pulls it down
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with ClockSampler() as clock:
-            start.record()
-            for _ in range(n):
-                fn()
-            end.record()
-            end.synchronize()
-        return start.elapsed_time(end) * 1e3 / n, clock.summary()
+            us = cuda_time_us(fn, n, warmup=0)
+        return us, clock.summary()
 
     results = []
     for h, hk, d, s in cases:

@@ -45,6 +45,9 @@ class ClockSampler:
         self._handle = ctypes.c_void_p()
         if self._lib is not None and self._lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self._handle)):
             self._lib = None
+        self._reasons_fn = None if self._lib is None else (
+            getattr(self._lib, "nvmlDeviceGetCurrentClocksEventReasons", None)
+            or getattr(self._lib, "nvmlDeviceGetCurrentClocksThrottleReasons", None))  # older drivers
         self._stop = threading.Event()
         self._thread = None
 
@@ -53,10 +56,8 @@ class ClockSampler:
         if self._lib.nvmlDeviceGetClockInfo(self._handle, _NVML_CLOCK_SM, ctypes.byref(clock)):
             return
         self._lib.nvmlDeviceGetPowerUsage(self._handle, ctypes.byref(power))
-        reasons_fn = (getattr(self._lib, "nvmlDeviceGetCurrentClocksEventReasons", None)
-                      or getattr(self._lib, "nvmlDeviceGetCurrentClocksThrottleReasons", None))  # older drivers
-        if reasons_fn is not None:
-            reasons_fn(self._handle, ctypes.byref(reasons))
+        if self._reasons_fn is not None:
+            self._reasons_fn(self._handle, ctypes.byref(reasons))
         self.samples.append((clock.value, power.value / 1000.0, reasons.value))
 
     def _loop(self):
