@@ -34,7 +34,7 @@ def kernel_us(fn, iters: int) -> float:
     return sum(t for _, t in cap.events) / iters
 
 
-def run_case(h: int, hk: int, d: int, n: int, dtype, iters: int, sweep: bool) -> dict:
+def run_case(h: int, hk: int, d: int, n: int, dtype, iters: int, sweep: bool, floor: bool = False) -> dict:
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -56,6 +56,18 @@ def run_case(h: int, hk: int, d: int, n: int, dtype, iters: int, sweep: bool) ->
            "hbm_us": 2 * n * hk * d * q.element_size() / HBM_BYTES_PER_S * 1e6,
            "max_err_ours": (out.float() - ref).abs().max().item()}
     rec["ours_us"] = kernel_us(ours, iters)
+    if floor:
+        from mqa_byoc.testing.read_floor import read_floor_us
+
+        kv = torch.cat([k.flatten(), v.flatten()])  # the bytes a decode reads, in one buffer
+        rec.update(read_floor_us(kv, lambda fn: kernel_us(fn, iters)))
+        # ours reading copies of K/V in turn that together exceed L2: every call from HBM
+        copies = [ours] + [dk.Decode(q, kc, vc, out, None, k_stride=k.stride()[:3], v_stride=v.stride()[:3],
+                                     seqlen_k=n, num_heads_k=hk)
+                           for kc, vc in ((k.clone(), v.clone()) for _ in range(-(-(100 << 20) // kv.nbytes)))]
+        turn = iter(range(1 << 62))
+        rec["ours_cold_us"] = kernel_us(lambda: copies[next(turn) % len(copies)](), iters)
+        del copies, kv
     workspace = dk.Decode(q, k, v, out, None, k_stride=k.stride()[:3], v_stride=v.stride()[:3], seqlen_k=n,
                           num_heads_k=hk, merge="global")
     rec["ours_workspace_merge_us"] = kernel_us(workspace, iters)
@@ -95,6 +107,21 @@ def markdown(header: dict, rows: list[dict]) -> str:
                      f"{r['fa2_us']:.2f} | {r['ours_us'] / r['cudnn_us']:.2f} | {r['ours_us'] / r['hbm_us']:.2f} | "
                      f"{r['cudnn_us'] / r['hbm_us']:.2f} | {r['splits']} x {r['keys_per_split']} ({r['warps']}) | "
                      f"{r['max_err_ours']:.1e} / {r['max_err_cudnn']:.1e} |")
+    floors = [r for r in rows if "read_floor_warm_us" in r]
+    if floors:
+        lines += ["", "## The read floor", "",
+                  "The fastest a kernel of ours that only reads the K/V bytes (`testing/read_floor.cu`, the best of "
+                  "its launch shapes) takes: `warm` reads the same buffer every call, as the loop above reads its "
+                  "cache (a cache smaller than L2 stays there); `cold` takes turns over copies that together "
+                  "exceed L2, so every read is from HBM, and `ours, cold` does the same for our decode. "
+                  "`empty` is a kernel that does nothing.", "",
+                  "| H/H_kv/D | dtype | keys | HBM time | read floor, warm | read floor, cold | ours | ours, cold | "
+                  "empty | cold floor x HBM |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in floors:
+            lines.append(f"| {r['shape']} | {r['dtype']} | {r['keys']} | {r['hbm_us']:.2f} | "
+                         f"{r['read_floor_warm_us']:.2f} | {r['read_floor_cold_us']:.2f} | {r['ours_us']:.2f} | "
+                         f"{r['ours_cold_us']:.2f} | {r['empty_kernel_us']:.2f} | "
+                         f"{r['read_floor_cold_us'] / r['hbm_us']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -105,6 +132,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
     ap.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
     ap.add_argument("--sweep", action="store_true", help="also time fixed keys-per-split values")
+    ap.add_argument("--read-floor", action="store_true",
+                    help="also time the read floor (testing/read_floor.cu) and ours with K/V out of L2")
     args = ap.parse_args(argv)
     import torch
 
@@ -115,7 +144,7 @@ def main(argv=None) -> int:
     for h, hk, d in SHAPES:
         for dt in args.dtypes:
             for n in args.lengths:
-                r = run_case(h, hk, d, n, getattr(torch, dt), args.iters, args.sweep)
+                r = run_case(h, hk, d, n, getattr(torch, dt), args.iters, args.sweep, args.read_floor)
                 rows.append(r)
                 print(f"{r['shape']} {r['dtype']} {n:6d}: ours {r['ours_us']:7.2f}  cuDNN {r['cudnn_us']:7.2f}  "
                       f"FA2 {r['fa2_us']:7.2f}  ours/cuDNN {r['ours_us'] / r['cudnn_us']:.2f}  "

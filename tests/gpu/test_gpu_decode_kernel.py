@@ -165,3 +165,25 @@ def _paged_case(dtype, page_size, heads, heads_k, dim, merge, lengths):
         vs.append(vb)
     ref_o, ref_lse = dk.reference(q, ks, vs, lengths, heads_k)
     _check(out, lse, ref_o, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("vectors", [1, 5, 4096 + 3, 1 << 20])
+@pytest.mark.parametrize("blocks,threads", [(1, 32), (7, 256), (264, 1024)])
+def test_read_floor_reads_every_vector(vectors, blocks, threads):
+    """The benchmark's read floor (testing/read_floor.cu) is a floor only if its kernel loads every 16-byte
+    vector: a buffer of zeros with the kernel's marker word in one vector (first, last, middle) makes the
+    thread that loads it write the marker; a buffer without the marker writes nothing."""
+    from mqa_byoc.testing import read_floor
+
+    marker = 0x9E3779B9 - (1 << 32)  # as an int32
+    for where in sorted({0, vectors // 2, vectors - 1}):
+        buf = torch.zeros(vectors, 4, dtype=torch.int32, device="cuda")
+        buf[where, 2] = marker
+        call = read_floor.reader([buf], blocks, threads)
+        call()
+        torch.cuda.synchronize()
+        assert call.keep[1].item() == marker, f"vector {where} of {vectors} was not read"
+    call = read_floor.reader([torch.zeros(vectors, 4, dtype=torch.int32, device="cuda")], blocks, threads)
+    call()
+    torch.cuda.synchronize()
+    assert call.keep[1].item() == 0

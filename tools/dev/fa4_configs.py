@@ -10,7 +10,9 @@ cuDNN (benchmarks/results/2026-12-01-prefill-fa4-configs.md):
 
 A configuration overrides keyword arguments of flash-attn-4's ``_flash_attn_fwd`` (``tile_mn``,
 ``mma_pv_is_rs``, ``intra_wg_overlap``, ``pack_gqa``), which then configures the kernel as it would for a
-call; ``mqa_byoc.kernels.hopper_aot.compile_key`` compiles and exports it exactly as the provider's own."""
+call; ``mqa_byoc.kernels.hopper_aot.compile_key`` compiles and exports it exactly as the provider's own.
+``persistent`` (causal only) compiles it with ``fa4_persistent``'s schedule instead: one CTA per SM
+(``benchmarks/results/2026-12-01-prefill-fa4-persistent.md``)."""
 import argparse
 import concurrent.futures as cf
 import json
@@ -25,7 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIGS = {"base": {}, "t128x144": {"tile_mn": [128, 144]}, "t128x160": {"tile_mn": [128, 160]},
            "t128x176": {"tile_mn": [128, 176]}, "t128x192": {"tile_mn": [128, 192]},
            "t128x176noRS": {"tile_mn": [128, 176], "mma_pv_is_rs": False}, "noRS": {"mma_pv_is_rs": False},
-           "noOL": {"intra_wg_overlap": False}, "nopack": {"pack_gqa": False}}
+           "noOL": {"intra_wg_overlap": False}, "nopack": {"pack_gqa": False},
+           "persistent": {"persistent": True}}
 
 
 def build(out: Path, labels, configs):
@@ -33,19 +36,25 @@ def build(out: Path, labels, configs):
     from mqa_byoc.kernels.hopper import HopperKernelKey
     import flash_attn.cute.interface as fi
 
+    sys.path.insert(0, str(Path(__file__).parent))
+    import fa4_persistent
+
     real = fi._flash_attn_fwd
     try:
         for name, over in configs.items():
-            over = {k: tuple(v) if k == "tile_mn" else v for k, v in over.items()}
+            (out / name).mkdir(parents=True, exist_ok=True)
+            (out / name / "config.json").write_text(json.dumps(over))
+            persistent = bool(over.get("persistent"))  # ours (fa4_persistent), not an interface keyword
+            over = {k: tuple(v) if k == "tile_mn" else v for k, v in over.items() if k != "persistent"}
 
             def configured(*a, _over=over, **kw):
                 return real(*a, **{**kw, **_over})
 
             configured.__dict__.update(real.__dict__)  # the interface keeps its compile cache there
             fi._flash_attn_fwd = configured
-            (out / name).mkdir(parents=True, exist_ok=True)
             for label in labels:
-                print(name, json.dumps(aot.compile_key(HopperKernelKey.parse(label), out / name)), flush=True)
+                compile_key = fa4_persistent.compile_key if persistent else aot.compile_key
+                print(name, json.dumps(compile_key(HopperKernelKey.parse(label), out / name)), flush=True)
     finally:
         fi._flash_attn_fwd = real
     import shutil
@@ -85,7 +94,7 @@ def run(objs: Path, cases, rounds: int, budget_ms: float, idle_s: float = 0.0):
             us = cuda_time_us(fn, n, warmup=0)
         return us, clock.summary()
 
-    results = []
+    results, sms = [], torch.cuda.get_device_properties(0).multi_processor_count
     for h, hk, d, s in cases:
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(1, s, n, d, device="cuda", dtype=torch.float16, generator=g) for n in (h, hk, hk))
@@ -103,12 +112,13 @@ def run(objs: Path, cases, rounds: int, budget_ms: float, idle_s: float = 0.0):
         for name, mod in mods.items():
             out = torch.empty_like(q)
             to = tvm_ffi.from_dlpack(out)
+            extra = (sms,) if json.loads((objs / name / "config.json").read_text()).get("persistent") else ()
             try:
                 f = mod[symbol]
-                f(tq, tk, tv, to, scale)
+                f(tq, tk, tv, to, scale, *extra)
                 torch.cuda.synchronize()
                 case["variants"][name] = {"err": (out.float() - ref).abs().max().item()}
-                calls[name] = lambda f=f, to=to: f(tq, tk, tv, to, scale)
+                calls[name] = lambda f=f, to=to, extra=extra: f(tq, tk, tv, to, scale, *extra)
             except Exception as ex:  # noqa: BLE001  (a configuration the GPU refuses: recorded)
                 case["variants"][name] = {"error": repr(ex)[:200]}
         n = max(3, int(budget_ms * 1e3 / timed(cudnn, 2)[0]))

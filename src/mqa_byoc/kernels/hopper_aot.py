@@ -119,6 +119,11 @@ def compile_key(key: HopperKernelKey, out_dir: Path) -> dict:
     if key.mask != "splitkv":
         fn = cute.compile(entry, q, k, v, o, cutlass.Float32(1.0), *extra, stream,
                           options=kwargs.get("options", "--enable-tvm-ffi"))
+    return _export(fn, key, out_dir, kernel, t0)
+
+
+def _export(fn, key: HopperKernelKey, out_dir: Path, kernel, t0: float) -> dict:
+    """Write the compiled ``fn`` as ``key``'s object in ``out_dir``; its manifest entry."""
     path = out_dir / key.filename
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.o")
     fn.export_to_c(object_file_path=str(tmp), function_name=key.symbol)
