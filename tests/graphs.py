@@ -40,7 +40,9 @@ def _finish(bb):
 def attention_repeat_bsnh(h=8, hkv=2, d=64, s="n", s_kv=None, b=1, dtype=F16, causal="BottomRight",
                           scale=None, window=None, expand="repeat"):
     """Form 1: ``R.nn.attention(q, R.repeat(k, r, axis=2), R.repeat(v, r, axis=2))`` in BSNH.
-    ``expand`` = "repeat" | "tile" | "broadcast" (the last for h_kv == 1) | "none" (form 6)."""
+    ``expand`` = "repeat" | "tile" | "broadcast" (the last for h_kv == 1) | "none" (form 6) |
+    "reshape_broadcast" (form 11: ``reshape`` adding a unit axis -> 5-D ``broadcast_to`` -> ``reshape``,
+    as ``relax.frontend.nn`` code writes it)."""
     syms = {}
     s_, skv_ = _dim(s, syms), _dim(s_kv if s_kv is not None else s, syms)
     b_ = _dim(b, syms)
@@ -61,6 +63,10 @@ def attention_repeat_bsnh(h=8, hkv=2, d=64, s="n", s_kv=None, b=1, dtype=F16, ca
             elif expand == "broadcast":
                 kk = bb.emit(R.broadcast_to(k, [b_, skv_, h, d]))
                 vv = bb.emit(R.broadcast_to(v, [b_, skv_, h, d]))
+            elif expand == "reshape_broadcast":
+                kk, vv = (bb.emit(R.reshape(bb.emit(R.broadcast_to(bb.emit(R.reshape(x, [b_, skv_, hkv, 1, d])),
+                                                                   [b_, skv_, hkv, r, d])), [b_, skv_, h, d]))
+                          for x in (k, v))
             o = bb.emit_output(R.nn.attention(q, kk, vv, scale=scale, causal_mask=causal, window_size=window))
         bb.emit_func_output(o)
     return _finish(bb)
@@ -224,23 +230,23 @@ def hf_repeat_kv_chain(h=8, hkv=2, d=64, s=16, b=1, dtype=F16, compute_dtype="fl
     return _finish(bb)
 
 
-def run_llvm(mod, args):
-    """``main`` of ``mod`` built for llvm and run on the numpy ``args``: its (first) output, as float32."""
+def run_llvm(mod, args, function="main"):
+    """``function`` of ``mod`` built for llvm and run on the numpy ``args``: its (first) output, as float32."""
     import tvm
 
     vm = relax.VirtualMachine(relax.build(mod, target="llvm"), tvm.cpu())
-    out = vm["main"](*[tvm.runtime.tensor(a) for a in args])
+    out = vm[function](*[tvm.runtime.tensor(a) for a in args])
     return (out[0] if not hasattr(out, "numpy") else out).numpy().astype("float32")
 
 
-def rewritten_on_cpu(mod, args, rtol=2e-2, atol=2e-2):
+def rewritten_on_cpu(mod, args, rtol=2e-2, atol=2e-2, function="main"):
     """``mod`` rewritten as the partition does (attention on the un-expanded K/V, TVM's lowering with the
     h // r grouping) returns on the CPU what ``mod`` returns; the rewritten graph's output."""
     from mqa_byoc.compiler.gqa_legalize import LegalizeGroupedAttention
     from mqa_byoc.compiler.partition import canonicalize_attention
 
-    got = run_llvm(LegalizeGroupedAttention()(canonicalize_attention(mod)), args)
-    np.testing.assert_allclose(got, run_llvm(mod, args), rtol=rtol, atol=atol)
+    got = run_llvm(LegalizeGroupedAttention()(canonicalize_attention(mod)), args, function)
+    np.testing.assert_allclose(got, run_llvm(mod, args, function), rtol=rtol, atol=atol)
     return got
 
 

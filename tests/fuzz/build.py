@@ -55,6 +55,15 @@ def _shape(layout, b, s, n, d):
     return [b, s, n, d] if layout == "BSNH" else [b, n, s, d]
 
 
+
+def _unit_axis(x, axis, expand):
+    """A size-1 axis inserted at ``axis``: ``expand_dims`` ("hf", TVM's torch frontend) or a ``reshape``
+    ("hf_reshape", relax.frontend.nn code and ONNX's Unsqueeze lowered to a reshape)."""
+    if expand == "hf":
+        return R.expand_dims(x, axis=[axis])
+    shape = list(x.ty.shape.values)
+    return R.reshape(x, shape[:axis] + [1] + shape[axis:])
+
 class Built:
     """The module plus what the reference needs."""
 
@@ -161,9 +170,9 @@ class _SiteEmitter:
         elif expand == "broadcast" and r > 1:
             shape[ax] = h
             x = bb.emit(R.broadcast_to(x, shape))
-        elif expand == "hf" and r > 1:
-            e = bb.emit(R.expand_dims(x, axis=[ax + 1]))
+        elif expand in ("hf", "hf_reshape") and r > 1:
             s5 = shape[:ax + 1] + [r] + shape[ax + 1:]
+            e = bb.emit(_unit_axis(x, ax + 1, expand))
             e = bb.emit(R.broadcast_to(e, s5))
             shape[ax] = h
             x = bb.emit(R.reshape(e, shape))
@@ -232,8 +241,8 @@ class _SiteEmitter:
             return bb.emit(R.tile(x, [1, 1, r, 1]))
         if expand == "broadcast":
             return bb.emit(R.broadcast_to(x, shape[:2] + [h] + shape[3:]))
-        if expand == "hf":
-            e = bb.emit(R.broadcast_to(bb.emit(R.expand_dims(x, axis=[3])), shape[:3] + [r] + shape[3:]))
+        if expand in ("hf", "hf_reshape"):
+            e = bb.emit(R.broadcast_to(bb.emit(_unit_axis(x, 3, expand)), shape[:3] + [r] + shape[3:]))
             return bb.emit(R.reshape(e, shape[:2] + [h] + shape[3:]))
         return bb.emit(R.repeat(x, r, axis=2))
 

@@ -53,7 +53,8 @@ class Site:
     matmuls), "varlen" (R.nn.attention_var_len; ``varlen=False`` leaves it out).
 
     ``expand``: how K/V reach the query head count: "repeat", "hf" (expand_dims -> 5-D
-    broadcast_to -> reshape), "broadcast" (size-1 head), "tile", "none" (fused: fewer heads given
+    broadcast_to -> reshape), "hf_reshape" (the same, the unit axis added by a reshape), "broadcast"
+    (size-1 head), "tile", "none" (fused: fewer heads given
     directly), "matmul_bcast" (chain4d, one K/V head broadcast by the matmul)."""
 
     group: int = 0
@@ -145,9 +146,9 @@ def _draw_site(c, gi, g: KVGroup, varlen: bool) -> Site:
     forms = ("fused", "chain4d", "chain3d") + (("varlen",) if varlen else ())
     form = c.choice(forms)
     if g.hkv == 1:
-        expands = ("broadcast", "repeat", "hf", "none", "tile") + (("matmul_bcast",) if form == "chain4d" else ())
+        expands = ("broadcast", "repeat", "hf", "hf_reshape", "none", "tile") + (("matmul_bcast",) if form == "chain4d" else ())
     else:
-        expands = ("repeat", "hf", "none", "tile")
+        expands = ("repeat", "hf", "hf_reshape", "none", "tile")
     expand = c.choice(expands)
     r = c.choice((2, 4, 1, 8, 3))
     if expand == "broadcast" and g.hkv != 1:

@@ -111,7 +111,7 @@ def expect(spec: GraphSpec, i: int) -> Expect:
     if site.window_without_causal:
         e.offload = None  # window_size without a causal mask: what it means is not settled
     # what an offloaded site reports
-    expanded_op = site.expand in ("repeat", "hf", "broadcast", "tile") and site.h != g.hkv
+    expanded_op = site.expand in ("repeat", "hf", "hf_reshape", "broadcast", "tile") and site.h != g.hkv
     tile_kept = site.expand == "tile" and g.hkv > 1 and site.h != g.hkv
     if mqa and not tile_kept:
         e.num_kv_heads = g.hkv

@@ -28,7 +28,7 @@ CONFIGS = {"base": {}, "t128x144": {"tile_mn": [128, 144]}, "t128x160": {"tile_m
            "t128x176": {"tile_mn": [128, 176]}, "t128x192": {"tile_mn": [128, 192]},
            "t128x176noRS": {"tile_mn": [128, 176], "mma_pv_is_rs": False}, "noRS": {"mma_pv_is_rs": False},
            "noOL": {"intra_wg_overlap": False}, "nopack": {"pack_gqa": False},
-           "persistent": {"persistent": True}}
+           "persistent": {"persistent": True}, "stages3": {"num_stages": 3}}
 
 
 def build(out: Path, labels, configs):
@@ -39,13 +39,18 @@ def build(out: Path, labels, configs):
     sys.path.insert(0, str(Path(__file__).parent))
     import fa4_persistent
 
-    real = fi._flash_attn_fwd
+    real, real_cls = fi._flash_attn_fwd, fi.FlashAttentionForwardSm90
     try:
         for name, over in configs.items():
             (out / name).mkdir(parents=True, exist_ok=True)
             (out / name / "config.json").write_text(json.dumps(over))
             persistent = bool(over.get("persistent"))  # ours (fa4_persistent), not an interface keyword
-            over = {k: tuple(v) if k == "tile_mn" else v for k, v in over.items() if k != "persistent"}
+            stages = over.get("num_stages")  # the kernel's K/V pipeline depth (the interface passes 2)
+            over = {k: tuple(v) if k == "tile_mn" else v for k, v in over.items()
+                    if k not in ("persistent", "num_stages")}
+            fi.FlashAttentionForwardSm90 = real_cls if stages is None else type(
+                real_cls.__name__, (real_cls,), {"__init__": lambda self, *a, _n=stages, **kw:
+                                            real_cls.__init__(self, *a, **{**kw, "num_stages": _n})})
 
             def configured(*a, _over=over, **kw):
                 return real(*a, **{**kw, **_over})
@@ -56,7 +61,7 @@ def build(out: Path, labels, configs):
                 compile_key = fa4_persistent.compile_key if persistent else aot.compile_key
                 print(name, json.dumps(compile_key(HopperKernelKey.parse(label), out / name)), flush=True)
     finally:
-        fi._flash_attn_fwd = real
+        fi._flash_attn_fwd, fi.FlashAttentionForwardSm90 = real, real_cls
     import shutil
 
     shutil.copy2(aot._runtime_archive(), out / aot.RUNTIME_ARCHIVE)

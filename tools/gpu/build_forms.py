@@ -212,6 +212,11 @@ CASES = [
     Case("sdpa_gqa_f16_decode_b1", "10 torch sdpa", "safe_softmax_chain", dict(GQA, b=1, s=1, s_kv=300)),
     Case("sdpa_gqa_bf16_causal_chunked", "10 torch sdpa", "safe_softmax_chain",
          dict(GQA, b=2, s=32, s_kv=160, masked=True, dtype="bfloat16")),
+    # relax.frontend.nn: the unit axis of the expansion added by a reshape (TopLeft: nn.op's causal mask)
+    Case("nn_reshape_broadcast_gqa_f16_causal_sym", "11 frontend.nn", "attention_repeat_bsnh",
+         dict(GQA, b=2, s="s", causal="TopLeft", expand="reshape_broadcast"), run={"s": 160}),
+    Case("nn_reshape_broadcast_gqa_bf16_decode_b1", "11 frontend.nn", "attention_repeat_bsnh",
+         dict(GQA, b=1, s=1, s_kv=700, causal=None, dtype="bfloat16", expand="reshape_broadcast")),
 ]
 
 

@@ -1,7 +1,8 @@
 """Trace an attention operand back through layout and K/V-expansion ops to its source tensor.
 
 Real graphs reach attention through many equivalent op sequences (permute, 3-D batched-matmul
-reshapes, no-op broadcast_to/astype, repeat, HF's expand_dims -> broadcast_to -> reshape, tile).
+reshapes, no-op broadcast_to/astype, repeat, HF's expand_dims -> broadcast_to -> reshape, the same with
+a reshape adding the unit axis, tile).
 Instead of one dataflow pattern per sequence, we walk backwards and keep a *label* per axis:
 "B" batch, "H" query-head count, "Hkv" K/V heads, "R" the repeat factor axis, "S"/"D" sequence and
 head dim, "BH" a merged batch*head axis. Any sequence of ops whose labels end as a permutation of
@@ -195,6 +196,10 @@ def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: b
         elif name in ("relax.reshape", "relax.broadcast_to") and in_shape is not None and \
                 len(in_shape) == len(out_shape) and all(prove_equal(a, b) for a, b in zip(in_shape, out_shape)):
             new_labels = labels  # a no-op
+        elif name == "relax.reshape" and in_shape is not None and _inserts_unit_r_axes(labels, in_shape, out_shape):
+            # expand_dims spelled as a reshape (``nn.op.reshape(k, [b, s, hkv, 1, d])``, ONNX's Unsqueeze)
+            new_labels = [lab for lab, n in zip(labels, out_shape) if not (lab == "R" and as_int(n) == 1)]
+            expansion = "expand_dims"
         elif name == "relax.reshape" and in_shape is not None:
             new_labels = _unreshape(labels, in_shape, out_shape)
             if new_labels is not None and "H0" in new_labels:
@@ -263,6 +268,13 @@ def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: b
         # with one head per batch entry, whatever the tensor was before
         t.labels = list(SINGLE_HEAD)
     return t
+
+
+def _inserts_unit_r_axes(labels, in_shape, out_shape) -> bool:
+    """Whether a reshape only inserts the size-1 axes that a broadcast then grows into the repeat
+    factor (labelled "R"): the input is the output without them."""
+    kept = [n for lab, n in zip(labels, out_shape) if not (lab == "R" and as_int(n) == 1)]
+    return len(kept) == len(in_shape) < len(out_shape) and all(prove_equal(a, b) for a, b in zip(kept, in_shape))
 
 
 def _unreshape(labels, in_shape, out_shape):
