@@ -230,6 +230,50 @@ def hf_repeat_kv_chain(h=8, hkv=2, d=64, s=16, b=1, dtype=F16, compute_dtype="fl
     return _finish(bb)
 
 
+def onnx_gqa_chain(h=8, hkv=2, d=32, b=1, s=16, s_kv=None, dtype=F16, causal=True, unsqueeze=True):
+    """Form 12: an exported decoder's attention with static shapes, built with ``onnx.helper`` and imported
+    with TVM's ONNX frontend: q (b, h, s, d), k/v (b, hkv, s_kv, d) in (BNSH), out (b, h, s, d).
+    ``Unsqueeze`` -> ``Expand`` -> ``Reshape`` (HF ``repeat_kv`` as exported), ``Transpose``, ``MatMul``,
+    ``Div`` by sqrt(d), an additive bottom-right causal mask (``causal``), ``Softmax``, ``MatMul``.
+    ``unsqueeze=False`` with hkv == 1: one ``Expand`` of the size-1 head axis (MQA)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    from tvm.relax.frontend.onnx import from_onnx
+
+    s_q, s_kv = s, s if s_kv is None else s_kv
+    et = {"float16": TensorProto.FLOAT16, "float32": TensorProto.FLOAT}[dtype]
+    io = [helper.make_tensor_value_info(name, et, [b, heads, n, d])
+          for name, heads, n in (("q", h, s_q), ("k", hkv, s_kv), ("v", hkv, s_kv))]
+    inits = [numpy_helper.from_array(np.array(a, np.int64), name) for name, a in (
+        ("axis2", [2]), ("shape5", [b, hkv, h // hkv, s_kv, d]), ("shape4", [b, h, s_kv, d]))]
+    inits.append(numpy_helper.from_array(np.array(np.sqrt(d), dtype), "sqrt_d"))
+    nodes = []
+    for x in ("k", "v"):
+        if unsqueeze:
+            nodes += [helper.make_node("Unsqueeze", [x, "axis2"], [x + "5"]),
+                      helper.make_node("Expand", [x + "5", "shape5"], [x + "e"]),
+                      helper.make_node("Reshape", [x + "e", "shape4"], [x + "h"])]
+        else:
+            nodes.append(helper.make_node("Expand", [x, "shape4"], [x + "h"]))
+    nodes += [helper.make_node("Transpose", ["kh"], ["kt"], perm=[0, 1, 3, 2]),
+              helper.make_node("MatMul", ["q", "kt"], ["scores"]),
+              helper.make_node("Div", ["scores", "sqrt_d"], ["scaled"])]
+    logits = "scaled"
+    if causal:  # bottom-right: query i is position s_kv - s_q + i
+        lowest = np.finfo(np.float16).min
+        mask = np.where(np.arange(s_kv)[None, :] > np.arange(s_q)[:, None] + s_kv - s_q, lowest, 0)
+        inits.append(numpy_helper.from_array(mask.astype(dtype).reshape(1, 1, s_q, s_kv), "mask"))
+        nodes.append(helper.make_node("Add", ["scaled", "mask"], ["masked"]))
+        logits = "masked"
+    nodes += [helper.make_node("Softmax", [logits], ["probs"], axis=-1),
+              helper.make_node("MatMul", ["probs", "vh"], ["out"])]
+    out = helper.make_tensor_value_info("out", et, [b, h, s_q, d])
+    model = helper.make_model(helper.make_graph(nodes, "gqa_attention", io, [out], inits),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    return from_onnx(model, keep_params_in_input=False)
+
+
 def run_llvm(mod, args, function="main"):
     """``function`` of ``mod`` built for llvm and run on the numpy ``args``: its (first) output, as float32."""
     import tvm

@@ -26,6 +26,8 @@ CPU_CASES = [
     "mlc4d_gqa_bf16_add_chunked",  # BSNH in, (B, S, H*D) out, bottom-right causal with S_q < S_kv
     "fewer_mqa_f16_decode_sym",  # symbolic S_kv, H_kv = 1
     "bsh_f16_causal_chunked",  # (B, S, D) in and out, one head
+    "onnx_gqa_f16_causal_chunked",  # TVM's ONNX frontend, BNSH in and out, bottom-right causal with S_q < S_kv
+    "nn_reshape_broadcast_gqa_f16_causal_sym",  # relax.frontend.nn's spelling, TopLeft, symbolic S
 ]
 
 

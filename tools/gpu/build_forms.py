@@ -67,6 +67,8 @@ BUILDERS = {
                   "single_head": True},
     # torch's SDPA decomposition (enable_gqa, the safe softmax's dead-row guard), BNSH in and out
     "safe_softmax_chain": {"inputs": "BNSH", "output": "BNSH", "merged": False, "reference_matmul_rule": False},
+    # TVM's ONNX frontend on an exported decoder's attention (static shapes), BNSH in and out
+    "onnx_gqa_chain": {"inputs": "BNSH", "output": "BNSH", "merged": False, "reference_matmul_rule": False},
 }
 # TVM 0.27's dlight gpu.Matmul rule on the explicit chains' fp16 score matmuls: with apache-tvm-ffi
 # 0.1.15 it segfaulted at build time; with 0.1.14 it builds a kernel that faults at run time
@@ -127,6 +129,8 @@ class Case:
         elif self.builder == "safe_softmax_chain":
             assert kw.get("cond", "torch") in ("torch", "all", "ne")
             causal = "BottomRight" if kw.get("masked") else None
+        elif self.builder == "onnx_gqa_chain":
+            causal = "BottomRight" if kw.get("causal", True) else None
         elif self.builder == "bsh_chain":
             assert kw.get("mask", "none") != "runtime"
             causal = None if kw.get("mask", "none") == "none" else "BottomRight"
@@ -217,6 +221,9 @@ CASES = [
          dict(GQA, b=2, s="s", causal="TopLeft", expand="reshape_broadcast"), run={"s": 160}),
     Case("nn_reshape_broadcast_gqa_bf16_decode_b1", "11 frontend.nn", "attention_repeat_bsnh",
          dict(GQA, b=1, s=1, s_kv=700, causal=None, dtype="bfloat16", expand="reshape_broadcast")),
+    # TVM's ONNX frontend: Unsqueeze -> Expand -> Reshape, Transpose, MatMul, Div, additive mask, Softmax
+    Case("onnx_gqa_f16_causal_chunked", "12 onnx", "onnx_gqa_chain", dict(GQA, b=2, s=64, s_kv=192)),
+    Case("onnx_gqa_f16_decode_b1", "12 onnx", "onnx_gqa_chain", dict(GQA, b=1, s=1, s_kv=500, causal=False)),
 ]
 
 
