@@ -1,8 +1,12 @@
 """The standard HF path (``torch.export`` -> plain ``from_exported_program`` -> ``ToMixedPrecision``) on
 the GQA decoder families users compile besides Llama and Mistral: Qwen2 (q/k/v biases), Qwen3 and OLMo2
 (RMSNorm on q and k), Phi-3 (one fused ``qkv_proj``), Gemma 3 (scaled query, sliding-window layers),
-StarCoder2, Granite (its own scalings). Every attention is offloaded with the K/V expansion removed;
-Gemma 2's logit soft-capping (tanh) is not built into the kernels and is rejected saying so."""
+StarCoder2, Granite (its own scalings), Mixtral (its experts as batched matmuls: TVM's frontend has no
+converter for transformers' default grouped_mm). Every attention is offloaded with the K/V expansion
+removed; Gemma 2's logit soft-capping (tanh) is not built into the kernels and is rejected saying so.
+Falcon: multi-query (Falcon-7B) is offloaded with its one K/V head; the new decoder architecture
+(Falcon-40B/180B) expands K before its rotary embedding and caches every head, so it runs as attention
+over the expanded heads, the note saying why."""
 
 import numpy as np
 import pytest
@@ -27,7 +31,18 @@ FAMILIES = {
                (WINDOW, WINDOW)),
     "starcoder2": ("Starcoder2Config", dict(sliding_window=None), ("eager", "sdpa"), (None, None)),
     "granite": ("GraniteConfig", {}, ("eager", "sdpa"), (None, None)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=2, num_experts_per_tok=1, sliding_window=None,
+                                      experts_implementation="batched_mm"), ("eager", "sdpa"), (None, None)),
 }
+FALCON = dict(alibi=False, parallel_attn=True, bias=False)
+
+
+def _falcon(impl, **kw):
+    """A Falcon model: its config names K/V heads ``num_kv_heads`` / ``multi_query``, not Llama's key."""
+    cfg = transformers.FalconConfig(**{k: v for k, v in _SIZES.items() if k != "num_key_value_heads"}, **FALCON, **kw)
+    cfg._attn_implementation = impl
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
 
 def _model(family, impl, **extra):
@@ -82,3 +97,46 @@ def test_gemma2_soft_capping_is_rejected_naming_it(mode):
     # without soft-capping the same model is offloaded
     model = _model("Gemma2Config", "eager", head_dim=HEAD_DIM, sliding_window=WINDOW, attn_logit_softcapping=None)
     assert all(s.offloaded for s in offload_report(_import(model, mode).mod))
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_falcon_multi_query_offloaded_with_one_kv_head(impl, mode):
+    model = _falcon(impl, multi_query=True, new_decoder_architecture=False)
+    imp = _import(model, mode)
+    report = offload_report(imp.mod)
+    assert len(report) == LAYERS
+    for site in report:
+        assert site.offloaded, site.reason
+        assert (site.num_q_heads, site.num_kv_heads) == (HEADS, 1)
+        assert site.causal == ("BottomRight" if mode == "prefill" else None)
+    assert not hf.kv_expansions_left(partition_for_cutlass(imp.mod))
+    if impl == "eager":
+        _falcon_numerics(model, mode)
+
+
+def _falcon_numerics(model, mode):
+    """The rewritten graph gives HF's logits. Imported with our convert map: the frontend takes Falcon's
+    ``qkv[..., [-2], :]`` with a negative index out of bounds (``test_models.py``)."""
+    imp = hf.import_hf(model, mode=mode, batch=1, seq_len=12, past_len=6, convert="fixes",
+                       mixed_precision=True)
+    inputs = hf.example_inputs(model, mode=mode, seq_len=12, past_len=6, seed=1)
+    got = G.rewritten_on_cpu(imp.mod, [inputs[0], *[x.astype("float32") for x in inputs[1:]], *imp.params])
+    np.testing.assert_allclose(got, imp.reference(*inputs), rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_falcon_new_architecture_runs_on_the_expanded_heads(mode):
+    """Falcon-40B's form: K/V sliced from the fused qkv as (B, S, H_kv, 1, D) and broadcast to every query
+    head; V reaches attention through the broadcast (traced to its unit axis), K through the rotary
+    embedding applied after it. The site runs as attention over the expanded heads and says why; decode
+    reads a cache HF keeps with every head."""
+    model = _falcon("sdpa", num_kv_heads=KV_HEADS, new_decoder_architecture=True)
+    imp = _import(model, mode)
+    report = offload_report(imp.mod)
+    assert len(report) == LAYERS
+    for site in report:
+        assert site.offloaded and (site.num_q_heads, site.num_kv_heads) == (HEADS, HEADS)
+        if mode == "prefill":
+            assert "V is expanded (repeat x4) but no expansion of K" in site.note, site.note
+    _falcon_numerics(model, mode)

@@ -381,6 +381,25 @@ def test_hf_fp16_native_matmuls(hf):
     assert matmul_dtypes(hf.fixes_convert_map()) == {"float32"}
 
 
+def test_fixes_map_takes_negative_list_indices_from_the_end(hf):
+    """``x[..., [-2], :]`` (Falcon's K from its fused qkv): the frontend's ``R.take(mode="fast")`` reads
+    out of bounds for the negative index; with our convert map it is torch's element."""
+    torch = pytest.importorskip("torch")
+    from tvm.relax.frontend.torch import from_exported_program
+
+    import graphs as G
+
+    class Index(torch.nn.Module):
+        def forward(self, x, i):
+            return x[..., [-2, 0], :] * 2 + x[:, [-1]].sum() + x[:, i].sum()
+
+    x, i = torch.randn(2, 3, 5, 4), torch.tensor([2, -3])
+    ep = torch.export.export(Index(), (x, i))
+    mod = from_exported_program(ep, custom_convert_map=hf.fixes_convert_map())
+    got = G.run_llvm(mod, [x.numpy(), i.numpy()])
+    np.testing.assert_allclose(got, Index()(x, i).numpy(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind,fused", [("llama", True), ("mistral", True), ("llama", False)])
 def test_builder_matches_hf(hf, kind, fused):
     """build_decoder with HF's weights computes HF's logits (RoPE, RMSNorm, SwiGLU, window); fused

@@ -452,13 +452,13 @@ def _chain_site(func_name, var, value, bindings, evaluator, allow_kv_expansion=T
 
 # ----------------------------------------------------------------------------- checks
 def _seq_len(t: Traced):
-    return shape_of(t.source)[t.labels.index("S")]
+    return t.shape()[t.labels.index("S")]
 
 
 def _heads(t: Traced):
     if t.layout() == "BSH":
         return 1
-    return shape_of(t.source)[t.labels.index("Hkv" if "Hkv" in t.labels else "H")]
+    return t.shape()[t.labels.index("Hkv" if "Hkv" in t.labels else "H")]
 
 
 def _common_checks(site: AttentionSite):
@@ -470,7 +470,7 @@ def _common_checks(site: AttentionSite):
     for name, t in (("Q", q), ("K", k), ("V", v)):
         if t.layout() is None:
             return site.reject(f"{name} reaches attention through an unsupported layout {t.labels}")
-        if shape_of(t.source) is None:
+        if t.shape() is None:
             return site.reject(f"{name} has an unknown shape")
     if len({t.layout() == "BSH" for t in (q, k, v)}) > 1:
         return site.reject("Q, K and V mix (B, S, D) single-head operands with operands that have a head axis "
@@ -478,10 +478,16 @@ def _common_checks(site: AttentionSite):
     if "Hkv" in q.labels:
         return site.reject("the query is expanded")
     if (k.expansion, k.factor) != (v.expansion, v.factor):
-        site.expansion_problem = (f"K and V are expanded differently ({k.expansion} x{k.factor} vs "
-                                  f"{v.expansion} x{v.factor})")
+        if None in (k.expansion, v.expansion):
+            found, t, missing = ("K", k, "V") if k.expansion else ("V", v, "K")
+            site.expansion_problem = (f"{found} is expanded ({t.expansion} x{t.factor}) but no expansion of {missing} "
+                                      f"was found: its trace stops at an op it does not pass (e.g. a rotary "
+                                      f"embedding applied after the expansion)")
+        else:
+            site.expansion_problem = (f"K and V are expanded differently ({k.expansion} x{k.factor} vs "
+                                      f"{v.expansion} x{v.factor})")
         return site.reject(site.expansion_problem)
-    qs, ks, vs = shape_of(q.source), shape_of(k.source), shape_of(v.source)
+    qs, ks, vs = q.shape(), k.shape(), v.shape()
     dtypes = {t.kernel_dtype() for t in (q, k, v)}
     site.dtype = q.kernel_dtype() or str(q.entry_dtype)
     h = as_int(_heads(q))
@@ -512,7 +518,7 @@ def _common_checks(site: AttentionSite):
         return site.reject(site.expansion_problem)
     if h % hkv:
         return site.reject(f"{h} query heads are not a multiple of {hkv} K/V heads")
-    b_q, b_k, b_v = (shape_of(t.source)[t.labels.index("B")] for t in (q, k, v))
+    b_q, b_k, b_v = (t.shape()[t.labels.index("B")] for t in (q, k, v))
     if not (prove_equal(b_q, b_k) and prove_equal(b_q, b_v)):
         return site.reject("Q, K and V batch sizes differ")
     if not prove_equal(_seq_len(k), _seq_len(v)):

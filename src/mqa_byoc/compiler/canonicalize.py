@@ -70,13 +70,15 @@ class _Canonicalize(PyExprMutator):
 
     def _operand(self, traced, dtype, heads_target=None):
         x = self.visit_expr(traced.source)
+        if traced.unit_axis is not None:  # the K/V view without the unit axis the expansion grew
+            x = self.builder_.emit(relax.op.reshape(x, traced.shape()))
         if str(traced.source.ty.dtype) != dtype:
             # the graph cast the expanded tensor; casting the un-expanded one gives the same values
             x = self.builder_.emit(relax.op.astype(x, dtype))
         if traced.layout() == "BNSH":
             x = self.builder_.emit(relax.op.permute_dims(x, [0, 2, 1, 3]))
         elif traced.layout() == "BSH":  # one head: a (B, S, 1, D) view
-            b, s, d = traced.source.ty.shape.values
+            b, s, d = traced.shape()
             x = self.builder_.emit(relax.op.reshape(x, [b, s, 1, d]))
         if heads_target is not None:
             # the mqa=False baseline keeps an expansion: K/V repeated to the query heads

@@ -61,6 +61,7 @@ class Traced:
     entry_dtype: str | None = None  # dtype of the operand as attention consumes it
     scale: float = 1.0  # constant factors multiplied into the operand (query side)
     problem: str | None = None  # why the trace is unusable
+    unit_axis: int | None = None  # a size-1 source axis the expansion broadcast from, dropped from labels
 
     def __post_init__(self):
         if self.entry_dtype is None and isinstance(self.source.ty, relax.TensorType):
@@ -76,6 +77,13 @@ class Traced:
         if self.entry_dtype == "float32" and src in half:
             return src  # an exact up-cast: FA2 accumulates in float32 anyway
         return None
+
+    def shape(self):
+        """The source's shape as :attr:`labels` describe it (without :attr:`unit_axis`), or None."""
+        shape = shape_of(self.source)
+        if shape is None or self.unit_axis is None:
+            return shape
+        return shape[:self.unit_axis] + shape[self.unit_axis + 1:]
 
     def layout(self) -> str | None:
         core = [lab for lab in self.labels]
@@ -261,6 +269,14 @@ def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: b
         expr = arg
         t.source = expr
 
+    if t.expansion == REPEAT and "R" in t.labels and not t.problem:
+        # the broadcast's input came from an op we do not pass with its unit axis in place: Falcon's
+        # fused qkv indexed with a list (``qkv[:, :, :, [-2]]``: (B, S, Hkv, 1, D)); K/V are that view
+        axis = t.labels.index("R")
+        shape = shape_of(t.source)
+        if shape is not None and as_int(shape[axis]) == 1:
+            t.unit_axis = axis
+            t.labels = t.labels[:axis] + t.labels[axis + 1:]
     if any(lab in ("H0", "H1", "R") for lab in t.labels):
         t.problem = "K/V head axis reshaped without a recognized expansion"
     if t.labels == ["BH", "S", "D"]:

@@ -83,7 +83,7 @@ def _tensor_type(expr):
 
 
 def _var_len_checks(site: VarLenSite, attrs) -> VarLenSite:
-    batch = shape_of(site.q.source)[site.q.labels.index("B")]
+    batch = site.q.shape()[site.q.labels.index("B")]
     if as_int(batch) != 1:
         return site.reject(f"queries must be (1, total_q, H, D) (sequences concatenated), batch axis is {batch}")
     lengths = []

@@ -273,6 +273,10 @@ def fixes_convert_map() -> dict:
     builder cumsums a bool tensor (packed-sequence detection), so every HF decoder hits it.
 
     ``index_put.default``: a ``StaticCache`` write (:func:`.hf_static.index_put_converter`).
+
+    ``index.Tensor``: indexing one axis with a list (Falcon's ``qkv[:, :, :, [-2]]``) becomes
+    ``R.take(mode="fast")``, which reads out of bounds for a negative index; taken with ``mode="wrap"``
+    instead (torch counts a negative index from the end). Other index forms keep the frontend's converter.
     """
     from tvm import relax, tirx
 
@@ -305,9 +309,18 @@ def fixes_convert_map() -> dict:
             return parts[0]
         return importer.block_builder.emit(relax.op.concat(parts, axis=dim))
 
+    def index(node, importer):
+        args = importer.retrieve_args(node)
+        given = [(axis, idx) for axis, idx in enumerate(args[1]) if idx is not None]
+        if len(given) != 1:
+            return importer._index_tensor(node)
+        axis, idx = given[0]
+        return importer.block_builder.emit(relax.op.take(args[0], idx, axis=axis, mode="wrap"))
+
     from .hf_static import index_put_converter
 
-    return {"cumsum.default": cumsum, "cat.default": cat, "index_put.default": index_put_converter}
+    return {"cumsum.default": cumsum, "cat.default": cat, "index_put.default": index_put_converter,
+            "index.Tensor": index}
 
 
 def params_from_hf(model, param_spec) -> list[np.ndarray]:
@@ -503,8 +516,7 @@ def import_hf(
         raise ValueError(f"convert must be one of {CONVERTS}, got {convert!r}")
     cfg = model.config
     n_layers = cfg.num_hidden_layers
-    hkv = cfg.num_key_value_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    hkv, d = cache_heads_and_dim(cfg)
     if cache not in ("dynamic", "static"):
         raise ValueError(f"cache must be 'dynamic' or 'static', got {cache!r}")
     wrapper = _wrapper(model, mode, n_layers, use_cache, seed_cache=convert == "standard").eval()
@@ -560,6 +572,19 @@ def import_hf(
     return HFImport(mod, np_params, reference)
 
 
+def cache_heads_and_dim(cfg) -> tuple[int, int]:
+    """Heads and head dim of the K/V cache an HF decoder keeps: ``num_key_value_heads`` (Llama and most);
+    one head with ``multi_query`` (Falcon-7B, GPTBigCode); else one per query head (Falcon's new decoder
+    architecture broadcasts its ``num_kv_heads`` to every query head before it caches them)."""
+    if getattr(cfg, "num_key_value_heads", None):
+        hkv = cfg.num_key_value_heads
+    elif getattr(cfg, "multi_query", False) and not getattr(cfg, "new_decoder_architecture", False):
+        hkv = 1
+    else:
+        hkv = cfg.num_attention_heads
+    return hkv, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
 def example_inputs(
     model, *, mode: str = "prefill", batch: int = 1, seq_len: int = 16, past_len: int = 8, seed: int = 0
 ) -> list[np.ndarray]:
@@ -569,9 +594,9 @@ def example_inputs(
     n_tok = seq_len if mode == "prefill" else 1
     out = [rng.integers(0, cfg.vocab_size, (batch, n_tok)).astype("int64")]
     if mode == "decode":
-        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        hkv, d = cache_heads_and_dim(cfg)
         dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-        shape = (batch, cfg.num_key_value_heads, past_len, d)
+        shape = (batch, hkv, past_len, d)
         out += [
             rng.standard_normal(shape).astype(dtype) for _ in range(2 * cfg.num_hidden_layers)
         ]
