@@ -96,7 +96,7 @@ def test_decode_with_top_left_causal_mask_stays_in_the_graph():
     """``is_causal=True`` emits a top-left mask: with one query row it lets the row see key 0 only,
     which the kernels (bottom-right) do not compute; the site says so. Without the mask: offloaded."""
     (site,) = offload_report(_export("repeat", causal=True, s_q=1, s_kv="n"))
-    assert not site.offloaded and "TopLeft" in site.reason
+    assert not site.offloaded and "TopLeft" in site.reason and "is_causal=False" in site.reason
     (site,) = offload_report(_export("repeat", causal=False, s_q=1, s_kv="n"))
     assert site.offloaded and site.num_kv_heads == HKV
     G.rewritten_on_cpu(_export("repeat", causal=False, s_q=1, s_kv="n"), _args(2, 1, 9), function="forward")

@@ -136,7 +136,9 @@ def _attention_attr_checks(site, attrs, facts=None):
     s_q, s_kv = _seq_len(site.q), _seq_len(site.k)
     window = int(attrs.window_size) if attrs.window_size is not None else None
     if attrs.causal_mask == "TopLeft" and not prove_equal(s_q, s_kv):
-        return site.reject("TopLeft causal mask with S_q != S_kv (FA2's causal is bottom-right aligned)")
+        return site.reject("TopLeft causal mask with S_q != S_kv (FA2's causal is bottom-right aligned): query row "
+                           "i sees keys 0..i, e.g. relax.frontend.nn's scaled_dot_product_attention(is_causal=True) "
+                           "in decode, where is_causal=False is what a cache needs")
     # FA2's window is bottom-right aligned like its causal mask: the same rule applies to both
     bottom_right = attrs.causal_mask == "BottomRight" or (window is not None and attrs.causal_mask is None)
     if bottom_right and not (prove_equal(s_q, s_kv) or _analyzer_le(s_q, s_kv, facts)):
