@@ -140,3 +140,30 @@ def test_falcon_new_architecture_runs_on_the_expanded_heads(mode):
         if mode == "prefill":
             assert "V is expanded (repeat x4) but no expansion of K" in site.note, site.note
     _falcon_numerics(model, mode)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_padding_mask_input_stays_in_the_graph_saying_what_to_do(impl):
+    """Batched generation with left padding: the export takes ``attention_mask``, and every layer's mask
+    depends on it. No kernel takes a per-element mask, so every site stays, the reason naming the input
+    and the var-len form."""
+    model = _model("LlamaConfig", impl)
+
+    class WithMask(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids, mask):
+            return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+    from tvm import relax
+    from tvm.relax.frontend.torch import from_exported_program
+
+    ids, mask = torch.randint(0, 128, (2, 12)), torch.ones(2, 12, dtype=torch.long)
+    mask[0, :3] = 0
+    mod = from_exported_program(torch.export.export(WithMask(), (ids, mask)), keep_params_as_input=True)
+    report = offload_report(relax.transform.ToMixedPrecision(out_dtype="float16")(mod))
+    assert len(report) == LAYERS
+    for site in report:
+        assert not site.offloaded and "runtime input 'mask'" in site.reason and "attention_var_len" in site.reason

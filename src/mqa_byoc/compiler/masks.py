@@ -174,7 +174,9 @@ class MaskEvaluator:
                 if _is_symbolic_var(e, bindings):
                     return  # a shape variable used as a value (arange bounds): bound through the shape parameter
                 if e in bindings.params:
-                    raise MaskError(f"the mask depends on the runtime input '{e.name}'")
+                    raise MaskError(f"the mask depends on the runtime input '{e.name}': the kernels take causal and "
+                                    "sliding-window masks they can read off the graph (for a padding mask, pass the "
+                                    "sequences unpadded, as R.nn.attention_var_len, or one at a time)")
                 b = bindings.binding.get(e)
                 value = b.value if b is not None else None
                 if value is None:
