@@ -98,9 +98,11 @@ def static_example_inputs(model, *, mode: str = "decode", batch: int = 1, seq_le
     if start + n_tok > max_cache_len:
         raise ValueError(f"positions up to {start + n_tok} exceed max_cache_len={max_cache_len}")
     rng = np.random.default_rng(seed)
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    from .hf import cache_heads_and_dim  # hf imports this module's functions lazily too
+
+    hkv, d = cache_heads_and_dim(cfg)
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    shape = (batch, cfg.num_key_value_heads, max_cache_len, d)
+    shape = (batch, hkv, max_cache_len, d)
     return [rng.integers(0, cfg.vocab_size, (batch, n_tok)).astype("int64"),
             np.arange(start, start + n_tok, dtype="int64"),
             *[rng.standard_normal(shape).astype(dtype) for _ in range(2 * cfg.num_hidden_layers)]]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import pathlib
 import subprocess
 import tempfile
@@ -35,12 +36,10 @@ def reader(bufs, blocks: int, threads: int):
         if not b.is_contiguous() or b.numel() * b.element_size() % 16:
             raise ValueError("read_floor needs contiguous buffers of a multiple of 16 bytes")
     lib, sink = library(), torch.zeros(1, dtype=torch.int32, device=bufs[0].device)
-    ptrs = [(b.data_ptr(), b.numel() * b.element_size()) for b in bufs]
-    turn = [0]
+    turns = itertools.cycle([(b.data_ptr(), b.numel() * b.element_size()) for b in bufs])
 
     def call():
-        ptr, nbytes = ptrs[turn[0] % len(ptrs)]
-        turn[0] += 1
+        ptr, nbytes = next(turns)
         rc = lib.mqa_byoc_read_floor_launch(ptr, nbytes, sink.data_ptr(), blocks, threads,
                                             torch.cuda.current_stream().cuda_stream)
         if rc:
