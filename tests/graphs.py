@@ -654,3 +654,85 @@ def safe_softmax_chain(h=8, hkv=2, d=64, s=16, s_kv=None, b=1, dtype=F16, cond="
             o = bb.emit_output(R.matmul(p, vv))
         bb.emit_func_output(o)
     return _finish(bb)
+
+
+def sink_chain(h=8, hkv=2, d=64, s=16, s_kv=None, b=1, dtype=F16, window=None, causal=True, shift="topk",
+               sinks_dtype="float32", score_mod=None):
+    """GPT-OSS's eager attention with sinks as TVM's PyTorch frontend emits it after ToMixedPrecision: BNSH,
+    HF ``repeat_kv``, Q@K^T in ``dtype`` times the scale, cast to float32, an additive mask from positions
+    (bottom-right causal, or a window of ``window`` keys), the per-head ``sinks`` (a parameter (H,)) reshaped
+    to (1, H, 1, 1), broadcast over the rows and concatenated on the key axis, minus the row maximum
+    (``shift``: "topk" as the frontend spells ``max(dim=-1)``, "max", or None), softmax, the sink column
+    sliced off, cast, @ V. Inputs q, k, v, sinks; output (B, S, H*D).
+
+    ``score_mod`` replaces the sinks with another score modification the kernels do not compute:
+    "softcap" (``tanh(x / 50) * 50``, Gemma 2), "alibi" (a per-head linear bias on the key distance),
+    "square" (``x * x``, something no form explains)."""
+    syms = {}
+    s_, skv_ = _dim(s, syms), _dim(s_kv if s_kv is not None else s, syms)
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", _tensor([b, h, s_, d], dtype))
+    k = relax.Var("k", _tensor([b, hkv, skv_, d], dtype))
+    v = relax.Var("v", _tensor([b, hkv, skv_, d], dtype))
+    sinks = relax.Var("sinks", _tensor([h], sinks_dtype))
+    r = h // hkv
+    f32 = "float32"
+    with bb.function("main", [q, k, v, sinks]):
+        with bb.dataflow():
+            kk, vv = hf_repeat_kv(bb, k, b, hkv, r, skv_, d), hf_repeat_kv(bb, v, b, hkv, r, skv_, d)
+            sc = bb.emit(R.matmul(q, bb.emit(R.permute_dims(kk, [0, 1, 3, 2]))))
+            sc = bb.emit(R.multiply(sc, relax.const(1.0 / math.sqrt(d), dtype)))
+            sc = bb.emit(R.astype(sc, f32))
+            if score_mod == "softcap":
+                sc = bb.emit(R.multiply(R.tanh(bb.emit(R.divide(sc, relax.const(50.0, f32)))), relax.const(50.0, f32)))
+            elif score_mod == "square":
+                sc = bb.emit(R.multiply(sc, sc))
+            cols = bb.emit(R.reshape(R.arange(0, skv_, 1, "int64"), [1, skv_]))
+            rows = bb.emit(R.reshape(R.arange(skv_ - s_, skv_, 1, "int64"), [s_, 1]))
+            if score_mod == "alibi":
+                dist = bb.emit(R.astype(R.subtract(cols, rows), f32))
+                slopes = relax.const((2.0 ** -np.arange(1, h + 1)).astype("float32").reshape(1, h, 1, 1))
+                sc = bb.emit(R.add(sc, R.multiply(slopes, R.reshape(dist, [1, 1, s_, skv_]))))
+            if causal or window:
+                hidden = bb.emit(R.greater(cols, rows))
+                if window:
+                    hidden = bb.emit(R.logical_or(hidden, R.less_equal(cols, R.subtract(rows, relax.const(window, "int64")))))
+                fmin = float(np.finfo(np.float32).min)
+                mask = bb.emit(R.where(hidden, relax.const(fmin, f32), relax.const(0.0, f32)))
+                sc = bb.emit(R.add(sc, R.reshape(mask, [1, 1, s_, skv_])))
+            if score_mod is None:
+                col = bb.emit(R.broadcast_to(R.reshape(sinks, [1, h, 1, 1]), [b, h, s_, 1]))
+                if sinks_dtype != f32:
+                    col = bb.emit(R.astype(col, f32))
+                sc = bb.emit(R.concat([sc, col], axis=-1))
+            if shift == "topk":
+                top = bb.emit(R.topk(sc, k=1, axis=-1, ret_type="both", largest=True, dtype="int64"))
+                sc = bb.emit(R.subtract(sc, bb.emit(relax.TupleGetItem(top, 0))))
+            elif shift == "max":
+                sc = bb.emit(R.subtract(sc, R.max(sc, axis=-1, keepdims=True)))
+            p = bb.emit(R.nn.softmax(sc, axis=-1))
+            if score_mod is None:
+                p = bb.emit(R.strided_slice(p, axes=[3], begin=[0], end=[-1]))
+            p = bb.emit(R.astype(p, dtype))
+            o = bb.emit(R.matmul(p, vv))
+            o = bb.emit(R.permute_dims(o, [0, 2, 1, 3]))
+            o = bb.emit_output(R.reshape(o, [b, s_, h * d]))
+        bb.emit_func_output(o)
+    return _finish(bb)
+
+
+def reference_sink_attention(q, k, v, sinks, window=None, causal=True):
+    """float32 NumPy attention with sinks: ``sink_chain``'s inputs (BNSH) and output (B, S, H*D)."""
+    q, k, v = (to_bsnh(x.astype("float32"), "BNSH") for x in (q, k, v))
+    h, hkv, d = q.shape[2], k.shape[2], q.shape[3]
+    heads = np.arange(h) // (h // hkv)
+    k, v = k[:, :, heads], v[:, :, heads]
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+    s = np.where(mask_allowed(s.shape[2], s.shape[3], "BottomRight" if (causal or window) else None, window), s, -np.inf)
+    col = np.broadcast_to(sinks.astype("float32")[None, :, None, None], s.shape[:3] + (1,))
+    logits = np.concatenate([s, col], axis=-1)
+    logits = logits - logits.max(-1, keepdims=True)
+    p = np.exp(logits)
+    p = (p / p.sum(-1, keepdims=True))[..., :-1]
+    o = np.einsum("bhqk,bkhd->bqhd", p, v)
+    return o.reshape(o.shape[0], o.shape[1], h * d)

@@ -16,8 +16,20 @@ COMPOSITE_MHA = "flash_attn.attention"
 ATTENTION_COMPOSITES = (COMPOSITE_MQA, COMPOSITE_MHA)
 #: The composite for ``R.nn.attention_var_len`` (FA2's var-len forward, any K/V head count).
 COMPOSITE_VAR_LEN = "flash_attn.attention_var_len"
+#: Attention with a learned sink logit per query head (GPT-OSS): a 4th operand ``sinks`` (H,), float32 or
+#: the model's dtype; fewer K/V heads than query heads, and as many.
+COMPOSITE_MQA_SINK = "flash_attn.attention_mqa_sink"
+COMPOSITE_MHA_SINK = "flash_attn.attention_sink"
+SINK_COMPOSITES = (COMPOSITE_MQA_SINK, COMPOSITE_MHA_SINK)
 #: Every composite name the codegen accepts; a new composite is added here and in the pattern table.
-COMPOSITES = ATTENTION_COMPOSITES + (COMPOSITE_VAR_LEN,)
+COMPOSITES = ATTENTION_COMPOSITES + (COMPOSITE_VAR_LEN,) + SINK_COMPOSITES
+#: Function attribute of a sink attention's function (its value: the composite name) before and after the
+#: partition; its mask and scale are the attributes below (the body is the reference computation).
+SINK_ATTR = "mqa_byoc.attention_sinks"
+SINK_SCALE_ATTR = "mqa_byoc.scale"
+SINK_CAUSAL_ATTR = "mqa_byoc.causal"
+SINK_WINDOW_ATTR = "mqa_byoc.window"  # keys a row sees including its own, 0: no window
+SINK_LAYOUTS_ATTR = "mqa_byoc.layouts"  # "q,k,v" layouts (BSNH / BNSH); the output is BSNH
 
 #: Kernel providers of the codegen (see :mod:`mqa_byoc.compiler.codegen`): "native" links FA2,
 #: "hopper" links FA4's sm90 kernel for prefill and FA2 for decode, "python" calls a registered function.
@@ -30,16 +42,21 @@ PROVIDER_ATTR = "mqa_byoc.provider"
 PY_FORWARD_FUNC = "mqa_byoc.flash_attn_forward"
 #: Global function the python provider's var-len forwarders call (``mqa_byoc.runtime.varlen_provider``).
 PY_VAR_LEN_FORWARD_FUNC = "mqa_byoc.flash_attn_varlen_forward"
+#: Global function the python provider's sink-attention forwarders call (``mqa_byoc.runtime.providers``).
+PY_SINK_FORWARD_FUNC = "mqa_byoc.flash_attn_sink_forward"
 
 
-def composite_name(num_q_heads: int, num_kv_heads: int) -> str:
+def composite_name(num_q_heads: int, num_kv_heads: int, sinks: bool = False) -> str:
     """The composite an attention with these head counts is offloaded as.
 
     Returns
     -------
     str
-        :data:`COMPOSITE_MQA` when K/V have fewer heads than the query, else :data:`COMPOSITE_MHA`.
+        :data:`COMPOSITE_MQA` when K/V have fewer heads than the query, else :data:`COMPOSITE_MHA`;
+        with ``sinks`` :data:`COMPOSITE_MQA_SINK` / :data:`COMPOSITE_MHA_SINK`.
     """
+    if sinks:
+        return COMPOSITE_MQA_SINK if num_kv_heads != num_q_heads else COMPOSITE_MHA_SINK
     return COMPOSITE_MQA if num_kv_heads != num_q_heads else COMPOSITE_MHA
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from tvm import relax, tirx
 
 from . import masks
+from .graph import sinks as sink_forms
 from .spec import MAX_HEAD_DIM, SUPPORTED_DTYPES
 from .trace import (BROADCAST, SINGLE_HEAD, TILE, Bindings, Traced, as_int, op_name, prove_equal, shape_of,
                     trace)
@@ -52,6 +53,8 @@ class AttentionSite:
     expansion_problem: str | None = None
     # chain pieces kept for the rewrite
     mask_ops: list = field(default_factory=list)
+    # a sink logit per query head appended to the scores (GPT-OSS), see graph.sinks
+    sinks: sink_forms.SinkLogits | None = None
 
     @property
     def expansion_ops(self):
@@ -96,6 +99,9 @@ def find_sites(func_name: str, func: relax.Function, evaluator: masks.MaskEvalua
                 site = plain
         if site is not None:
             sites.append(site)
+    # nothing unseen: a matmul-softmax-matmul chain none of the forms above explains is reported too
+    for root, reason in sink_forms.unexplained_chains(bindings, {s.root for s in sites}):
+        sites.append(AttentionSite(func_name, root, "matmul-softmax chain").reject(reason))
     return sites
 
 
@@ -231,13 +237,14 @@ def _is_zero(expr, bindings) -> bool:
 
 
 def _strip_probs(expr, bindings):
-    """Walk from the P operand of P@V to the softmax; returns (softmax var, dead-row conditions).
+    """Walk from the P operand of P@V to the softmax; returns (softmax var, dead-row conditions, the
+    number of trailing key columns a slice drops: a sink's, see :mod:`.graph.sinks`).
 
     torch's SDPA decomposition zeroes rows whose scores are all -inf:
     ``where(not(any(scores != -inf)), 0, softmax(scores))``. The kernels do the same (a row without
     a visible key is zero), and a proven causal/window mask never hides a whole row anyway;
     :func:`_is_dead_row_condition` checks that the condition is that one."""
-    conds = []
+    conds, dropped = [], 0
     while True:
         expr = _strip_views(expr, bindings)
         value = bindings.get(expr)
@@ -245,7 +252,12 @@ def _strip_probs(expr, bindings):
             conds.append(value.args[0])
             expr = value.args[2]
             continue
-        return expr, conds
+        if not dropped:
+            inner, dropped = sink_forms.strip_sink_slice(expr, bindings)
+            if dropped:
+                expr = inner
+                continue
+        return expr, conds, dropped
 
 
 _TRUTH_DTYPES = ("bool", "int8", "uint8", "int32", "int64")
@@ -352,14 +364,20 @@ def _reaches_matmul(expr, bindings, depth=8):
 
 
 def _chain_site(func_name, var, value, bindings, evaluator, allow_kv_expansion=True):
-    probs, dead_row_conds = _strip_probs(value.args[0], bindings)
+    probs, dead_row_conds, dropped = _strip_probs(value.args[0], bindings)
     softmax = bindings.get(probs)
     if op_name(softmax) != "relax.nn.softmax":
         return None
     ndim = len(shape_of(softmax) or [])
     if int(softmax.attrs.axis) not in (-1, ndim - 1):
         return None
-    x = softmax.args[0]
+    x = sink_forms.strip_row_shift(softmax.args[0], bindings)
+    sink = None
+    if dropped:
+        x, sink = sink_forms.split_sink_concat(_strip_views(x, bindings), dropped, bindings)
+        if x is None or sink is None:
+            why = sink if x is None else "softmax probabilities sliced on the key axis without a concatenated column"
+            return AttentionSite(func_name, var, "matmul-softmax chain").reject(why)
     post_scale = 1.0
     mask_ops = []
     problem = None
@@ -422,7 +440,7 @@ def _chain_site(func_name, var, value, bindings, evaluator, allow_kv_expansion=T
             break
     if qk is None and problem is None:
         return None
-    site = AttentionSite(func_name, var, "matmul-softmax chain")
+    site = AttentionSite(func_name, var, "matmul-softmax chain", sinks=sink)
     if problem:
         return site.reject(problem)
     scores = _strip_views(softmax.args[0], bindings)
@@ -448,6 +466,8 @@ def _chain_site(func_name, var, value, bindings, evaluator, allow_kv_expansion=T
     _common_checks(site)
     if site.reason:
         return site
+    if site.sinks is not None and site.sinks.num_heads != site.num_q_heads:
+        return site.reject(f"{site.sinks.num_heads} sink logits for {site.num_q_heads} query heads")
     _prove_masks(site, bindings, evaluator, scales=[s for *_, s in mask_ops])
     return site
 

@@ -13,6 +13,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from . import analysis, masks, varlen
+from .graph import sink_attention
 from .exprs import binding_values, is_offloaded, op_name
 
 
@@ -66,6 +67,8 @@ class _Canonicalize(PyExprMutator):
             return super().visit_var_binding_(binding)
         if site.form == varlen.FORM:
             return varlen.emit_canonical(self, binding.var, site, self.mqa)
+        if site.sinks is not None:
+            return sink_attention.emit_canonical(self, binding.var, site, self.mqa)
         self._emit_site(binding.var, site)
 
     def _operand(self, traced, dtype, heads_target=None):

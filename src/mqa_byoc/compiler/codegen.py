@@ -59,12 +59,13 @@ from mqa_byoc.contract import (
     PROVIDER_ATTR,
     PROVIDERS,
     PY_FORWARD_FUNC,
+    SINK_COMPOSITES,
     check_provider,
     composite_name,
 )
 
 from ..kernels.toolchain import nvcc_available
-from . import varlen_codegen
+from . import sink_codegen, varlen_codegen
 from .spec import AttentionSpec, read_composite
 
 __all__ = [
@@ -228,8 +229,8 @@ class CodegenSite:
     composite: relax.Function
     composite_name: str
     spec: AttentionSpec
-    # attention operand i (q, k, v) is the Codegen function's parameter arg_map[i]
-    arg_map: tuple[int, int, int]
+    # attention operand i (q, k, v; sinks for a sink composite) is the Codegen function's parameter arg_map[i]
+    arg_map: tuple[int, ...]
     num_inputs: int
     # parameters of type R.Shape: FuseOpsByPattern adds ``tir_vars`` when a length is an expression
     # (S_kv = past_len + 1) so that the function can define past_len; the kernels read lengths from
@@ -267,8 +268,14 @@ def find_site(func: relax.Function) -> CodegenSite:
         name, composite, outer = _composite_call(func, symbol)
     if name not in COMPOSITES:
         raise CodegenError(f"flash_attn codegen ({symbol}): unknown composite {name!r}; expected one of {COMPOSITES}")
-    spec, operand_params = _read(composite, symbol)
-    want = composite_name(spec.num_q_heads, spec.num_kv_heads)
+    if name in SINK_COMPOSITES:
+        try:
+            spec, operand_params = sink_codegen.read_sink_composite(composite)
+        except (ValueError, TypeError, AttributeError) as err:
+            raise CodegenError(f"flash_attn codegen ({symbol}): cannot read the attention parameters: {err}") from err
+    else:
+        spec, operand_params = _read(composite, symbol)
+    want = composite_name(spec.num_q_heads, spec.num_kv_heads, sinks=spec.sinks_dtype is not None)
     if name != want:
         raise CodegenError(
             f"flash_attn codegen ({symbol}): composite {name} but the heads are "
@@ -522,6 +529,10 @@ def flash_attn_codegen(funcs, options=None, constant_names=None) -> list:
         logger.debug("flash_attn codegen: %s -> %s provider (%s)", site.symbol, provider, spec)
         if provider in LINKED_PROVIDERS:
             modules.append(_native_module(site, hopper=provider == "hopper"))
+        elif spec.sinks_dtype is not None:
+            python_parts.append(sink_codegen.emit_python_forwarder(site.symbol, spec, site.arg_map, site.num_inputs,
+                                                                   site.shape_params))
+            python_symbols.append(site.symbol)
         else:
             python_parts.append(
                 emit_python_forwarder(site.symbol, spec, site.arg_map, site.num_inputs, prelude=False,

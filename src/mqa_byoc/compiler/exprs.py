@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import tvm
 from tvm import relax
 
-from mqa_byoc.contract import CODEGEN
+from mqa_byoc.contract import CODEGEN, SINK_ATTR
 
 
 def op_name(expr) -> str:
@@ -41,9 +41,10 @@ def value_of(expr, values: Mapping):
 
 
 def is_offloaded(func) -> bool:
-    """True for a function already handed to a backend: it has a ``Codegen`` or ``Composite`` attribute."""
+    """True for a function already handed to a backend: it has a ``Codegen`` or ``Composite`` attribute,
+    or it is a sink attention's function the canonicalization made (its body is the reference)."""
     attrs = func.attrs
-    return attrs is not None and ("Codegen" in attrs or "Composite" in attrs)
+    return attrs is not None and ("Codegen" in attrs or "Composite" in attrs or SINK_ATTR in attrs)
 
 
 def is_flash_attn_function(func) -> bool:

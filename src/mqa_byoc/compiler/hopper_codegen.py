@@ -26,12 +26,17 @@ FA4_TILE_M = 128
 
 
 def describe_kernel(provider: str, *, dtype, head_dim, num_q_heads, num_kv_heads, causal, window,
-                    var_len: bool = False) -> str:
+                    var_len: bool = False, sinks: bool = False) -> str:
     """What an offloaded site runs on with ``provider`` (the ``kernel`` of ``offload_report``)."""
     if provider == "python":
-        return "FA2 through the python provider (flash-attn or PyTorch at run time)"
+        return "FA2 through the python provider (flash-attn or PyTorch at run time)" + (
+            "; the sinks applied to its output by its log-sum-exp" if sinks else "")
     decode = ("our grouped-query decode kernel" if decode_kernel_serves(head_dim, num_q_heads, num_kv_heads)
               else "FA2 split-KV")
+    if sinks:
+        out = f"FA2 with its log-sum-exp (decode: {decode}) and our sink epilogue kernel, linked"
+        return out + (" (hopper provider: FA4's sink path is not compiled ahead of time; FA2 for sinks)"
+                      if provider == "hopper" else "")
     fa2 = "FA2 var-len forward" if var_len else f"FA2 (decode: {decode})"
     if provider != "hopper":
         return fa2 + ", linked"

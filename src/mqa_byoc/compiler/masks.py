@@ -371,7 +371,8 @@ def allowed_from_mask(kind: str, value: np.ndarray, s_q: int, s_kv: int, post_sc
     # compare the slices the mask really has (not its broadcast): masks reach 10^8 elements here
     first = v4[0, 0]
     if not all(np.array_equal(v4[b, h], first) for b in range(v4.shape[0]) for h in range(v4.shape[1])):
-        raise MaskError("the mask differs between batches or heads (a padding mask or a bias)")
+        raise MaskError("the mask differs between batches or heads (a padding mask, or a bias such as ALiBi's "
+                        "per-head slopes: the kernels are built without ALiBi)")
     try:
         first = np.broadcast_to(first, (s_q, s_kv))
     except ValueError:

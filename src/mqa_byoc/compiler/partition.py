@@ -1,14 +1,16 @@
 """``partition_for_cutlass(mod, mqa=True)``: offload attention to FA2 with native K/V heads.
 
-A ``tvm.transform.Sequential`` of four module passes, each usable alone:
+A ``tvm.transform.Sequential`` of five module passes, each usable alone:
 
 1. :class:`~.canonicalize.CanonicalizeAttention`: every attention site that FA2 computes exactly
    (see :mod:`.analysis`) becomes ``R.nn.attention`` on the pre-expansion K/V (with ``mqa=True``);
    rejected sites are left alone;
 2. ``FuseOpsByPattern`` with the pattern table of :mod:`.patterns` groups each into a composite
    (``flash_attn.attention_mqa`` or ``flash_attn.attention``) and annotates ``Codegen="flash_attn"``;
-3. :class:`AnnotateProvider` records the kernel provider, when one is asked for;
-4. :class:`~.gqa_legalize.LegalizeGroupedAttention` makes any attention left with fewer K/V heads
+3. :class:`~.graph.sink_attention.OffloadSinkAttention` makes each attention with sinks (rewritten by
+   step 1 into a function of its own) its composite (``flash_attn.attention_mqa_sink``);
+4. :class:`AnnotateProvider` records the kernel provider, when one is asked for;
+5. :class:`~.gqa_legalize.LegalizeGroupedAttention` makes any attention left with fewer K/V heads
    (or a window) correct for TVM's own lowering.
 
 :func:`offload_report` runs the same analysis and says what happens to each site, and why.
@@ -27,6 +29,7 @@ from mqa_byoc.contract import PROVIDER_ATTR, check_provider, composite_name
 from . import analysis, varlen
 from .canonicalize import CanonicalizeAttention, analyze_module, canonicalize_attention
 from .exprs import is_flash_attn_function
+from .graph.sink_attention import OffloadSinkAttention
 from .gqa_legalize import LegalizeGroupedAttention
 from .patterns import flash_attn_patterns
 
@@ -116,7 +119,8 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
             removes = mqa and ok and s.k is not None and s.k.expansion is not None
             composite = None
             if ok:
-                composite = composite_name(s.num_q_heads, s.num_kv_heads if mqa else s.num_q_heads)
+                composite = composite_name(s.num_q_heads, s.num_kv_heads if mqa else s.num_q_heads,
+                                           sinks=s.sinks is not None)
                 composite = varlen.COMPOSITE if s.form == varlen.FORM else composite
             report.append(OffloadSite(
                 function=s.function, output=s.root.name, form=s.form, offloaded=ok,
@@ -129,7 +133,8 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
                 kernel=hopper_codegen.describe_kernel(
                     chosen, dtype=s.dtype, head_dim=s.head_dim, num_q_heads=s.num_q_heads,
                     num_kv_heads=s.num_kv_heads if mqa else s.num_q_heads, causal=bool(s.mask.causal),
-                    window=s.mask.window, var_len=s.form == varlen.FORM) if ok else None,
+                    window=s.mask.window, var_len=s.form == varlen.FORM,
+                    sinks=s.sinks is not None) if ok else None,
             ))
     return varlen.explain_unlowerable(report)
 
@@ -175,7 +180,7 @@ def partition_for_cutlass(
 
     The passes, in a ``tvm.transform.Sequential`` like upstream's CUTLASS partition:
     :class:`CanonicalizeAttention`, ``FuseOpsByPattern`` with :func:`flash_attn_patterns`,
-    :class:`AnnotateProvider`, :class:`LegalizeGroupedAttention`.
+    :class:`OffloadSinkAttention`, :class:`AnnotateProvider`, :class:`LegalizeGroupedAttention`.
 
     Parameters
     ----------
@@ -221,6 +226,7 @@ def partition_for_cutlass(
         CanonicalizeAttention(mqa=mqa),
         relax.transform.FuseOpsByPattern(flash_attn_patterns(length_facts=facts), bind_constants=bind_constants,
                                          annotate_codegen=annotate_codegen),
+        OffloadSinkAttention(annotate_codegen),
         AnnotateProvider(provider if annotate_codegen else None),
         LegalizeGroupedAttention(),
     ], name="PartitionForFlashAttention")(mod)

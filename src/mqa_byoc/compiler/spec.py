@@ -29,6 +29,8 @@ class AttentionSpec:
     k_layout: str = "BSNH"
     v_layout: str = "BSNH"
     out_layout: str = "BSNH"
+    # attention with sinks: the dtype of the 4th operand, one logit per query head (H,); None: no sinks
+    sinks_dtype: str | None = None
 
     @property
     def group_size(self) -> int:

@@ -290,7 +290,8 @@ def support_object(arch: str, progress: Callable[[str], None] | None = print) ->
     Path
     """
     return source_object(paths.SUPPORT_SOURCE, arch, gencode_flags(arch), subdir="fa2/support",
-                         inputs=(paths.COMBINE_SOURCE, paths.GQA_DECODE_SOURCE, paths.GQA_DECODE_HEADER), progress=progress)
+                         inputs=(paths.COMBINE_SOURCE, paths.GQA_DECODE_SOURCE, paths.GQA_DECODE_HEADER,
+                                 paths.SINK_EPILOGUE_SOURCE), progress=progress)
 
 
 def static_cudart(arch: str | None = None) -> list[str]:

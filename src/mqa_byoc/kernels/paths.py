@@ -17,6 +17,8 @@ COMBINE_SOURCE = NATIVE_DIR / "split_kv_combine.cu"
 GQA_DECODE_SOURCE = NATIVE_DIR / "gqa_decode.cu"
 GQA_DECODE_HEADER = NATIVE_DIR / "gqa_decode.h"
 SUPPORT_SOURCE = NATIVE_DIR / "decode_support.cu"
+#: the sink epilogue of attention with sinks (output * sigmoid(lse - sink)), in the support object too
+SINK_EPILOGUE_SOURCE = NATIVE_DIR / "sink_epilogue.cu"
 #: stand-ins for the three torch headers flash-attn's forward kernels include
 SHIM_DIR = NATIVE_DIR / "shim"
 

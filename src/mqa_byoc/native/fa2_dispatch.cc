@@ -505,13 +505,26 @@ extern "C" int mqa_byoc_fa2_kernel_available(int hdim, int is_bf16, int causal, 
   return (split ? e->split : e->fwd) != nullptr ? 1 : 0;
 }
 
-extern "C" int mqa_byoc_fa2_forward(const void* q, const void* k, const void* v, void* out,
-                                    int64_t batch, int64_t seqlen_q, int64_t seqlen_k,
-                                    int64_t num_heads, int64_t num_heads_k, int64_t head_dim,
-                                    const int64_t* q_stride, const int64_t* k_stride,
-                                    const int64_t* v_stride, const int64_t* o_stride, int is_bf16,
-                                    float softmax_scale, int causal, int window_left,
-                                    int window_right, int device_id, void* stream_handle) {
+namespace {
+
+// The sinks operand of attention with sinks (mqa_byoc_fa2_forward_sink); dtype 0 float32, 1 float16, 2 bfloat16.
+struct Sinks {
+  const void* data;
+  int dtype;
+};
+
+// Runs the sink epilogue on out (B, S_q, H, D) from the row LSEs lse (B, H, S_q). 0 on success.
+int apply_sinks(const Sinks& sinks, void* out, const float* lse, int64_t batch, int64_t seqlen_q, int64_t num_heads,
+                int64_t head_dim, const int64_t* o_stride, int is_bf16, bool lse_base2, cudaStream_t stream) {
+  return mqa_byoc_apply_sinks(out, lse, sinks.data, sinks.dtype, batch, seqlen_q, num_heads, head_dim, o_stride,
+                              is_bf16, lse_base2 ? 1 : 0, stream);
+}
+
+int forward(const void* q, const void* k, const void* v, void* out, int64_t batch, int64_t seqlen_q,
+            int64_t seqlen_k, int64_t num_heads, int64_t num_heads_k, int64_t head_dim, const int64_t* q_stride,
+            const int64_t* k_stride, const int64_t* v_stride, const int64_t* o_stride, int is_bf16,
+            float softmax_scale, int causal, int window_left, int window_right, int device_id, void* stream_handle,
+            const Sinks* sinks) {
   g_last_error.clear();
   // ---- checks (the wrapper checks shapes against the compiled spec; these guard the C API) ----
   if (!fits_int(batch) || !fits_int(seqlen_q) || !fits_int(seqlen_k) || num_heads <= 0 ||
@@ -555,7 +568,17 @@ extern "C" int mqa_byoc_fa2_forward(const void* q, const void* k, const void* v,
     a.seqlen_k = seqlen_k, a.batch = batch, a.num_heads = num_heads, a.num_heads_k = num_heads_k;
     a.head_dim = head_dim, a.is_bf16 = is_bf16, a.softmax_scale = softmax_scale;
     a.window_left = wl, a.lse_empty = -INFINITY;
-    return own_decode(a, device_id, stream);
+    if (sinks == nullptr) return own_decode(a, device_id, stream);
+    // with sinks: the kernel's LSEs (B, H), base 2, then the epilogue
+    void* lse = nullptr;
+    if (int rc = alloc_workspace(&lse, size_t(batch * num_heads) * sizeof(float), device_id, stream)) return rc;
+    a.lse = static_cast<float*>(lse);
+    int rc = own_decode(a, device_id, stream);
+    if (rc == 0 && apply_sinks(*sinks, out, a.lse, batch, 1, num_heads, head_dim, o_stride, is_bf16, true, stream)) {
+      rc = fail(std::string("sink epilogue launch failed: ") + cudaGetErrorString(cudaGetLastError()));
+    }
+    cudaFreeAsync(lse, stream);
+    return rc;
   }
   // decode with grouped K/V: view q (B, 1, H, D) as (B, g, H_kv, D), i.e. g query rows per K/V head
   const bool swap = seqlen_q == 1 && num_heads > num_heads_k && wl < 0 && wr < 0;
@@ -619,7 +642,7 @@ extern "C" int mqa_byoc_fa2_forward(const void* q, const void* k, const void* v,
     }
   }
   if (fn == nullptr) return fail_not_built(hdim, is_bf16, p.is_causal, device_id);
-  if (splits > 1 && swap && batch == 1 && own_combine_enabled()) {
+  if (splits > 1 && swap && batch == 1 && own_combine_enabled() && sinks == nullptr) {
     return chunked_decode(p, fn, splits, block_n, seqlen_k, num_heads, num_heads_k, head_dim, o_stride[2], is_bf16,
                           device_id, stream, out, std::string("FA2 ") + kernel_name(hdim, is_bf16, p.is_causal) +
                                                       " split (chunked)");
@@ -643,9 +666,47 @@ extern "C" int mqa_byoc_fa2_forward(const void* q, const void* k, const void* v,
     p.oaccum_ptr = base + lse_bytes + lse_acc_bytes;
   }
 
+  std::function<int()> epilogue = nullptr;
+  if (sinks != nullptr) {
+    // FA2's LSE is (B, H, S_q) (with the grouped-decode swap (B, H_kv, g) = (B, H) for one row); natural log
+    epilogue = [&] {
+      return apply_sinks(*sinks, out, static_cast<const float*>(p.softmax_lse_ptr), batch, seqlen_q, num_heads,
+                         head_dim, o_stride, is_bf16, false, stream);
+    };
+  }
   return launch_and_free(fn, &p, stream, ws, "flash_attn[h=%lld,kv=%lld,d=%lld]", num_heads, num_heads_k, head_dim,
                          std::string("FA2 ") + kernel_name(hdim, is_bf16, p.is_causal) +
-                             (splits > 1 ? " split" : ""));
+                             (splits > 1 ? " split" : ""), epilogue);
+}
+
+}  // namespace
+
+extern "C" int mqa_byoc_fa2_forward(const void* q, const void* k, const void* v, void* out,
+                                    int64_t batch, int64_t seqlen_q, int64_t seqlen_k,
+                                    int64_t num_heads, int64_t num_heads_k, int64_t head_dim,
+                                    const int64_t* q_stride, const int64_t* k_stride,
+                                    const int64_t* v_stride, const int64_t* o_stride, int is_bf16,
+                                    float softmax_scale, int causal, int window_left,
+                                    int window_right, int device_id, void* stream_handle) {
+  return forward(q, k, v, out, batch, seqlen_q, seqlen_k, num_heads, num_heads_k, head_dim, q_stride, k_stride,
+                 v_stride, o_stride, is_bf16, softmax_scale, causal, window_left, window_right, device_id,
+                 stream_handle, nullptr);
+}
+
+extern "C" int mqa_byoc_fa2_forward_sink(const void* q, const void* k, const void* v, const void* sinks,
+                                         int sinks_dtype, void* out, int64_t batch, int64_t seqlen_q,
+                                         int64_t seqlen_k, int64_t num_heads, int64_t num_heads_k, int64_t head_dim,
+                                         const int64_t* q_stride, const int64_t* k_stride, const int64_t* v_stride,
+                                         const int64_t* o_stride, int is_bf16, float softmax_scale, int causal,
+                                         int window_left, int window_right, int device_id, void* stream_handle) {
+  if (sinks == nullptr || sinks_dtype < 0 || sinks_dtype > 2) {
+    g_last_error.clear();
+    return fail("sinks: a null pointer or an unknown dtype code " + std::to_string(sinks_dtype));
+  }
+  const Sinks s{sinks, sinks_dtype};
+  return forward(q, k, v, out, batch, seqlen_q, seqlen_k, num_heads, num_heads_k, head_dim, q_stride, k_stride,
+                 v_stride, o_stride, is_bf16, softmax_scale, causal, window_left, window_right, device_id,
+                 stream_handle, &s);
 }
 
 // ---- var-len forward (R.nn.attention_var_len) ------------------------------------------------

@@ -26,6 +26,16 @@ int mqa_byoc_fa2_forward(const void* q, const void* k, const void* v, void* out,
                          int is_bf16, float softmax_scale, int causal, int window_left,
                          int window_right, int device_id, void* stream);
 
+// Attention with sinks: mqa_byoc_fa2_forward, then each row of out scaled by sigmoid(lse - sinks[h]), lse
+// the row's log-sum-exp of the scaled scores (the softmax over keys and one sink logit per query head, the
+// sink's value zero). sinks (H,) on the device, sinks_dtype 0 float32, 1 float16, 2 bfloat16.
+int mqa_byoc_fa2_forward_sink(const void* q, const void* k, const void* v, const void* sinks, int sinks_dtype,
+                              void* out, int64_t batch, int64_t seqlen_q, int64_t seqlen_k, int64_t num_heads,
+                              int64_t num_heads_k, int64_t head_dim, const int64_t* q_stride,
+                              const int64_t* k_stride, const int64_t* v_stride, const int64_t* o_stride,
+                              int is_bf16, float softmax_scale, int causal, int window_left,
+                              int window_right, int device_id, void* stream);
+
 // Flash Attention 2 var-len forward (R.nn.attention_var_len): sequences concatenated along the rows.
 //   q (total_q, H, D), k and v (total_k, H_kv, D), out (total_q, H, D), all fp16 or all bf16;
 //   *_stride: 3 strides each (row, head, dim), in elements; the dim stride must be 1.
@@ -68,6 +78,11 @@ mqa_byoc_fa2_entry_fn mqa_byoc_fa2_entry(int hdim, int is_bf16, int causal, int 
 int mqa_byoc_chunk_lengths(int32_t* lens, int n, int64_t chunk, int64_t s_kv, void* stream);
 int mqa_byoc_combine_chunks(const void* o_part, const float* lse, void* out, int64_t out_head_stride, int n, int h,
                             int d, int is_bf16, void* stream);
+
+// sink_epilogue.cu (in the support object): out (B, S_q, H, D), strides o_stride (batch, row, head), scaled
+// row by row by sigmoid(lse - sinks[h]); lse (B, H, S_q) compact (base 2 when lse_base2). 0 on success.
+int mqa_byoc_apply_sinks(void* out, const float* lse, const void* sinks, int sinks_dtype, int64_t batch, int64_t s_q,
+                         int64_t h, int64_t d, const int64_t* o_stride, int is_bf16, int lse_base2, void* stream);
 
 // Our grouped-query decode kernel (gqa_decode.cu) behind the dispatcher's checks, workspace pool and NVTX
 // range: whether it serves a call (head dim, grouping, batch; MQA_BYOC_DECODE_KERNEL=fa2 says no), and

@@ -38,7 +38,7 @@ import threading
 
 import tvm_ffi
 
-from mqa_byoc.contract import PY_FORWARD_FUNC
+from mqa_byoc.contract import PY_FORWARD_FUNC, PY_SINK_FORWARD_FUNC
 
 __all__ = [
     "BACKENDS",
@@ -153,6 +153,7 @@ class _FlashAttnBackend(_Backend):
         result = res[0]
         if result.data_ptr() != out.data_ptr():  # it writes into `out`; keep this as a safety net
             out.copy_(result)
+        return res[1]  # the row log-sum-exp (B, H, S_q), float32
 
 
 class _TorchBackend(_Backend):
@@ -167,6 +168,7 @@ class _TorchBackend(_Backend):
         )
         # No out= overload exists for this op: copy the result (the output only) into `out`.
         out.copy_(res[0])
+        return res[1]  # the row log-sum-exp (B, H, S_q), float32
 
 
 _lock = threading.Lock()
@@ -310,5 +312,33 @@ def flash_attn_forward(q, k, v, out, scale: float, causal: bool, window_left: in
 
 
 tvm_ffi.register_global_func(FORWARD_FUNC, flash_attn_forward, override=True)
+
+
+def flash_attn_sink_forward(q, k, v, sinks, out, scale: float, causal: bool, window_left: int,
+                            window_right: int) -> None:
+    """Attention with sinks into ``out``; the function behind the global ``mqa_byoc.flash_attn_sink_forward``.
+
+    Contract: as :func:`flash_attn_forward`, plus ``sinks`` ``(H,)`` (float32 or the model's dtype, on the
+    device): one logit per query head in every row's softmax, with a value of zero. Computed exactly
+    from FA2's output and its row log-sum-exp: ``out = o * sigmoid(lse - sinks[h])``.
+    """
+    backend = active_backend()
+    torch = backend.torch
+    qt, kt, vt, ot = (_as_torch(torch, x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out")))
+    st = _as_torch(torch, sinks, "sinks")
+    _check(torch, qt, kt, vt, ot)
+    if tuple(st.shape) != (qt.shape[2],) or st.device != qt.device:
+        raise ValueError(f"mqa_byoc.flash_attn_sink_forward: sinks has shape {tuple(st.shape)} on {st.device}, "
+                         f"expected ({qt.shape[2]},) on {qt.device}")
+    device_index = qt.device.index if qt.device.index is not None else torch.cuda.current_device()
+    stream = backend.stream_for(device_index)
+    args = (qt, kt, vt, ot, float(scale), bool(causal), int(window_left), int(window_right))
+    with torch.cuda.stream(stream):
+        lse = backend.run(*args)
+        factor = torch.sigmoid(lse.float() - st.float()[None, :, None])  # (B, H, S_q)
+        ot.copy_((ot.float() * factor.permute(0, 2, 1).unsqueeze(-1)).to(ot.dtype))
+
+
+tvm_ffi.register_global_func(PY_SINK_FORWARD_FUNC, flash_attn_sink_forward, override=True)
 
 from . import varlen_provider  # noqa: E402,F401 - registers mqa_byoc.flash_attn_varlen_forward (R.nn.attention_var_len)

@@ -1,0 +1,1 @@
+"""Graph-side stages of the partition: finding attention, proving what it computes, rewriting it."""

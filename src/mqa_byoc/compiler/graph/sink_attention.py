@@ -1,0 +1,179 @@
+"""Attention with sinks: the canonical form of a sink site and its offload (see :mod:`.sinks`).
+
+``R.nn.attention`` has no sink operand, so a sink site is rewritten into a call of a function of its
+own, ``f(q, k, v, sinks)`` with the native K/V heads (q, k, v in the layouts the graph holds them,
+BSNH or BNSH; sinks (H,)), returning (B, S_q, H, D). Its body is the reference computation in plain
+Relax (K/V repeated to the query heads, the scores in float32, the mask from positions, the sink
+column, the row maximum subtracted, softmax, the sink column dropped, @ V): TVM lowers it anywhere,
+so the rewritten graph is checked on the CPU against the original. Its attributes carry what the
+kernels need (:data:`~mqa_byoc.contract.SINK_ATTR` and the scale, mask and layout attributes).
+
+:class:`OffloadSinkAttention` (a partition step) turns each such function into a ``Codegen =
+"flash_attn"`` function holding the composite (:data:`~mqa_byoc.contract.COMPOSITE_MQA_SINK` or
+:data:`~mqa_byoc.contract.COMPOSITE_MHA_SINK`), as ``FuseOpsByPattern`` does for the other forms.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax, tirx
+
+from mqa_byoc.contract import (CODEGEN, SINK_ATTR, SINK_CAUSAL_ATTR, SINK_LAYOUTS_ATTR, SINK_SCALE_ATTR,
+                               SINK_WINDOW_ATTR, composite_name)
+
+from ..trace import as_int
+
+FUNC_PREFIX = "attention_sinks"
+
+
+def _layout(traced) -> str:
+    return traced.layout()
+
+
+def emit_canonical(mutator, var, site, mqa: bool):
+    """Bind ``var`` to ``f(q, k, v, sinks)`` (then the graph's output layout) for the sink ``site``."""
+    bb = mutator.builder_
+    rep = None
+    if not mqa and site.num_kv_heads != site.num_q_heads:
+        rep = site.num_q_heads // site.num_kv_heads
+    args, layouts = [], []
+    for name, traced in (("q", site.q), ("k", site.k), ("v", site.v)):
+        x = mutator.visit_expr(traced.source)
+        if traced.unit_axis is not None:
+            x = bb.emit(relax.op.reshape(x, traced.shape()))
+        if str(traced.source.ty.dtype) != site.dtype:
+            x = bb.emit(relax.op.astype(x, site.dtype))
+        layout = _layout(traced)
+        if rep is not None and name != "q":
+            x = bb.emit(relax.op.repeat(x, rep, axis=1 if layout == "BNSH" else 2))
+        args.append(x)
+        layouts.append(layout)
+    sinks = mutator.visit_expr(site.sinks.source)
+    if len(sinks.ty.shape.values) != 1:
+        sinks = bb.emit(relax.op.reshape(sinks, [site.num_q_heads]))
+    args.append(sinks)
+    heads_kv = site.num_q_heads if rep else site.num_kv_heads
+    func = reference_function(
+        [a.ty for a in args], layouts, dtype=site.dtype, num_q_heads=site.num_q_heads, num_kv_heads=heads_kv,
+        head_dim=site.head_dim, scale=site.scale if site.scale is not None else site.head_dim ** -0.5,
+        causal=bool(site.mask.causal), window=site.mask.window)
+    gv = bb.add_func(func, FUNC_PREFIX)
+    out = bb.emit(relax.Call(gv, args))
+    mutator.attention_vars.add(out)
+    labels, root_ty = site.out_labels, var.ty
+    expr = out
+    if labels[:2] in (["B", "H"], ["BH", "S"]):
+        expr = bb.emit(relax.op.permute_dims(expr, [0, 2, 1, 3]))
+    if len(labels) == 3:
+        expr = bb.emit(relax.op.reshape(expr, root_ty.shape))
+    if str(root_ty.dtype) != site.dtype:
+        expr = relax.op.astype(expr, root_ty.dtype)
+    bb.emit_normalized(relax.VarBinding(var, bb.normalize(expr) if not isinstance(expr, relax.Var) else expr))
+
+
+def reference_function(arg_types, layouts, *, dtype, num_q_heads, num_kv_heads, head_dim, scale, causal,
+                       window) -> relax.Function:
+    """``f(q, k, v, sinks) -> (B, S_q, H, D)``: attention with sinks in plain Relax (module doc), with the
+    kernel attributes. Lengths and batch are fresh shape variables of its own."""
+    b, s_q, s_kv = tirx.Var("b", "int64"), tirx.Var("s_q", "int64"), tirx.Var("s_kv", "int64")
+    h, hkv, d = num_q_heads, num_kv_heads, head_dim
+
+    def shape(layout, seq, heads):
+        return [b, seq, heads, d] if layout == "BSNH" else [b, heads, seq, d]
+
+    params = [relax.Var(n, relax.TensorType(shape(lay, seq, heads), dtype))
+              for n, lay, seq, heads in zip("qkv", layouts, (s_q, s_kv, s_kv), (h, hkv, hkv))]
+    sink_dtype = str(arg_types[3].dtype)
+    params.append(relax.Var("sinks", relax.TensorType([h], sink_dtype)))
+    f32 = "float32"
+    bb = relax.BlockBuilder()
+    with bb.function("attention_sinks", params, pure=True, private=True):
+        with bb.dataflow():
+            q, k, v, sinks = params
+            heads_first = []
+            for x, lay in zip((q, k, v), layouts):
+                x = x if lay == "BNSH" else bb.emit(relax.op.permute_dims(x, [0, 2, 1, 3]))
+                heads_first.append(bb.emit(relax.op.astype(x, f32)))
+            qh, kh, vh = heads_first
+            if h != hkv:
+                kh = bb.emit(relax.op.repeat(kh, h // hkv, axis=1))
+                vh = bb.emit(relax.op.repeat(vh, h // hkv, axis=1))
+            scores = bb.emit(relax.op.matmul(qh, bb.emit(relax.op.permute_dims(kh, [0, 1, 3, 2]))))
+            scores = bb.emit(relax.op.multiply(scores, relax.const(float(scale), f32)))
+            if causal or window:
+                # bottom-right aligned: row i is position i + S_kv - S_q among the keys
+                rows = bb.emit(relax.op.reshape(relax.op.arange(s_kv - s_q, s_kv, dtype="int64"), [s_q, 1]))
+                cols = bb.emit(relax.op.reshape(relax.op.arange(0, s_kv, dtype="int64"), [1, s_kv]))
+                allowed = bb.emit(relax.op.less_equal(cols, rows))
+                if window:
+                    first = bb.emit(relax.op.subtract(rows, relax.const(int(window) - 1, "int64")))
+                    allowed = bb.emit(relax.op.logical_and(allowed, bb.emit(relax.op.greater_equal(cols, first))))
+                scores = bb.emit(relax.op.where(allowed, scores, relax.const(float("-inf"), f32)))
+            column = bb.emit(relax.op.reshape(relax.op.astype(sinks, f32), [1, h, 1, 1]))
+            column = bb.emit(relax.op.broadcast_to(column, [b, h, s_q, 1]))
+            logits = bb.emit(relax.op.concat([scores, column], axis=-1))
+            logits = bb.emit(relax.op.subtract(logits, relax.op.max(logits, axis=-1, keepdims=True)))
+            probs = bb.emit(relax.op.nn.softmax(logits, axis=-1))
+            probs = bb.emit(relax.op.strided_slice(probs, axes=[3], begin=[0], end=[s_kv]))
+            out = bb.emit(relax.op.matmul(probs, vh))
+            out = bb.emit(relax.op.permute_dims(out, [0, 2, 1, 3]))
+            out = bb.emit_output(relax.op.astype(out, dtype))
+        bb.emit_func_output(out)
+    func = bb.get()["attention_sinks"]
+    attrs = {
+        SINK_ATTR: composite_name(h, hkv, sinks=True),
+        SINK_SCALE_ATTR: tvm.tirx.FloatImm("float64", float(scale)),
+        SINK_CAUSAL_ATTR: tvm.tirx.IntImm("int32", 1 if (causal or window) else 0),
+        SINK_WINDOW_ATTR: tvm.tirx.IntImm("int32", int(window or 0)),
+        SINK_LAYOUTS_ATTR: ",".join(layouts),
+    }
+    for key, value in attrs.items():
+        func = func.with_attr(key, value)
+    return func
+
+
+def is_sink_function(func) -> bool:
+    """Whether ``func`` is a sink attention's function (before or inside the partition's composite)."""
+    attrs = getattr(func, "attrs", None)
+    return isinstance(func, relax.Function) and attrs is not None and SINK_ATTR in attrs
+
+
+@tvm.transform.module_pass(opt_level=0, name="OffloadSinkAttention")
+class OffloadSinkAttention:
+    """Module pass: each sink attention's function becomes its ``flash_attn`` composite (module doc).
+
+    Parameters
+    ----------
+    annotate_codegen : bool
+        Wrap the composite in a ``Codegen = "flash_attn"`` function (as ``FuseOpsByPattern`` does), else
+        the function itself becomes the composite.
+    """
+
+    def __init__(self, annotate_codegen: bool = True):
+        self.annotate_codegen = annotate_codegen
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        for gv, func in list(mod.functions.items()):
+            if not is_sink_function(func) or "Composite" in func.attrs or "Codegen" in func.attrs:
+                continue
+            composite = func.with_attr("Composite", str(func.attrs[SINK_ATTR]))
+            if not self.annotate_codegen:
+                mod[gv] = composite
+                continue
+            params = [relax.Var(p.name, p.ty) for p in func.params]
+            local = relax.Var("local_func", composite.ty)
+            out = relax.Var("output", func.ret_ty)
+            block = relax.BindingBlock([relax.VarBinding(local, composite),
+                                        relax.VarBinding(out, relax.Call(local, params))])
+            wrapper = relax.Function(params, relax.SeqExpr([block], out), func.ret_ty, is_pure=True)
+            wrapper = wrapper.with_attr("Codegen", CODEGEN).with_attr(SINK_ATTR, str(func.attrs[SINK_ATTR]))
+            mod[gv] = wrapper
+        return mod
+
+
+def fixed_heads(func) -> tuple[int, int, int]:
+    """(H, H_kv, D) of a sink function, read off its q and k parameters."""
+    layouts = str(func.attrs[SINK_LAYOUTS_ATTR]).split(",")
+    q, k = func.params[0].ty.shape.values, func.params[1].ty.shape.values
+    head_axis = {"BSNH": 2, "BNSH": 1}
+    return (as_int(q[head_axis[layouts[0]]]), as_int(k[head_axis[layouts[1]]]), as_int(q[3]))

@@ -1,0 +1,266 @@
+"""Attention sinks (GPT-OSS) on the softmax side of an explicit chain, and chains nothing else explains.
+
+GPT-OSS appends one learned logit per query head to every score row, normalizes over keys and sink,
+and drops the sink's column before the product with V::
+
+    logits = concat([scores, broadcast_to(reshape(sinks, (1, H, 1, 1)), (B, H, S_q, 1))], axis=-1)
+    probs = softmax(logits - max(logits, axis=-1, keepdims=True))[..., :S_kv]
+    out = probs @ V
+
+which is ``softmax(scores) @ V`` scaled per row by ``1 - p_sink = sigmoid(lse(scores) - sink_h)``: FA2's
+output and its log-sum-exp give it exactly. Subtracting a row's own maximum before softmax does not
+change softmax (it is invariant to a per-row shift), with or without sinks.
+
+:func:`unexplained_chains` finds every ``matmul(softmax(f(matmul(...))), V)`` whatever ``f`` is, so that
+a chain the analysis does not understand is reported with the ops it met instead of being absent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import relax
+
+from ..exprs import op_name
+from ..trace import as_int, prove_equal, shape_of
+
+# ops a softmax's probabilities may pass on their way to P@V without being a new computation
+_PROB_PLUMBING = ("relax.astype", "relax.reshape", "relax.broadcast_to", "relax.permute_dims",
+                  "relax.strided_slice", "relax.where", "relax.multiply", "relax.nn.dropout")
+
+
+@dataclass
+class SinkLogits:
+    """The sink column of a chain: ``source`` holds one logit per query head (H elements)."""
+
+    source: relax.Expr
+    num_heads: int
+
+
+def _slice_args(call):
+    """(axes, begin, end, strides) of a strided_slice as int lists, None when not constant."""
+    try:
+        out = [[int(x) for x in arg] for arg in call.args[1:5]]
+    except (TypeError, ValueError):
+        return None
+    if len(out) == 3:  # no strides: 1
+        out.append([1] * len(out[0]))
+    return out if len(out) == 4 else None
+
+
+def strip_sink_slice(expr, bindings):
+    """``(inner, dropped)``: when ``expr`` is ``strided_slice(p, last axis, 0 .. n)`` of a tensor with
+    ``n + dropped`` entries on its last axis, the slice's input and ``dropped``; else ``(expr, 0)``."""
+    value = bindings.get(expr)
+    if op_name(value) != "relax.strided_slice":
+        return expr, 0
+    args = _slice_args(value)
+    src, out = shape_of(value.args[0]), shape_of(value)
+    if args is None or src is None or out is None or len(src) != len(out):
+        return expr, 0
+    axes, begin, end, strides = args
+    last = len(src) - 1
+    if [a % len(src) for a in axes] != [last] or begin != [0] or strides != [1]:
+        return expr, 0
+    n_in, n_out = as_int(src[last]), as_int(out[last])
+    if n_in is None or n_out is None or n_out >= n_in:
+        # symbolic: n_in is S_kv + k and the slice ends k before it (end -k)
+        if end and end[0] < 0 and all(prove_equal(a, b) for a, b in zip(src[:-1], out[:-1])):
+            return value.args[0], -end[0]
+        return expr, 0
+    if end[0] not in (n_out, n_out - n_in):
+        return expr, 0
+    return value.args[0], n_in - n_out
+
+
+def _row_max_of(expr, x, bindings) -> bool:
+    """Whether ``expr`` is the row maximum of ``x`` over its last axis (``max(x, -1, keepdims)`` or the
+    values of ``topk(x, 1, -1)``, through tuple re-packing)."""
+    for _ in range(4):
+        if isinstance(expr, relax.TupleGetItem):
+            tup = expr.tuple_value
+            tup_value = bindings.get(tup) if isinstance(tup, relax.Var) else tup
+            if isinstance(tup_value, relax.Tuple):  # re-packed: (values, indices)
+                expr = tup_value.fields[expr.index]
+                continue
+            if expr.index != 0 or op_name(tup_value) != "relax.topk":
+                return False
+            attrs = tup_value.attrs
+            nd = len(shape_of(x) or [])
+            return (tup_value.args[0].same_as(x) and int(attrs.k) == 1 and bool(attrs.largest)
+                    and int(attrs.axis) % max(nd, 1) == nd - 1)
+        value = bindings.get(expr)
+        if value is None:
+            return False
+        if isinstance(value, (relax.TupleGetItem, relax.Var)):
+            expr = value
+            continue
+        if op_name(value) == "relax.max":
+            nd = len(shape_of(x) or [])
+            axes = [int(a) % nd for a in (value.attrs.axis or [])]
+            return value.args[0].same_as(x) and axes == [nd - 1] and bool(value.attrs.keepdims)
+        return False
+    return False
+
+
+def strip_row_shift(expr, bindings):
+    """``x`` when ``expr`` is ``x - rowmax(x)`` (softmax does not see the shift), else ``expr``."""
+    value = bindings.get(expr)
+    if op_name(value) == "relax.subtract" and _row_max_of(value.args[1], value.args[0], bindings):
+        return value.args[0]
+    return expr
+
+
+def split_sink_concat(expr, dropped, bindings):
+    """``(scores, SinkLogits)`` when ``expr`` is ``concat([scores, sink column], axis=-1)`` whose last
+    ``dropped`` columns are one sink logit per query head; ``(None, reason)`` for a concat on the key
+    axis that is not that; ``(expr, None)`` when ``expr`` is no concat."""
+    value = bindings.get(expr)
+    if op_name(value) != "relax.concat":
+        return expr, None
+    shape = shape_of(value)
+    nd = len(shape or [])
+    if value.attrs.axis is None or int(value.attrs.axis) % max(nd, 1) != nd - 1:
+        return expr, None
+    parts = list(value.args[0].fields) if isinstance(value.args[0], relax.Tuple) else None
+    if parts is None:
+        tup = bindings.get(value.args[0])
+        parts = list(tup.fields) if isinstance(tup, relax.Tuple) else None
+    why = "logits concatenated on the key axis with something other than one sink logit per query head"
+    if parts is None or len(parts) != 2 or dropped != 1 or nd != 4:
+        return None, why
+    scores, column = parts
+    cshape = shape_of(column)
+    if cshape is None or as_int(cshape[-1]) != 1:
+        return None, why
+    heads = as_int(shape[1])
+    source = _per_head_source(column, heads, bindings)
+    if source is None:
+        return None, why + " (the appended column does not come from an (H,) tensor broadcast over the rows)"
+    return scores, SinkLogits(source, heads)
+
+
+def _per_head_source(expr, heads, bindings):
+    """The tensor of ``heads`` elements that ``expr`` (B, H, S_q, 1) broadcasts, head h at axis 1."""
+    if heads is None:
+        return None
+    for _ in range(8):
+        shape = shape_of(expr)
+        if shape is None:
+            return None
+        dims = [as_int(x) for x in shape]
+        if dims == [heads] or (len(dims) == 4 and dims == [1, heads, 1, 1]):
+            return expr
+        value = bindings.get(expr)
+        name = op_name(value)
+        if name == "relax.astype":
+            expr = value.args[0]
+        elif name == "relax.broadcast_to":
+            src = shape_of(value.args[0])
+            if src is None or len(src) != 4 or as_int(src[1]) != heads or as_int(src[0]) != 1 \
+                    or as_int(src[2]) != 1:
+                return None
+            expr = value.args[0]
+        elif name == "relax.reshape":
+            src = shape_of(value.args[0])
+            if src is None or [as_int(x) for x in src] != [heads] or dims != [1, heads, 1, 1]:
+                return None
+            expr = value.args[0]
+        else:
+            return None
+    return None
+
+
+# ----------------------------------------------------------------------------- nothing unseen
+def _producers(expr, bindings, limit):
+    """Vars ``expr`` is computed from, nearest first, not crossing a matmul (yielded, not followed)."""
+    out, stack, seen = [], [expr], set()
+    while stack and len(seen) < limit:
+        e = stack.pop(0)
+        if not isinstance(e, relax.Var) or e in seen:
+            continue
+        seen.add(e)
+        value = bindings.get(e)
+        if value is None:
+            continue
+        out.append((e, value))
+        if op_name(value) == "relax.matmul":
+            continue
+        args = value.fields if isinstance(value, relax.Tuple) else (
+            [value.tuple_value] if isinstance(value, relax.TupleGetItem) else getattr(value, "args", []))
+        for a in args:
+            if isinstance(a, relax.Tuple):
+                stack.extend(a.fields)
+            else:
+                stack.append(a)
+    return out
+
+
+def unexplained_chains(bindings, known_roots, limit=48):
+    """``[(root var, reason)]`` for every ``P @ V`` matmul whose P comes from a softmax over a row of
+    Q@K^T-like scores (a matmul's output reaching the softmax through any ops) that is not among
+    ``known_roots``: each is an attention the analysis met without understanding it."""
+    found = []
+    for var, value in bindings.value.items():
+        if op_name(value) != "relax.matmul" or var in known_roots:
+            continue
+        softmax = _softmax_feeding(value.args[0], bindings)
+        if softmax is None:
+            continue
+        ops = _ops_between(softmax.args[0], bindings, limit)
+        if ops is None:
+            continue
+        found.append((var, explain_ops(ops)))
+    return found
+
+
+def _softmax_feeding(expr, bindings, depth=10):
+    """The last-axis softmax P comes from through probability plumbing (views, slices, casts), or None."""
+    for _ in range(depth):
+        value = bindings.get(expr)
+        name = op_name(value)
+        if name == "relax.nn.softmax":
+            nd = len(shape_of(value) or [])
+            return value if nd >= 3 and int(value.attrs.axis) % nd == nd - 1 else None
+        if name not in _PROB_PLUMBING:
+            return None
+        expr = value.args[2] if name == "relax.where" else value.args[0]
+        if name == "relax.multiply" and bindings.get(expr) is None:
+            expr = value.args[1]
+    return None
+
+
+def _ops_between(expr, bindings, limit):
+    """The op names from a softmax's input back to the score matmul (a 3-D/4-D matmul among its
+    producers), None when no matmul computes it (a softmax over something else)."""
+    ops, reached = [], False
+    for _var, value in _producers(expr, bindings, limit):
+        name = op_name(value) or type(value).__name__
+        if name == "relax.matmul":
+            if len(shape_of(value) or []) >= 3:
+                reached = True
+            continue
+        ops.append(name)
+    return ops if reached else None
+
+
+_EXPLAINED = (
+    ("relax.tanh", "logit soft-capping (tanh of the scores, as in Gemma 2)"),
+    ("relax.concat", "logits concatenated on the key axis (attention sinks?) in a form not recognized"),
+    ("relax.topk", "a top-k of the logits"),
+    ("relax.sort", "a sort of the logits"),
+    ("relax.exp", "an exponential of the scores"),
+    ("relax.log", "a logarithm of the scores"),
+    ("relax.sigmoid", "a sigmoid of the scores"),
+)
+
+
+def explain_ops(ops) -> str:
+    """The reason for a matmul-softmax-matmul chain the analysis does not prove, naming what it met."""
+    names = sorted({o.split(".")[-1] for o in ops if o not in ("relax.astype", "relax.reshape")})
+    for op, what in _EXPLAINED:
+        if op in ops:
+            return (f"softmax(Q K^T) V-shaped chain with {what}: not a score modification the kernels "
+                    f"compute (ops between the matmuls: {', '.join(names)})")
+    return ("softmax(Q K^T) V-shaped chain with a score modification the analysis cannot prove equal to "
+            f"what the kernels compute (ops between the matmuls: {', '.join(names) or 'none'})")
