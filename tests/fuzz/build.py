@@ -131,7 +131,9 @@ def build_module(spec: GraphSpec) -> Built:
         elif site.mask_op == "runtime_bias":
             extra[i] = relax.Var(f"m{i}", relax.TensorType([b, 1, sq, skv], g.dtype))
     flat = [p for i in sorted(extra) for p in (extra[i] if isinstance(extra[i], tuple) else (extra[i],))]
-    out.params = qs + [p for ps in kv_params.values() for p in ps] + flat
+    sinks = {i: relax.Var(f"s{i}", relax.TensorType([site.h], site.sinks_dtype))
+             for i, site in enumerate(spec.sites) if site.score_mod == "sinks"}
+    out.params = qs + [p for ps in kv_params.values() for p in ps] + flat + [sinks[i] for i in sorted(sinks)]
     with bb.function("main", out.params):
         with bb.dataflow():
             kv = {}
@@ -140,6 +142,7 @@ def build_module(spec: GraphSpec) -> Built:
                 layout = g.k_layout if name == "k" else g.v_layout
                 kv[(gi, name)] = ps[0] if len(ps) == 1 else bb.emit(R.concat(list(ps), axis=1 if layout == "BSNH" else 2))
             emitter = _SiteEmitter(bb, out, b, kv)
+            emitter.sinks = sinks
             results = [emitter.emit(i, site, qs[i], extra.get(i)) for i, site in enumerate(spec.sites)]
             res = bb.emit_output(relax.Tuple(results) if len(results) > 1 else results[0])
         bb.emit_func_output(res)
@@ -285,7 +288,11 @@ class _SiteEmitter:
 
         sc = scale(mask(sc)) if site.mask_first else mask(scale(sc))
         f32 = site.softmax_f32 and dt != "float32"
-        p = bb.emit(R.nn.softmax(bb.emit(R.astype(sc, "float32")) if f32 else sc, axis=-1))
+        x = bb.emit(R.astype(sc, "float32")) if f32 else sc
+        x = self._score_mod(i, site, x, sq)
+        p = bb.emit(R.nn.softmax(x, axis=-1))
+        if site.score_mod == "sinks":  # drop the sink column
+            p = bb.emit(R.strided_slice(p, axes=[3], begin=[0], end=[-1]))
         if site.row_guard != "none":
             p = self._row_guard(site, bb.emit(R.astype(sc, "float32")) if f32 else sc, p)
         if f32:
@@ -294,6 +301,22 @@ class _SiteEmitter:
         if three:
             o = bb.emit(R.reshape(o, [b, h, sq, d]))
         return o
+
+    def _score_mod(self, i, site, x, sq):
+        """The logits with ``site.score_mod`` applied (see ``Site``)."""
+        bb = self.bb
+        dt = str(x.ty.dtype)
+        if site.score_mod == "softcap":
+            return bb.emit(R.multiply(bb.emit(R.tanh(bb.emit(R.divide(x, _const(30.0, dt))))), _const(30.0, dt)))
+        if site.score_mod == "unknown":
+            return bb.emit(R.sin(x))
+        if site.score_mod != "sinks":
+            return x
+        col = bb.emit(R.broadcast_to(bb.emit(R.reshape(self.sinks[i], [1, site.h, 1, 1])), [self.b, site.h, sq, 1]))
+        if str(col.ty.dtype) != dt:
+            col = bb.emit(R.astype(col, dt))
+        x = bb.emit(R.concat([x, col], axis=-1))
+        return bb.emit(R.subtract(x, bb.emit(R.max(x, axis=-1, keepdims=True))))
 
     def _row_guard(self, site, scores, p):
         """where(cond, 0, p): torch's safe-softmax guard (not(any(not(scores == -inf))), with `any` as
@@ -497,10 +520,19 @@ def reference(built: Built, inputs: dict, values: dict) -> list:
             outs.append(None)  # TVM's own lowering aligns with |S_q - S_kv|: undefined, rejected
             continue
         logits = np.where(allowed, logits, -np.inf)
+        if site.score_mod == "softcap":
+            logits = np.tanh(logits / 30.0) * 30.0
+        elif site.score_mod == "unknown":
+            logits = np.sin(logits)
+        elif site.score_mod == "sinks":
+            col = np.broadcast_to(f64(inputs[f"s{i}"])[None, :, None, None], (b, h, sq, 1))
+            logits = np.concatenate([logits, col], axis=-1)
         with np.errstate(invalid="ignore"):
             m = logits.max(axis=-1, keepdims=True)
             e = np.exp(logits - m)
             p = e / e.sum(axis=-1, keepdims=True)
+        if site.score_mod == "sinks":
+            p = p[..., :-1]
         if site.fill == "-inf" and site.mask_op not in ("none", "runtime_bias", "const_bias"):
             # masked scores are -inf in the graph: the row guards see them (a safe guard's rows stay
             # undefined, NaN, as a row that sees no key is)

@@ -82,6 +82,11 @@ class Site:
     # are all -inf, compared on a second astype of the scores as ToMixedPrecision leaves it) | "any" (rows
     # with any -inf score: not what the kernels do)
     row_guard: str = "none"
+    # chains: what happens to the logits before softmax besides scale and mask: "sinks" (chain4d: GPT-OSS's
+    # per-head sink logit concatenated on the key axis, the row maximum subtracted, the column sliced off
+    # after softmax), "softcap" (tanh(x / 30) * 30, Gemma 2), "unknown" (sin(x): nothing the kernels compute)
+    score_mod: str = "none"
+    sinks_dtype: str = "float32"
 
     __repr__ = _compact_repr
 
@@ -213,6 +218,13 @@ def _draw_site(c, gi, g: KVGroup, varlen: bool) -> Site:
     site["mask_dims"] = c.choice((4, 3)) if form == "chain3d" else 4
     site["softmax_f32"] = c.chance(0.7)
     site["row_guard"] = "none" if c.chance(0.7) else c.choice(("safe", "safe", "any"))
+    site["score_mod"] = "none" if c.chance(0.7) else c.choice(("sinks", "sinks", "softcap", "unknown"))
+    if site["score_mod"] == "sinks":
+        if form == "chain3d":
+            site["score_mod"] = "softcap"
+        else:
+            site["row_guard"] = "none"  # the sink keeps every row defined
+            site["sinks_dtype"] = "float32" if c.chance(0.6) else g.dtype
     return Site(**site)
 
 

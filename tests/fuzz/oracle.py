@@ -24,6 +24,8 @@ TOP_LEFT = ("TopLeft", "top-left", "same causal", "no sample", "S_q <= S_kv")
 SQ_LE_SKV = ("S_q <= S_kv", "no sample", "hides every key")
 MASK_BEFORE_SCALE = "mask applied before a scale that brings its fill above -1e4"
 ROW_GUARD = ("every score of the row is -inf",)
+SOFTCAP = ("soft-capping",)
+UNKNOWN_MOD = ("unsupported op", "cannot prove")
 
 
 @dataclass
@@ -39,6 +41,7 @@ class Expect:
     window: int | None = None
     scale: float | None = None
     note_tile: bool = False  # offloaded with the expansion kept (tile)
+    sinks: bool = False  # offloaded as attention with sinks
     known_bug: str | None = None  # a known issue that makes the analysis disagree with this truth
 
 
@@ -103,6 +106,10 @@ def expect(spec: GraphSpec, i: int) -> Expect:
             e.causes.append(("causal where S_q <= S_kv is not provable", SQ_LE_SKV))
     if site.row_guard == "any":
         e.causes.append(("rows zeroed where any score is -inf", ROW_GUARD))
+    if site.score_mod == "softcap":
+        e.causes.append(("soft-capping", SOFTCAP))
+    elif site.score_mod == "unknown":
+        e.causes.append(("unknown score modification", UNKNOWN_MOD))
     e.offload = not e.causes
     if site.form == "varlen":
         # being added (issue 10 item 3): only the rejections FA2 itself forces are expected
@@ -119,6 +126,7 @@ def expect(spec: GraphSpec, i: int) -> Expect:
         e.num_kv_heads = site.h if expanded_op else g.hkv
     e.composite_kv_heads = e.num_kv_heads if mqa else site.h
     e.note_tile = mqa and tile_kept
+    e.sinks = site.score_mod == "sinks"
     if fused:
         e.causal = site.causal if site.causal is not None else ("BottomRight" if site.window else None)
         e.window = site.window

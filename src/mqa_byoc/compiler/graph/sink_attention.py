@@ -167,6 +167,7 @@ class OffloadSinkAttention:
                                         relax.VarBinding(out, relax.Call(local, params))])
             wrapper = relax.Function(params, relax.SeqExpr([block], out), func.ret_ty, is_pure=True)
             wrapper = wrapper.with_attr("Codegen", CODEGEN).with_attr(SINK_ATTR, str(func.attrs[SINK_ATTR]))
+            wrapper = wrapper.with_attr("global_symbol", gv.name_hint)
             mod[gv] = wrapper
         return mod
 
