@@ -362,7 +362,7 @@ def py_function_lookup(cpp_name: str, global_name: str) -> str:
     return r"""
 // Looked up at every call, not cached: a cached reference to the Python callable would outlive the
 // interpreter (static destructors run after it) and crash the process at exit.
-tvm::ffi::Function @CPPNAME@() {
+[[maybe_unused]] tvm::ffi::Function @CPPNAME@() {
   std::optional<tvm::ffi::Function> fn = tvm::ffi::Function::GetGlobal("@FORWARD@");
   if (!fn.has_value()) {
     TVM_FFI_THROW(RuntimeError)

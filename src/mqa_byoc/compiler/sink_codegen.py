@@ -76,6 +76,9 @@ def emit_python_forwarder(symbol: str, spec: AttentionSpec, arg_map, num_inputs:
     views = "\n".join(f"  tvm::ffi::Tensor {x}_bsnh = {'MqaByocSwap12(' + operand[x] + ')' if bnsh[x] else operand[x]};"
                       for x in ("q", "k", "v", "out"))
     sinks = f"in{arg_map[3]}"
+    from .codegen import py_function_lookup
+
+    lookup = py_function_lookup("MqaByocPySinkForward", PY_SINK_FORWARD_FUNC)
     return f"""
 // ---- {symbol}: attention with sinks, {spec.num_q_heads} query heads over {spec.num_kv_heads} K/V heads, head dim {spec.head_dim}, {spec.dtype}, sinks {spec.sinks_dtype}
 namespace {{
@@ -90,15 +93,7 @@ constexpr int64_t kWindowRight = {int(spec.window_right)};
 const DLDataType kDType = {_DLTYPE[spec.dtype]};
 const DLDataType kSinkDType = {_DLTYPE[spec.sinks_dtype]};
 
-tvm::ffi::Function SinkForward() {{
-  std::optional<tvm::ffi::Function> fn = tvm::ffi::Function::GetGlobal("{PY_SINK_FORWARD_FUNC}");
-  if (!fn.has_value()) {{
-    TVM_FFI_THROW(RuntimeError) << "{symbol}: the global function \\"{PY_SINK_FORWARD_FUNC}\\" is not registered: "
-                                << "run `import mqa_byoc.runtime.providers` first, or rebuild with provider=\\"native\\".";
-  }}
-  return *fn;
-}}
-
+@LOOKUP@
 void Run({ins}, tvm::ffi::Tensor out) {{
 {checks}
   DLDataType sd = {sinks}.dtype();
@@ -106,9 +101,9 @@ void Run({ins}, tvm::ffi::Tensor out) {{
     TVM_FFI_THROW(ValueError) << "{symbol}: sinks must be ({spec.num_q_heads},) {spec.sinks_dtype}";
   }}
 {views}
-  SinkForward()(q_bsnh, k_bsnh, v_bsnh, {sinks}, out_bsnh, kScale, kCausal, kWindowLeft, kWindowRight);
+  MqaByocPySinkForward()(q_bsnh, k_bsnh, v_bsnh, {sinks}, out_bsnh, kScale, kCausal, kWindowLeft, kWindowRight);
 }}
 }}  // namespace mqa_byoc_{symbol}
 }}  // namespace
 TVM_FFI_DLL_EXPORT_TYPED_FUNC({symbol}, mqa_byoc_{symbol}::Run);
-"""
+""".replace("@LOOKUP@", lookup)
