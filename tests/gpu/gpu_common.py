@@ -74,6 +74,8 @@ def to_bsnh(x, layout: str):
         return x.permute(0, 2, 1, 3)
     if layout == "BSH":  # (B, S, D): one head
         return x.unsqueeze(2)
+    if layout == "H":  # one value per query head (attention sinks)
+        return x
     raise ValueError(f"unknown layout {layout!r}")
 
 
@@ -99,7 +101,8 @@ def torch_reference(torch, m: dict, tensors):
     """fp32 attention of case ``m`` on its inputs ``tensors`` (in the manifest's order and layouts).
 
     Inputs are turned to BSNH by their layout; query head h uses K/V head h // (H / H_kv) (R.repeat,
-    FA2, HF repeat_kv); the mask is :func:`attention_mask`; the result is put back into the output's
+    FA2, HF repeat_kv); the mask is :func:`attention_mask`; with ``sinks`` each row's softmax has the
+    head's sink logit (input ``sinks``) besides the keys; the result is put back into the output's
     layout (BSNH or BNSH) and shape ((B, S, H*D) when heads are merged)."""
     att, out = m["attention"], m["output"]
     by_name = {spec["name"]: to_bsnh(t.float(), spec["layout"]) for spec, t in zip(m["inputs"], tensors)}
@@ -111,7 +114,12 @@ def torch_reference(torch, m: dict, tensors):
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * float(att["scale"])
     keep = attention_mask(torch, s.shape[-2], s.shape[-1], att["causal"], att["window"], device=s.device)
     s = s.masked_fill(~keep, float("-inf"))
-    o = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
+    if att.get("sinks"):  # one more logit per query head in every row, of value zero, dropped after softmax
+        col = by_name["sinks"][None, :, None, None].expand(s.shape[0], h, s.shape[2], 1)
+        p = torch.cat([s, col], dim=-1).softmax(-1)[..., :-1]
+    else:
+        p = s.softmax(-1)
+    o = torch.einsum("bhqk,bkhd->bqhd", p, v)
     if out["layout"] == "BNSH":
         o = o.permute(0, 2, 1, 3)
     elif out["layout"] != "BSNH":

@@ -28,6 +28,8 @@ CPU_CASES = [
     "bsh_f16_causal_chunked",  # (B, S, D) in and out, one head
     "onnx_gqa_f16_causal_chunked",  # TVM's ONNX frontend, BNSH in and out, bottom-right causal with S_q < S_kv
     "nn_reshape_broadcast_gqa_f16_causal_sym",  # relax.frontend.nn's spelling, TopLeft, symbolic S
+    "sink_gptoss_f16_hdim64_window_chunked",  # attention sinks (float32), a window, S_q < S_kv
+    "sink_gqa_bf16_causal_prefill_sinks_bf16",  # attention sinks in the model's dtype
 ]
 
 
@@ -109,6 +111,10 @@ def test_manifests_are_consistent():
             continue
         att, out = m["attention"], m["output"]
         for spec in m["inputs"]:
+            if spec["layout"] == "H":  # attention sinks: one logit per query head
+                if not att.get("sinks") or spec["shape"] != [att["num_q_heads"]]:
+                    problems.append(f"{name}: input {spec} vs attention {att}")
+                continue
             shape = spec["shape"][:2] + [1] + spec["shape"][2:] if spec["layout"] == "BSH" else spec["shape"]
             hax = 1 if spec["layout"] == "BNSH" else 2
             heads = att["num_q_heads"] if spec["name"] == "q" else att["num_kv_heads"]
@@ -120,7 +126,7 @@ def test_manifests_are_consistent():
             problems.append(f"{name}: output {out}, expected shape {want}")
         if ("reference" in m["modules"]) != (m["reference"]["kind"] == "tvm"):
             problems.append(f"{name}: reference module vs {m['reference']}")
-        if att["window"] is None and "reference" not in m["modules"]:
+        if att["window"] is None and not att.get("sinks") and "reference" not in m["modules"]:
             problems.append(f"{name}: no TVM reference although TVM can lower it")
         for key in m["modules"]:
             path = gi.module_path(m, key)

@@ -69,6 +69,9 @@ BUILDERS = {
     "safe_softmax_chain": {"inputs": "BNSH", "output": "BNSH", "merged": False, "reference_matmul_rule": False},
     # TVM's ONNX frontend on an exported decoder's attention (static shapes), BNSH in and out
     "onnx_gqa_chain": {"inputs": "BNSH", "output": "BNSH", "merged": False, "reference_matmul_rule": False},
+    # GPT-OSS's eager attention with sinks (HF repeat_kv, BNSH in, (B, S, H*D) out); input "sinks" (H,)
+    "sink_chain": {"inputs": "BNSH", "output": "BSNH", "merged": True, "reference_matmul_rule": False,
+                   "sinks": "H"},
 }
 # TVM 0.27's dlight gpu.Matmul rule on the explicit chains' fp16 score matmuls: with apache-tvm-ffi
 # 0.1.15 it segfaulted at build time; with 0.1.14 it builds a kernel that faults at run time
@@ -131,6 +134,10 @@ class Case:
             causal = "BottomRight" if kw.get("masked") else None
         elif self.builder == "onnx_gqa_chain":
             causal = "BottomRight" if kw.get("causal", True) else None
+        elif self.builder == "sink_chain":
+            assert kw.get("score_mod") is None
+            window = kw.get("window")
+            causal = "BottomRight" if kw.get("causal", True) or window else None
         elif self.builder == "bsh_chain":
             assert kw.get("mask", "none") != "runtime"
             causal = None if kw.get("mask", "none") == "none" else "BottomRight"
@@ -138,7 +145,7 @@ class Case:
         else:
             raise ValueError(self.builder)
         return {"num_q_heads": self.h, "num_kv_heads": self.hkv, "head_dim": self.d, "causal": causal,
-                "window": window, "scale": scale}
+                "window": window, "scale": scale, "sinks": self.builder == "sink_chain"}
 
 
 H, HKV, D = 16, 4, 128  # realistic head counts; shapes are small (the reference is TVM's naive attention)
@@ -224,6 +231,19 @@ CASES = [
     # TVM's ONNX frontend: Unsqueeze -> Expand -> Reshape, Transpose, MatMul, Div, additive mask, Softmax
     Case("onnx_gqa_f16_causal_chunked", "12 onnx", "onnx_gqa_chain", dict(GQA, b=2, s=64, s_kv=192)),
     Case("onnx_gqa_f16_decode_b1", "12 onnx", "onnx_gqa_chain", dict(GQA, b=1, s=1, s_kv=500, causal=False)),
+    # attention with sinks (GPT-OSS: 64 query heads, 8 K/V heads, head dim 64, full and 128-key sliding
+    # layers, float32 sinks): FA2 + the sink epilogue; decode on our decode kernel (its base-2 LSE), and on
+    # FA2 split-KV (the LSE of its combine) with MQA_BYOC_DECODE_KERNEL=fa2
+    Case("sink_gptoss_f16_hdim64_causal_prefill", "13 sinks", "sink_chain",
+         dict(h=64, hkv=8, d=64, b=1, s=192)),
+    Case("sink_gptoss_f16_hdim64_window_chunked", "13 sinks", "sink_chain",
+         dict(h=64, hkv=8, d=64, b=2, s=64, s_kv=320, window=128, shift="max")),
+    Case("sink_gptoss_bf16_hdim64_decode_b1", "13 sinks", "sink_chain",
+         dict(h=64, hkv=8, d=64, b=1, s=1, s_kv=1000, dtype="bfloat16", causal=False)),
+    Case("sink_gptoss_f16_hdim64_window_decode", "13 sinks", "sink_chain",
+         dict(h=64, hkv=8, d=64, b=3, s=1, s_kv=300, window=128, sinks_dtype="float16")),
+    Case("sink_gqa_bf16_causal_prefill_sinks_bf16", "13 sinks", "sink_chain",
+         dict(h=H, hkv=HKV, d=64, b=2, s=96, dtype="bfloat16", sinks_dtype="bfloat16")),
 ]
 
 
@@ -264,6 +284,11 @@ def describe_io(case: Case, mod) -> tuple[list[dict], dict]:
         shape = _concrete(p.ty.shape, case)
         layout = lay.get(p.name, lay["inputs"])
         spec = {"name": p.name, "shape": shape, "dtype": str(p.ty.dtype), "layout": layout}
+        if p.name == "sinks" and lay.get("sinks") == "H":  # one logit per query head
+            if shape != [case.h]:
+                raise SystemExit(f"{case.name}: sinks {spec}, expected ({case.h},)")
+            inputs.append(dict(spec, layout="H"))
+            continue
         heads = case.h if p.name == "q" else case.hkv
         bsnh = shape[:2] + [1] + shape[2:] if layout == "BSH" else shape  # BSH: one head
         hax = 1 if layout == "BNSH" else 2
@@ -290,7 +315,7 @@ def partition_checked(case: Case, mod, mqa: bool, provider: str, function: str =
 
     part = mqa_byoc.partition_for_cutlass(mod, mqa=mqa, provider=provider)
     report = [s.as_dict() for s in mqa_byoc.offload_report(mod, mqa=mqa)]
-    want = composite_name(case.h, case.hkv if mqa else case.h)
+    want = composite_name(case.h, case.hkv if mqa else case.h, sinks=case.attention()["sinks"])
     if not report or not all(s["offloaded"] and s["composite"] == want for s in report):
         raise SystemExit(f"{case.name}/mqa={mqa}: expected every site offloaded as {want}, report: {report}")
     att = case.attention()
@@ -354,12 +379,13 @@ def build_case(case: Case, out_dir: Path, args) -> dict:
         # LegalizeGroupedAttention is a no-op without grouped attention
         ex = tvm.compile(LegalizeGroupedAttention()(mod), target=target, relax_pipeline=pipeline)
     except Exception as err:  # noqa: BLE001
-        if attention["window"] is None:
+        if attention["window"] is None and not attention["sinks"]:
             raise
         why = str(err).strip().splitlines()[-1]
         manifest["reference"] = {"kind": "fp32-torch-only",
-                                 "reason": f"TVM {tvm.__version__} cannot lower R.nn.attention with window_size: "
-                                           f"{type(err).__name__}: {why}"}
+                                 "reason": f"TVM {tvm.__version__} cannot lower "
+                                           f"{'the sink chain' if attention['sinks'] else 'R.nn.attention with window_size'}"
+                                           f": {type(err).__name__}: {why}"}
     else:
         ex.export_library(str(case_dir / "reference.so"))
         manifest["modules"]["reference"] = "reference.so"

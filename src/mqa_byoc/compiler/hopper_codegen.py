@@ -62,6 +62,8 @@ def _rejection(dtype, head_dim, head_dim_v) -> str | None:
 
 def fa4_rejection(spec: AttentionSpec) -> str | None:
     """Why the hopper provider runs this attention on FA2 only; None when FA4 can take its prefill."""
+    if spec.sinks_dtype is not None:
+        return "attention sinks (FA4's sink path is not compiled ahead of time: FA2 and our sink epilogue)"
     return _rejection(spec.dtype, spec.head_dim, spec.head_dim_v)
 
 

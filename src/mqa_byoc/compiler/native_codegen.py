@@ -139,8 +139,8 @@ def emit_native_source(symbol: str, spec: AttentionSpec, shape_args: int = 0, *,
         raise ValueError(f"{symbol}: attention with sinks takes q, k, v and sinks, got operands at {tuple(arg_map)}")
     if sinks and spec.sinks_dtype not in _SINK_DTYPE_CODES:
         raise ValueError(f"{symbol}: sinks of dtype {spec.sinks_dtype}; expected one of {tuple(_SINK_DTYPE_CODES)}")
-    # attention with sinks runs FA2 and our sink epilogue with either linked provider (no FA4 sink path)
-    fa4 = hopper_codegen.kernel_key(spec) if hopper and not sinks else None
+    # attention with sinks: FA2 and our sink epilogue with either linked provider (kernel_key is None)
+    fa4 = hopper_codegen.kernel_key(spec) if hopper else None
     if sinks:
         spec_line += f" sinks={spec.sinks_dtype}"
     code = fill_template(_TEMPLATE, {

@@ -160,12 +160,26 @@ class OffloadSinkAttention:
             if not self.annotate_codegen:
                 mod[gv] = composite
                 continue
-            params = [relax.Var(p.name, p.ty) for p in func.params]
+            # the wrapper's shape variables are its own (the composite defines its own too)
+            fresh = {}
+
+            def own(ty):
+                # the dimensions are variables or constants (reference_function)
+                dims = [fresh.get(x, x) if isinstance(x, tirx.Var) else x for x in ty.shape.values]
+                return relax.TensorType(dims, ty.dtype)
+
+            for p in func.params:
+                for x in p.ty.shape.values:
+                    if isinstance(x, tirx.Var) and x not in fresh:
+                        fresh[x] = tirx.Var(x.name, "int64")
+            params = [relax.Var(p.name, own(p.ty)) for p in func.params]
+            ret_ty = own(func.ret_ty)
             local = relax.Var("local_func", composite.ty)
-            out = relax.Var("output", func.ret_ty)
+            out = relax.Var("output", ret_ty)
             block = relax.BindingBlock([relax.VarBinding(local, composite),
                                         relax.VarBinding(out, relax.Call(local, params))])
-            wrapper = relax.Function(params, relax.SeqExpr([block], out), func.ret_ty, is_pure=True)
+            wrapper = relax.BlockBuilder().normalize(
+                relax.Function(params, relax.SeqExpr([block], out), ret_ty, is_pure=True))
             wrapper = wrapper.with_attr("Codegen", CODEGEN).with_attr(SINK_ATTR, str(func.attrs[SINK_ATTR]))
             wrapper = wrapper.with_attr("global_symbol", gv.name_hint)
             mod[gv] = wrapper

@@ -141,7 +141,8 @@ def split_sink_concat(expr, dropped, bindings):
 
 
 def _per_head_source(expr, heads, bindings):
-    """The tensor of ``heads`` elements that ``expr`` (B, H, S_q, 1) broadcasts, head h at axis 1."""
+    """The tensor of ``heads`` elements that ``expr`` (B, H, S_q, 1) broadcasts, head h at axis 1: traced
+    back through casts, broadcasts and the reshape of an (H,) tensor to (1, H, 1, 1)."""
     if heads is None:
         return None
     for _ in range(8):
@@ -149,25 +150,20 @@ def _per_head_source(expr, heads, bindings):
         if shape is None:
             return None
         dims = [as_int(x) for x in shape]
-        if dims == [heads] or (len(dims) == 4 and dims == [1, heads, 1, 1]):
+        if dims == [heads]:
             return expr
         value = bindings.get(expr)
         name = op_name(value)
+        src = shape_of(value.args[0]) if name else None
+        src_dims = [as_int(x) for x in src] if src is not None else None
         if name == "relax.astype":
             expr = value.args[0]
-        elif name == "relax.broadcast_to":
-            src = shape_of(value.args[0])
-            if src is None or len(src) != 4 or as_int(src[1]) != heads or as_int(src[0]) != 1 \
-                    or as_int(src[2]) != 1:
-                return None
+        elif name == "relax.broadcast_to" and src_dims == [1, heads, 1, 1]:
             expr = value.args[0]
-        elif name == "relax.reshape":
-            src = shape_of(value.args[0])
-            if src is None or [as_int(x) for x in src] != [heads] or dims != [1, heads, 1, 1]:
-                return None
+        elif name == "relax.reshape" and src_dims == [heads] and dims == [1, heads, 1, 1]:
             expr = value.args[0]
         else:
-            return None
+            return expr if dims == [1, heads, 1, 1] else None
     return None
 
 
