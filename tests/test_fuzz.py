@@ -70,6 +70,13 @@ KNOWN = (
     GraphSpec(groups=(KVGroup(hkv=1, s_kv=4), KVGroup(hkv=1, s_kv=4)),
               sites=(Site(group=1, form="chain3d", h=2, s_q=11, scale=0.125, mask_op="const_bias", fill="-inf",
                           mask_dims=3),)),
+    # attention with sinks: its Codegen function had no global_symbol (RunCodegen failed with both providers)
+    GraphSpec(groups=(KVGroup(k_layout="BNSH", v_layout="BNSH", s_kv=8),),
+              sites=(Site(form="chain4d", expand="hf", causal="BottomRight", mask_op="add", scale=0.125,
+                          score_mod="sinks"),)),
+    # soft-capping and an op no form explains on the scores: reported, rejected with their reasons
+    GraphSpec(sites=(Site(form="chain4d", scale=0.125, score_mod="softcap"),
+                     Site(form="chain3d", scale=0.125, score_mod="unknown"))),
 )
 
 
