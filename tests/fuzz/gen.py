@@ -218,10 +218,10 @@ def _draw_site(c, gi, g: KVGroup, varlen: bool) -> Site:
     site["mask_dims"] = c.choice((4, 3)) if form == "chain3d" else 4
     site["softmax_f32"] = c.chance(0.7)
     site["row_guard"] = "none" if c.chance(0.7) else c.choice(("safe", "safe", "any"))
-    site["score_mod"] = "none" if c.chance(0.7) else c.choice(("sinks", "sinks", "softcap", "unknown"))
+    site["score_mod"] = "none" if c.chance(0.6) else c.choice(("sinks", "sinks", "sinks", "softcap", "unknown"))
     if site["score_mod"] == "sinks":
-        if form == "chain3d":
-            site["score_mod"] = "softcap"
+        if form == "chain3d":  # GPT-OSS's sinks are 4-D
+            site["score_mod"] = c.choice(("none", "softcap"))
         else:
             site["row_guard"] = "none"  # the sink keeps every row defined
             site["sinks_dtype"] = "float32" if c.chance(0.6) else g.dtype
