@@ -214,3 +214,12 @@ def test_gpt_oss_offloaded_with_sinks_and_windows(mode):
     args = [inputs[0], *[x.astype("float32") for x in inputs[1:]], *imp.params]
     got = G.rewritten_on_cpu(imp.mod, args)
     np.testing.assert_allclose(got, imp.reference(*inputs), rtol=5e-2, atol=5e-2)
+
+
+def test_sink_composite_without_codegen_annotation():
+    """``annotate_codegen=False``: the sink function itself becomes the composite, as FuseOpsByPattern
+    leaves the other composites as global functions."""
+    part = partition_for_cutlass(G.sink_chain(), annotate_codegen=False)
+    funcs = [f for f in part.functions.values() if f.attrs is not None and "Composite" in f.attrs]
+    assert [str(f.attrs["Composite"]) for f in funcs] == [COMPOSITE_MQA_SINK]
+    assert not any("Codegen" in f.attrs for f in part.functions.values() if f.attrs is not None)
