@@ -286,7 +286,7 @@ def run_llvm(mod, args, function="main"):
 def rewritten_on_cpu(mod, args, rtol=2e-2, atol=2e-2, function="main"):
     """``mod`` rewritten as the partition does (attention on the un-expanded K/V, TVM's lowering with the
     h // r grouping) returns on the CPU what ``mod`` returns; the rewritten graph's output."""
-    from mqa_byoc.compiler.gqa_legalize import LegalizeGroupedAttention
+    from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
     from mqa_byoc.compiler.partition import canonicalize_attention
 
     got = run_llvm(LegalizeGroupedAttention()(canonicalize_attention(mod)), args, function)

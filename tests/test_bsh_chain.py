@@ -22,9 +22,9 @@ from tvm.relax import op as R
 import graphs as G
 import mqa_byoc
 from mqa_byoc.compiler.export import _iter_modules, _root_module
-from mqa_byoc.compiler.gqa_legalize import LegalizeGroupedAttention
+from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
 from mqa_byoc.compiler.partition import canonicalize_attention
-from mqa_byoc.compiler.spec import spec_from_composite
+from mqa_byoc.compiler.graph.spec import spec_from_composite
 
 TARGET = {"kind": "cuda", "arch": "sm_90"}
 NP_DTYPE = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}

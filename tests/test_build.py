@@ -14,7 +14,7 @@ relax = pytest.importorskip("tvm.relax")
 
 import graphs  # noqa: E402
 import mqa_byoc  # noqa: E402
-from mqa_byoc.compiler import codegen  # noqa: E402
+from mqa_byoc.compiler.codegen import dispatch as codegen  # noqa: E402
 from mqa_byoc.compiler.export import _iter_modules, _root_module  # noqa: E402
 
 TARGET = {"kind": "cuda", "arch": "sm_90"}

@@ -24,8 +24,8 @@ import tvm_ffi
 from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
 
-from mqa_byoc.compiler import codegen
-from mqa_byoc.compiler.codegen import CodegenError, resolve_provider, spec_of
+from mqa_byoc.compiler.codegen import dispatch as codegen
+from mqa_byoc.compiler.codegen.dispatch import CodegenError, resolve_provider, spec_of
 
 ATT = "relax.nn.attention"
 
@@ -234,7 +234,7 @@ def test_default_rule(monkeypatch):
 
 
 def test_native_provider_plumbing(monkeypatch):
-    import mqa_byoc.compiler as pkg
+    import mqa_byoc.compiler.codegen as pkg
 
     class FakeSource:
         kernels = ()
@@ -250,8 +250,8 @@ def test_native_provider_plumbing(monkeypatch):
             seen.append((symbol, spec))
             return FakeSource(f"// native source for {symbol}\n")
 
-    monkeypatch.setitem(sys.modules, "mqa_byoc.compiler.native_codegen", FakeNative)
-    monkeypatch.setattr(pkg, "native_codegen", FakeNative, raising=False)
+    monkeypatch.setitem(sys.modules, "mqa_byoc.compiler.codegen.native", FakeNative)
+    monkeypatch.setattr(pkg, "native", FakeNative, raising=False)
     mod = partition(attention_module())
     out = relax.transform.RunCodegen({"flash_attn": {"provider": "native"}})(mod)
     (ext,) = out.attrs["external_mods"]
@@ -260,12 +260,12 @@ def test_native_provider_plumbing(monkeypatch):
 
 
 def test_native_provider_unavailable_is_clear(monkeypatch):
-    import mqa_byoc.compiler as pkg
+    import mqa_byoc.compiler.codegen as pkg
 
-    monkeypatch.setitem(sys.modules, "mqa_byoc.compiler.native_codegen", None)
-    monkeypatch.delattr(pkg, "native_codegen", raising=False)
+    monkeypatch.setitem(sys.modules, "mqa_byoc.compiler.codegen.native", None)
+    monkeypatch.delattr(pkg, "native", raising=False)
     mod = partition(attention_module())
-    with pytest.raises(Exception, match="provider 'native' needs mqa_byoc.compiler.native_codegen"):
+    with pytest.raises(Exception, match="provider 'native' needs mqa_byoc.compiler.codegen.native"):
         relax.transform.RunCodegen({"flash_attn": {"provider": "native"}})(mod)
 
 
@@ -350,7 +350,7 @@ def test_length_shape_parameter_is_accepted(tmp_path, numpy_forward):
     ref = np_attention(q, k, k, 1 / math.sqrt(64), False)
     np.testing.assert_allclose(_run(lib, q, pk, nk).astype("float32"), ref, atol=2e-2)
     # the native provider's wrapper for it (that such a source compiles: test_native_codegen)
-    from mqa_byoc.compiler.native_codegen import emit_native_source
+    from mqa_byoc.compiler.codegen.native import emit_native_source
 
     code = emit_native_source("s", spec_of(codegen_funcs(mod)[0]), shape_args=len(site.shape_params)).code
     assert "tvm::ffi::Shape in3, DLTensor* out" in code and "run_params" in code

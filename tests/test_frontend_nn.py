@@ -69,7 +69,7 @@ def test_offloaded_with_native_kv_heads(how, causal):
     args = _args(2, 7, 7)
     want = G.run_llvm(_export("repeat", causal), args, "forward")
     if how == "none":
-        from mqa_byoc.compiler.gqa_legalize import LegalizeGroupedAttention
+        from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
         from mqa_byoc.compiler.partition import canonicalize_attention
 
         got = G.run_llvm(LegalizeGroupedAttention()(canonicalize_attention(mod)), args, "forward")

@@ -15,8 +15,8 @@ from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
 from tvm.script import relax as R
 
-from mqa_byoc.compiler import gqa_legalize
-from mqa_byoc.compiler.gqa_legalize import (
+from mqa_byoc.compiler.graph import gqa_legalize
+from mqa_byoc.compiler.graph.gqa_legalize import (
     GroupedAttentionError,
     LegalizeGroupedAttention,
     legalize_grouped_attention,

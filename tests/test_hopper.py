@@ -15,8 +15,9 @@ import pytest
 
 import graphs
 import mqa_byoc
-from mqa_byoc.compiler import hopper_codegen, native_codegen
-from mqa_byoc.compiler.spec import AttentionSpec
+from mqa_byoc.compiler.codegen import hopper as hopper_codegen
+from mqa_byoc.compiler.codegen import native as native_codegen
+from mqa_byoc.compiler.graph.spec import AttentionSpec
 from mqa_byoc.kernels import hopper
 
 SM90 = {"kind": "cuda", "arch": "sm_90"}

@@ -199,7 +199,7 @@ def test_manifest_updates_from_threads_lose_nothing(tmp_path):
 
 def test_codegen_default_provider_uses_the_one_nvcc_lookup(monkeypatch, tmp_path):
     pytest.importorskip("tvm")
-    from mqa_byoc.compiler import codegen
+    from mqa_byoc.compiler.codegen import dispatch as codegen
 
     monkeypatch.setenv("MQA_BYOC_NVCC", "")  # authoritative: no nvcc, whatever PATH holds
     assert codegen.default_provider(None, native=True) == "python"

@@ -15,7 +15,7 @@ import subprocess
 import pytest
 
 from mqa_byoc import kernels as K
-from mqa_byoc.compiler.spec import AttentionSpec
+from mqa_byoc.compiler.graph.spec import AttentionSpec
 
 SPEC = AttentionSpec(8, 2, 64, 64, "float16", AttentionSpec.default_scale(64), True)
 
@@ -51,7 +51,7 @@ def test_export_links_prebuilt_kernels_without_toolchain(monkeypatch, tmp_path):
     from tvm import relax
 
     from mqa_byoc.compiler import export as E
-    from mqa_byoc.compiler.native_codegen import emit_native_source
+    from mqa_byoc.compiler.codegen.native import emit_native_source
 
     monkeypatch.setenv("MQA_BYOC_NVCC", "")
     monkeypatch.setenv("MQA_BYOC_CACHE", str(tmp_path / "empty-cache"))

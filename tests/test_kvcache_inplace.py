@@ -143,7 +143,7 @@ def test_mqa_and_window_presets(preset, window):
 def _lowered(mod, mqa: bool):
     """The partitioned ``mod`` through RunCodegen (python provider) and the decoders' CUDA pipeline (no
     kernel compiled): the VM-level functions, and the symbols of the offloaded attentions."""
-    from mqa_byoc.compiler import codegen
+    from mqa_byoc.compiler.codegen import dispatch as codegen
     from mqa_byoc.compiler.pipeline import cuda_decoder_pipeline
 
     part = mqa_byoc.partition_for_cutlass(mod, mqa=mqa)
@@ -241,7 +241,7 @@ def test_inplace_cache_matches_the_functional_cache(references, dtype, variant):
     final caches equal the functional decoder's. ``mqa-rewrite``: the graph partition_for_cutlass
     offloads (attention on the views with native K/V heads; fp16, what FA2 takes), lowered by TVM on
     the CPU."""
-    from mqa_byoc.compiler.gqa_legalize import LegalizeGroupedAttention
+    from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
     from mqa_byoc.compiler.partition import canonicalize_attention
 
     cfg, ids, get = references

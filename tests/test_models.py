@@ -34,7 +34,7 @@ CPU_TARGET = {"kind": "llvm", "opt-level": 0}
 def _legalize_grouped():
     """``LegalizeGroupedAttention`` if the compiler package has it yet, else None."""
     try:
-        from mqa_byoc.compiler.gqa_legalize import LegalizeGroupedAttention
+        from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
     except ImportError:
         return None
     return LegalizeGroupedAttention
@@ -44,7 +44,7 @@ def _prepare(mod, form):
     if form == "native":
         legalize = _legalize_grouped()
         if legalize is None:
-            pytest.skip("kv_expand='native' needs mqa_byoc.compiler.gqa_legalize (not there yet)")
+            pytest.skip("kv_expand='native' needs mqa_byoc.compiler.graph.gqa_legalize (not there yet)")
         mod = legalize()(mod)
     return mod
 

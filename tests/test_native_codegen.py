@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from mqa_byoc.compiler.native_codegen import NativeSource, emit_native_source
-from mqa_byoc.compiler.spec import AttentionSpec
+from mqa_byoc.compiler.codegen.native import NativeSource, emit_native_source
+from mqa_byoc.compiler.graph.spec import AttentionSpec
 from mqa_byoc import kernels as K
 from mqa_byoc.kernels import KernelKey, NativeKernelsUnavailable
 
@@ -238,7 +238,7 @@ def test_emit_rejects(symbol, s, match):
 
 def test_kernel_build_modules_do_not_import_tvm():
     code = (
-        "import sys, mqa_byoc.kernels, mqa_byoc.compiler.native_codegen;"
+        "import sys, mqa_byoc.kernels, mqa_byoc.compiler.codegen.native;"
         "bad=[m for m in sys.modules if m == 'tvm' or m.startswith('tvm.')];"
         "assert not bad, bad"
     )

@@ -19,7 +19,7 @@ from tvm import relax
 
 import graphs as G
 from mqa_byoc import offload_report, partition_for_cutlass
-from mqa_byoc.compiler import codegen
+from mqa_byoc.compiler.codegen import dispatch as codegen
 
 CUDA = {"kind": "cuda", "arch": "sm_90"}
 LAYOUT_MIXES = [",".join(x) for x in itertools.product(("BSNH", "BNSH"), repeat=3)]
@@ -66,7 +66,7 @@ def test_native_wrapper_maps_parameters_onto_q_k_v():
 
 
 def test_shared_operand_and_length_shape_in_native_wrapper():
-    from mqa_byoc.compiler.native_codegen import emit_native_source
+    from mqa_byoc.compiler.codegen.native import emit_native_source
 
     spec = codegen.AttentionSpec(8, 2, 64, 64, "float16", 0.125, False)
     code = emit_native_source("s", spec, arg_map=(1, 0, 0), num_inputs=3, shape_params=(2,)).code

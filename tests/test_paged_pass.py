@@ -11,7 +11,7 @@ import tvm
 from tvm import relax
 
 import graphs
-from mqa_byoc.compiler.paged import (
+from mqa_byoc.compiler.paged.transform import (
     CREATE,
     UseFlashAttentionForPagedKVCache,
     format_paged_report,

@@ -211,7 +211,7 @@ def test_canonicalize_is_idempotent_and_leaves_no_expansion():
 def test_passes_compose_in_a_user_sequential():
     """The partition's passes are module passes: a user Sequential gives what partition_for_cutlass gives."""
     from mqa_byoc import AnnotateProvider, CanonicalizeAttention, LegalizeGroupedAttention
-    from mqa_byoc.compiler.patterns import flash_attn_patterns
+    from mqa_byoc.compiler.graph.patterns import flash_attn_patterns
 
     mod = G.hf_repeat_kv_chain()
     seq = tvm.transform.Sequential([

@@ -534,7 +534,7 @@ def test_dispatcher_has_the_nvtx_ranges(monkeypatch, tmp_path):
 @pytest.mark.skipif(_native_toolchain() is None, reason="nvcc or flash-attn sources not available offline")
 def test_paged_entries_open_nvtx_ranges(monkeypatch):
     """The PagedKVCache entries (fa2_paged.cu) name their calls through the dispatcher's NVTX switch."""
-    from mqa_byoc.compiler.paged_build import paged_object
+    from mqa_byoc.compiler.paged.build import paged_object
 
     monkeypatch.setenv("MQA_BYOC_FLASH_ATTN_SRC", str(_native_toolchain()))
     obj = paged_object("sm_90", progress=None)

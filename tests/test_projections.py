@@ -186,7 +186,7 @@ def separate_reference():
 ], ids=["fused-functional-f32", "separate-inplace-f16-mqa-rewrite"])
 def test_forms_agree_on_one_set_of_weights(separate_reference, fused, kv_cache, dtype, mqa):
     """(The fused form's mqa rewrite on both caches: tests/test_kvcache_inplace.py, whose decoders are fused.)"""
-    from mqa_byoc.compiler.gqa_legalize import LegalizeGroupedAttention
+    from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
     from mqa_byoc.compiler.partition import canonicalize_attention
 
     ids, get = separate_reference

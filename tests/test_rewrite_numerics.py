@@ -13,8 +13,8 @@ import tvm_ffi
 from tvm import relax
 
 import graphs as G
-from mqa_byoc.compiler.canonicalize import canonicalize_attention
-from mqa_byoc.compiler.gqa_legalize import LegalizeGroupedAttention
+from mqa_byoc.compiler.graph.canonicalize import canonicalize_attention
+from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
 
 BNSH3 = ("BNSH",) * 3
 # name: (graph, what it computes in reference_attention's terms)

@@ -9,8 +9,8 @@ from tvm.relax import op as R
 
 import graphs as G
 from mqa_byoc import offload_report, partition_for_cutlass
-from mqa_byoc.compiler import masks
-from mqa_byoc.compiler.gqa_legalize import LegalizeGroupedAttention
+from mqa_byoc.compiler.graph import masks
+from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
 from mqa_byoc.compiler.partition import canonicalize_attention
 from mqa_byoc.models.llama import build_attention_block, build_decoder, random_params
 from mqa_byoc.models.presets import scaled

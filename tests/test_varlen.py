@@ -18,7 +18,8 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 import mqa_byoc
-from mqa_byoc.compiler import varlen, varlen_codegen
+from mqa_byoc.compiler.graph import varlen
+from mqa_byoc.compiler.codegen import varlen as varlen_codegen
 from mqa_byoc.compiler.partition import canonicalize_attention
 import graphs as G
 from varlen_graphs import seqstarts, var_len_attention, var_len_reference

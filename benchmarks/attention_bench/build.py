@@ -59,7 +59,7 @@ def build_group_module(shapes, dtype, providers):
     from tvm import relax
 
     import mqa_byoc
-    from mqa_byoc.compiler.gqa_legalize import LegalizeGroupedAttention
+    from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
 
     funcs, attrs = {}, None
     provider_of, summary, snapshot = {}, {}, {}
@@ -219,7 +219,7 @@ def build(args):
     import tvm
 
     import mqa_byoc
-    from mqa_byoc.compiler.gqa_legalize import LegalizeGroupedAttention
+    from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
 
     os.makedirs(args.out, exist_ok=True)
     target = tvm.target.Target({"kind": "cuda", "arch": args.arch})

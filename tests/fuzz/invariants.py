@@ -24,8 +24,8 @@ import tvm
 from tvm import relax, te, tirx, topi
 
 import mqa_byoc
-from mqa_byoc.compiler import codegen as _codegen
-from mqa_byoc.compiler.gqa_legalize import LegalizeGroupedAttention
+from mqa_byoc.compiler.codegen import dispatch as _codegen
+from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
 from mqa_byoc.compiler.partition import canonicalize_attention
 
 from . import build as B

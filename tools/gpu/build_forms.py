@@ -314,7 +314,7 @@ def build_case(case: Case, out_dir: Path, args) -> dict:
     """``<out>/<case>/``: the TVM reference library (where TVM can lower the graph) and the manifest."""
     import tvm
 
-    from mqa_byoc.compiler.gqa_legalize import LegalizeGroupedAttention
+    from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
 
     target = tvm.target.Target(TARGET)
     case_dir = out_dir / case.name
@@ -416,8 +416,8 @@ def _renamed_partition(case: Case, variant: str, mqa: bool, provider: str):
 
 def fa4_keys(part) -> list[str | None]:
     """The FA4 object of each offloaded function (None: the hopper provider keeps it on FA2)."""
-    from mqa_byoc.compiler import hopper_codegen
-    from mqa_byoc.compiler.codegen import spec_of
+    from mqa_byoc.compiler.codegen import hopper as hopper_codegen
+    from mqa_byoc.compiler.codegen.dispatch import spec_of
 
     keys = [hopper_codegen.kernel_key(spec_of(f)) for f in part.functions.values()
             if f.attrs is not None and "Codegen" in f.attrs]

@@ -41,7 +41,7 @@ def _lowered_cache_readers(part, target, fname: str) -> dict:
     import tvm
     from tvm import relax
 
-    from mqa_byoc.compiler import codegen
+    from mqa_byoc.compiler.codegen import dispatch as codegen
     from mqa_byoc.compiler.pipeline import cuda_decoder_pipeline
     from mqa_byoc.models.kv_caches import cache_readers
 

@@ -42,8 +42,8 @@ def build(out: Path, arch: str, names=None) -> None:
     import tvm
 
     import mqa_byoc
-    from mqa_byoc.compiler.paged import (UseFlashAttentionForPagedKVCache, format_paged_report, page_unit,
-                                         paged_kv_cache_report)
+    from mqa_byoc.compiler.paged.transform import (UseFlashAttentionForPagedKVCache, format_paged_report, page_unit,
+                                                   paged_kv_cache_report)
     from mqa_byoc.models.paged_llama import PagedLlamaConfig, export_paged_llama
 
     target = tvm.target.Target({"kind": "cuda", "arch": arch})

@@ -8,7 +8,7 @@ The long form, for scripts that need a step in between::
         ex = relax.build(mod, target=target, relax_pipeline=pipeline)
 
 :func:`build` is exactly that, with the provider resolved once, here (see
-``mqa_byoc.compiler.codegen`` for the rule), and handed to the codegen as its option.
+``mqa_byoc.compiler.codegen.dispatch`` for the rule), and handed to the codegen as its option.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tvm import relax
 
 from mqa_byoc.contract import CODEGEN
 
-from . import codegen
+from mqa_byoc.compiler.codegen import dispatch as codegen
 
 
 def resolve_build_provider(provider: str | None, target) -> str:
@@ -55,7 +55,7 @@ def build(mod: tvm.IRModule, target, *, mqa: bool | None = True, provider: str |
         The built executable. Export it with :func:`mqa_byoc.export_library`, which links the native
         provider's FA2 kernels (a plain ``export_library`` for the python provider).
     """
-    from .partition import partition_for_cutlass
+    from mqa_byoc.compiler.partition import partition_for_cutlass
 
     target = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
     provider = resolve_build_provider(provider, target)
@@ -76,7 +76,7 @@ def native_kernel_keys(mod: tvm.IRModule) -> tuple:
     tuple of KernelKey
         Sorted, without duplicates; empty when nothing is offloaded.
     """
-    from .export import collect_kernel_keys
+    from mqa_byoc.compiler.export import collect_kernel_keys
 
     generated = relax.transform.RunCodegen({CODEGEN: {codegen.PROVIDER_OPTION: "native"}})(mod)
     keys = set()

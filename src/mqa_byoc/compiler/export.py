@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Iterable
 
 from mqa_byoc import kernels as _kernels
-from mqa_byoc.compiler.paged_build import PAGED_MARKER, paged_object
+from mqa_byoc.compiler.paged.build import PAGED_MARKER, paged_object
 from mqa_byoc.kernels import KernelKey, NativeKernelsUnavailable  # noqa: F401 (re-export)
 from mqa_byoc.kernels import hopper as _hopper
 

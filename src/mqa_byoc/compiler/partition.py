@@ -24,11 +24,11 @@ from tvm import relax
 
 from mqa_byoc.contract import PROVIDER_ATTR, check_provider, composite_name
 
-from . import analysis, varlen
-from .canonicalize import CanonicalizeAttention, analyze_module, canonicalize_attention
-from .exprs import is_flash_attn_function
-from .gqa_legalize import LegalizeGroupedAttention
-from .patterns import flash_attn_patterns
+from mqa_byoc.compiler.graph import analysis, varlen
+from mqa_byoc.compiler.graph.canonicalize import CanonicalizeAttention, analyze_module, canonicalize_attention
+from mqa_byoc.compiler.graph.exprs import is_flash_attn_function
+from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
+from mqa_byoc.compiler.graph.patterns import flash_attn_patterns
 
 __all__ = [
     "AnnotateProvider",
@@ -107,7 +107,8 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
     """
     report = []
     analysis.require_module(mod, "offload_report")
-    from . import codegen, hopper_codegen
+    from mqa_byoc.compiler.codegen import dispatch as codegen
+    from mqa_byoc.compiler.codegen import hopper as hopper_codegen
 
     chosen = codegen.resolve_provider(None, {codegen.PROVIDER_OPTION: provider, "target": target})
     for sites in analyze_module(mod, mqa).values():
@@ -189,7 +190,7 @@ def partition_for_cutlass(
     annotate_codegen : bool
         Wrap each composite in a function with ``Codegen="flash_attn"`` for ``RunCodegen``.
     provider : "native" | "python" | None
-        Kernel provider recorded on each offloaded function (see ``mqa_byoc.compiler.codegen``);
+        Kernel provider recorded on each offloaded function (see ``mqa_byoc.compiler.codegen.dispatch``);
         None leaves the choice to the codegen's default rule.
     bind_constants : bool
         Passed to ``FuseOpsByPattern``.
@@ -208,7 +209,7 @@ def partition_for_cutlass(
     ValueError
         For an unknown ``provider``.
     """
-    from . import codegen  # noqa: F401 - registers relax.ext.flash_attn
+    from mqa_byoc.compiler.codegen import dispatch  # noqa: F401 - registers relax.ext.flash_attn
 
     analysis.require_module(mod, "partition_for_cutlass")
     # the pattern check sees one call, not its function: it gets the match_cast length facts of

@@ -30,7 +30,7 @@ def offloaded_composites(mod) -> dict[str, int]:
     one offloaded function)."""
     from tvm import relax
 
-    from ..compiler.codegen import find_site
+    from ..compiler.codegen.dispatch import find_site
 
     offloaded = {}
     for gv, func in mod.functions.items():
@@ -183,8 +183,8 @@ def build_paged_decoder_libraries(
     import tvm
 
     from ..compiler.export import export_library
-    from ..compiler.paged import (UseFlashAttentionForPagedKVCache, format_paged_report, page_unit,
-                                  paged_kv_cache_report)
+    from ..compiler.paged.transform import (UseFlashAttentionForPagedKVCache, format_paged_report, page_unit,
+                                            paged_kv_cache_report)
     from ..compiler.pipeline import cuda_decoder_pipeline
     from ..sidecar import write_sidecar
     from .paged_llama import export_paged_llama

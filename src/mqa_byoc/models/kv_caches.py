@@ -33,7 +33,7 @@ as a shape). Per layer, after RoPE (k, v ``(1, S, H_kv, D)``)::
 (the same for v), then the ``kv_expand`` form (repeat, attention, ...) as with the functional
 cache. The view checks at run time that the cache holds ``past_len + S`` rows; the match_cast is the
 KV-cache fact ``kv_len == past_len + S`` that proves S <= S_kv for the causal mask
-(:func:`mqa_byoc.compiler.trace._match_cast_lengths`). Appending past the reserved capacity makes
+(:func:`mqa_byoc.compiler.graph.trace._match_cast_lengths`). Appending past the reserved capacity makes
 the runtime reallocate and copy the cache (correct, but a full copy): reserve prompt + new tokens.
 """
 

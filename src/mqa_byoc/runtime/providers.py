@@ -2,7 +2,7 @@
 
 Importing this module registers the global function ``mqa_byoc.flash_attn_forward`` (see
 :func:`flash_attn_forward` for the contract), which the C++ forwarders emitted by
-``mqa_byoc.compiler.codegen`` look up and call. It needs only ``tvm_ffi`` (a runtime-only TVM is
+``mqa_byoc.compiler.codegen.dispatch`` look up and call. It needs only ``tvm_ffi`` (a runtime-only TVM is
 enough; ``tvm.relax`` is never imported); torch and flash-attn are imported at the first call.
 
 Backend, chosen at the first call and then kept for the process:

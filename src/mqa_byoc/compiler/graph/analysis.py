@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 from tvm import relax, tirx
 
-from . import masks
-from .spec import MAX_HEAD_DIM, SUPPORTED_DTYPES
-from .trace import (BROADCAST, SINGLE_HEAD, TILE, Bindings, Traced, as_int, op_name, prove_equal, shape_of,
+from mqa_byoc.compiler.graph import masks
+from mqa_byoc.compiler.graph.spec import MAX_HEAD_DIM, SUPPORTED_DTYPES
+from mqa_byoc.compiler.graph.trace import (BROADCAST, SINGLE_HEAD, TILE, Bindings, Traced, as_int, op_name, prove_equal, shape_of,
                     trace)
 
 _ELEMENTWISE_BETWEEN = (
@@ -78,7 +78,7 @@ def find_sites(func_name: str, func: relax.Function, evaluator: masks.MaskEvalua
         if name in ("relax.nn.attention", "relax.nn.attention_bias"):
             build = _attention_call_site
         elif name == "relax.nn.attention_var_len":
-            from .varlen import var_len_site  # varlen imports this module
+            from mqa_byoc.compiler.graph.varlen import var_len_site  # varlen imports this module
 
             sites.append(var_len_site(func_name, var, value, bindings, allow_kv_expansion))
             continue

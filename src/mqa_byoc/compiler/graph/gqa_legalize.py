@@ -27,7 +27,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, PyExprVisitor, mutator, visitor
 
-from .exprs import is_offloaded, op_name
+from mqa_byoc.compiler.graph.exprs import is_offloaded, op_name
 
 __all__ = ["LegalizeGroupedAttention", "legalize_grouped_attention", "GroupedAttentionError"]
 

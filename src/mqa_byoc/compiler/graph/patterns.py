@@ -16,8 +16,8 @@ from tvm.relax.transform import FusionPattern, PatternCheckContext
 
 from mqa_byoc.contract import ATTENTION_COMPOSITES, composite_name
 
-from .analysis import check_attention_call
-from .varlen import var_len_fusion_pattern
+from mqa_byoc.compiler.graph.analysis import check_attention_call
+from mqa_byoc.compiler.graph.varlen import var_len_fusion_pattern
 
 
 def make_attention_pattern(with_output_permute: bool):

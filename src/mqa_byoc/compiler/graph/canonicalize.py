@@ -12,8 +12,8 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from . import analysis, masks, varlen
-from .exprs import binding_values, is_offloaded, op_name
+from mqa_byoc.compiler.graph import analysis, masks, varlen
+from mqa_byoc.compiler.graph.exprs import binding_values, is_offloaded, op_name
 
 
 def analyze_module(mod: tvm.IRModule, mqa: bool) -> dict:

@@ -1,6 +1,6 @@
 """The ``hopper`` provider's part of a native wrapper: FA4's sm90 kernel for prefill, native's for decode.
 
-A native wrapper emitted for the hopper provider (:func:`mqa_byoc.compiler.native_codegen.emit_native_source`
+A native wrapper emitted for the hopper provider (:func:`mqa_byoc.compiler.codegen.native.emit_native_source`
 with ``hopper=True``) calls the FA4 object of its :class:`~mqa_byoc.kernels.hopper.HopperKernelKey`
 when the call has enough query rows to fill the GPU, and FA2 (the native provider's dispatcher, with its
 decode kernels) otherwise: FA4's sm90 forward has no split-KV, so at decode one CTA per K/V head would
@@ -11,7 +11,7 @@ This module does not import TVM.
 
 from __future__ import annotations
 
-from mqa_byoc.compiler.spec import AttentionSpec
+from mqa_byoc.compiler.graph.spec import AttentionSpec
 from mqa_byoc.kernels import hopper
 from mqa_byoc.kernels.decode_rule import decode_kernel_serves
 

@@ -23,8 +23,8 @@ from tvm.ir.expr import Constant
 
 from mqa_byoc.contract import COMPOSITE_VAR_LEN
 
-from . import analysis
-from .trace import as_int, shape_of, trace
+from mqa_byoc.compiler.graph import analysis
+from mqa_byoc.compiler.graph.trace import as_int, shape_of, trace
 
 VAR_LEN_OP = "relax.nn.attention_var_len"
 FORM = "R.nn.attention_var_len"

@@ -5,7 +5,7 @@ A ``relax.frontend.nn`` LLM makes its KV cache with ``TIRPagedKVCache``, i.e. on
 its attention kernels as ``(R.str("tirx"), <GlobalVar of a TIR PrimFunc>)`` tuples. The runtime calls
 each one with the PrimFunc's parameter list. :class:`UseFlashAttentionForPagedKVCache` replaces the
 GlobalVar of each entry it can serve by ``R.ExternFunc(<symbol>)``: a TVM-FFI function with the same
-parameter list (:mod:`~mqa_byoc.compiler.paged_codegen`) that runs FA2 with native K/V heads on the
+parameter list (:mod:`~mqa_byoc.compiler.paged.codegen`) that runs FA2 with native K/V heads on the
 cache's own pages. With them it replaces TVM's merge of attention states (``tir_attention_merge_state``,
 passed bare in the attn-merge tuple), whose grid leaves the last H mod (heads per block) heads unmerged
 (:func:`tir_merge_heads`; H=71, D=64: head 70), by our kernel. It keeps on TIR, with a reason
@@ -42,8 +42,8 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from mqa_byoc.compiler import analysis
-from mqa_byoc.compiler.paged_codegen import KINDS, PagedConfig, emit_paged_source
+from mqa_byoc.compiler.graph import analysis
+from mqa_byoc.compiler.paged.codegen import KINDS, PagedConfig, emit_paged_source
 from mqa_byoc.kernels import KERNEL_HEAD_DIMS, kernel_head_dim
 
 CREATE = "vm.builtin.paged_attention_kv_cache_create"

@@ -72,7 +72,7 @@ def read_composite(func) -> tuple[AttentionSpec, tuple[int, int, int]]:
     """
     from tvm import relax  # compile time only
 
-    from .exprs import binding_values, op_name, value_of
+    from mqa_byoc.compiler.graph.exprs import binding_values, op_name, value_of
 
     if not isinstance(func, relax.Function):
         raise ValueError(f"expected a flash_attn.* composite relax.Function, got {type(func).__name__}")

@@ -19,7 +19,7 @@ from tvm import relax, tirx
 from tvm.ir.expr import Constant
 from tvm.sym import Analyzer
 
-from .exprs import op_name  # noqa: F401 - re-exported for the analysis
+from mqa_byoc.compiler.graph.exprs import op_name  # noqa: F401 - re-exported for the analysis
 
 _ANALYZER = Analyzer()
 

@@ -21,7 +21,7 @@ import tvm
 from tvm import relax, tirx
 from tvm.ir.expr import Constant
 
-from .trace import Bindings, op_name
+from mqa_byoc.compiler.graph.trace import Bindings, op_name
 
 # A masked logit must vanish after softmax. FA2 masks to exactly zero weight; a graph's mask gives
 # exp(masked - rowmax), which is 0 in float32 once masked - rowmax < -104: at or below this bound
