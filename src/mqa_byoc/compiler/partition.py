@@ -24,11 +24,13 @@ from tvm import relax
 
 from mqa_byoc.contract import PROVIDER_ATTR, check_provider, composite_name
 
-from mqa_byoc.compiler.graph import analysis, varlen
+from mqa_byoc.compiler.graph import varlen
 from mqa_byoc.compiler.graph.canonicalize import CanonicalizeAttention, analyze_module, canonicalize_attention
 from mqa_byoc.compiler.graph.exprs import is_flash_attn_function
 from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
 from mqa_byoc.compiler.graph.patterns import flash_attn_patterns
+from mqa_byoc.compiler.graph.site import FUSED_FORMS, require_module
+from mqa_byoc.compiler.graph.trace import Bindings
 
 __all__ = [
     "AnnotateProvider",
@@ -73,7 +75,7 @@ class OffloadSite:
 
 
 def _causal_name(site):
-    if site.form in analysis.FUSED_FORMS and site.causal_attr is not None:
+    if site.form in FUSED_FORMS and site.causal_attr is not None:
         return str(site.causal_attr)
     return "BottomRight" if site.mask.causal else None
 
@@ -106,7 +108,7 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
         When ``mod`` is not an IRModule.
     """
     report = []
-    analysis.require_module(mod, "offload_report")
+    require_module(mod, "offload_report")
     from mqa_byoc.compiler.codegen import dispatch as codegen
     from mqa_byoc.compiler.codegen import hopper as hopper_codegen
 
@@ -211,13 +213,13 @@ def partition_for_cutlass(
     """
     from mqa_byoc.compiler.codegen import dispatch  # noqa: F401 - registers relax.ext.flash_attn
 
-    analysis.require_module(mod, "partition_for_cutlass")
+    require_module(mod, "partition_for_cutlass")
     # the pattern check sees one call, not its function: it gets the match_cast length facts of
     # the module's functions (shape variables are unique per function) in its closure
     facts = {}
     for func in mod.functions.values():
         if isinstance(func, relax.Function):
-            facts.update(analysis.Bindings(func).length_facts)
+            facts.update(Bindings(func).length_facts)
     return tvm.transform.Sequential([
         CanonicalizeAttention(mqa=mqa),
         relax.transform.FuseOpsByPattern(flash_attn_patterns(length_facts=facts), bind_constants=bind_constants,

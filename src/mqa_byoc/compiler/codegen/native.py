@@ -32,7 +32,8 @@ class NativeSource:
     kernels: tuple[KernelKey, ...]
 
 
-def _check_spec(symbol: str, spec: AttentionSpec) -> None:
+def check_spec(symbol: str, spec: AttentionSpec) -> None:
+    """ValueError unless FA2 computes ``spec`` and ``symbol`` is a C identifier (both native wrappers)."""
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", symbol):
         raise ValueError(f"symbol {symbol!r} is not a C identifier")
     if spec.dtype not in SUPPORTED_DTYPES:
@@ -122,7 +123,7 @@ def emit_native_source(symbol: str, spec: AttentionSpec, shape_args: int = 0, *,
         shape_params = tuple(range(3, 3 + shape_args))
     if num_inputs is None:
         num_inputs = max(tuple(arg_map) + tuple(shape_params)) + 1
-    _check_spec(symbol, spec)
+    check_spec(symbol, spec)
     kernels = plan_kernels(spec)
     layouts = {x: str(getattr(spec, f"{x}_layout", "BSNH")) for x in ("q", "k", "v", "out")}
     for x, lay in layouts.items():

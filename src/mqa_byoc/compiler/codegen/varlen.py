@@ -28,7 +28,7 @@ from tvm import relax
 
 from mqa_byoc.contract import PY_VAR_LEN_FORWARD_FUNC
 
-from mqa_byoc.compiler.graph.spec import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttentionSpec, _static
+from mqa_byoc.compiler.graph.spec import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttentionSpec, static_shape
 from mqa_byoc.compiler.graph.varlen import COMPOSITE, VAR_LEN_OP
 
 OPERANDS = ("q", "k", "v", "seqstart_q", "seqstart_k", "max_seqlen_q", "max_seqlen_k")
@@ -111,7 +111,7 @@ def find_var_len_site(func) -> VarLenSite:
 def spec_of_call(att, symbol="composite") -> AttentionSpec:
     """The :class:`AttentionSpec` of a canonical ``R.nn.attention_var_len`` call (BSNH operands)."""
     try:
-        q, k, v = (_static(a.ty, n) for a, n in zip(att.args[:3], "qkv"))
+        q, k, v = (static_shape(a.ty, n) for a, n in zip(att.args[:3], "qkv"))
     except ValueError as err:
         raise VarLenCodegenError(f"flash_attn codegen ({symbol}): {err}") from err
     dtypes = {str(a.ty.dtype) for a in att.args[:3]}
@@ -183,10 +183,10 @@ def emit_native_source(site: VarLenSite):
     """:class:`~.native_codegen.NativeSource` of the wrapper calling ``mqa_byoc_fa2_varlen_forward``."""
     from mqa_byoc.kernels import marker_line, plan_kernels
 
-    from mqa_byoc.compiler.codegen.native import SPEC_MARKER, NativeSource, _check_spec, fill_template, spec_fields
+    from mqa_byoc.compiler.codegen.native import SPEC_MARKER, NativeSource, check_spec, fill_template, spec_fields
 
     spec = site.spec
-    _check_spec(site.symbol, spec)
+    check_spec(site.symbol, spec)
     # the same families as fixed-length attention; var-len runs the plain (non-split) kernels only
     kernels = tuple(key for key in plan_kernels(spec) if not key.split)
     spec_line = (f"{SPEC_MARKER} symbol={site.symbol} var_len=1 H={spec.num_q_heads} H_kv={spec.num_kv_heads} "

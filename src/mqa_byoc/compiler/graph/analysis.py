@@ -11,60 +11,17 @@ compute differently becomes a readable ``reason``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from tvm import relax, tirx
 
 from mqa_byoc.compiler.graph import masks
-from mqa_byoc.compiler.graph.spec import MAX_HEAD_DIM, SUPPORTED_DTYPES
-from mqa_byoc.compiler.graph.trace import (BROADCAST, SINGLE_HEAD, TILE, Bindings, Traced, as_int, op_name, prove_equal, shape_of,
-                    trace)
+from mqa_byoc.compiler.graph.site import AttentionSite, common_checks, seq_len
+from mqa_byoc.compiler.graph.trace import SINGLE_HEAD, Bindings, Traced, as_int, op_name, prove_equal, shape_of, trace
+from mqa_byoc.compiler.graph.varlen import var_len_site
 
 _ELEMENTWISE_BETWEEN = (
     "relax.astype", "relax.multiply", "relax.divide", "relax.add", "relax.maximum", "relax.minimum",
     "relax.where", "relax.reshape", "relax.broadcast_to",
 )
-
-
-# fused attention ops: their K/V may have fewer heads than Q (no matmul broadcasting involved)
-FUSED_FORMS = ("R.nn.attention", "R.nn.attention_var_len")
-
-
-@dataclass
-class AttentionSite:
-    function: str
-    root: relax.Var
-    form: str  # "R.nn.attention" | "matmul-softmax chain"
-    q: Traced | None = None
-    k: Traced | None = None
-    v: Traced | None = None
-    num_q_heads: int | None = None
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
-    dtype: str | None = None
-    scale: float | None = None  # None: 1/sqrt(D)
-    mask: masks.MaskKind = masks.NO_MASK
-    causal_attr: str | None = None  # causal_mask attribute of an R.nn.attention root
-    out_labels: list = field(default_factory=list)
-    reason: str | None = None
-    note: str | None = None
-    # why FA2 cannot take K/V before their expansion (a tile of several heads, ...); None: it can
-    expansion_problem: str | None = None
-    # chain pieces kept for the rewrite
-    mask_ops: list = field(default_factory=list)
-
-    @property
-    def expansion_ops(self):
-        return [op for t in (self.k, self.v) if t is not None for op in t.expansion_ops]
-
-    @property
-    def expansion(self):
-        return self.k.expansion if self.k is not None else None
-
-    def reject(self, reason):
-        if self.reason is None:
-            self.reason = reason
-        return self
 
 
 def find_sites(func_name: str, func: relax.Function, evaluator: masks.MaskEvaluator,
@@ -78,8 +35,6 @@ def find_sites(func_name: str, func: relax.Function, evaluator: masks.MaskEvalua
         if name in ("relax.nn.attention", "relax.nn.attention_bias"):
             build = _attention_call_site
         elif name == "relax.nn.attention_var_len":
-            from mqa_byoc.compiler.graph.varlen import var_len_site  # varlen imports this module
-
             sites.append(var_len_site(func_name, var, value, bindings, allow_kv_expansion))
             continue
         elif name == "relax.matmul":
@@ -99,15 +54,6 @@ def find_sites(func_name: str, func: relax.Function, evaluator: masks.MaskEvalua
     return sites
 
 
-def require_module(mod, what: str):
-    """``what`` takes a whole module: a clear TypeError for anything else (a function, a path)."""
-    import tvm
-
-    if not isinstance(mod, tvm.IRModule):
-        hint = " (wrap a function: tvm.IRModule({'main': func}))" if isinstance(mod, relax.Function) else ""
-        raise TypeError(f"{what} expects a tvm.IRModule (a Relax module), got {type(mod).__name__}{hint}")
-
-
 # ----------------------------------------------------------------------------- R.nn.attention roots
 def _attention_call_site(func_name, var, call, bindings, evaluator, allow_kv_expansion=True):
     site = AttentionSite(func_name, var, "R.nn.attention", out_labels=["B", "S", "H", "D"])
@@ -118,7 +64,7 @@ def _attention_call_site(func_name, var, call, bindings, evaluator, allow_kv_exp
     attrs = call.attrs
     site.scale = float(attrs.scale.value) if attrs.scale is not None else None
     site.causal_attr = attrs.causal_mask
-    _common_checks(site)
+    common_checks(site)
     if site.reason:
         return site
     if site.q.scale != 1.0:  # a constant multiplied into the query scales the logits
@@ -133,7 +79,7 @@ def _attention_call_site(func_name, var, call, bindings, evaluator, allow_kv_exp
 
 
 def _attention_attr_checks(site, attrs, facts=None):
-    s_q, s_kv = _seq_len(site.q), _seq_len(site.k)
+    s_q, s_kv = seq_len(site.q), seq_len(site.k)
     window = int(attrs.window_size) if attrs.window_size is not None else None
     if attrs.causal_mask == "TopLeft" and not prove_equal(s_q, s_kv):
         return site.reject("TopLeft causal mask with S_q != S_kv (FA2's causal is bottom-right aligned): query row "
@@ -169,7 +115,7 @@ def check_attention_call(call, operand_values, length_facts=None) -> AttentionSi
     site.causal_attr = call.attrs.causal_mask
     if op_name(call) != "relax.nn.attention":
         return site.reject("attention with a bias")
-    _common_checks(site)
+    common_checks(site)
     if site.reason:
         return site
     return _attention_attr_checks(site, call.attrs, length_facts)
@@ -445,105 +391,20 @@ def _chain_site(func_name, var, value, bindings, evaluator, allow_kv_expansion=T
     site.mask_ops = [(kind, m) for kind, m, _ in mask_ops]
     if site.q.layout() == "BSH":
         site.out_labels = list(SINGLE_HEAD)  # the output is (B, S, D) as well
-    _common_checks(site)
+    common_checks(site)
     if site.reason:
         return site
     _prove_masks(site, bindings, evaluator, scales=[s for *_, s in mask_ops])
     return site
 
 
-# ----------------------------------------------------------------------------- checks
-def _seq_len(t: Traced):
-    return t.shape()[t.labels.index("S")]
-
-
-def _heads(t: Traced):
-    if t.layout() == "BSH":
-        return 1
-    return t.shape()[t.labels.index("Hkv" if "Hkv" in t.labels else "H")]
-
-
-def _common_checks(site: AttentionSite):
-    q, k, v = site.q, site.k, site.v
-    for name, t in (("K", k), ("V", v)):
-        if t.problem:
-            site.expansion_problem = f"{name}: {t.problem}"
-            return site.reject(site.expansion_problem)
-    for name, t in (("Q", q), ("K", k), ("V", v)):
-        if t.layout() is None:
-            return site.reject(f"{name} reaches attention through an unsupported layout {t.labels}")
-        if t.shape() is None:
-            return site.reject(f"{name} has an unknown shape")
-    if len({t.layout() == "BSH" for t in (q, k, v)}) > 1:
-        return site.reject("Q, K and V mix (B, S, D) single-head operands with operands that have a head axis "
-                           f"({', '.join(f'{n} {t.layout()}' for n, t in zip('QKV', (q, k, v)))})")
-    if "Hkv" in q.labels:
-        return site.reject("the query is expanded")
-    if (k.expansion, k.factor) != (v.expansion, v.factor):
-        if None in (k.expansion, v.expansion):
-            found, t, missing = ("K", k, "V") if k.expansion else ("V", v, "K")
-            site.expansion_problem = (f"{found} is expanded ({t.expansion} x{t.factor}) but no expansion of {missing} "
-                                      f"was found: its trace stops at an op it does not pass (e.g. a rotary "
-                                      f"embedding applied after the expansion)")
-        else:
-            site.expansion_problem = (f"K and V are expanded differently ({k.expansion} x{k.factor} vs "
-                                      f"{v.expansion} x{v.factor})")
-        return site.reject(site.expansion_problem)
-    qs, ks, vs = q.shape(), k.shape(), v.shape()
-    dtypes = {t.kernel_dtype() for t in (q, k, v)}
-    site.dtype = q.kernel_dtype() or str(q.entry_dtype)
-    h = as_int(_heads(q))
-    hkv = as_int(_heads(k))
-    d = as_int(qs[q.labels.index("D")])
-    dk = as_int(ks[k.labels.index("D")])
-    dv = as_int(vs[v.labels.index("D")])
-    site.num_q_heads, site.head_dim = h, d
-    if k.expansion is None and h is not None and hkv == 1 and h != 1 and site.form not in FUSED_FORMS:
-        k.expansion = v.expansion = BROADCAST  # MQA through matmul broadcasting
-        k.factor = v.factor = h
-    site.num_kv_heads = hkv
-    site.expansion_problem = _expansion_problem(k, h, hkv)
-    if None in (h, hkv, d, dk, dv):
-        return site.reject("the head count or head dim is symbolic")
-    if None in dtypes or site.dtype not in SUPPORTED_DTYPES:
-        return site.reject(f"dtype {site.dtype}: FA2 supports float16 and bfloat16 "
-                           "(run relax.transform.ToMixedPrecision first for float32 graphs)")
-    if len(dtypes) != 1:
-        return site.reject(f"Q, K and V have different dtypes {sorted(dtypes)}")
-    if not (dk == d == dv):
-        return site.reject(f"head dims differ (q {d}, k {dk}, v {dv})")
-    if d > MAX_HEAD_DIM or d % 8:
-        return site.reject(f"head dim {d}: FA2 needs a multiple of 8 up to {MAX_HEAD_DIM}")
-    if k.expansion is None and hkv != h and site.form not in FUSED_FORMS:
-        return site.reject(f"{h} query heads against {hkv} K/V heads without an expansion")
-    if site.expansion_problem:
-        return site.reject(site.expansion_problem)
-    if h % hkv:
-        return site.reject(f"{h} query heads are not a multiple of {hkv} K/V heads")
-    b_q, b_k, b_v = (t.shape()[t.labels.index("B")] for t in (q, k, v))
-    if not (prove_equal(b_q, b_k) and prove_equal(b_q, b_v)):
-        return site.reject("Q, K and V batch sizes differ")
-    if not prove_equal(_seq_len(k), _seq_len(v)):
-        return site.reject("K and V sequence lengths differ")
-    return site
-
-
-def _expansion_problem(k: Traced, h, hkv) -> str | None:
-    if k.expansion is None or None in (h, hkv):
-        return None
-    if hkv * k.factor != h:
-        return f"K/V expanded {hkv} x {k.factor} heads, but the query has {h}"
-    if k.expansion == TILE and hkv != 1:
-        return "K/V expanded with tile: query head h would use K/V head h % H_kv, FA2 uses h // (H / H_kv)"
-    return None
-
-
+# ----------------------------------------------------------------------------- masks
 def _prove_masks(site, bindings, evaluator, post_scale=None, scales=None):
     if not site.mask_ops:
         site.mask = masks.NO_MASK
         return
     scales = scales or [post_scale] * len(site.mask_ops)
-    s_q, s_kv = _seq_len(site.q), _seq_len(site.k)
+    s_q, s_kv = seq_len(site.q), seq_len(site.k)
     sym = set()
     for e in (s_q, s_kv):
         if not isinstance(e, tirx.IntImm):

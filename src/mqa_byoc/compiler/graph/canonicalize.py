@@ -14,6 +14,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from mqa_byoc.compiler.graph import analysis, masks, varlen
 from mqa_byoc.compiler.graph.exprs import binding_values, is_offloaded, op_name
+from mqa_byoc.compiler.graph.trace import Bindings
 
 
 def analyze_module(mod: tvm.IRModule, mqa: bool) -> dict:
@@ -22,7 +23,7 @@ def analyze_module(mod: tvm.IRModule, mqa: bool) -> dict:
     Returns
     -------
     dict
-        ``{GlobalVar: [analysis.AttentionSite]}``; with ``mqa`` K/V are traced through their
+        ``{GlobalVar: [AttentionSite]}``; with ``mqa`` K/V are traced through their
         expansions (a site FA2 cannot take with native K/V heads falls back to the expanded K/V,
         with a ``note``), else the expansion is where the trace stops.
     """
@@ -31,7 +32,7 @@ def analyze_module(mod: tvm.IRModule, mqa: bool) -> dict:
     for gv, func in mod.functions.items():
         if not isinstance(func, relax.Function) or is_offloaded(func):
             continue
-        bindings = analysis.Bindings(func)
+        bindings = Bindings(func)
         sites = analysis.find_sites(gv.name_hint, func, evaluator, mqa, bindings)
         if mqa and any(s.reason for s in sites):
             retry = {s.root: s for s in analysis.find_sites(gv.name_hint, func, evaluator, False, bindings)}

@@ -101,9 +101,9 @@ def read_composite(func) -> tuple[AttentionSpec, tuple[int, int, int]]:
                              "(optionally through permute_dims)")
         operand_params.append(index)
     q, k, v = (a.ty for a in call.args[:3])
-    _, _, h, d = _static(q, "q")
-    _, _, hkv, dk = _static(k, "k")
-    _, _, hv, dv = _static(v, "v")
+    _, _, h, d = static_shape(q, "q")
+    _, _, hkv, dk = static_shape(k, "k")
+    _, _, hv, dv = static_shape(v, "v")
     dtypes = [str(t.dtype) for t in (q, k, v)]
     if len(set(dtypes)) != 1:
         raise ValueError(f"q, k, v dtypes differ: {dtypes}; FA2 needs one dtype")
@@ -135,7 +135,9 @@ def _require_swap_13(call):
         raise ValueError(f"composite permutes with axes {axes}; only [0, 2, 1, 3] is a layout change")
 
 
-def _static(ty, what):
+def static_shape(ty, what):
+    """The 4-D BSNH shape of a tensor type with static heads and head dim (None for a symbolic
+    batch or length); ValueError naming ``what`` otherwise."""
     from tvm import relax, tirx
 
     if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):

@@ -23,8 +23,9 @@ from tvm.ir.expr import Constant
 
 from mqa_byoc.contract import COMPOSITE_VAR_LEN
 
-from mqa_byoc.compiler.graph import analysis
-from mqa_byoc.compiler.graph.trace import as_int, shape_of, trace
+from mqa_byoc.compiler.graph.masks import MaskKind
+from mqa_byoc.compiler.graph.site import AttentionSite, common_checks
+from mqa_byoc.compiler.graph.trace import Traced, as_int, shape_of, trace
 
 VAR_LEN_OP = "relax.nn.attention_var_len"
 FORM = "R.nn.attention_var_len"
@@ -36,8 +37,8 @@ NOT_LOWERABLE = ("; TVM cannot lower R.nn.attention_var_len itself (LegalizeOps:
 
 
 @dataclass
-class VarLenSite(analysis.AttentionSite):
-    """An :class:`~.analysis.AttentionSite` with the var-len operands (Relax expressions)."""
+class VarLenSite(AttentionSite):
+    """An :class:`~.site.AttentionSite` with the var-len operands (Relax expressions)."""
 
     seqstart_q: relax.Expr | None = None
     seqstart_k: relax.Expr | None = None
@@ -55,7 +56,7 @@ def var_len_site(func_name, var, call, bindings, allow_kv_expansion=True) -> Var
     attrs = call.attrs
     site.scale = float(attrs.scale.value) if attrs.scale is not None else None
     site.causal_attr = attrs.causal_mask
-    analysis._common_checks(site)
+    common_checks(site)
     if site.reason:
         return site
     if site.q.scale != 1.0:  # a constant multiplied into the query scales the logits
@@ -67,11 +68,11 @@ def check_var_len_call(call, operand_values) -> VarLenSite:
     """The pattern check's verdict on a canonical call (plain BSNH operands, K/V not traced), so
     that the partition and :func:`mqa_byoc.offload_report` agree."""
     site = VarLenSite("", None, FORM, out_labels=list(_BSNH))
-    site.q, site.k, site.v = (analysis.Traced(a, list(_BSNH)) for a in call.args[:3])
+    site.q, site.k, site.v = (Traced(a, list(_BSNH)) for a in call.args[:3])
     site.seqstart_q, site.seqstart_k, site.max_seqlen_q, site.max_seqlen_k = call.args[3:7]
     site.scale = float(call.attrs.scale.value) if call.attrs.scale is not None else None
     site.causal_attr = call.attrs.causal_mask
-    analysis._common_checks(site)
+    common_checks(site)
     if site.reason:
         return site
     return _var_len_checks(site, call.attrs)
@@ -116,7 +117,7 @@ def _var_len_checks(site: VarLenSite, attrs) -> VarLenSite:
     # BottomRight is FA2's causal per sequence (rows with no visible key come out as zeros). The lengths
     # are run-time values, so S_q <= S_kv per sequence cannot be proven; where S_q > S_kv TVM's docstring
     # says tril(k=|S_q - S_kv|), but TVM has no lowering and upstream's CUTLASS offload is FA2's too.
-    site.mask = analysis.masks.MaskKind(causal is not None, window)
+    site.mask = MaskKind(causal is not None, window)
     return site
 
 

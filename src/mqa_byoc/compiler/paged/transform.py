@@ -42,7 +42,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from mqa_byoc.compiler.graph import analysis
+from mqa_byoc.compiler.graph.site import require_module
 from mqa_byoc.compiler.paged.codegen import KINDS, PagedConfig, emit_paged_source
 from mqa_byoc.kernels import KERNEL_HEAD_DIMS, kernel_head_dim
 
@@ -225,7 +225,7 @@ def paged_kv_cache_report(mod: tvm.IRModule, page_size: int | None = None) -> li
     TypeError
         When ``mod`` is not an IRModule.
     """
-    analysis.require_module(mod, "paged_kv_cache_report")
+    require_module(mod, "paged_kv_cache_report")
     return [d for fname, call in _create_calls(mod) for _, _, d in _decide(mod, fname, call, page_size)]
 
 
@@ -308,7 +308,7 @@ class UseFlashAttentionForPagedKVCache:
         self.target = target
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        analysis.require_module(mod, "UseFlashAttentionForPagedKVCache")
+        require_module(mod, "UseFlashAttentionForPagedKVCache")
         mod = mod.clone()  # the edits below are in place; the caller's module stays as it was
         target = (self.target or tvm.target.Target.current(allow_none=True)
                   or tvm.target.Target({"kind": "cuda", "arch": "sm_90"}))
