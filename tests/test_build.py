@@ -14,7 +14,7 @@ relax = pytest.importorskip("tvm.relax")
 
 import graphs  # noqa: E402
 import mqa_byoc  # noqa: E402
-from mqa_byoc.compiler.codegen import dispatch as codegen  # noqa: E402
+from mqa_byoc.compiler.provider import build_provider  # noqa: E402
 from mqa_byoc.compiler.export import _iter_modules, _root_module  # noqa: E402
 
 TARGET = {"kind": "cuda", "arch": "sm_90"}
@@ -63,14 +63,14 @@ def test_build_offloads_with_native_heads():
 
 def test_build_provider_resolved_once():
     mod = graphs.attention_repeat_bsnh(h=8, hkv=2, d=64, b=1, s=32)
-    # the process-wide setting applies when build() is given no provider ...
-    with codegen.use_provider("native"):
-        native = fa2_sources(mqa_byoc.build(mod, TARGET))
+    native = fa2_sources(mqa_byoc.build(mod, TARGET, provider="native"))
     assert native and all("mqa_byoc-kernels: hdim64 fp16" in s for s in native.values())
-    # ... and an explicit provider wins over it
-    with codegen.use_provider("native"):
-        python = fa2_sources(mqa_byoc.build(mod, TARGET, provider="python"))
+    python = fa2_sources(mqa_byoc.build(mod, TARGET, provider="python"))
     assert python and all("provider: python" in s for s in python.values())
+    # no provider: the default rule for the build's target, decided once by the provider module
+    chosen = build_provider(None, TARGET)
+    assert chosen in ("native", "hopper", "python")
+    assert fa2_sources(mqa_byoc.build(mod, TARGET)) == fa2_sources(mqa_byoc.build(mod, TARGET, provider=chosen))
     with pytest.raises(ValueError, match="unknown flash_attn provider"):
         mqa_byoc.build(mod, TARGET, provider="cuda")
 

@@ -24,8 +24,11 @@ import tvm_ffi
 from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
 
-from mqa_byoc.compiler.codegen import dispatch as codegen
-from mqa_byoc.compiler.codegen.dispatch import CodegenError, resolve_provider, spec_of
+from mqa_byoc.contract import PROVIDER_ATTR, PY_FORWARD_FUNC
+from mqa_byoc.compiler import provider as provider_rule
+from mqa_byoc.compiler.codegen.dispatch import spec_of
+from mqa_byoc.compiler.codegen.sites import CodegenError, find_site
+from mqa_byoc.compiler.provider import resolve_provider
 
 ATT = "relax.nn.attention"
 
@@ -77,7 +80,7 @@ def np_attention(q, k, v, scale, causal):
 @pytest.fixture
 def numpy_forward():
     """Register a numpy stand-in for mqa_byoc.flash_attn_forward; restore the previous one after."""
-    previous = tvm_ffi.get_global_func(codegen.PY_FORWARD_FUNC, allow_missing=True)
+    previous = tvm_ffi.get_global_func(PY_FORWARD_FUNC, allow_missing=True)
     calls = []
 
     def forward(q, k, v, out, scale, causal, window_left, window_right):
@@ -86,13 +89,13 @@ def numpy_forward():
         o = np.from_dlpack(out)
         o[...] = np_attention(np.from_dlpack(q), np.from_dlpack(k), np.from_dlpack(v), scale, causal).astype(o.dtype)
 
-    tvm_ffi.register_global_func(codegen.PY_FORWARD_FUNC, forward, override=True)
+    tvm_ffi.register_global_func(PY_FORWARD_FUNC, forward, override=True)
     yield calls
     if previous is not None:
-        tvm_ffi.register_global_func(codegen.PY_FORWARD_FUNC, previous, override=True)
+        tvm_ffi.register_global_func(PY_FORWARD_FUNC, previous, override=True)
     else:
         # a Python closure left in TVM's registry is destroyed after the interpreter: segfault at exit
-        tvm_ffi.remove_global_func(codegen.PY_FORWARD_FUNC)
+        tvm_ffi.remove_global_func(PY_FORWARD_FUNC)
 
 
 # --------------------------------------------------------------------------- registration / RunCodegen
@@ -149,7 +152,7 @@ def test_one_python_module_for_several_sites():
 def test_spec_mqa_gqa_mha(h, hkv, name):
     mod = partition(attention_module(h=h, hkv=hkv, d=128, sq="s", skv="s_kv", b="b", causal="BottomRight"))
     (func,) = codegen_funcs(mod)
-    site = codegen.find_site(func)
+    site = find_site(func)
     assert site.composite_name == name and site.arg_map == (0, 1, 2) and site.num_inputs == 3
     spec = spec_of(func)
     assert (spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.group_size) == (h, hkv, 128, h // hkv)
@@ -185,52 +188,58 @@ def test_spec_errors_are_clear():
 # --------------------------------------------------------------------------- provider selection
 
 
-def test_provider_selection_order(monkeypatch):
-    monkeypatch.delenv(codegen.PROVIDER_ENV, raising=False)
+def test_provider_selection_order():
     func = codegen_funcs(partition(attention_module()))[0]
-    tagged = func.with_attr(codegen.PROVIDER_ATTR, "native")
+    tagged = func.with_attr(PROVIDER_ATTR, "native")
     # 1. function attribute beats the option
     assert resolve_provider(tagged, {"provider": "python"}) == "native"
-    # 2. option beats the process-wide setting
-    with codegen.use_provider("native"):
-        assert resolve_provider(func, {"provider": "python"}) == "python"
-        # 3. process-wide setting beats the environment
-        monkeypatch.setenv(codegen.PROVIDER_ENV, "python")
-        assert resolve_provider(func, {}) == "native"
-    # 4. environment
-    assert resolve_provider(func, {}) == "python"
-    monkeypatch.delenv(codegen.PROVIDER_ENV)
-    # 5. default rule, which "auto" also selects
+    # 2. the codegen option
+    assert resolve_provider(func, {"provider": "python"}) == "python"
+    assert resolve_provider(func, {"provider": "hopper"}) == "hopper"
+    # 3. default rule, which "auto" (at any level) also selects
     assert resolve_provider(func, {"target": {"kind": "llvm"}}) == "python"
     assert resolve_provider(func, {"provider": "auto", "target": {"kind": "llvm"}}) == "python"
+    assert resolve_provider(func.with_attr(PROVIDER_ATTR, "auto"), {"provider": "native",
+                                                                  "target": {"kind": "llvm"}}) == "python"
     with pytest.raises(ValueError, match="unknown flash_attn provider 'cutlass'"):
         resolve_provider(func, {"provider": "cutlass"})
 
 
+def test_no_process_wide_provider_setting(monkeypatch):
+    """The provider is an argument: no setter, and no environment variable changes the choice."""
+    from mqa_byoc.compiler.codegen import dispatch
+
+    for name in ("set_default_provider", "use_provider"):
+        assert not hasattr(provider_rule, name) and not hasattr(dispatch, name)
+    func = codegen_funcs(partition(attention_module()))[0]
+    monkeypatch.setenv("MQA_BYOC_PROVIDER", "native")
+    assert resolve_provider(func, {"target": {"kind": "llvm"}}) == "python"
+
+
 def test_default_rule(monkeypatch):
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
-    assert codegen.default_provider(cuda, nvcc=True, native=True, hopper=False) == "native"
+    assert provider_rule.default_provider(cuda, nvcc=True, native=True, hopper=False) == "native"
     # sm_90 with FA4 objects at hand: the hopper provider; any other arch keeps FA2
-    assert codegen.default_provider(cuda, nvcc=True, native=True, hopper=True) == "hopper"
+    assert provider_rule.default_provider(cuda, nvcc=True, native=True, hopper=True) == "hopper"
     sm80 = tvm.target.Target({"kind": "cuda", "arch": "sm_80"})
-    assert codegen.default_provider(sm80, nvcc=True, native=True, hopper=True) == "native"
-    assert codegen.default_provider(sm80, nvcc=True, native=True) == "native"
+    assert provider_rule.default_provider(sm80, nvcc=True, native=True, hopper=True) == "native"
+    assert provider_rule.default_provider(sm80, nvcc=True, native=True) == "native"
     # detection: no flash-attn-4 and no prebuilt FA4 objects -> native, and the reason says how to get them
     from mqa_byoc.kernels import hopper as hopper_kernels
 
     monkeypatch.setattr(hopper_kernels, "compiler_available", lambda: False)
     monkeypatch.delenv("MQA_BYOC_KERNEL_DIR", raising=False)
-    assert codegen.default_provider(cuda, nvcc=True, native=True) == "native"
-    assert "flash-attn-4" in codegen.hopper_unavailable(cuda)
-    assert "sm_90" in codegen.hopper_unavailable(sm80)
-    assert codegen.default_provider(None, nvcc=True, native=True) == "native"  # no target: CUDA assumed
-    assert codegen.default_provider(cuda, nvcc=False, native=True) == "python"
-    assert codegen.default_provider(cuda, nvcc=True, native=False) == "python"
-    assert codegen.default_provider({"kind": "llvm"}, nvcc=True, native=True) == "python"
+    assert provider_rule.default_provider(cuda, nvcc=True, native=True) == "native"
+    assert "flash-attn-4" in provider_rule.hopper_unavailable(cuda)
+    assert "sm_90" in provider_rule.hopper_unavailable(sm80)
+    assert provider_rule.default_provider(None, nvcc=True, native=True) == "native"  # no target: CUDA assumed
+    assert provider_rule.default_provider(cuda, nvcc=False, native=True) == "python"
+    assert provider_rule.default_provider(cuda, nvcc=True, native=False) == "python"
+    assert provider_rule.default_provider({"kind": "llvm"}, nvcc=True, native=True) == "python"
     with cuda:
-        assert codegen.default_provider(nvcc=True, native=True, hopper=False) == "native"
+        assert provider_rule.default_provider(nvcc=True, native=True, hopper=False) == "native"
     with tvm.target.Target("llvm"):
-        assert codegen.default_provider(nvcc=True, native=True) == "python"
+        assert provider_rule.default_provider(nvcc=True, native=True) == "python"
 
 
 def test_native_provider_plumbing(monkeypatch):
@@ -307,7 +316,7 @@ def test_python_provider_end_to_end_cpu(tmp_path, numpy_forward):
 def test_python_provider_parameter_mapping(tmp_path, numpy_forward):
     """attention(q, k, k): the Codegen function has two parameters; the forwarder maps them."""
     mod = partition(attention_module(h=4, hkv=1, d=32, kv_same=True))
-    site = codegen.find_site(codegen_funcs(mod)[0])
+    site = find_site(codegen_funcs(mod)[0])
     assert site.arg_map == (0, 1, 1) and site.num_inputs == 2
     lib = _build_cpu(mod, tmp_path / "kv_same.so")
     rng = np.random.default_rng(1)
@@ -339,7 +348,7 @@ def _decode_after_concat():
 
 def test_length_shape_parameter_is_accepted(tmp_path, numpy_forward):
     mod = _decode_after_concat()
-    site = codegen.find_site(codegen_funcs(mod)[0])
+    site = find_site(codegen_funcs(mod)[0])
     assert site.num_inputs == 3 and site.shape_params == (2,), site  # q, concat, tir_vars
     lib = _build_cpu(mod, tmp_path / "concat.so")
     rng = np.random.default_rng(2)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mqa_byoc import cli
-from mqa_byoc.compiler.codegen.dispatch import PY_FORWARD_FUNC
+from mqa_byoc.contract import PY_FORWARD_FUNC
 from mqa_byoc.demo import choose_provider
 from mqa_byoc.kernels import KernelKey
 
@@ -52,13 +52,12 @@ def test_demo_quick_path(tmp_path, monkeypatch, capsys):
         pytest.skip("a GPU machine runs the full demo (native kernels, prefill + decode)")
     monkeypatch.setenv("MQA_BYOC_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("MQA_BYOC_KERNEL_DIR", raising=False)
-    monkeypatch.delenv("MQA_BYOC_PROVIDER", raising=False)
     assert cli.main(["demo", "--layers", "1", "--vocab", "256", "--out", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
     assert "attention sites found: 2; offloaded: 2 (2 with native K/V heads)" in out
     assert "kernel provider: python" in out
     assert "Not done here:" in out and "run: no CUDA GPU here" in out
-    from mqa_byoc.compiler.codegen.dispatch import default_provider
+    from mqa_byoc.compiler.provider import default_provider
 
     if default_provider("cuda") == "native":  # nvcc here: the native library was skipped, saying how to get it
         assert "FA2 kernel file(s) not built" in out and "--build-kernels" in out

@@ -143,15 +143,15 @@ def test_mqa_and_window_presets(preset, window):
 def _lowered(mod, mqa: bool):
     """The partitioned ``mod`` through RunCodegen (python provider) and the decoders' CUDA pipeline (no
     kernel compiled): the VM-level functions, and the symbols of the offloaded attentions."""
-    from mqa_byoc.compiler.codegen import dispatch as codegen
     from mqa_byoc.compiler.pipeline import cuda_decoder_pipeline
+    from mqa_byoc.compiler.provider import PROVIDER_OPTION
 
     part = mqa_byoc.partition_for_cutlass(mod, mqa=mqa)
     symbols = {str(f.attrs["global_symbol"]) for f in part.functions.values()
                if f.attrs is not None and "Codegen" in f.attrs}
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
     with target:
-        part = relax.transform.RunCodegen({CODEGEN: {codegen.PROVIDER_OPTION: "python"}})(part)
+        part = relax.transform.RunCodegen({CODEGEN: {PROVIDER_OPTION: "python"}})(part)
         return cuda_decoder_pipeline(target)(part), symbols
 
 

@@ -19,7 +19,8 @@ from tvm import relax
 
 import graphs as G
 from mqa_byoc import offload_report, partition_for_cutlass
-from mqa_byoc.compiler.codegen import dispatch as codegen
+from mqa_byoc.compiler.codegen.sites import find_site
+from mqa_byoc.compiler.graph.spec import AttentionSpec
 
 CUDA = {"kind": "cuda", "arch": "sm_90"}
 LAYOUT_MIXES = [",".join(x) for x in itertools.product(("BSNH", "BNSH"), repeat=3)]
@@ -33,7 +34,7 @@ def build_cuda(mod, provider):
 
 
 def _sites(part):
-    return [codegen.find_site(f) for f in part.functions.values()
+    return [find_site(f) for f in part.functions.values()
             if isinstance(f, relax.Function) and f.attrs is not None and "Codegen" in f.attrs]
 
 
@@ -68,7 +69,7 @@ def test_native_wrapper_maps_parameters_onto_q_k_v():
 def test_shared_operand_and_length_shape_in_native_wrapper():
     from mqa_byoc.compiler.codegen.native import emit_native_source
 
-    spec = codegen.AttentionSpec(8, 2, 64, 64, "float16", 0.125, False)
+    spec = AttentionSpec(8, 2, 64, 64, "float16", 0.125, False)
     code = emit_native_source("s", spec, arg_map=(1, 0, 0), num_inputs=3, shape_params=(2,)).code
     assert "int run_params(DLTensor* in0, DLTensor* in1, tvm::ffi::Shape in2, DLTensor* out)" in code
     assert "return run(in1, in0, in0, out);" in code

@@ -19,7 +19,7 @@ COMPOSITE_VAR_LEN = "flash_attn.attention_var_len"
 #: Every composite name the codegen accepts; a new composite is added here and in the pattern table.
 COMPOSITES = ATTENTION_COMPOSITES + (COMPOSITE_VAR_LEN,)
 
-#: Kernel providers of the codegen (see :mod:`mqa_byoc.compiler.codegen.dispatch`): "native" links FA2,
+#: Kernel providers of the codegen (the rule: :mod:`mqa_byoc.compiler.provider`): "native" links FA2,
 #: "hopper" links FA4's sm90 kernel for prefill and FA2 for decode, "python" calls a registered function.
 PROVIDERS = ("native", "hopper", "python")
 #: The providers whose kernels are linked into the exported library.

@@ -24,7 +24,7 @@ import tvm
 from tvm import relax, te, tirx, topi
 
 import mqa_byoc
-from mqa_byoc.compiler.codegen import dispatch as _codegen
+from mqa_byoc.compiler.codegen.dispatch import spec_of
 from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
 from mqa_byoc.compiler.partition import canonicalize_attention
 
@@ -263,7 +263,7 @@ def _check_partition(res, spec, expects, reported_off, part):
         part_off.add(i)
         e = expects[i]
         try:
-            s = _codegen.spec_of(func)
+            s = spec_of(func)
         except Exception as err:  # noqa: BLE001
             res.add("exception", f"spec_of: {type(err).__name__}", _first_line(err), i)
             continue

@@ -158,7 +158,7 @@ class StandaloneRuns:
 
     def __init__(self, libraries: dict[str, list[tuple[dict, str]]], device: str = "cuda"):
         self.tmp = Path(tempfile.mkdtemp(prefix="mqa-byoc-standalone-"))
-        env = {k: v for k, v in os.environ.items() if k != "MQA_BYOC_PROVIDER"}
+        env = dict(os.environ)
         self.procs, self.done = {}, {}
         for i, (path, entries) in enumerate(sorted(libraries.items())):
             job = {"library": path, "result": str(self.tmp / f"result{i}.json"), "calls": [], "device": device}

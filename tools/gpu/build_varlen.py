@@ -144,7 +144,6 @@ def _partition(case, variant: str, mqa: bool, provider: str):
 
 def build_library(provider: str, out: Path, manifest: dict) -> None:
     import tvm
-    from tvm import relax
 
     import mqa_byoc
 
@@ -159,9 +158,8 @@ def build_library(provider: str, out: Path, manifest: dict) -> None:
             entry["functions"][f"{variant}_{provider}"] = fname
             entry["reports"][variant] = report
             entry["ops_after_partition"][f"{variant}_{provider}"] = ops
-    target = tvm.target.Target(TARGET)
-    with target:
-        ex = tvm.compile(relax.transform.RunCodegen()(tvm.IRModule(funcs)), target=target)
+    # already partitioned (mqa=None), each function with its provider recorded
+    ex = mqa_byoc.build(tvm.IRModule(funcs), TARGET, mqa=None, provider=provider)
     path = out / f"{provider}.so"
     if provider == "native":
         mqa_byoc.export_library(ex, str(path), arch=TARGET["arch"], build=False, progress=print)

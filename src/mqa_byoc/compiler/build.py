@@ -1,6 +1,6 @@
 """``mqa_byoc.build``: partition, generate the FA2 calls and build, in one call.
 
-The long form, for scripts that need a step in between::
+The long form, for scripts that need a step in between (:func:`run_codegen` is the middle step)::
 
     mod = mqa_byoc.partition_for_cutlass(mod, mqa=True, provider=provider)
     with target:
@@ -8,7 +8,7 @@ The long form, for scripts that need a step in between::
         ex = relax.build(mod, target=target, relax_pipeline=pipeline)
 
 :func:`build` is exactly that, with the provider resolved once, here (see
-``mqa_byoc.compiler.codegen.dispatch`` for the rule), and handed to the codegen as its option.
+:mod:`mqa_byoc.compiler.provider` for the rule), and handed to the codegen as its option.
 """
 
 from __future__ import annotations
@@ -18,14 +18,8 @@ from tvm import relax
 
 from mqa_byoc.contract import CODEGEN
 
-from mqa_byoc.compiler.codegen import dispatch as codegen
-
-
-def resolve_build_provider(provider: str | None, target) -> str:
-    """The provider a build uses: ``provider`` when given ("native" / "python"; "auto" = the
-    default rule), else the process-wide setting, ``MQA_BYOC_PROVIDER`` or the default rule for
-    ``target`` (``codegen.resolve_provider``)."""
-    return codegen.resolve_provider(None, {codegen.PROVIDER_OPTION: provider, "target": target})
+from mqa_byoc.compiler.codegen import dispatch  # noqa: F401 - registers relax.ext.flash_attn
+from mqa_byoc.compiler.provider import PROVIDER_OPTION, build_provider
 
 
 def build(mod: tvm.IRModule, target, *, mqa: bool | None = True, provider: str | None = None, pipeline=None):
@@ -41,10 +35,11 @@ def build(mod: tvm.IRModule, target, *, mqa: bool | None = True, provider: str |
         Passed to :func:`mqa_byoc.partition_for_cutlass` (True: FA2 with native K/V heads; False:
         the A/B baseline on expanded K/V). None: ``mod`` is already partitioned (several
         partitions merged into one library, say) and only the codegen and the build run.
-    provider : "native" | "python" | "auto" | None
-        FA2 kernel provider of the offloaded functions that do not name one themselves
-        (``partition_for_cutlass(provider=...)``). None: the process-wide setting
-        (``codegen.use_provider``), ``MQA_BYOC_PROVIDER``, else native when nvcc is found.
+    provider : "native" | "hopper" | "python" | "auto" | None
+        Kernel provider of the offloaded functions that do not name one themselves
+        (``partition_for_cutlass(provider=...)``). None or "auto": the default rule of
+        :mod:`mqa_byoc.compiler.provider` for ``target`` (native when nvcc is found, hopper on
+        sm_90 when FA4 objects can be had, else python).
     pipeline : str | tvm.transform.Pass | None
         ``relax.build``'s ``relax_pipeline``; None is TVM's default for the target. Whole decoders:
         ``mqa_byoc.compiler.pipeline.cuda_decoder_pipeline(target)``.
@@ -58,12 +53,28 @@ def build(mod: tvm.IRModule, target, *, mqa: bool | None = True, provider: str |
     from mqa_byoc.compiler.partition import partition_for_cutlass
 
     target = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
-    provider = resolve_build_provider(provider, target)
     if mqa is not None:
         mod = partition_for_cutlass(mod, mqa=mqa)
+    mod = run_codegen(mod, target, provider=provider)
     with target:
-        mod = relax.transform.RunCodegen({CODEGEN: {codegen.PROVIDER_OPTION: provider}})(mod)
         return relax.build(mod, target=target, relax_pipeline="default" if pipeline is None else pipeline)
+
+
+def run_codegen(mod: tvm.IRModule, target, *, provider: str | None = None) -> tvm.IRModule:
+    """``RunCodegen`` of a partitioned ``mod`` under ``target``, the provider resolved once (as
+    :func:`build` does it, which calls this): for scripts that inspect or lower the module between
+    the codegen and ``relax.build``.
+
+    Returns
+    -------
+    IRModule
+        ``mod`` with each ``flash_attn`` function replaced by a call of its generated kernel
+        (the generated modules in the ``external_mods`` attribute).
+    """
+    target = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
+    provider = build_provider(provider, target)
+    with target:
+        return relax.transform.RunCodegen({CODEGEN: {PROVIDER_OPTION: provider}})(mod)
 
 
 def native_kernel_keys(mod: tvm.IRModule) -> tuple:
@@ -78,7 +89,7 @@ def native_kernel_keys(mod: tvm.IRModule) -> tuple:
     """
     from mqa_byoc.compiler.export import collect_kernel_keys
 
-    generated = relax.transform.RunCodegen({CODEGEN: {codegen.PROVIDER_OPTION: "native"}})(mod)
+    generated = relax.transform.RunCodegen({CODEGEN: {PROVIDER_OPTION: "native"}})(mod)  # no target needed
     keys = set()
     for m in (generated.attrs or {}).get("external_mods", []):
         keys.update(collect_kernel_keys(m))

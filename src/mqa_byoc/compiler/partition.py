@@ -109,10 +109,10 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
     """
     report = []
     require_module(mod, "offload_report")
-    from mqa_byoc.compiler.codegen import dispatch as codegen
     from mqa_byoc.compiler.codegen import hopper as hopper_codegen
+    from mqa_byoc.compiler.provider import build_provider
 
-    chosen = codegen.resolve_provider(None, {codegen.PROVIDER_OPTION: provider, "target": target})
+    chosen = build_provider(provider, target)
     for sites in analyze_module(mod, mqa).values():
         for s in sites:
             ok = s.reason is None
@@ -150,7 +150,7 @@ class AnnotateProvider:
 
     Parameters
     ----------
-    provider : "native" | "python" | None
+    provider : "native" | "hopper" | "python" | None
         Stored as the function attribute :data:`mqa_byoc.contract.PROVIDER_ATTR`, which the codegen
         reads first; None leaves the module unchanged (the codegen's default rule decides).
     """
@@ -191,8 +191,8 @@ def partition_for_cutlass(
         attention is offloaded on the expanded K/V as plain MHA (``flash_attn.attention``).
     annotate_codegen : bool
         Wrap each composite in a function with ``Codegen="flash_attn"`` for ``RunCodegen``.
-    provider : "native" | "python" | None
-        Kernel provider recorded on each offloaded function (see ``mqa_byoc.compiler.codegen.dispatch``);
+    provider : "native" | "hopper" | "python" | None
+        Kernel provider recorded on each offloaded function (see :mod:`mqa_byoc.compiler.provider`);
         None leaves the choice to the codegen's default rule.
     bind_constants : bool
         Passed to ``FuseOpsByPattern``.

@@ -30,7 +30,7 @@ def offloaded_composites(mod) -> dict[str, int]:
     one offloaded function)."""
     from tvm import relax
 
-    from ..compiler.codegen.dispatch import find_site
+    from ..compiler.codegen.sites import find_site
 
     offloaded = {}
     for gv, func in mod.functions.items():

@@ -1,4 +1,5 @@
-"""Codegen of ``flash_attn.attention_var_len`` composites (both providers).
+"""Codegen of ``flash_attn.attention_var_len`` composites, for every provider (native and hopper
+link FA2's var-len forward, python forwards to the run-time registry).
 
 The ``Codegen`` function's parameters are the composite's operands in whatever order (and with
 whatever de-duplication: TVM's Python API passes ``seqstart_q`` for an omitted ``seqstart_k`` and
@@ -28,18 +29,24 @@ from tvm import relax
 
 from mqa_byoc.contract import PY_VAR_LEN_FORWARD_FUNC
 
+from mqa_byoc.compiler.codegen.python import py_function_lookup
+from mqa_byoc.compiler.codegen.sites import CodegenError, composite_call, composite_name_of
+from mqa_byoc.compiler.graph.exprs import get_attr
 from mqa_byoc.compiler.graph.spec import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttentionSpec, static_shape
 from mqa_byoc.compiler.graph.varlen import COMPOSITE, VAR_LEN_OP
 
 OPERANDS = ("q", "k", "v", "seqstart_q", "seqstart_k", "max_seqlen_q", "max_seqlen_k")
 
 
-class VarLenCodegenError(ValueError):
+class VarLenCodegenError(CodegenError):
     """A ``flash_attn.attention_var_len`` function the codegen cannot turn into a kernel call."""
 
 
 @dataclass(frozen=True)
-class VarLenSite:
+class VarLenCodegenSite:
+    """One offloaded var-len attention, read off its ``Codegen`` function (the graph stage's site of
+    the same form is :class:`mqa_byoc.compiler.graph.varlen.VarLenSite`)."""
+
     symbol: str
     spec: AttentionSpec
     arg_map: tuple[int, ...]  # operand OPERANDS[i] is input arg_map[i] of the Codegen function
@@ -47,49 +54,21 @@ class VarLenSite:
     shape_params: tuple[int, ...]
 
 
-def _attr(attrs, key):
-    return attrs[key] if attrs is not None and key in attrs else None
-
-
-def _composite_call(func):
-    """(the call of the local composite, the composite) in a Codegen function, or None."""
-    bindings = [b for block in func.body.blocks for b in block.bindings]
-    local = {b.var: b.value for b in bindings if isinstance(b.value, relax.Function)}
-    for b in bindings:
-        if isinstance(b.value, relax.Call):
-            callee = local.get(b.value.op, b.value.op)
-            if isinstance(callee, relax.Function) and _attr(callee.attrs, "Composite") is not None:
-                return b.value, callee
-    return None
-
-
 def is_var_len(func) -> bool:
     """Whether a ``Codegen="flash_attn"`` function holds a ``flash_attn.attention_var_len`` composite."""
-    if not isinstance(func, relax.Function):
-        return False
-    if _attr(func.attrs, "Composite") is not None:
-        return str(func.attrs["Composite"]) == COMPOSITE
-    found = _composite_call(func)
-    return found is not None and str(found[1].attrs["Composite"]) == COMPOSITE
+    return composite_name_of(func) == COMPOSITE
 
 
-def find_var_len_site(func) -> VarLenSite:
+def find_var_len_site(func) -> VarLenCodegenSite:
     """Read the spec and the operand-to-parameter map off a var-len ``Codegen`` function."""
-    symbol = str(_attr(func.attrs, "global_symbol") or "")
+    symbol = str(get_attr(func.attrs, "global_symbol") or "")
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", symbol):
         raise VarLenCodegenError(f"flash_attn codegen: global_symbol {symbol!r} is not a C identifier")
     params = list(func.params)
-    if _attr(func.attrs, "Composite") is not None:
+    if get_attr(func.attrs, "Composite") is not None:
         composite, outer = func, list(range(len(params)))
     else:
-        call, composite = _composite_call(func)
-        outer = []
-        for j, arg in enumerate(call.args):
-            idx = next((i for i, p in enumerate(params) if p.same_as(arg)), None)
-            if idx is None:
-                raise VarLenCodegenError(f"flash_attn codegen ({symbol}): composite argument {j} is `{arg}`, "
-                                         "not a parameter of the function")
-            outer.append(idx)
+        _, composite, outer = composite_call(func, symbol, VarLenCodegenError)
     body = {b.var: b.value for block in composite.body.blocks for b in block.bindings}
     att = composite.body.body
     while isinstance(att, relax.Var) and att in body:
@@ -105,7 +84,7 @@ def find_var_len_site(func) -> VarLenSite:
                                      "not a composite parameter")
         arg_map.append(outer[idx])
     shape_params = tuple(i for i, p in enumerate(params) if isinstance(p.ty, relax.ShapeType))
-    return VarLenSite(symbol, spec_of_call(att, symbol), tuple(arg_map), len(params), shape_params)
+    return VarLenCodegenSite(symbol, spec_of_call(att, symbol), tuple(arg_map), len(params), shape_params)
 
 
 def spec_of_call(att, symbol="composite") -> AttentionSpec:
@@ -134,12 +113,12 @@ def spec_of_call(att, symbol="composite") -> AttentionSpec:
     return AttentionSpec(h, hkv, d, dv, next(iter(dtypes)), scale, attrs.causal_mask is not None, wl, wr)
 
 
-def _inputs(site: VarLenSite, tensor_type: str) -> str:
+def _inputs(site: VarLenCodegenSite, tensor_type: str) -> str:
     return ", ".join(f"{'tvm::ffi::Shape' if i in site.shape_params else tensor_type} in{i}"
                      for i in range(site.num_inputs))
 
 
-def _operand_lines(site: VarLenSite, tensor_type: str) -> str:
+def _operand_lines(site: VarLenCodegenSite, tensor_type: str) -> str:
     return "\n".join(f"  {tensor_type} {name} = in{i};" for name, i in zip(OPERANDS, site.arg_map))
 
 
@@ -153,10 +132,9 @@ namespace {
 """
 
 
-def emit_python_forwarder(site: VarLenSite) -> str:
+def emit_python_forwarder(site: VarLenCodegenSite) -> str:
     """C++ exporting ``symbol(inputs..., out)`` that forwards to ``mqa_byoc.flash_attn_varlen_forward``
     (the checks are the Python function's)."""
-    from mqa_byoc.compiler.codegen.dispatch import py_function_lookup
 
     spec = site.spec
     lookup = py_function_lookup("MqaByocPyVarLenForward", PY_VAR_LEN_FORWARD_FUNC)
@@ -179,7 +157,7 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC({site.symbol}, mqa_byoc_{site.symbol}::Run);
 
 
 # --------------------------------------------------------------------------- native provider
-def emit_native_source(site: VarLenSite):
+def emit_native_source(site: VarLenCodegenSite):
     """:class:`~.native_codegen.NativeSource` of the wrapper calling ``mqa_byoc_fa2_varlen_forward``."""
     from mqa_byoc.kernels import marker_line, plan_kernels
 

@@ -15,7 +15,7 @@ from tvm import relax, tirx
 
 from mqa_byoc.compiler.graph import masks
 from mqa_byoc.compiler.graph.site import AttentionSite, common_checks, seq_len
-from mqa_byoc.compiler.graph.trace import SINGLE_HEAD, Bindings, Traced, as_int, op_name, prove_equal, shape_of, trace
+from mqa_byoc.compiler.graph.trace import SINGLE_HEAD, Bindings, Traced, op_name, prove_equal, shape_of, trace
 from mqa_byoc.compiler.graph.varlen import var_len_site
 
 _ELEMENTWISE_BETWEEN = (

@@ -51,3 +51,14 @@ def is_flash_attn_function(func) -> bool:
     attrs = getattr(func, "attrs", None)
     return isinstance(func, relax.Function) and attrs is not None and "Codegen" in attrs \
         and str(attrs["Codegen"]) == CODEGEN
+
+
+def get_attr(mapping, key):
+    """``mapping[key]`` of a function's attributes, a codegen option map or a dict; None when the
+    key is missing or the mapping is None."""
+    if mapping is None:
+        return None
+    try:
+        return mapping[key] if key in mapping else None
+    except Exception:  # noqa: BLE001 - tvm Map / DictAttrs / dict all work with `in`; be lenient
+        return None
