@@ -112,7 +112,9 @@ def test_unavailable_reasons(monkeypatch, tmp_path):
 
 
 def test_preset_keys_cover_the_presets():
-    labels = {k.label for k in hopper.preset_keys()}
+    from mqa_byoc.models.presets import attention_shapes
+
+    labels = {k.label for k in hopper.preset_keys(attention_shapes())}
     for want in ("fp16 h128 g8 causal", "bf16 h128 g4 splitkv", "fp16 h64 g71 none", "fp16 h128 g1 local"):
         assert want in labels
 

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from mqa_byoc import cli
-from mqa_byoc.runtime import kernel_plot, profiling, providers
+from mqa_byoc.runtime import backends, kernel_plot, profiling, providers
 from mqa_byoc.runtime.runner import SUMMARY_HEADER, KernelStat, kernel_summary, stat_row
 
 FA_DECODE = ("void mqa_byoc_flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128, 64, 128, 4, false, false, "
@@ -468,7 +468,7 @@ def test_provider_nvtx_range_around_the_kernel(monkeypatch, env, expect):
     monkeypatch.setenv(providers.NVTX_ENV_VAR, env)
     monkeypatch.setattr(providers, "_check", lambda *a: None)
     providers.reset()
-    monkeypatch.setattr(providers, "_backend", _FakeBackend(log))
+    monkeypatch.setattr(backends, "_backend", _FakeBackend(log))
     q, kv = _FakeTensor((1, 1, 64, 128)), _FakeTensor((1, 2048, 8, 128))
     try:
         providers.flash_attn_forward(q, kv, kv, q, 0.088, False, -1, -1)
@@ -487,7 +487,7 @@ def test_provider_nvtx_range_is_closed_when_the_kernel_fails(monkeypatch):
     monkeypatch.setenv(providers.NVTX_ENV_VAR, "1")
     monkeypatch.setattr(providers, "_check", lambda *a: None)
     providers.reset()
-    monkeypatch.setattr(providers, "_backend", _FakeBackend(log, fail=True))
+    monkeypatch.setattr(backends, "_backend", _FakeBackend(log, fail=True))
     q, kv = _FakeTensor((1, 16, 32, 64)), _FakeTensor((1, 16, 1, 64))
     try:
         with pytest.raises(RuntimeError, match="kernel failed"):

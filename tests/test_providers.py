@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tvm_ffi
 
-from mqa_byoc.runtime import providers
+from mqa_byoc.runtime import backends, providers
 from mqa_byoc.runtime.providers import ProviderUnavailableError
 
 
@@ -96,7 +96,7 @@ def test_call_without_cuda_is_a_clear_error(monkeypatch, backend):
         f = tvm_ffi.get_global_func(providers.FORWARD_FUNC)
         with pytest.raises(Exception, match=r"mqa-byoc\[gpu\]"):
             f(x, x, x, x, 0.125, True, -1, -1)
-        assert providers._backend is None  # nothing slower was substituted and cached
+        assert backends._backend is None  # nothing slower was substituted and cached
     finally:
         providers.reset()
 
@@ -106,7 +106,7 @@ def test_flash_attn_requested_but_missing(monkeypatch):
     pytest.importorskip("torch")
     if not _has_cuda_torch():
         pytest.skip("torch has no CUDA here: the CUDA check comes first (see the test above)")
-    if providers._flash_attn_installed():
+    if backends._flash_attn_installed():
         pytest.skip("flash-attn is installed")
     monkeypatch.setenv(providers.ENV_VAR, "flash_attn")
     providers.reset()

@@ -290,8 +290,10 @@ def main(argv=None) -> int:
         return run_demo(args)
     if args.command == "build-kernels" and args.hopper is not None:
         from .kernels import hopper
+        from .models.presets import attention_shapes
 
-        return hopper.run_build(args.hopper, arch=args.arch, out=args.out, dry_run=args.dry_run)
+        return hopper.run_build(args.hopper, shapes=attention_shapes(), arch=args.arch, out=args.out,
+                                dry_run=args.dry_run)
     if args.command == "build-kernels":
         from .kernels import run_build_kernels
 

@@ -127,12 +127,12 @@ def run_demo(args) -> int:
     requested = args.provider if args.provider != "auto" else f"auto-{build_provider(None, target)}"
 
     def missing_kernels():
-        from .compiler.export import _safe_config
+        from .compiler.export import installed_kernel_config
         from .kernels import find_kernels, normalize_arch
 
         keys = native_kernel_keys(part)
         arch = normalize_arch(args.arch)
-        found = find_kernels(keys, arch, _safe_config(arch))
+        found = find_kernels(keys, arch, installed_kernel_config(arch))
         return [k for k in keys if k not in found]
 
     provider, compile_kernels, why = choose_provider(requested, gpu=gpu, build_kernels=args.build_kernels,

@@ -113,7 +113,7 @@ def export_library(
 
     arch = _kernels.normalize_arch(arch or _kernels.detect_arch())
     if allow_missing:
-        found = _kernels.find_kernels(keys, arch, _safe_config(arch))
+        found = _kernels.find_kernels(keys, arch, installed_kernel_config(arch))
         if not build:
             keys = tuple(k for k in keys if k in found)
     objects, libs = _kernels.link_inputs(keys, arch, build=build, jobs=jobs, progress=progress)
@@ -138,7 +138,9 @@ def export_library(
     )
 
 
-def _safe_config(arch):
+def installed_kernel_config(arch):
+    """The FA2 kernel build configuration for ``arch`` without downloading anything; None when it is
+    not at hand."""
     try:
         return _kernels.build_config(arch, download=False, progress=lambda _m: None)
     except NativeKernelsUnavailable:

@@ -21,6 +21,8 @@ observations are pinned in ``tests/test_hf_static.py``; the story is in ``docs/h
 
 from __future__ import annotations
 
+from .hf_config import cache_heads_and_dim
+
 
 def index_put_converter(node, importer):
     """``aten.index_put`` with ``None`` ("all of this axis") entries and one 1-D index tensor.
@@ -98,8 +100,6 @@ def static_example_inputs(model, *, mode: str = "decode", batch: int = 1, seq_le
     if start + n_tok > max_cache_len:
         raise ValueError(f"positions up to {start + n_tok} exceed max_cache_len={max_cache_len}")
     rng = np.random.default_rng(seed)
-    from .hf import cache_heads_and_dim  # hf imports this module's functions lazily too
-
     hkv, d = cache_heads_and_dim(cfg)
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     shape = (batch, hkv, max_cache_len, d)

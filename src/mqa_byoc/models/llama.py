@@ -114,7 +114,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .attention_forms import KV_EXPAND_FORMS, _emit, _nn, _simplify, attention, build_mask  # noqa: F401
+from .attention_forms import KV_EXPAND_FORMS, attention, build_mask, emit_expr, nn_frontend, simplify_index  # noqa: F401
 from .kv_caches import FRESH_LEN_FORMS, FunctionalKV
 from .presets import DecoderConfig
 
@@ -137,18 +137,18 @@ class ParamInfo:
 
 def _rope_tables(positions_start, seq_len, head_dim: int, theta: float, dtype: str):
     """cos / sin tables ``(1, S, 1, D)`` in ``dtype`` for positions start .. start + S - 1."""
-    nn, op = _nn()
+    nn, op = nn_frontend()
     from tvm import relax
 
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    pos = op.arange(positions_start, _simplify(positions_start + seq_len), dtype="float32")
+    pos = op.arange(positions_start, simplify_index(positions_start + seq_len), dtype="float32")
     freqs = op.multiply(
         op.reshape(pos, (seq_len, 1)),
         nn.Tensor.from_const(inv_freq.astype("float32").reshape(1, head_dim // 2)),
     )
     emb = op.concat([freqs, freqs], dim=-1)  # (S, D), HF's non-interleaved layout
-    cos = _emit(relax.op.cos(emb._expr), "rope_cos")
-    sin = _emit(relax.op.sin(emb._expr), "rope_sin")
+    cos = emit_expr(relax.op.cos(emb._expr), "rope_cos")
+    sin = emit_expr(relax.op.sin(emb._expr), "rope_sin")
     if dtype != "float32":
         cos, sin = op.astype(cos, dtype), op.astype(sin, dtype)
     return op.reshape(cos, (1, seq_len, 1, head_dim)), op.reshape(sin, (1, seq_len, 1, head_dim))
@@ -156,14 +156,14 @@ def _rope_tables(positions_start, seq_len, head_dim: int, theta: float, dtype: s
 
 def _apply_rope(x, cos, sin):
     """x * cos + rotate_half(x) * sin on ``(B, S, N, D)``; rotate_half = concat(-x2, x1)."""
-    _, op = _nn()
+    _, op = nn_frontend()
     x1, x2 = op.split(x, 2, axis=-1)
     rot = op.concat([op.negative(x2), x1], dim=-1)
     return op.add(op.multiply(x, cos), op.multiply(rot, sin))
 
 
 def _make_module_classes():
-    nn, op = _nn()
+    nn, op = nn_frontend()
 
     def linear(n_in, n_out, dtype):
         return nn.Linear(n_in, n_out, bias=False, dtype=dtype)
@@ -259,7 +259,7 @@ def _make_module_classes():
             if self.logits_mode == "last":
                 from tvm import relax
 
-                x = _emit(
+                x = emit_expr(
                     relax.op.strided_slice(
                         x._expr, axes=[1], begin=[s - 1], end=[s], assume_inbound=True
                     ),
@@ -366,7 +366,7 @@ def build_decoder(
         window = None
     else:
         window = int(sliding_window)
-    nn, _ = _nn()
+    nn, _ = nn_frontend()
     Decoder, _ = _make_module_classes()
     if kv_cache == "inplace":
         from . import kv_caches
@@ -426,7 +426,7 @@ def build_attention_block(
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if causal_mask not in (None, "BottomRight", "TopLeft"):
         raise ValueError(f"causal_mask must be None, 'BottomRight' or 'TopLeft', got {causal_mask!r}")
-    nn, _ = _nn()
+    nn, _ = nn_frontend()
     _, AttentionBlock = _make_module_classes()
     bdim = "batch" if batch is None else int(batch)
     sdim = "seq_len" if seq_len is None else int(seq_len)
