@@ -228,3 +228,41 @@ def test_non_module_input_is_a_type_error(bad):
     for entry in (partition_for_cutlass, offload_report):
         with pytest.raises(TypeError, match="expects a tvm.IRModule"):
             entry(bad)
+
+
+def test_patterns_are_in_tvms_pattern_registry():
+    """As TVM's own backends do: the table under the prefix "flash_attn", highest priority first, and a
+    user's FuseOpsByPattern with the registered patterns gives the partition's composites."""
+    from tvm.relax.backend.pattern_registry import get_pattern, get_patterns_with_prefix
+
+    from mqa_byoc import CanonicalizeAttention, LegalizeGroupedAttention
+    from mqa_byoc.compiler.graph.patterns import flash_attn_patterns
+
+    registered = get_patterns_with_prefix("flash_attn")
+    assert [p.name for p in registered] == [p.name for p in flash_attn_patterns()]
+    assert {p.name for p in registered} == {"flash_attn.attention_mqa", "flash_attn.attention",
+                                            "flash_attn.attention_var_len"}
+    assert get_pattern("flash_attn.attention_var_len") is not None
+    for name, mqa in (("hf-repeat-kv", True), ("repeat-bsnh", True), ("mqa-repeat", False)):
+        mod = FORMS[name]()
+        seq = tvm.transform.Sequential([
+            CanonicalizeAttention(mqa=mqa),
+            relax.transform.FuseOpsByPattern(get_patterns_with_prefix("flash_attn"), annotate_codegen=True),
+            LegalizeGroupedAttention(),
+        ])
+        ours = partition_for_cutlass(mod, mqa=mqa)
+        assert G.composites(ours)
+        tvm.ir.assert_structural_equal(seq(mod), ours)
+
+
+def test_use_flash_mqa_is_upstreams_name_of_mqa():
+    mod = G.attention_repeat_bsnh()
+    for flag in (True, False):
+        want = partition_for_cutlass(mod, mqa=flag)
+        tvm.ir.assert_structural_equal(partition_for_cutlass(mod, use_flash_mqa=flag), want)
+        tvm.ir.assert_structural_equal(partition_for_cutlass(mod, mqa=flag, use_flash_mqa=flag), want)
+    assert G.composites(partition_for_cutlass(mod, use_flash_mqa=True)) != \
+        G.composites(partition_for_cutlass(mod, use_flash_mqa=False))
+    tvm.ir.assert_structural_equal(partition_for_cutlass(mod), partition_for_cutlass(mod, mqa=True))
+    with pytest.raises(ValueError, match="mqa=True and use_flash_mqa=False disagree"):
+        partition_for_cutlass(mod, mqa=True, use_flash_mqa=False)

@@ -167,12 +167,22 @@ class AnnotateProvider:
         return mod
 
 
+def _mqa_switch(mqa: bool | None, use_flash_mqa: bool | None) -> bool:
+    if mqa is not None and use_flash_mqa is not None and bool(mqa) != bool(use_flash_mqa):
+        raise ValueError(f"partition_for_cutlass: mqa={mqa!r} and use_flash_mqa={use_flash_mqa!r} disagree; they "
+                         "are the same switch (use_flash_mqa is upstream TVM's name): pass one of them")
+    chosen = mqa if mqa is not None else use_flash_mqa
+    return True if chosen is None else bool(chosen)
+
+
 def partition_for_cutlass(
     mod: tvm.IRModule,
-    mqa: bool = True,
+    mqa: bool | None = None,
     annotate_codegen: bool = True,
     provider: str | None = None,
     bind_constants: bool = False,
+    *,
+    use_flash_mqa: bool | None = None,
 ) -> tvm.IRModule:
     """Partition ``mod`` so that attention runs in Flash Attention v2.
 
@@ -185,7 +195,7 @@ def partition_for_cutlass(
     mod : IRModule
         Any Relax module; attention may be ``R.nn.attention`` or an explicit matmul/softmax chain,
         with K/V expanded by repeat / broadcast_to / expand_dims+broadcast_to+reshape, or not.
-    mqa : bool
+    mqa : bool, default True
         True: K/V expansions are removed and FA2 gets the K/V heads natively
         (``flash_attn.attention_mqa``). False (the A/B baseline): expansions stay in the graph and
         attention is offloaded on the expanded K/V as plain MHA (``flash_attn.attention``).
@@ -196,6 +206,9 @@ def partition_for_cutlass(
         None leaves the choice to the codegen's default rule.
     bind_constants : bool
         Passed to ``FuseOpsByPattern``.
+    use_flash_mqa : bool, optional
+        Upstream TVM's name of the same switch (``tvm.relax.backend.cuda.cutlass.partition_for_cutlass``);
+        give ``mqa`` or ``use_flash_mqa``, or both with the same value.
 
     Returns
     -------
@@ -209,9 +222,11 @@ def partition_for_cutlass(
     TypeError
         When ``mod`` is not an IRModule.
     ValueError
-        For an unknown ``provider``.
+        For an unknown ``provider``, or ``mqa`` and ``use_flash_mqa`` that disagree.
     """
     from mqa_byoc.compiler.codegen import dispatch  # noqa: F401 - registers relax.ext.flash_attn
+
+    mqa = _mqa_switch(mqa, use_flash_mqa)
 
     require_module(mod, "partition_for_cutlass")
     # the pattern check sees one call, not its function: it gets the match_cast length facts of

@@ -41,7 +41,7 @@ PIP_REQUIREMENTS = (f"flash-attn-4=={FA4_VERSION}", f"nvidia-cutlass-dsl[cu13]==
 HEAD_DIMS = (64, 128)
 #: "none": no mask; "causal": bottom-right causal; "local": a sliding window (both bounds at run time);
 #: "splitkv": no mask, K/V var-len (cu_seqlens_k) and the LSE written: one query row per chunk of the
-#: keys, the split-KV decode of :mod:`mqa_byoc.native.fa4_decode` (FA4's sm90 path has none of its own)
+#: keys, the split-KV decode of ``native/fa4_decode.cu`` (FA4's sm90 path has none of its own)
 MASKS = ("none", "causal", "local", "splitkv")
 #: arches the objects are built for (FA4's sm90 path needs sm_90a)
 ARCHES = ("sm_90",)

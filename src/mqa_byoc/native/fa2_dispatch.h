@@ -1,7 +1,7 @@
 // C API of the mqa_byoc FA2 forward dispatcher (fa2_dispatch.cc).
 //
 // The codegen's emitted wrappers repeat these declarations (TVM compiles them without our include
-// path); keep the two in sync (mqa_byoc/compiler/native_codegen.py).
+// path); keep the two in sync (mqa_byoc/compiler/codegen/native.py).
 #pragma once
 #include <stddef.h>
 #include <stdint.h>

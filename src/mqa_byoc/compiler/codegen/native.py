@@ -151,7 +151,7 @@ def emit_native_source(symbol: str, spec: AttentionSpec, shape_args: int = 0, *,
     return NativeSource(code, kernels)
 
 
-# C++ that both native wrappers (this module's and varlen_codegen's) open their anonymous namespace
+# C++ that both native wrappers (this module's and codegen/varlen.py's) open their anonymous namespace
 # with: the baked spec, and the helpers every wrapper needs.
 WRAPPER_PRELUDE = r"""constexpr int64_t kHeads = @H@;
 constexpr int64_t kKvHeads = @HKV@;

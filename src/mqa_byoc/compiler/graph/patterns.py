@@ -3,18 +3,21 @@
 The canonicalization (:mod:`.canonicalize`) leaves one form per offloadable site:
 ``R.nn.attention(q, k, v)`` whose operands are plain BSNH tensors or ``permute_dims`` of BNSH ones,
 optionally followed by a permute of the result. One check decides every composite, so the pattern
-table and :func:`mqa_byoc.offload_report` agree.
+table and :func:`mqa_byoc.offload_report` agree. The table is registered in TVM's pattern registry
+under the prefix ``flash_attn`` (:func:`register_flash_attn_patterns`), as TVM's cuBLAS and CUTLASS
+backends register theirs.
 """
 
 from __future__ import annotations
 
 from functools import partial
 
+from tvm.relax.backend.pattern_registry import register_patterns
 from tvm.relax.backend.utils import has_leaking_intermediate_variables
 from tvm.relax.dpl import is_op, wildcard
 from tvm.relax.transform import FusionPattern, PatternCheckContext
 
-from mqa_byoc.contract import ATTENTION_COMPOSITES, composite_name
+from mqa_byoc.contract import ATTENTION_COMPOSITES, CODEGEN, composite_name
 
 from mqa_byoc.compiler.graph.analysis import check_attention_call
 from mqa_byoc.compiler.graph.varlen import var_len_fusion_pattern
@@ -88,3 +91,24 @@ def flash_attn_patterns(composites=ATTENTION_COMPOSITES, output_permute: bool = 
             table.append(FusionPattern(name, pattern, annotations, partial(check_attention, name, facts)))
     table.append(var_len_fusion_pattern())  # matches R.nn.attention_var_len only: cheap
     return table
+
+
+#: The name prefix of every pattern this module registers in TVM's pattern registry: the codegen's name.
+PATTERN_PREFIX = CODEGEN
+
+
+def register_flash_attn_patterns() -> None:
+    """Register :func:`flash_attn_patterns` in TVM's pattern registry (done at import), so that
+    ``tvm.relax.backend.pattern_registry.get_patterns_with_prefix("flash_attn")`` returns them, highest
+    priority first, for ``FuseOpsByPattern`` as with TVM's own backends.
+
+    The registered checks know no module, so they prove ``S_q <= S_kv`` without the module's
+    match_cast facts; :func:`mqa_byoc.partition_for_cutlass` builds the table with those facts and
+    runs the canonicalization the patterns expect before them (the registered patterns match the
+    canonical ``R.nn.attention`` / ``R.nn.attention_var_len`` calls only)."""
+    # the registry gives later entries the higher priority; tuples get TVM's clean-up at exit
+    register_patterns([(p.name, p.pattern, dict(p.annotation_patterns), p.check)
+                       for p in reversed(flash_attn_patterns())])
+
+
+register_flash_attn_patterns()
