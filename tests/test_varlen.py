@@ -18,9 +18,10 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 import mqa_byoc
-from mqa_byoc.compiler.graph import varlen
 from mqa_byoc.compiler.codegen import varlen as varlen_codegen
+from mqa_byoc.compiler.graph import varlen
 from mqa_byoc.compiler.partition import canonicalize_attention
+from mqa_byoc.contract import PY_VAR_LEN_FORWARD_FUNC
 import graphs as G
 from varlen_graphs import seqstarts, var_len_attention, var_len_reference
 
@@ -279,7 +280,7 @@ def test_arg_map_follows_deduplicated_parameters():
 def test_python_provider_builds_and_exports(tmp_path):
     ex = _build(var_len_attention(window=8, scale=0.2), "python")
     src = _sources(ex)
-    assert varlen_codegen.PY_VAR_LEN_FORWARD_FUNC in src and "0.2" in src
+    assert PY_VAR_LEN_FORWARD_FUNC in src and "0.2" in src
     ex.export_library(str(tmp_path / "varlen_python.so"))  # compiles the forwarder
     assert (tmp_path / "varlen_python.so").stat().st_size > 0
 
