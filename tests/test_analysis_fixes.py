@@ -1,4 +1,4 @@
-"""Issue 10 item 4: what the analysis reports for runtime biases, tile-expanded sites, masks applied
+"""What the analysis reports for runtime biases, tile-expanded sites, masks applied
 before the scale, cast scale constants, and non-module inputs."""
 
 import math

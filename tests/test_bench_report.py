@@ -42,12 +42,12 @@ def test_preset_shapes_group_presets(bench):
     assert shapes["h71-kv1-d64"]["notes"] == []
 
 
-def test_issue6_expansion(bench):
-    cases = bench.expand_suite("issue6")
+def test_presets_expansion(bench):
+    cases = bench.expand_suite("presets")
     assert len(cases) == 3 * 2 * (3 + 4)
     assert len({c["name"] for c in cases}) == len(cases)
     for c in cases:
-        assert c["suite"] == "issue6" and c["group"] == c["dtype"]
+        assert c["suite"] == "presets" and c["group"] == c["dtype"]
         if c["mode"] == "prefill":
             assert c["causal"] and c["s_q"] == c["s_kv"] and c["s_kv"] in (1024, 4096, 16384)
         else:
@@ -58,19 +58,19 @@ def test_issue6_expansion(bench):
     assert stock == {("prefill", 1024), ("decode", 1024), ("decode", 4096), ("decode", 16384), ("decode", 32768)}
     names = {c["name"] for c in cases}
     assert "h71-kv1-d64-bf16-decode-32k" in names and "h64-kv8-d128-fp16-prefill-16k" in names
-    only = bench.expand_suite("issue6", shapes=["h71-kv1-d64"])
+    only = bench.expand_suite("presets", shapes=["h71-kv1-d64"])
     assert len(only) == 14 and {c["shape"] for c in only} == {"h71-kv1-d64"}
 
 
-def test_issue4_kept(bench):
-    assert bench.expand_suite("issue4") == bench.SUITES["issue4"]
-    assert [c["name"] for c in bench.SUITES["issue4"]] == ["decode-16k", "prefill-2k-causal"]
+def test_smoke_kept(bench):
+    assert bench.expand_suite("smoke") == bench.SUITES["smoke"]
+    assert [c["name"] for c in bench.SUITES["smoke"]] == ["decode-16k", "prefill-2k-causal"]
     with pytest.raises(KeyError):
         bench.expand_suite("nope")
 
 
 def test_case_variants(bench):
-    cases = {c["name"]: c for c in bench.expand_suite("issue6")}
+    cases = {c["name"]: c for c in bench.expand_suite("presets")}
     pre = bench.case_variants(cases["h64-kv8-d128-fp16-prefill-1k"], ["native"], "attn-fp16.so", "tvm-llm-fp16.so")
     assert set(pre) == {"mqa-native", "repeat-native", "stock-tvm", "tvm-llm-ragged", "tvm-llm-paged"}
     assert pre["tvm-llm-ragged"]["kernel"] == "batch_prefill_ragged_kv"
@@ -156,7 +156,7 @@ def test_compare_outputs(bench):
 
 
 def _rec(case, variant, us, mode="decode", dtype="float16", seq=16384, **kw):
-    base = dict(benchmark="attention", suite="issue6", case=case, shape="h64-kv8-d128",
+    base = dict(benchmark="attention", suite="presets", case=case, shape="h64-kv8-d128",
                 model="llama2-70b/codellama-34b", mode=mode, dtype=dtype, num_q_heads=64, num_kv_heads=8,
                 head_dim=128, seq_q=1 if mode == "decode" else seq, seq_kv=seq, variant=variant, us=us)
     base.update(kw)
@@ -165,10 +165,10 @@ def _rec(case, variant, us, mode="decode", dtype="float16", seq=16384, **kw):
 
 def _synthetic():
     return {
-        "benchmark": "attention", "suite": "issue6", "command": "benchmarks/attention.py run ...",
+        "benchmark": "attention", "suite": "presets", "command": "benchmarks/attention.py run ...",
         "date": "2026-12-01T10:00:00+00:00", "gpu": "NVIDIA H200", "hbm_peak_tb_s": 4.8,
         "rel_tol": {"float16": 0.02, "bfloat16": 0.05}, "budget_ms": 250, "max_iters": 200, "idle_s": 1.0,
-        "build": {"build_command": "python benchmarks/attention.py build --suite issue6", "tvm": "0.27",
+        "build": {"build_command": "python benchmarks/attention.py build --suite presets", "tvm": "0.27",
                   "offload": {"a": {"variant": "mqa-native", "check": "ok"},
                               "b": {"variant": "repeat-native", "check": "ok"}},
                   "llm_cpu_check": [{"kernel": "batch_decode_paged_kv", "max_abs_err": 3e-7, "ok": True}],
@@ -193,8 +193,8 @@ def _synthetic():
 
 
 def test_render_markdown(bench):
-    md = bench.render_markdown(_synthetic(), plots=["/x/2026-12-01-attention-issue6-fp16.png"])
-    assert "# Attention microbenchmarks — suite `issue6`" in md
+    md = bench.render_markdown(_synthetic(), plots=["/x/2026-12-01-attention-presets-fp16.png"])
+    assert "# Attention microbenchmarks — suite `presets`" in md
     assert "NVIDIA H200" in md and "4.8 TB/s" in md
     lines = md.splitlines()
     pre_hdr = next(ln for ln in lines if ln.startswith("| shape") and "| S |" in ln)
@@ -213,7 +213,7 @@ def test_render_markdown(bench):
     assert "max abs err 3.0e-07" in md
     assert "h71-kv1-d64 fp16: TVM's `batch_decode_paged_kv` thread layout writes only 68 of the 71" in md
     assert "h64-kv8-d128 fp16: TVM" not in md
-    assert "![2026-12-01-attention-issue6-fp16.png](2026-12-01-attention-issue6-fp16.png)" in md
+    assert "![2026-12-01-attention-presets-fp16.png](2026-12-01-attention-presets-fp16.png)" in md
     clock_hdr = lines.index("## SM clock during the timed loops")
     clock_row = next(ln for ln in lines[clock_hdr:] if ln.startswith("| p1k"))
     assert clock_row == "| p1k | 226 TF/s at 1,575 MHz; CUPTI at 1,980 | 215 TF/s at 1,980 MHz | sw_power_cap |"
@@ -225,8 +225,8 @@ def test_report_files(bench, tmp_path):
     src.write_text(json.dumps(_synthetic()))
     out = tmp_path / "results"
     bench.main(["report", str(src), "--out-dir", str(out), "--no-plots"])
-    assert sorted(os.listdir(out)) == ["2026-12-01-attention-issue6.json", "2026-12-01-attention-issue6.md"]
-    assert json.loads((out / "2026-12-01-attention-issue6.json").read_text())["gpu"] == "NVIDIA H200"
+    assert sorted(os.listdir(out)) == ["2026-12-01-attention-presets.json", "2026-12-01-attention-presets.md"]
+    assert json.loads((out / "2026-12-01-attention-presets.json").read_text())["gpu"] == "NVIDIA H200"
 
 
 def test_merge_runs(bench):
@@ -237,7 +237,7 @@ def test_merge_runs(bench):
     assert len(merged["records"]) == len(first["records"])
     stock = [r for r in merged["records"] if r["case"] == "d16k" and r["variant"] == "stock-tvm"]
     assert stock[0]["us"] == 7000.0 and "error" not in stock[0]
-    assert merged["suite"] == "issue6" and "run --cases d16k" in merged["command"]
+    assert merged["suite"] == "presets" and "run --cases d16k" in merged["command"]
     assert bench.merge_runs([first]) == first
 
 

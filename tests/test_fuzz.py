@@ -1,4 +1,4 @@
-"""The fuzzer's short profile (issue 10 item 8): random attention graphs, every invariant.
+"""The fuzzer's short profile: random attention graphs, every invariant.
 
 One property test per invariant family, all drawing the same seeded examples (their checks are
 computed once and shared), the graphs of every bug found so far first. The long run is ``tools/fuzz.py``.

@@ -1,4 +1,4 @@
-"""Issue 10 item 1: the standard HF path. A Llama (GQA) / Mistral (MQA) decoder exported with
+"""The standard HF path. A Llama (GQA) / Mistral (MQA) decoder exported with
 ``torch.export`` and imported with plain ``from_exported_program`` (no custom convert map), then
 ``ToMixedPrecision(out_dtype="float16")``: every layer's attention is offloaded as one composite with
 the K/V expansion removed, and the rewrite computes what the graph does.

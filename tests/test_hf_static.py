@@ -1,4 +1,4 @@
-"""Issue 13 item 3: HF's StaticCache through torch.export (2.13, strict=False) and TVM 0.27's
+"""HF's StaticCache through torch.export (2.13, strict=False) and TVM 0.27's
 ``from_exported_program`` (see docs/hf_kv_caches.md).
 
 Pinned here, so that a torch / transformers / TVM upgrade that changes one shows up:

@@ -1,4 +1,4 @@
-"""Issue 10 item 2: a site reported offloaded is partitioned and builds with both providers, and a
+"""A site reported offloaded is partitioned and builds with both providers, and a
 site that is not offloaded stays buildable.
 
 - operands in any mix of BSNH / BNSH (composite parameters in any order) build with the native

@@ -1,4 +1,4 @@
-"""R.nn.attention_var_len (issue 10 item 3): report, partition, rejections, rewrite numerics, codegen.
+"""R.nn.attention_var_len: report, partition, rejections, rewrite numerics, codegen.
 
 CPU only. TVM cannot lower attention_var_len, so the numerics replace every var-len call (before and
 after the rewrite) by the NumPy reference of tests/varlen_graphs.py through ``call_dps_packed``: the

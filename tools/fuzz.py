@@ -1,4 +1,4 @@
-"""Long fuzz run of the attention partition (issue 10 item 8).
+"""Long fuzz run of the attention partition.
 
     python tools/fuzz.py --graphs 1000 --seed 1 --json fuzz.json
 

@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the attention partition (issue 10 item 8).
+"""Property-based fuzzing of the attention partition.
 
 - :mod:`.gen`: random attention graph specs (``GraphSpec``), driven by a plain ``random.Random``
   (``tools/fuzz.py``) or by hypothesis (``tests/test_fuzz.py``) through one chooser interface;

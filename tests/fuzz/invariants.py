@@ -1,4 +1,4 @@
-"""The invariants checked on one generated graph (issue 10 item 8).
+"""The invariants checked on one generated graph.
 
 1. ``report``: offload_report and partition_for_cutlass agree: a site reported offloaded is in a
    ``flash_attn`` composite after the partition, and no other attention is;

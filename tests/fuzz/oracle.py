@@ -105,7 +105,7 @@ def expect(spec: GraphSpec, i: int) -> Expect:
         e.causes.append(("rows zeroed where any score is -inf", ROW_GUARD))
     e.offload = not e.causes
     if site.form == "varlen":
-        # being added (issue 10 item 3): only the rejections FA2 itself forces are expected
+        # being added: only the rejections FA2 itself forces are expected
         e.causes = [c for c in e.causes if c[0] in ("dtype", "head dim")]
         e.offload = False if e.causes else None
     if site.window_without_causal:

@@ -44,7 +44,9 @@ def env():
         pytest.skip(gpu_common.skip_reason())
     import torch
     if os.environ.get("TVM_USE_RUNTIME_LIB") == "1":
-        import boot  # noqa: F401 - .devkit/boot.py: CUDA runtime + nvcc hook
+        from mqa_byoc.deploy import prepare_runtime
+
+        prepare_runtime()  # the runtime kit's set-up: CUDA runtime + nvcc hook
     if len(_libraries()) != 2:
         pytest.skip(f"no paged pair in {ARTIFACTS}: build it with the command in this file's docstring")
     import tvm

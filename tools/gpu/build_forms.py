@@ -19,7 +19,7 @@ carried alone, without what else lives in ``.gpu-artifacts``):
   the VM functions ``<case>__mqa`` and ``<case>__nomqa`` of every case of the group, each exactly
   ``partition_for_cutlass(<case graph>, mqa=True/False, provider=...)`` with ``main`` renamed. Native
   libraries embed FA2 kernels (MBs): sharing links them once per group instead of twice per case, so
-  every case gets native variants within the carry limit.
+  every case gets native variants within 64 MiB.
 
 ``--build-native-kernels`` allows compiling missing FA2 kernel objects (minutes each); otherwise a
 group whose kernels are missing gets no native library, and its cases' manifests say why.
@@ -196,7 +196,7 @@ CASES = [
          dict(GQA, b=1, s=64, s_kv=192, window=48, dtype="bfloat16")),
     Case("window_gqa_f16_decode", "1 repeat+window", "attention_repeat_bsnh",
          dict(GQA, b=2, s=1, s_kv=300, window=128)),
-    # mixed layouts (issue 10 item 2): composite parameters in any order, BNSH operands as strides
+    # mixed layouts: composite parameters in any order, BNSH operands as strides
     Case("mixed_q_bsnh_kv_bnsh_f16_causal", "1+5 mixed layouts", "attention_mixed_layouts",
          dict(GQA, b=2, s=128, layouts="BSNH,BNSH,BNSH")),
     Case("mixed_q_bsnh_kv_bnsh_out_bnsh_bf16_chunked", "1+5 mixed layouts", "attention_mixed_layouts",
@@ -570,7 +570,7 @@ def main(argv=None) -> int:
     total = sum(files.values())
     folder = sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file())
     print(f"total {total / 2**20:.1f} MiB in {len(files)} files ({time.time() - t0:.0f}s); the folder {args.out} "
-          f"holds {folder / 2**20:.1f} MiB in all (carry limit 64 MiB with .devkit)")
+          f"holds {folder / 2**20:.1f} MiB in all (copied to the GPU machine with the runtime kit)")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Build the var-len GPU artifacts (issue 10 item 3): run here (full TVM, nvcc), test on the GPU with
+"""Build the var-len GPU artifacts: run here (full TVM, nvcc), test on the GPU with
 ``tests/gpu/test_gpu_varlen.py`` (runtime-only TVM).
 
     python tools/gpu/build_varlen.py [--out .gpu-artifacts/varlen] [--no-native]
