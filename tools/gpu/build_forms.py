@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build the GPU test artifacts on a machine with the full apache-tvm (no GPU needed).
 
-Every case (see CASES, ``--list``) is one graph from ``tests/graphs.py`` in one of the forms
+Every case (see CASES, ``--list``) is one graph from ``mqa_byoc.testing.graphs`` in one of the forms
 ``partition_for_cutlass`` matches (README "What is matched"), small shapes with realistic head counts.
 Written into ``--out`` (default ``.gpu-artifacts/tests``, git-ignored; its own folder, so that it can be
 carried alone, without what else lives in ``.gpu-artifacts``):
@@ -78,7 +78,7 @@ BUILDERS = {
 
 @dataclass(frozen=True)
 class Case:
-    """One graph: ``tests/graphs.<builder>(**kwargs)``. Symbolic dims (str) get their values from ``run``."""
+    """One graph: ``mqa_byoc.testing.graphs.<builder>(**kwargs)``. Symbolic dims (str) get their values from ``run``."""
 
     name: str
     form: str  # README "What is matched" number and a word
@@ -232,7 +232,7 @@ CASES = [
 
 
 def build_graph(case: Case):
-    import graphs
+    from mqa_byoc.testing import graphs
 
     return getattr(graphs, case.builder)(**case.kwargs)
 

@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-for p in (ROOT / "src", ROOT / "tests", ROOT / "tests" / "gpu", ROOT / "tools" / "gpu"):
+for p in (ROOT / "src", ROOT / "tests" / "gpu", ROOT / "tools" / "gpu"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 

@@ -32,9 +32,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "tests"))
 
-from varlen_graphs import seqstarts, var_len_attention  # noqa: E402
+from mqa_byoc.testing.varlen_graphs import seqstarts, var_len_attention  # noqa: E402
 from mqa_byoc.contract import COMPOSITE_VAR_LEN  # noqa: E402
 
 TARGET = {"kind": "cuda", "arch": "sm_90"}

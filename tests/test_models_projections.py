@@ -185,7 +185,7 @@ def separate_reference():
     (False, "inplace", "float16", True),  # the separate form's mqa rewrite on the in-place cache
 ], ids=["fused-functional-f32", "separate-inplace-f16-mqa-rewrite"])
 def test_forms_agree_on_one_set_of_weights(separate_reference, fused, kv_cache, dtype, mqa):
-    """(The fused form's mqa rewrite on both caches: tests/test_kvcache_inplace.py, whose decoders are fused.)"""
+    """(The fused form's mqa rewrite on both caches: tests/test_models_inplace_cache.py, whose decoders are fused.)"""
     from mqa_byoc.compiler.gqa_legalize import LegalizeGroupedAttention
     from mqa_byoc.compiler.partition import canonicalize_attention
 

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 from tvm import relax  # noqa: E402
 
-import graphs as G  # noqa: E402
+from mqa_byoc.testing import graphs as G  # noqa: E402
 from mqa_byoc import offload_report, partition_for_cutlass  # noqa: E402
 
 H, HKV, D = 8, 2, 32

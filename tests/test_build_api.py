@@ -12,7 +12,7 @@ import pytest
 tvm = pytest.importorskip("tvm")
 relax = pytest.importorskip("tvm.relax")
 
-import graphs  # noqa: E402
+from mqa_byoc.testing import graphs  # noqa: E402
 import mqa_byoc  # noqa: E402
 from mqa_byoc.compiler import codegen  # noqa: E402
 from mqa_byoc.compiler.export import _iter_modules, _root_module  # noqa: E402

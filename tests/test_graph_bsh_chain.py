@@ -19,7 +19,7 @@ import tvm
 from tvm import relax
 from tvm.relax import op as R
 
-import graphs as G
+from mqa_byoc.testing import graphs as G
 import mqa_byoc
 from mqa_byoc.compiler.export import _iter_modules, _root_module
 from mqa_byoc.compiler.gqa_legalize import LegalizeGroupedAttention

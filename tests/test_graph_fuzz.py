@@ -16,8 +16,8 @@ import random
 from hypothesis import HealthCheck, Phase, example, given, seed, settings
 from hypothesis import strategies as st
 
-from fuzz.gen import GraphSpec, HypothesisChooser, KVGroup, RandomChooser, Site, draw_graph
-from fuzz.invariants import check_graph
+from mqa_byoc.testing.fuzz.gen import GraphSpec, HypothesisChooser, KVGroup, RandomChooser, Site, draw_graph
+from mqa_byoc.testing.fuzz.invariants import check_graph
 
 _COMMON = dict(deadline=None, database=None, derandomize=False, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
@@ -47,7 +47,7 @@ def _result(spec):
     return _RESULTS[spec]
 
 
-# The shrunk graphs of the bugs the first long runs found (tests/fuzz/known_violations.md, all fixed),
+# The shrunk graphs of the bugs the first long runs found (src/mqa_byoc/testing/fuzz/known_violations.md, all fixed),
 # checked first by every property test so that none comes back.
 KNOWN = (
     # native RunCodegen: composite parameters (2, 0, 1) when only V is BNSH

@@ -9,7 +9,7 @@ import pytest
 from tvm import relax
 from tvm.relax import op as R
 
-import graphs as G
+from mqa_byoc.testing import graphs as G
 from mqa_byoc import offload_report, partition_for_cutlass
 
 HKV, R_, D = 2, 4, 32

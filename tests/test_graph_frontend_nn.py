@@ -9,7 +9,7 @@ import pytest
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op, spec
 
-import graphs as G
+from mqa_byoc.testing import graphs as G
 from mqa_byoc import offload_report, partition_for_cutlass
 
 H, HKV, D = 8, 2, 32

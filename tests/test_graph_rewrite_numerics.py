@@ -12,7 +12,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-import graphs as G
+from mqa_byoc.testing import graphs as G
 from mqa_byoc.compiler.canonicalize import canonicalize_attention
 from mqa_byoc.compiler.gqa_legalize import LegalizeGroupedAttention
 

@@ -387,7 +387,7 @@ def test_fixes_map_takes_negative_list_indices_from_the_end(hf):
     torch = pytest.importorskip("torch")
     from tvm.relax.frontend.torch import from_exported_program
 
-    import graphs as G
+    from mqa_byoc.testing import graphs as G
 
     class Index(torch.nn.Module):
         def forward(self, x, i):

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-import graphs
+from mqa_byoc.testing import graphs
 from mqa_byoc import cli
 from mqa_byoc.runtime import profiling
 from mqa_byoc.runtime.runner import KernelStat
-from test_profile import _FakeRunner, fake_gpu  # noqa: F401 - fake_gpu is a fixture
+from test_runtime_profile import _FakeRunner, fake_gpu  # noqa: F401 - fake_gpu is a fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDED = ROOT / "benchmarks" / "results" / "2026-11-30-paged-attention.json"
@@ -316,7 +316,7 @@ def test_the_png_of_a_paged_pair_says_so(tmp_path, monkeypatch):
     import matplotlib.figure
 
     from mqa_byoc.runtime import kernel_plot
-    from test_profile import synthetic_profile
+    from test_runtime_profile import synthetic_profile
 
     data = synthetic_profile()
     for rec in data["modes"].values():

@@ -7,7 +7,7 @@ from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
 
-import graphs as G
+from mqa_byoc.testing import graphs as G
 from mqa_byoc import offload_report, partition_for_cutlass
 from mqa_byoc.compiler.partition import canonicalize_attention
 

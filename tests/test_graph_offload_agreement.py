@@ -17,7 +17,7 @@ import pytest
 import tvm
 from tvm import relax
 
-import graphs as G
+from mqa_byoc.testing import graphs as G
 from mqa_byoc import offload_report, partition_for_cutlass
 from mqa_byoc.compiler import codegen
 

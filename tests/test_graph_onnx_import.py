@@ -15,7 +15,7 @@ pytest.importorskip("onnx")
 
 from tvm import relax  # noqa: E402
 
-import graphs as G  # noqa: E402
+from mqa_byoc.testing import graphs as G  # noqa: E402
 from mqa_byoc import offload_report, partition_for_cutlass  # noqa: E402
 
 H, D = 8, 32

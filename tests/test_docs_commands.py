@@ -192,7 +192,7 @@ def _run_simple(argv: list[str], tmp_path: Path, monkeypatch) -> None:
         return None  # Nsight Systems' report tool: external
     if head == "source" and rest == [".devkit/setup.sh"]:
         return None  # the GPU machine's runtime kit, not part of the repository
-    raise AssertionError(f"README command not covered by tests/test_readme_commands.py: {' '.join(argv)}")
+    raise AssertionError(f"README command not covered by tests/test_docs_commands.py: {' '.join(argv)}")
 
 
 COMMANDS = readme_commands(README.read_text())

@@ -1,7 +1,7 @@
 """CanonicalizeAttention on the main graph forms: Before -> Expected, like TVM's own transform tests.
 
 Shapes are tiny (H = 4 query heads over H_kv = 2 K/V heads, S = 4, D = 64); the numerics of the
-same rewrites are checked in test_rewrite_numerics.py."""
+same rewrites are checked in test_graph_rewrite_numerics.py."""
 
 import tvm
 from tvm.script import ir as I

@@ -1,7 +1,7 @@
 """R.nn.attention_var_len: report, partition, rejections, rewrite numerics, codegen.
 
 CPU only. TVM cannot lower attention_var_len, so the numerics replace every var-len call (before and
-after the rewrite) by the NumPy reference of tests/varlen_graphs.py through ``call_dps_packed``: the
+after the rewrite) by the NumPy reference of mqa_byoc.testing.varlen_graphs through ``call_dps_packed``: the
 original graph runs it on the expanded K/V (plain MHA), the rewritten one on the un-expanded K/V
 (query head h reads K/V head h // group); the reference itself is checked against PyTorch's SDPA.
 """
@@ -20,8 +20,8 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 import mqa_byoc
 from mqa_byoc.compiler import varlen, varlen_codegen
 from mqa_byoc.compiler.partition import canonicalize_attention
-import graphs as G
-from varlen_graphs import seqstarts, var_len_attention, var_len_reference
+from mqa_byoc.testing import graphs as G
+from mqa_byoc.testing.varlen_graphs import seqstarts, var_len_attention, var_len_reference
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
 EXPANSION_OPS = {"relax.repeat", "relax.broadcast_to", "relax.expand_dims", "relax.tile"}

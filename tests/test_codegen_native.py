@@ -367,7 +367,7 @@ def test_dispatcher_compiles_and_links(clean_env):
 @needs_gxx
 def test_export_links_native_wrapper_and_loads(clean_env):
     tvm = pytest.importorskip("tvm")
-    from graphs import import_c_source, site_call_executable
+    from mqa_byoc.testing.graphs import import_c_source, site_call_executable
     from tvm import relax
 
     from mqa_byoc.compiler import export as E

@@ -10,7 +10,7 @@ import tvm
 from tvm import relax
 from tvm.relax import op as R
 
-import graphs as G
+from mqa_byoc.testing import graphs as G
 from mqa_byoc import offload_report, partition_for_cutlass
 from mqa_byoc.compiler.gqa_legalize import LegalizeGroupedAttention
 from mqa_byoc.compiler.partition import canonicalize_attention

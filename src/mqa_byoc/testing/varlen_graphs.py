@@ -1,7 +1,7 @@
 """Relax graphs of ``R.nn.attention_var_len`` (upstream's CUTLASS var-len tests, with K/V expanded or not)
 and a NumPy reference for var-len attention (per sequence, query head h uses K/V head h // (H / H_kv)).
 
-Shared by tests/test_varlen.py and tools/gpu/build_varlen.py (which imports this file by path).
+Shared by tests/test_graph_varlen.py and tools/gpu/build_varlen.py.
 """
 
 from __future__ import annotations

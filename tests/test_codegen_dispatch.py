@@ -18,8 +18,8 @@ import textwrap
 import numpy as np
 import pytest
 import tvm
-import graphs as G
-from graphs import dim_maker
+from mqa_byoc.testing import graphs as G
+from mqa_byoc.testing.graphs import dim_maker
 import tvm_ffi
 from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
@@ -349,7 +349,7 @@ def test_length_shape_parameter_is_accepted(tmp_path, numpy_forward):
     k = np.concatenate([pk, nk], axis=1)
     ref = np_attention(q, k, k, 1 / math.sqrt(64), False)
     np.testing.assert_allclose(_run(lib, q, pk, nk).astype("float32"), ref, atol=2e-2)
-    # the native provider's wrapper for it (that such a source compiles: test_native_codegen)
+    # the native provider's wrapper for it (that such a source compiles: test_codegen_native)
     from mqa_byoc.compiler.native_codegen import emit_native_source
 
     code = emit_native_source("s", spec_of(codegen_funcs(mod)[0]), shape_args=len(site.shape_params)).code

@@ -20,7 +20,7 @@ import tvm  # noqa: E402
 from tvm import relax  # noqa: E402
 from tvm.relax.frontend.torch import from_exported_program  # noqa: E402
 
-import graphs as G  # noqa: E402
+from mqa_byoc.testing import graphs as G  # noqa: E402
 from mqa_byoc import offload_report, partition_for_cutlass  # noqa: E402
 from mqa_byoc.models import hf  # noqa: E402
 from mqa_byoc.models.hf_static import index_put_converter, static_example_inputs, static_wrapper  # noqa: E402

@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-import graphs
+from mqa_byoc.testing import graphs
 import mqa_byoc
 from mqa_byoc.compiler import hopper_codegen, native_codegen
 from mqa_byoc.compiler.spec import AttentionSpec

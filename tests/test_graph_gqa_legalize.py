@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from graphs import dim_maker
+from mqa_byoc.testing.graphs import dim_maker
 import tvm_ffi
 from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
@@ -192,7 +192,7 @@ def test_indivisible_heads_raise():
 def test_window_is_lowered_through_a_bias(sq, skv, causal, window):
     """TVM 0.27 cannot lower window_size; the pass spells the window as a bias (FA2's semantics:
     bottom-right aligned, the ``window`` keys up to the diagonal; TopLeft aligns at 0)."""
-    import graphs as G
+    from mqa_byoc.testing import graphs as G
 
     bb = relax.BlockBuilder()
     q = relax.Var("q", relax.TensorType([1, sq, 4, 8], "float32"))
