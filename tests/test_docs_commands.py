@@ -1,17 +1,21 @@
-"""Every command README.md shows is run here: parsed by its real parser, or dry-run where running is slow.
+"""Every command the README, the docs/ pages and tests/gpu/README.md show is run here: parsed by its real
+parser, or run where that takes seconds (dry-run where running takes minutes); and the README's
+compile-script example runs.
 
 Commands are taken from fenced shell blocks, indented code blocks and inline code spans that start
 with a command word. Each one must match a handler below; a command no handler covers fails
-:func:`test_readme_command`, so a new README command needs a line here.
+:func:`test_doc_command`, so a new documented command needs a line here.
 
 - ``mqa-byoc ...`` / ``python -m mqa_byoc.cli ...`` / ``python -m mqa_byoc.kernels ...``: parsed by
-  :func:`mqa_byoc.cli.build_parser`; ``build-kernels`` is also run with ``--dry-run``; a bare command
-  name (``mqa-byoc profile``) must answer ``--help``.
-- ``python SCRIPT.py ...`` (also ``python3 -m boot SCRIPT.py ...``, the GPU kit's launcher): the script
-  runs in a subprocess until its own argparse parser has parsed the arguments, then stops.
+  :func:`mqa_byoc.cli.build_parser`; ``build-kernels`` is also run with ``--dry-run``, ``runtime-kit`` is
+  run (into a temporary folder, without downloading wheels); a bare command name (``mqa-byoc profile``)
+  must answer ``--help``.
+- ``python SCRIPT.py ...`` (also ``python3 -m tvm_runtime_kit SCRIPT.py ...``, the runtime kit's launcher,
+  and ``nice python ...``): the script runs in a subprocess until its own argparse parser has parsed the
+  arguments, then stops.
 - ``nsys profile ... CMD``: CMD as above; ``nsys stats``: external, listed as known.
 - ``pip install -e ".[extras]"``: the extras exist in pyproject.toml; ``pytest`` / ``python -m pytest``:
-  the paths exist; ``source .devkit/setup.sh``: the GPU kit (not in the repository), known.
+  the paths exist; ``source KIT/setup.sh``: a kit the documents write with ``mqa-byoc runtime-kit --out KIT``.
 """
 
 from __future__ import annotations
@@ -30,14 +34,13 @@ from mqa_byoc.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+DOCUMENTS = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "tests" / "gpu" / "README.md"]
 
-_COMMAND_START = re.compile(r"^(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*(mqa-byoc|python3?|pip|pytest|nsys|source)(\s|$)")
+_COMMAND_START = re.compile(r"^(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*(?:nice\s+)?(mqa-byoc|python3?|pip|pytest|nsys|source)(\s|$)")
 _SHELL_FENCES = {"", "sh", "bash", "shell", "console"}
 
-#: README lines known not to be runnable as written, with the reason; strict: fixing one fails here
 
-
-def readme_commands(text: str) -> list[tuple[int, str]]:
+def doc_commands(text: str) -> list[tuple[int, str]]:
     """``(line number, command)`` for each command line in ``text``; ``&&`` chains stay one entry."""
     out, fence, prev_blank, in_indented = [], None, True, False
     for no, line in enumerate(text.splitlines(), 1):
@@ -51,7 +54,7 @@ def readme_commands(text: str) -> list[tuple[int, str]]:
             continue
         if line.startswith("    ") and (prev_blank or in_indented):
             in_indented = True
-            if stripped and not stripped.startswith("#"):
+            if _COMMAND_START.match(stripped):  # other lines of an indented block are code, not commands
                 out.append((no, stripped))
             prev_blank = False
             continue
@@ -133,6 +136,11 @@ def _subcommand_names(parser) -> set[str]:
 
 def _run_cli(args: list[str], tmp_path: Path, monkeypatch) -> None:
     parser = build_parser()
+    if args and args[-1] in ("--help", "-h"):
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args(args)
+        assert e.value.code == 0, f"mqa-byoc {' '.join(args)}"
+        return
     if args and all(a in _subcommand_names(parser) for a in args):  # a command's name in the text
         with pytest.raises(SystemExit) as e:
             parser.parse_args(args + ["--help"])
@@ -145,6 +153,10 @@ def _run_cli(args: list[str], tmp_path: Path, monkeypatch) -> None:
     if ns.command == "build-kernels":  # compiling takes minutes per file: dry run
         monkeypatch.setenv("MQA_BYOC_CACHE", str(tmp_path / "cache"))
         assert main(args + ["--dry-run"]) == 0
+    if ns.command == "runtime-kit":  # a second: written into tmp_path, no wheels fetched
+        kit = tmp_path / Path(ns.out).name
+        assert main(["runtime-kit", "--out", str(kit), "--no-wheels"]) == 0
+        assert (kit / "setup.sh").is_file()
 
 
 def _check_pip(args: list[str]) -> None:
@@ -166,6 +178,8 @@ def _check_pytest(args: list[str]) -> None:
 def _run_simple(argv: list[str], tmp_path: Path, monkeypatch) -> None:
     while argv and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=\S*", argv[0]):  # VAR=value prefixes
         argv = argv[1:]
+    if argv[:1] == ["nice"]:
+        argv = argv[1:]
     head, rest = argv[0], argv[1:]
     if head == "mqa-byoc":
         return _run_cli(rest, tmp_path, monkeypatch)
@@ -176,7 +190,7 @@ def _run_simple(argv: list[str], tmp_path: Path, monkeypatch) -> None:
             return _run_cli(["build-kernels", *rest[2:]], tmp_path, monkeypatch)
         if rest[:2] == ["-m", "pytest"]:
             return _check_pytest(rest[2:])
-        if rest[:2] == ["-m", "boot"]:  # the GPU kit's launcher runs the script as __main__
+        if rest[:2] == ["-m", "tvm_runtime_kit"]:  # the runtime kit's launcher runs the script as __main__
             rest = rest[2:]
         if rest and rest[0].endswith(".py"):
             return _parse_script(rest)
@@ -190,35 +204,60 @@ def _run_simple(argv: list[str], tmp_path: Path, monkeypatch) -> None:
         return _run_simple(rest[inner:], tmp_path, monkeypatch)
     if head == "nsys" and rest[:1] == ["stats"]:
         return None  # Nsight Systems' report tool: external
-    if head == "source" and rest == [".devkit/setup.sh"]:
-        return None  # the GPU machine's runtime kit, not part of the repository
-    raise AssertionError(f"README command not covered by tests/test_docs_commands.py: {' '.join(argv)}")
+    if head == "source" and len(rest) == 1 and rest[0].endswith("/setup.sh"):
+        kit = rest[0].rsplit("/", 1)[0]
+        assert kit in KITS_WRITTEN, f"source {rest[0]}: no document writes that kit (mqa-byoc runtime-kit --out {kit})"
+        return None
+    raise AssertionError(f"command not covered by tests/test_docs_commands.py: {' '.join(argv)}")
 
 
-COMMANDS = readme_commands(README.read_text())
+COMMANDS = [(doc, no, c) for doc in DOCUMENTS for no, c in doc_commands(doc.read_text())]
+KITS_WRITTEN = {m for _, _, c in COMMANDS for m in re.findall(r"mqa-byoc runtime-kit --out (\S+)", c)}
 
 
-def test_readme_has_the_commands_this_file_was_written_for():
-    texts = [c for _, c in COMMANDS]
+def test_documents_have_the_commands_this_file_was_written_for():
+    texts = [c for _, _, c in COMMANDS]
+    readme = [c for doc, _, c in COMMANDS if doc == README]
+    assert readme[:2] == ['pip install -e ".[test,hf]" && mqa-byoc demo', "pytest"]  # what .ci/run relies on
     assert "mqa-byoc build-kernels --arch sm_90 --head-dims 128 --dtypes fp16,bf16" in texts
-    assert any(c.startswith("pip install -e") for c in texts)
-    assert len(texts) >= 10
+    assert "mqa-byoc runtime-kit --out .runtime-kit" in texts
+    assert "pytest tests/gpu" in texts
+    assert {doc.name for doc, _, _ in COMMANDS} >= {"README.md", "testing.md", "performance.md", "deployment.md"}
+    assert len(texts) >= 30
 
 
 def test_extraction_of_blocks_and_spans():
-    text = ("Run `mqa-byoc demo` or `--jobs 2`.\n\n    mqa-byoc profile run d  # here\n    pytest\n\n"
+    text = ("Run `mqa-byoc demo` or `--jobs 2`.\n\n    mqa-byoc profile run d  # here\n    x = f(1)\n    pytest\n\n"
             "```python\nx = 1\n```\n```bash\n$ python tools/x.py --a\n# comment\n```\n"
             "- item\n  continued `python3 -m pytest -q`\n")
-    assert readme_commands(text) == [(1, "mqa-byoc demo"), (3, "mqa-byoc profile run d  # here"), (4, "pytest"),
-                                     (10, "python tools/x.py --a"), (14, "python3 -m pytest -q")]
+    assert doc_commands(text) == [(1, "mqa-byoc demo"), (3, "mqa-byoc profile run d  # here"), (5, "pytest"),
+                                  (11, "python tools/x.py --a"), (15, "python3 -m pytest -q")]
     assert _split("pip install -e '.[test]' && mqa-byoc demo  # first") == [
         ["pip", "install", "-e", ".[test]"], ["mqa-byoc", "demo"]]
 
 
-@pytest.mark.parametrize("line_no,command", COMMANDS, ids=[f"L{n}:{c[:60]}" for n, c in COMMANDS])
-def test_readme_command(line_no, command, tmp_path, monkeypatch):
+@pytest.mark.parametrize("doc,line_no,command", COMMANDS,
+                         ids=[f"{d.parent.name}/{d.name}:L{n}:{c[:50]}" for d, n, c in COMMANDS])
+def test_doc_command(doc, line_no, command, tmp_path, monkeypatch):
     for argv in _split(command):
         _run_simple(argv, tmp_path, monkeypatch)
+
+
+def _python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def test_readme_compile_script_runs(tmp_path):
+    """The README's compile-script example, as written, on this machine (built and exported for sm_90;
+    loading it needs the GPU); the python provider, so that no FA2 kernel is compiled."""
+    (block,) = _python_blocks(README.read_text())
+    env = dict(os.environ, MQA_BYOC_PROVIDER="python",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src")] + sys.path))
+    r = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "offloaded" in r.stdout.lower(), r.stdout[-2000:]
+    assert (tmp_path / "model.so").is_file()
 
 
 def test_uncovered_command_fails(tmp_path, monkeypatch):
