@@ -3,7 +3,7 @@ makes computes the same decoder (RoPE by the cache, mode NORMAL, which the paged
 leave out; FA2 matches TIR or is the nearer to an fp32 torch decoder), and ``profile run`` of it records FA2's kernels for ``mqa=True`` and TVM's TIR attention
 kernels for ``mqa=False``.
 
-Artifacts, built on the build machine (about 2 min) and carried as ``.gpu-artifacts/profile-paged``:
+Artifacts, built on the build machine and copied to the GPU machine as ``.gpu-artifacts/profile-paged``:
 
     MQA_BYOC_KERNEL_DIR=<prebuilt FA2 objects> python -m mqa_byoc.cli profile build --kv-cache paged \\
         --preset codellama-34b --layers 2 --vocab 4096 --hidden-size 2048 --intermediate-size 4096 \\

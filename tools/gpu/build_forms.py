@@ -4,7 +4,7 @@
 Every case (see CASES, ``--list``) is one graph from ``mqa_byoc.testing.graphs`` in one of the forms
 ``partition_for_cutlass`` matches (README "What is matched"), small shapes with realistic head counts.
 Written into ``--out`` (default ``.gpu-artifacts/tests``, git-ignored; its own folder, so that it can be
-carried alone, without what else lives in ``.gpu-artifacts``):
+copied alone, without what else lives in ``.gpu-artifacts``):
 
 - ``<case>/reference.so``: the unpartitioned graph built by plain TVM for CUDA (grouped attention made
   correct with :class:`LegalizeGroupedAttention` first). Not for sliding-window cases: TVM 0.27

@@ -28,7 +28,7 @@ so that attention is peaked rather than uniform: with HF's default init std 0.02
 row of the softmax is nearly flat and the logits would hardly depend on which keys a query sees.
 
 Written into ``--out`` (default ``.gpu-artifacts/hf``, git-ignored, a folder of its own so that it
-can be carried alone):
+can be copied alone):
 
 - ``hf.so``: ONE library with the VM functions ``<model>__<prefill|decode>__<variant>``, variant
   ``mqa`` (``partition_for_cutlass(mqa=True)``), ``nomqa`` (``mqa=False``: K/V expanded, FA2 as plain
