@@ -37,6 +37,12 @@ def test_every_variable_is_documented():
     assert not missing, f"read but not in docs/configuration.md: {missing}"
 
 
+def test_every_documented_variable_is_read():
+    documented = set(re.findall(r"\| `(MQA_BYOC_[A-Z0-9_]+)` \|", PAGE.read_text()))
+    stale = sorted(documented - set(variables_read()))
+    assert not stale, f"in docs/configuration.md but read nowhere: {stale}"
+
+
 def test_scan_finds_the_known_readers():
     read = variables_read()
     assert "src/mqa_byoc/native/fa2_dispatch.cc" in read["MQA_BYOC_DECODE_KERNEL"]
