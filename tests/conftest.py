@@ -1,7 +1,7 @@
 import os
 import sys
 
-# the shared graph builders live next to the tests
+# test modules share fixtures and helpers (test_runtime_profile_paged imports test_runtime_profile)
 sys.path.insert(0, os.path.dirname(__file__))
 
 

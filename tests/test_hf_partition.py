@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 import tvm  # noqa: E402
 from tvm import relax  # noqa: E402
 
-import graphs as G  # noqa: E402
+from mqa_byoc.testing import graphs as G  # noqa: E402
 from mqa_byoc import offload_report, partition_for_cutlass  # noqa: E402
 from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention  # noqa: E402
 from mqa_byoc.compiler.partition import canonicalize_attention  # noqa: E402

@@ -47,7 +47,7 @@ def test_prebuilt_dir_has_this_codes_dispatcher_and_kernels(monkeypatch):
 def test_export_links_prebuilt_kernels_without_toolchain(monkeypatch, tmp_path):
     keys, _ = _prebuilt_or_skip()
     tvm = pytest.importorskip("tvm")
-    from graphs import import_c_source, site_call_executable
+    from mqa_byoc.testing.graphs import import_c_source, site_call_executable
     from tvm import relax
 
     from mqa_byoc.compiler import export as E

@@ -10,7 +10,7 @@ import pytest
 import tvm
 from tvm import relax
 
-import graphs
+from mqa_byoc.testing import graphs
 from mqa_byoc.compiler.paged.transform import (
     CREATE,
     UseFlashAttentionForPagedKVCache,

@@ -5,15 +5,15 @@ from __future__ import annotations
 import re
 
 SUITES = {
-    # the shapes the issues ask about: H=64, H_kv=8, D=128 fp16
-    "issue4": [
+    # two cases of the largest GQA preset: H=64, H_kv=8, D=128 fp16
+    "smoke": [
         dict(name="decode-16k", mode="decode", h=64, hkv=8, d=128, dtype="float16", s_q=1, s_kv=16384, causal=False),
         dict(name="prefill-2k-causal", mode="prefill", h=64, hkv=8, d=128, dtype="float16", s_q=2048, s_kv=2048,
              causal=True),
     ],
 }
 
-SUITES["full"] = SUITES["issue4"] + [
+SUITES["full"] = SUITES["smoke"] + [
     dict(name=f"{mode}-{label}-{dt}", mode=mode, h=64, hkv=8, d=128, dtype=dt, s_q=(1 if mode == "decode" else n),
          s_kv=n, causal=mode == "prefill")
     for dt in ("float16", "bfloat16")
@@ -25,7 +25,7 @@ SUITES["full"] = SUITES["issue4"] + [
 
 #: suites built per dtype with symbolic lengths (see the module docstring)
 GROUPED_SUITES = {
-    "issue6": dict(dtypes=("float16", "bfloat16"), prefill=(1024, 4096, 16384), decode=(1024, 4096, 16384, 32768)),
+    "presets": dict(dtypes=("float16", "bfloat16"), prefill=(1024, 4096, 16384), decode=(1024, 4096, 16384, 32768)),
 }
 
 # stock TVM lowers attention ~580x slower than FA2: only where it finishes in reasonable time

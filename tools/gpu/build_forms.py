@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Build the GPU test artifacts on a machine with the full apache-tvm (no GPU needed).
 
-Every case (see CASES, ``--list``) is one graph from ``tests/graphs.py`` in one of the forms
+Every case (see CASES, ``--list``) is one graph from ``mqa_byoc.testing.graphs`` in one of the forms
 ``partition_for_cutlass`` matches (README "What is matched"), small shapes with realistic head counts.
 Written into ``--out`` (default ``.gpu-artifacts/tests``, git-ignored; its own folder, so that it can be
-carried alone, without what else lives in ``.gpu-artifacts``):
+copied alone, without what else lives in ``.gpu-artifacts``):
 
 - ``<case>/reference.so``: the unpartitioned graph built by plain TVM for CUDA (grouped attention made
   correct with :class:`LegalizeGroupedAttention` first). Not for sliding-window cases: TVM 0.27
@@ -19,7 +19,7 @@ carried alone, without what else lives in ``.gpu-artifacts``):
   the VM functions ``<case>__mqa`` and ``<case>__nomqa`` of every case of the group, each exactly
   ``partition_for_cutlass(<case graph>, mqa=True/False, provider=...)`` with ``main`` renamed. Native
   libraries embed FA2 kernels (MBs): sharing links them once per group instead of twice per case, so
-  every case gets native variants within the carry limit.
+  every case gets native variants within 64 MiB.
 
 ``--build-native-kernels`` allows compiling missing FA2 kernel objects (minutes each); otherwise a
 group whose kernels are missing gets no native library, and its cases' manifests say why.
@@ -78,7 +78,7 @@ BUILDERS = {
 
 @dataclass(frozen=True)
 class Case:
-    """One graph: ``tests/graphs.<builder>(**kwargs)``. Symbolic dims (str) get their values from ``run``."""
+    """One graph: ``mqa_byoc.testing.graphs.<builder>(**kwargs)``. Symbolic dims (str) get their values from ``run``."""
 
     name: str
     form: str  # README "What is matched" number and a word
@@ -196,7 +196,7 @@ CASES = [
          dict(GQA, b=1, s=64, s_kv=192, window=48, dtype="bfloat16")),
     Case("window_gqa_f16_decode", "1 repeat+window", "attention_repeat_bsnh",
          dict(GQA, b=2, s=1, s_kv=300, window=128)),
-    # mixed layouts (issue 10 item 2): composite parameters in any order, BNSH operands as strides
+    # mixed layouts: composite parameters in any order, BNSH operands as strides
     Case("mixed_q_bsnh_kv_bnsh_f16_causal", "1+5 mixed layouts", "attention_mixed_layouts",
          dict(GQA, b=2, s=128, layouts="BSNH,BNSH,BNSH")),
     Case("mixed_q_bsnh_kv_bnsh_out_bnsh_bf16_chunked", "1+5 mixed layouts", "attention_mixed_layouts",
@@ -232,7 +232,7 @@ CASES = [
 
 
 def build_graph(case: Case):
-    import graphs
+    from mqa_byoc.testing import graphs
 
     return getattr(graphs, case.builder)(**case.kwargs)
 
@@ -570,7 +570,7 @@ def main(argv=None) -> int:
     total = sum(files.values())
     folder = sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file())
     print(f"total {total / 2**20:.1f} MiB in {len(files)} files ({time.time() - t0:.0f}s); the folder {args.out} "
-          f"holds {folder / 2**20:.1f} MiB in all (carry limit 64 MiB with .devkit)")
+          f"holds {folder / 2**20:.1f} MiB in all (copied to the GPU machine with the runtime kit)")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Build the var-len GPU artifacts (issue 10 item 3): run here (full TVM, nvcc), test on the GPU with
+"""Build the var-len GPU artifacts: run here (full TVM, nvcc), test on the GPU with
 ``tests/gpu/test_gpu_varlen.py`` (runtime-only TVM).
 
     python tools/gpu/build_varlen.py [--out .gpu-artifacts/varlen] [--no-native]
@@ -32,9 +32,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "tests"))
 
-from varlen_graphs import seqstarts, var_len_attention  # noqa: E402
+from mqa_byoc.testing.varlen_graphs import seqstarts, var_len_attention  # noqa: E402
 from mqa_byoc.contract import COMPOSITE_VAR_LEN  # noqa: E402
 
 TARGET = {"kind": "cuda", "arch": "sm_90"}
