@@ -20,15 +20,23 @@ from .ccl import (
     process_session,
     threaded_session,
 )
+from .sharding import TP_SHARDS, ShardingError, ShardPlan, plan_for, shard_config, shard_params, shard_weight
 
 __all__ = [
     "CCL_FUNCTIONS",
+    "TP_SHARDS",
+    "ShardPlan",
+    "ShardingError",
     "LIBRARY_ENV",
     "DiscoNcclUnavailable",
     "build_disco_nccl",
     "disco",
     "load_disco_nccl",
     "nccl_dirs",
+    "plan_for",
     "process_session",
+    "shard_config",
+    "shard_params",
+    "shard_weight",
     "threaded_session",
 ]
