@@ -160,3 +160,76 @@ def test_inplace_cache_shards_in_lockstep():
     for got in outs:
         np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ the paged decoder
+
+@pytest.mark.parametrize("shards", [1, 2, 4, 8])
+def test_paged_shards_serve_fa2_with_native_kv_heads(shards):
+    from mqa_byoc.compiler.paged import paged_kv_cache_report, page_unit
+    from mqa_byoc.models.decoder_libs import PAGED_SERVED
+    from mqa_byoc.models.paged_llama import PagedLlamaConfig, export_paged_llama
+
+    c = PagedLlamaConfig(hidden=64, intermediate=256, layers=1, vocab=64)  # llama2-70b heads 64/8, D 128
+    mod, params, _ = export_paged_llama(c, tensor_parallel_shards=shards)
+    h, g = 64 // shards, 8 // shards
+    served = [d for d in paged_kv_cache_report(mod, page_unit(128)) if d.offloaded]
+    assert sorted(d.kernel for d in served) == sorted(PAGED_SERVED)
+    assert all(f"_h{h}kv{g}d128" in d.symbol for d in served), [d.symbol for d in served]
+    shapes = dict((n, tuple(p.shape)) for n, p in params)
+    assert shapes["layers.0.attn.qkv_proj.weight"] == ((h + 2 * g) * 128, 64)
+    assert shapes["layers.0.down.weight"] == (64, 256 // shards)
+    assert _allreduces(mod) == (0 if shards == 1 else 2 * 2)  # prefill + decode, one layer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shards", [2, 4])
+def test_paged_shards_in_lockstep_equal_the_unsharded_decoder(shards):
+    import dataclasses
+
+    torch = pytest.importorskip("torch")
+    from mqa_byoc.models.paged_llama import PagedLlamaConfig, export_paged_llama
+    from mqa_byoc.runtime.paged_driver import PagedModel
+
+    cfg = PagedLlamaConfig(num_q_heads=8, num_kv_heads=4, head_dim=16, hidden=32, intermediate=64, layers=2,
+                           vocab=32, rope_mode=0, dtype="float32")
+    llvm = {"kind": "llvm"}
+
+    def model(n):
+        mod, params, _ = export_paged_llama(cfg, llvm, tensor_parallel_shards=n)
+        ex = tvm.compile(mod, target=tvm.target.Target(llvm))
+        case = {"config": dataclasses.asdict(cfg), "page_size": {"tir": 16},
+                "params": [[k, [int(x) for x in p.shape], str(p.dtype)] for k, p in params]}
+        return ex, case, [k for k, _ in params]
+
+    rng = np.random.default_rng(2)
+    ex1, case1, names = model(1)
+    full = [(rng.standard_normal(shape) * 0.1 + (1.0 if "norm" in k else 0.0)).astype("float32")
+            for k, shape, _ in case1["params"]]
+    ids = rng.integers(0, cfg.vocab, (1, 9)).astype("int32")
+    nxt = rng.integers(0, cfg.vocab, (2, 1)).astype("int32")
+
+    def run(ex, case, weights):
+        m = PagedModel(tvm, torch, ex.mod, case, "tir", device="cpu")
+        m.params = [tvm.runtime.tensor(w) for w in weights]
+        cache = m.new_cache(2, 64, 16)
+        m.add(cache, [0, 1])
+        m.begin(cache, [0, 1], [5, 4])
+        pre = m.call("prefill", cache, tvm.runtime.tensor(ids)).numpy()
+        m.end(cache)
+        m.begin(cache, [0, 1], [1, 1])
+        dec = m.call("decode", cache, tvm.runtime.tensor(nxt)).numpy()
+        m.end(cache)
+        return pre, dec
+
+    want = run(ex1, case1, full)
+    ex, case, snames = model(shards)
+    assert snames == names
+    plan = plan_for(cfg, shards)
+    weights = [shard_params(names, full, plan, r) for r in range(shards)]
+    with lockstep_allreduce(shards) as ar:
+        outs = ar.run(lambda r: run(ex, case, weights[r]))
+    assert ar.calls == 2 * 2 * cfg.layers
+    for r, (pre, dec) in enumerate(outs):
+        np.testing.assert_allclose(pre, want[0], rtol=1e-4, atol=1e-5, err_msg=f"prefill, shard {r}")
+        np.testing.assert_allclose(dec, want[1], rtol=1e-4, atol=1e-5, err_msg=f"decode, shard {r}")
