@@ -20,7 +20,17 @@ from .ccl import (
     process_session,
     threaded_session,
 )
-from .sharding import TP_SHARDS, ShardingError, ShardPlan, plan_for, shard_config, shard_params, shard_weight
+from .sharding import (
+    TP_SHARDS,
+    ShardingError,
+    ShardPlan,
+    is_sharded,
+    plan_for,
+    scatter_shards,
+    shard_config,
+    shard_params,
+    shard_weight,
+)
 
 __all__ = [
     "CCL_FUNCTIONS",
@@ -32,9 +42,11 @@ __all__ = [
     "build_disco_nccl",
     "disco",
     "load_disco_nccl",
+    "is_sharded",
     "nccl_dirs",
     "plan_for",
     "process_session",
+    "scatter_shards",
     "shard_config",
     "shard_params",
     "shard_weight",

@@ -70,6 +70,15 @@ def nccl_dirs() -> tuple[Path, Path]:
     raise DiscoNcclUnavailable(f"the nvidia.nccl package has no include/nccl.h + lib/libnccl.so.2: {_INSTALL_HINT}")
 
 
+def nccl_library() -> str:
+    """``libnccl.so.2`` to load: the ``nvidia-nccl-cu13`` wheel's if installed, else the soname (the
+    dynamic linker's search path: a system NCCL)."""
+    try:
+        return str(nccl_dirs()[1] / "libnccl.so.2")
+    except DiscoNcclUnavailable:
+        return "libnccl.so.2"
+
+
 def _tvm_dirs() -> dict[str, Path]:
     import tvm
     import tvm_ffi.libinfo
@@ -168,7 +177,7 @@ def build_disco_nccl(out_dir: str | os.PathLike | None = None, *, force: bool = 
     return out
 
 
-def _load(path: Path, global_: bool = True) -> None:
+def _load(path, global_: bool = True) -> None:
     _handles.append(ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL if global_ else ctypes.RTLD_LOCAL))
 
 
@@ -182,8 +191,8 @@ def load_disco_nccl(path: str | os.PathLike | None = None, *, build: bool = True
     """Load our NCCL library into this process, so that ``runtime.disco.nccl.*`` exist.
 
     Loads first what it needs and a runtime-only TVM does not load by itself: disco
-    (``libtvm_runtime_extra.so``), TVM's CUDA runtime (``libtvm_runtime_cuda.so``) and ``libnccl.so.2``
-    of the ``nvidia-nccl-cu13`` wheel. Sets ``$MQA_BYOC_DISCO_NCCL`` to the library, for worker processes.
+    (``libtvm_runtime_extra.so``), TVM's CUDA runtime (``libtvm_runtime_cuda.so``, where the CUDA driver
+    is) and ``libnccl.so.2`` (:func:`nccl_library`). Sets ``$MQA_BYOC_DISCO_NCCL`` to the library, for worker processes.
 
     Parameters
     ----------
@@ -225,7 +234,7 @@ def load_disco_nccl(path: str | os.PathLike | None = None, *, build: bool = True
                 _load(lib / "libtvm_runtime_cuda.so")
         except OSError:
             pass
-        _load(nccl_dirs()[1] / "libnccl.so.2")
+        _load(nccl_library())
         _load(path)
     except OSError as e:
         raise DiscoNcclUnavailable(f"loading {path} failed: {e}") from None

@@ -129,6 +129,17 @@ def _heads_rows(x, first, count, d):
     return x[first * d:(first + count) * d]
 
 
+#: the projections cut per shard (the last-but-one part of a weight's name): column-parallel, row-parallel
+COLUMN_PARALLEL = ("qkv_proj", "q_proj", "k_proj", "v_proj", "gate_up_proj", "gate_up", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj", "down")
+
+
+def is_sharded(name: str) -> bool:
+    """Whether the weight ``name`` is cut per shard (else every shard holds it whole)."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] in COLUMN_PARALLEL + ROW_PARALLEL
+
+
 def shard_weight(name: str, weight: np.ndarray, plan: ShardPlan, rank: int) -> np.ndarray:
     """Shard ``rank``'s part of one full weight (``nn.Linear`` layout: ``(out, in)``), by its name's last
     two parts (see the module docstring); weights of no projection are returned whole."""
@@ -181,4 +192,26 @@ def shard_params(names: Sequence[str], weights: Sequence[np.ndarray], plan: Shar
         for p, w in zip(expect, out):
             if tuple(int(s) for s in p.shape) != tuple(w.shape):
                 raise ShardingError(f"{p.name}: shard weight {tuple(w.shape)} != the shard build's {tuple(p.shape)}")
+    return out
+
+
+def scatter_shards(sess, names: Sequence[str], weights: Sequence[np.ndarray], plan: ShardPlan) -> list:
+    """Put each shard's weights on its worker of a disco session (NCCL initialized, one worker per shard):
+    a cut weight is stacked ``(N, ...)`` and scattered from worker 0 (``sess.scatter``: worker r gets shard
+    r), a whole one broadcast. Returns the DRefs, in order, to pass to the shard library's functions.
+
+    Raises
+    ------
+    ShardingError
+        The session's worker count is not ``plan.shards``.
+    """
+    if sess.num_workers != plan.shards:
+        raise ShardingError(f"the session has {sess.num_workers} workers, the plan {plan.shards} shards")
+    out = []
+    for name, w in zip(names, weights):
+        if is_sharded(name):
+            parts = np.stack([np.ascontiguousarray(shard_weight(name, w, plan, r)) for r in range(plan.shards)])
+            out.append(sess.scatter(parts))
+        else:
+            out.append(sess.broadcast(np.ascontiguousarray(w)))
     return out
