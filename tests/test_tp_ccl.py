@@ -90,3 +90,31 @@ def test_worker_processes_load_it(library):
         assert _version_on_worker(sess, 1) == tvm.get_global_func(ccl.VERSION_FUNCTION)()
     finally:
         sess.shutdown()
+
+
+@pytest.mark.slow
+def test_runtime_only_tvm_gets_disco_and_the_library(library):
+    """A runtime-only TVM (TVM_USE_RUNTIME_LIB=1, what a deployment without the compiler runs) loads no disco
+    library at import and leaves a half-made tvm.runtime.disco; tp.disco() repairs it, in the controller and
+    in worker processes."""
+    code = (
+        "from mqa_byoc import tp\n"
+        f"tp.load_disco_nccl({str(library)!r})\n"
+        "d = tp.disco()\n"
+        "s = d.ThreadedSession(1); s.get_global_func('runtime.disco.nccl.allreduce'); s.shutdown()\n"
+        "p = d.ProcessSession(2, entrypoint='mqa_byoc.tp.disco_worker')\n"
+        "ref = p.call_packed(p.get_global_func('" + ccl.VERSION_FUNCTION + "'))\n"
+        "print('worker1', ref.debug_get_from_remote(1)); p.shutdown()\n")
+    import os
+
+    env = {**os.environ, "TVM_USE_RUNTIME_LIB": "1"}
+    env.pop(tp.LIBRARY_ENV, None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["worker1", str(_nccl_version_here())]
+
+
+def _nccl_version_here():
+    import tvm
+
+    return tvm.get_global_func(ccl.VERSION_FUNCTION)()

@@ -258,11 +258,20 @@ def disco():
     if "tvm.runtime.disco" in sys.modules and hasattr(ffi_api, "SessionThreaded"):
         tvm.runtime.disco = sys.modules["tvm.runtime.disco"]
     else:
-        # the import at `import tvm` failed half-way (no disco library then) and left its submodules
-        # behind, the FFI table made before disco's functions existed: import again, keeping
-        # process_pool (it registered its global function already)
-        for name in ("tvm.runtime.disco", "tvm.runtime.disco._ffi_api", "tvm.runtime.disco.session"):
-            sys.modules.pop(name, None)
+        # the import at `import tvm` failed half-way (no disco library then): it left submodules behind,
+        # their FFI table made before disco's functions existed, and registered some of its Python
+        # global functions. Remove both, then import again.
+        import re
+
+        import tvm_ffi
+
+        pkg = Path(tvm.runtime.__file__).resolve().parent / "disco"
+        for src in pkg.glob("*.py"):
+            for fn in re.findall(r'register_global_func\(\s*"([^"]+)"', src.read_text()):
+                if sys.modules.get(f"tvm.runtime.disco.{src.stem}") is not None and _registered(fn):
+                    tvm_ffi.remove_global_func(fn)
+        for name in [m for m in sys.modules if m == "tvm.runtime.disco" or m.startswith("tvm.runtime.disco.")]:
+            del sys.modules[name]
         tvm.runtime.disco = importlib.import_module("tvm.runtime.disco")
     return tvm.runtime.disco
 
