@@ -21,6 +21,14 @@ import gpu_common
 ARTIFACTS = Path(os.environ.get("MQA_BYOC_GPU_TP_ARTIFACTS", gpu_common.ROOT / ".gpu-artifacts" / "tp"))
 MANIFEST = json.loads((ARTIFACTS / "manifest.json").read_text()) if (ARTIFACTS / "manifest.json").is_file() else None
 TIMED_STEPS = 30
+FATBIN_STATS = {"hits": 0, "misses": 0, "miss_compile_s": 0.0}
+
+
+def _record(rt, key, value):
+    """Into the run's results (MQA_BYOC_GPU_RESULTS), and printed at once (a worker that aborts the
+    process takes the results file with it)."""
+    rt.results.setdefault("tp", {})[key] = value
+    print("tp result", key, json.dumps(value), flush=True)
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +40,14 @@ def sess(rt):
 
     from mqa_byoc import tp
 
-    stats = {"hits": 0, "misses": 0, "miss_compile_s": 0.0}
-    with serve_fatbins(str(ARTIFACTS / "fatbins"), stats):
+    with serve_fatbins(str(ARTIFACTS / "fatbins"), FATBIN_STATS):
         lib = tp.load_disco_nccl(ARTIFACTS / MANIFEST["nccl_library"], build=False)
         assert lib is not None, "this TVM has an NCCL CCL of its own"
         s = tp.disco().ThreadedSession(1)
         t0 = time.time()
-        s.init_ccl("nccl", 0)
-        rt.results.setdefault("tp", {})["init_ccl_s"] = round(time.time() - t0, 3)
-        s.fatbin_stats = stats
+        s.init_ccl("nccl", 0)  # asynchronous: the worker runs init_ccl_per_worker
+        s.sync_worker_0()
+        _record(rt, "init_ccl_s", round(time.time() - t0, 3))
         yield s
         s.shutdown()
 
@@ -55,7 +62,7 @@ def test_init_ccl_with_our_library(rt, sess):
     assert "cuda" in str(dev).lower() and "0" in str(dev), dev
     version = _on_worker(sess, "mqa_byoc.disco_nccl.nccl_version")
     assert version >= 21800  # ncclCommSplit
-    rt.results.setdefault("tp", {})["nccl_version_on_worker"] = int(version)
+    _record(rt, "nccl_version_on_worker", int(version))
 
 
 @pytest.mark.gpu
@@ -89,7 +96,7 @@ def test_collectives_through_the_session(rt, sess, dtype):
         sess.copy_from_worker_0(out, ref)
         sess.sync_worker_0()
         np.testing.assert_array_equal(out.numpy().astype(np.float32), x.astype(np.float32), err_msg=name)
-    rt.results.setdefault("tp", {}).setdefault("collectives", {})[dtype] = sorted(checks)
+    _record(rt, f"collectives_{dtype}", sorted(checks))
 
 
 @pytest.mark.gpu
@@ -103,6 +110,7 @@ def test_compiled_collectives(rt, sess):
     assert len(outs) == 4
     for o in outs:  # allreduce sum, avg, allgather, broadcast_from_worker0 over one worker: x
         np.testing.assert_array_equal(o.numpy(), x)
+    _record(rt, "compiled_collectives", ["allreduce sum", "allreduce avg", "allgather", "broadcast_from_worker0"])
 
 
 def _weights(side):
@@ -171,9 +179,9 @@ def test_decoder_library_through_disco(rt, sess):
     d_nxt = tvm.runtime.tensor(inputs["nxt"], tvm.cuda(0))
     direct_us = timed(lambda: (vm["decode"](d_nxt, want_caches, *params), tvm.cuda(0).sync()))
     disco_us = timed(lambda: (dmod["decode"](nxt, caches, *dparams), sess.sync_worker_0()))
-    rt.results.setdefault("tp", {})["decoder"] = {
+    _record(rt, "decoder", {
         "library": MANIFEST["decoder"], "heads": [MANIFEST["config"]["num_heads"], MANIFEST["config"]["num_kv_heads"]],
         "max_rel_err_vs_fp32_cpu": errs, "disco_equals_direct": True,
         "decode_step_us": {"direct": round(direct_us, 1), "disco_1_worker": round(disco_us, 1),
                            "ratio": round(disco_us / direct_us, 3)},
-        "fatbins": sess.fatbin_stats}
+        "fatbins": FATBIN_STATS})
