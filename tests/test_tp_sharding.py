@@ -233,3 +233,37 @@ def test_paged_shards_in_lockstep_equal_the_unsharded_decoder(shards):
     for r, (pre, dec) in enumerate(outs):
         np.testing.assert_allclose(pre, want[0], rtol=1e-4, atol=1e-5, err_msg=f"prefill, shard {r}")
         np.testing.assert_allclose(dec, want[1], rtol=1e-4, atol=1e-5, err_msg=f"decode, shard {r}")
+
+
+def test_scatter_shards_stacks_cut_weights_and_broadcasts_the_rest():
+    from mqa_byoc.tp import scatter_shards, shard_weight
+
+    class Session:  # what scatter_shards uses of a disco session
+        num_workers = 4
+
+        def __init__(self):
+            self.calls = []
+
+        def scatter(self, x):
+            self.calls.append(("scatter", x))
+            return len(self.calls)
+
+        def broadcast(self, x):
+            self.calls.append(("broadcast", x))
+            return len(self.calls)
+
+    _, spec = build_decoder(TINY, functions=("prefill",))
+    names = [p.name for p in spec]
+    full = random_params(spec, seed=1)
+    plan = plan_for(TINY, 4)
+    sess = Session()
+    assert scatter_shards(sess, names, full, plan) == list(range(1, len(names) + 1))
+    for (kind, x), name, w in zip(sess.calls, names, full):
+        if name.endswith(("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")):
+            assert kind == "scatter" and x.shape[0] == 4
+            for r in range(4):
+                np.testing.assert_array_equal(x[r], shard_weight(name, w, plan, r))
+        else:
+            assert kind == "broadcast" and x.shape == w.shape
+    with pytest.raises(ShardingError, match="4 workers, the plan 2 shards"):
+        scatter_shards(sess, names, full, plan_for(TINY, 2))

@@ -22,9 +22,14 @@
 // the stream TVM's CUDA runtime has set for the thread (`runtime.get_cuda_stream`), else on a stream of
 // ours created with cudaStreamCreate (a blocking stream: ordered with the legacy default stream that
 // TVM's kernels use when no stream is set). Errors throw tvm::ffi::Error naming the call.
+//
+// NVTX: with MQA_BYOC_NVTX=1 (read once; the rule of fa2_dispatch.cc) every collective's host call is an
+// NVTX range "nccl.<name>[<bytes> B]" (NVTX3, header-only), so a profile can attribute a step's time to its
+// collectives; unset, one check of a static flag.
 
 #include <cuda_runtime.h>
 #include <nccl.h>
+#include <nvtx3/nvToolsExt.h>
 #include <tvm/ffi/container/shape.h>
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/optional.h>
@@ -35,7 +40,10 @@
 #include <tvm/runtime/disco/session.h>
 #include <tvm/runtime/tensor.h>
 
+#include <cctype>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -119,6 +127,40 @@ int64_t Numel(const Tensor& t) {
 }
 
 int64_t ElemBytes(DLDataType t) { return (static_cast<int64_t>(t.bits) * t.lanes + 7) / 8; }
+
+// ---- NVTX ranges -----------------------------------------------------------------------------------
+
+bool NvtxEnabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("MQA_BYOC_NVTX");
+    if (v == nullptr) return false;
+    std::string s(v);
+    s.erase(0, s.find_first_not_of(" \t"));
+    s.erase(s.find_last_not_of(" \t") + 1);
+    for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    return !(s.empty() || s == "0" || s == "false" || s == "off" || s == "no");
+  }();
+  return enabled;
+}
+
+// "nccl.<what>[<bytes> B]" around one collective's host call, when MQA_BYOC_NVTX is on.
+class CollectiveRange {
+ public:
+  CollectiveRange(const char* what, const Tensor& t) : on_(NvtxEnabled()) {
+    if (!on_) return;
+    char name[96];
+    std::snprintf(name, sizeof(name), "nccl.%s[%lld B]", what, static_cast<long long>(Numel(t) * ElemBytes(t->dtype)));
+    nvtxRangePushA(name);
+  }
+  ~CollectiveRange() {
+    if (on_) nvtxRangePop();
+  }
+  CollectiveRange(const CollectiveRange&) = delete;
+  CollectiveRange& operator=(const CollectiveRange&) = delete;
+
+ private:
+  bool on_;
+};
 
 // ---- the state of one worker thread ---------------------------------------------------------------
 
@@ -250,6 +292,7 @@ void InitCCLPerWorker(Shape device_ids, tvm::ffi::Bytes unique_id) {
 
 void AllReduce(Tensor send, int kind, bool in_group, Tensor recv) {
   WorkerComm& c = Ready("allreduce");
+  CollectiveRange range("allreduce", send);
   ncclRedOp_t op = NcclOp(kind);
   if (Numel(send) != Numel(recv)) {
     TVM_FFI_THROW(ValueError) << "runtime.disco.nccl.allreduce: send has " << Numel(send)
@@ -262,6 +305,7 @@ void AllReduce(Tensor send, int kind, bool in_group, Tensor recv) {
 
 void AllGather(Tensor send, bool in_group, Tensor recv) {
   WorkerComm& c = Ready("allgather");
+  CollectiveRange range("allgather", recv);
   if (Numel(send) * c.ranks(in_group) != Numel(recv)) {
     TVM_FFI_THROW(ValueError) << "runtime.disco.nccl.allgather: recv must hold " << c.ranks(in_group)
                               << " x " << Numel(send) << " elements, has " << Numel(recv);
@@ -273,6 +317,7 @@ void AllGather(Tensor send, bool in_group, Tensor recv) {
 
 void BroadcastFromWorker0(Optional<Tensor> send, bool in_group, Tensor recv) {
   WorkerComm& c = Ready("broadcast_from_worker0");
+  CollectiveRange range("broadcast_from_worker0", recv);
   const void* src = nullptr;
   if (c.is_root(in_group)) {
     if (!send.has_value() || Numel(send.value()) != Numel(recv)) {
@@ -292,6 +337,7 @@ void BroadcastFromWorker0(Optional<Tensor> send, bool in_group, Tensor recv) {
 void ShardExchange(const char* what, bool scatter, const Optional<Tensor>& whole, const Tensor& part,
                    bool in_group) {
   WorkerComm& c = Ready(what);
+  CollectiveRange range(what, part);
   ncclComm_t comm = c.comm(in_group);
   cudaStream_t stream = c.stream();
   ncclDataType_t type = NcclType(part->dtype, what, false);
@@ -331,6 +377,7 @@ void ShardExchange(const char* what, bool scatter, const Optional<Tensor>& whole
 
 void PointToPoint(const char* what, bool sending, const Tensor& buf, int peer) {
   WorkerComm& c = Ready(what);
+  CollectiveRange range(what, buf);
   int me = c.worker->worker_id;
   if (peer < 0 || peer >= c.worker->num_workers || peer == me) {
     TVM_FFI_THROW(ValueError) << "runtime.disco.nccl." << what << ": worker " << me
