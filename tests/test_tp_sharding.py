@@ -267,3 +267,22 @@ def test_scatter_shards_stacks_cut_weights_and_broadcasts_the_rest():
             assert kind == "broadcast" and x.shape == w.shape
     with pytest.raises(ShardingError, match="4 workers, the plan 2 shards"):
         scatter_shards(sess, names, full, plan_for(TINY, 2))
+
+
+@pytest.mark.slow
+def test_separate_projections_shard_in_lockstep():
+    cfg = TINY.replace(fused_projections=False, num_layers=1, name="tiny-separate")
+    mod, spec = build_decoder(cfg, dtype="float32", logits="all", functions=("prefill",))
+    names = [p.name for p in spec]
+    assert "layers.0.self_attn.k_proj.weight" in names and "layers.0.mlp.up_proj.weight" in names
+    full = random_params(spec, seed=9, std=0.1)
+    ids = np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 5)).astype("int32")
+    want = _vm(mod)["prefill"](tvm.runtime.tensor(ids), *_t(full))[0].numpy()
+    smod, sspec = build_decoder(cfg, dtype="float32", logits="all", functions=("prefill",), tensor_parallel_shards=2)
+    ex = tvm.compile(smod, target=CPU)
+    weights = [_t(shard_params(names, full, plan_for(cfg, 2), r, expect=sspec)) for r in range(2)]
+    with lockstep_allreduce(2) as ar:
+        vms = [relax.VirtualMachine(ex, tvm.cpu()) for _ in range(2)]
+        outs = ar.run(lambda r: vms[r]["prefill"](tvm.runtime.tensor(ids), *weights[r])[0].numpy())
+    for got in outs:
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
