@@ -162,8 +162,14 @@ def _apply_rope(x, cos, sin):
     return op.add(op.multiply(x, cos), op.multiply(rot, sin))
 
 
-def _make_module_classes():
+def _make_module_classes(tensor_parallel_shards: int = 1):
+    """The decoder's ``nn.Module`` classes; with ``tensor_parallel_shards > 1`` each is one shard's (its
+    config already cut by :func:`mqa_byoc.tp.sharding.shard_config`): the outputs of the row-parallel
+    o_proj and down_proj are summed over the shards by ``op.ccl_allreduce``."""
     nn, op = nn_frontend()
+
+    def reduce_shards(x):
+        return op.ccl_allreduce(x, "sum") if tensor_parallel_shards > 1 else x
 
     def linear(n_in, n_out, dtype):
         return nn.Linear(n_in, n_out, bias=False, dtype=dtype)
@@ -194,7 +200,7 @@ def _make_module_classes():
             k, v, k_out, v_out = kv.update(self, k, v)
             o = attention(q, k, v, kv_expand=kv_expand, mask=mask, window=window)
             o = op.reshape(o, (b, s, cfg.q_size))
-            return self.o_proj(o), k_out, v_out
+            return reduce_shards(self.o_proj(o)), k_out, v_out
 
     class MLP(nn.Module):
         def __init__(self, cfg: DecoderConfig, dtype: str):
@@ -211,7 +217,7 @@ def _make_module_classes():
                 gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
             else:
                 gate, up = self.gate_proj(x), self.up_proj(x)
-            return self.down_proj(op.multiply(op.silu(gate), up))
+            return reduce_shards(self.down_proj(op.multiply(op.silu(gate), up)))
 
     class Layer(nn.Module):
         def __init__(self, cfg: DecoderConfig, dtype: str):
@@ -325,6 +331,7 @@ def build_decoder(
     functions: Sequence[str] = ("prefill", "decode"),
     fresh_kv_len: bool = True,
     kv_cache: str = "functional",
+    tensor_parallel_shards: int = 1,
 ):
     """Build the decoder as an IRModule; returns ``(mod, param_spec)``.
 
@@ -347,6 +354,11 @@ def build_decoder(
     - ``kv_cache``: "functional" (K/V tensors in and out, above) or "inplace" (TVM's in-place
       cache objects, batch 1, plus a ``create_kv_cache`` function; see
       :mod:`mqa_byoc.models.kv_caches`; ``fresh_kv_len`` then binds each cache view).
+    - ``tensor_parallel_shards``: N > 1 builds the graph of one of N tensor-parallel shards (the same
+      graph for every shard; :mod:`mqa_byoc.tp.sharding`): ``H / N`` query and ``H_kv / N`` K/V heads,
+      ``intermediate_size / N`` MLP width, an all-reduce (``op.ccl_allreduce``, run by TVM's disco) after
+      o_proj and after down_proj; ``param_spec`` then has the shard's shapes, the caches its K/V heads.
+      Raises :class:`mqa_byoc.tp.ShardingError` for a model that cannot be cut so (e.g. H_kv < N).
     """
     _check_common(kv_expand, dtype)
     if kv_cache not in KV_CACHES:
@@ -360,6 +372,9 @@ def build_decoder(
         raise ValueError(f"unknown functions {sorted(bad)}; use prefill / decode / extend")
     if num_layers is not None:
         config = config.replace(num_layers=num_layers)
+    from ..tp.sharding import shard_config
+
+    config = shard_config(config, tensor_parallel_shards)
     if sliding_window is True:
         window = config.sliding_window
     elif sliding_window is False or sliding_window is None:
@@ -367,7 +382,7 @@ def build_decoder(
     else:
         window = int(sliding_window)
     nn, _ = nn_frontend()
-    Decoder, _ = _make_module_classes()
+    Decoder, _ = _make_module_classes(tensor_parallel_shards)
     if kv_cache == "inplace":
         from . import kv_caches
 
