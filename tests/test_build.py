@@ -14,7 +14,7 @@ relax = pytest.importorskip("tvm.relax")
 
 import graphs  # noqa: E402
 import mqa_byoc  # noqa: E402
-from mqa_byoc.compiler import codegen  # noqa: E402
+from mqa_byoc.compiler import codegen, kernel_options  # noqa: E402
 from mqa_byoc.compiler.export import _iter_modules, _root_module  # noqa: E402
 
 TARGET = {"kind": "cuda", "arch": "sm_90"}
@@ -27,6 +27,7 @@ def fa2_sources(ex) -> dict[str, str]:
         if m.kind in ("c", "source"):
             src = m.inspect_source()
             out.update({sym: src for sym in re.findall(r"TVM_FFI_DLL_EXPORT_TYPED_FUNC\((\w+),", src)})
+    out.pop(kernel_options.QUERY_FUNCTION, None)  # the library's kernel options, not an FA2 function
     return out
 
 
