@@ -65,11 +65,21 @@ def _load_helper(progress: Callable[[str], None] | None = None):
     return tvm_ffi.get_global_func(HELPER_FUNC)
 
 
+def binary_format(m) -> str | None:
+    """The format of the compiled device code a ``cuda`` module holds (``fatbin``, ``cubin``,
+    ``ptx``), None when it holds none."""
+    for fmt in ("fatbin", "cubin", "ptx"):
+        try:
+            if m.inspect_source(fmt):
+                return fmt
+        except UnicodeDecodeError:  # binary code comes back as a string that is not text
+            return fmt
+    return None
+
+
 def is_cuda_source_module(m) -> bool:
     """A ``cuda`` module that holds CUDA source (compiled when loaded) rather than a binary."""
-    if m.kind != "cuda":
-        return False
-    return bool(m.inspect_source("cuda")) and not any(m.inspect_source(f) for f in ("fatbin", "cubin", "ptx"))
+    return m.kind == "cuda" and binary_format(m) is None and bool(m.inspect_source("cuda"))
 
 
 def cuda_source_modules(executable) -> list:

@@ -8,11 +8,12 @@ TVM's own BYOC backends link prebuilt objects this way (its FlashInfer backend w
 
 1. the library's kernel options (:mod:`.kernel_options`): a constant the dispatcher and the hopper
    wrappers read, and the exported query function ``mqa_byoc_kernel_options``;
-2. for native / hopper wrappers (the marker lines of their sources name what they need): the FA2
-   dispatcher and its decode-support object, the FA2 kernel objects, ``fa2_paged.cu``'s object when
-   paged-KV wrappers are there, the FA4 objects with their glue and the DSL's runtime archive, and the
-   static CUDA runtime, last (an archive: ``ld`` takes it by content whatever the file is called, and it
-   must follow every object that calls it; ``export_library`` writes the modules in import order).
+2. for native / hopper wrappers (the marker lines of their sources name what they need): one object,
+   ``ld -r`` of the FA2 dispatcher and its decode-support object, the FA2 kernel objects,
+   ``fa2_paged.cu``'s object when paged-KV wrappers are there, the FA4 objects with their glue and the
+   members of the DSL's runtime archive they call, and the whole static CUDA runtime. One relocatable
+   object, because ``export_library`` writes the modules in an order of its own and an archive is only
+   searched for what the objects before it need.
 
 Only objects that exist (cache, ``MQA_BYOC_KERNEL_DIR``) or compile in seconds (the dispatcher and our
 support objects) are attached; FA2 kernel families not built yet are left out, and the dispatcher's
@@ -24,8 +25,12 @@ builds and links what is missing. Each attached module names the symbols it defi
 from __future__ import annotations
 
 import logging
+import shutil
+import subprocess
+import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import tvm
 
@@ -185,6 +190,31 @@ def static_library(item: LinkInput):
     return tvm.runtime.load_static_library(item.path, list(item.names))
 
 
+def combined_library(inputs: list[LinkInput]):
+    """One ``static_library`` module of ``inputs``: ``ld -r`` of the objects, the members of the
+    archives that they call, and the whole static CUDA runtime (last of ``inputs``), known by every
+    name of ``inputs``. The module holds the object's bytes; the file is not kept.
+
+    Raises
+    ------
+    RuntimeError
+        ``ld`` failed (with its output).
+    """
+    ld = shutil.which("ld")
+    if ld is None:
+        raise NativeKernelsUnavailable("ld not found (binutils): the kernel objects cannot be combined")
+    *rest, cudart = inputs
+    names = sorted({n for i in inputs for n in i.names})
+    with tempfile.TemporaryDirectory(prefix="mqa_byoc_link_") as d:
+        out = Path(d) / "mqa_byoc_kernels.o"
+        cmd = [ld, "-r", "-o", str(out), *(i.path for i in rest), "--whole-archive", cudart.path,
+               "--no-whole-archive"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"combining the kernel objects failed:\n{r.stderr[-3000:]}\n{' '.join(cmd)}")
+        return tvm.runtime.load_static_library(str(out), names)
+
+
 # ---------------------------------------------------------------------------- the pass
 
 
@@ -221,7 +251,8 @@ class AttachKernelLibraries:
         except NativeKernelsUnavailable as err:
             self.skipped = str(err)
             logger.info("kernel objects not attached (mqa_byoc.export_library builds and links them): %s", err)
-        extra += [static_library(i) for i in self.attached]
+        if self.attached:
+            extra.append(combined_library(self.attached))
         return mod.with_attr("external_mods", ext + extra)
 
 
