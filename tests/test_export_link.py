@@ -221,3 +221,28 @@ def test_cuda_binary_leaves_no_cuda_source_in_the_library(tmp_path):
     # the saved module: format "fatbin", then the function table, then the fatbin (its magic 0xBA55ED50)
     assert b"\x06\x00\x00\x00\x00\x00\x00\x00fatbin" in data and b"\x50\xed\x55\xba" in data
     assert cuda_binary.compile_cuda_modules(ex, "sm_90") == 0  # nothing left to compile
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found")
+def test_cpp_decoder_runner_builds_against_the_runtime_alone(tmp_path):
+    """tools/cpp/run_decoder.cc (run on the GPU by tests/gpu/test_gpu_cpp_runtime.py) needs tvm-ffi's
+    headers and TVM's runtime library only: no TVM compiler headers, no Python."""
+    import tvm_ffi.libinfo as ffi_info
+
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    ffi_lib = Path(ffi_info.find_libtvm_ffi()).parent
+    tvm_lib = Path(tvm.__file__).resolve().parent / "lib"
+    exe = tmp_path / "run_decoder"
+    r = subprocess.run(["g++", "-std=c++17", "-O1", "-Wall", "-Werror", "-o", str(exe),
+                        str(root / "tools" / "cpp" / "run_decoder.cc"), f"-I{ffi_info.find_include_path()}",
+                        f"-I{ffi_info.find_dlpack_include_path()}", f"-L{ffi_lib}", f"-L{tvm_lib}",
+                        "-Wl,--no-as-needed", "-ltvm_ffi", "-ltvm_runtime", f"-Wl,-rpath,{ffi_lib}:{tvm_lib}"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert out.returncode == 2 and "usage: run_decoder" in out.stderr
+    needed = subprocess.run(["readelf", "-d", str(exe)], capture_output=True, text=True).stdout
+    assert "libtvm_runtime.so" in needed and "libpython" not in needed and "libtvm_compiler" not in needed
