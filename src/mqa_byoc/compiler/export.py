@@ -84,8 +84,12 @@ def export_library(
         raise ValueError(f"{path}: native FA2 kernels can only be linked into a shared library (.so)")
     arch = _kernels.normalize_arch(arch or _kernels.detect_arch())
     attached = _link.attached_names(executable, needs.names())
+    options = kwargs.pop("options", None) or []
+    options = [options] if isinstance(options, str) else list(options)
+    if not any(str(o).startswith("-std=") for o in options):
+        options.append("-std=c++17")
     if attached == needs.names():
-        return executable.export_library(path, **kwargs)
+        return executable.export_library(path, options=options, **kwargs)
 
     if _link.DISPATCHER_SYMBOL in attached:  # built by mqa_byoc.build: add the objects it could not have
         missing = tuple(k for k in needs.fa2 if k.entry_symbol not in attached)
@@ -101,7 +105,7 @@ def export_library(
             with_support = len(fa4) == len(needs.fa4)  # none attached: their glue and archive neither
             extra += [i.path for i in _link.fa4_inputs(fa4, arch, with_support=with_support, progress=progress)]
         addons = extra + list(kwargs.pop("addons", None) or [])
-        return executable.export_library(path, addons=addons, **kwargs)
+        return executable.export_library(path, addons=addons, options=options, **kwargs)
 
     inputs = _link.fa2_inputs(needs.fa2, arch, build=build, jobs=jobs, allow_missing=allow_missing, progress=progress)
     objects = [i.path for i in inputs]
@@ -117,10 +121,6 @@ def export_library(
 
     addons = list(kwargs.pop("addons", None) or []) + objects
     base = kwargs.pop("fcompile", None) or _cc.create_shared
-    options = kwargs.pop("options", None) or []
-    options = [options] if isinstance(options, str) else list(options)
-    if not any(str(o).startswith("-std=") for o in options):
-        options.append("-std=c++17")
     return executable.export_library(
         path, fcompile=_with_libs(base, libs), addons=addons, options=options, **kwargs
     )
