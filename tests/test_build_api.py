@@ -14,8 +14,9 @@ relax = pytest.importorskip("tvm.relax")
 
 from mqa_byoc.testing import graphs  # noqa: E402
 import mqa_byoc  # noqa: E402
+from mqa_byoc.compiler import kernel_options  # noqa: E402
 from mqa_byoc.compiler.provider import build_provider  # noqa: E402
-from mqa_byoc.compiler.export import _iter_modules, _root_module  # noqa: E402
+from mqa_byoc.compiler.link import iter_modules, root_module  # noqa: E402
 
 TARGET = {"kind": "cuda", "arch": "sm_90"}
 
@@ -23,10 +24,11 @@ TARGET = {"kind": "cuda", "arch": "sm_90"}
 def fa2_sources(ex) -> dict[str, str]:
     """{exported FA2 function: the generated source that defines it} of an executable."""
     out = {}
-    for m in _iter_modules(_root_module(ex)):
+    for m in iter_modules(root_module(ex)):
         if m.kind in ("c", "source"):
             src = m.inspect_source()
             out.update({sym: src for sym in re.findall(r"TVM_FFI_DLL_EXPORT_TYPED_FUNC\((\w+),", src)})
+    out.pop(kernel_options.QUERY_FUNCTION, None)  # the library's kernel options, not an FA2 function
     return out
 
 

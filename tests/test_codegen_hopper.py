@@ -74,7 +74,8 @@ def test_wrapper_calls_fa4_and_keeps_fa2():
     assert "__tvm_ffi_mqa_byoc_fa4_sm90_fp16_h128_g8_splitkv" in code
     assert hopper.parse_markers(code) == {hopper.HopperKernelKey("fp16", 128, 8, "causal"),
                                           hopper.HopperKernelKey("fp16", 128, 8, "splitkv")}
-    assert "mqa_byoc_fa2_forward(" in code and "MQA_BYOC_HOPPER_FA4" in code  # FA2 stays for the rest
+    assert "mqa_byoc_fa2_forward(" in code and "mqa_byoc_library_kernel_options" in code  # FA2 stays for the rest
+    assert "getenv" not in code  # the FA4 choice is the library's kernel option, not the environment
     plain = native_codegen.emit_native_source("site0", _spec()).code
     assert not hopper.parse_markers(plain) and "__tvm_ffi_mqa_byoc_fa4" not in plain
     # a windowed site: FA4 with both window bounds, no split-KV decode object

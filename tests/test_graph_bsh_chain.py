@@ -21,7 +21,7 @@ from tvm.relax import op as R
 
 from mqa_byoc.testing import graphs as G
 import mqa_byoc
-from mqa_byoc.compiler.export import _iter_modules, _root_module
+from mqa_byoc.compiler.link import iter_modules, root_module
 from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
 from mqa_byoc.compiler.partition import canonicalize_attention
 from mqa_byoc.compiler.graph.spec import spec_from_composite
@@ -221,7 +221,7 @@ BUILDS = {
 
 
 def _sources(ex) -> str:
-    return "\n".join(m.inspect_source() for m in _iter_modules(_root_module(ex)) if m.kind in ("c", "source"))
+    return "\n".join(m.inspect_source() for m in iter_modules(root_module(ex)) if m.kind in ("c", "source"))
 
 
 @pytest.mark.parametrize("name", sorted(BUILDS))

@@ -58,6 +58,9 @@ def main(argv=None):
     b.add_argument("--shapes", default=None, help="grouped suites: only these shape ids, e.g. h64-kv8-d128")
     b.add_argument("--skip-llm", action="store_true", help="grouped suites: no TVM paged-KV kernels")
     b.add_argument("--no-precompile", action="store_true", help="grouped suites: leave TVM's CUDA to load-time JIT")
+    b.add_argument("--kernel-options", default=None,
+                   help="grouped suites: kernel options compiled into the libraries, e.g. split_combine=fa2 or "
+                        "hopper_fa4=always (docs/build-options.md)")
     r = sub.add_parser("run", help="measure (GPU machine)")
     r.add_argument("--artifacts", default=".bench-artifacts")
     r.add_argument("--json", default="attention-results.json")

@@ -55,11 +55,11 @@ VARIANT_DOC = {
     "mqa-python": "ours, Python provider (FA2 through a Python bridge)",
     "mqa-hopper": "ours, hopper provider: FA4's sm90 kernel (flash-attn-4, compiled ahead of time and linked) for "
                   "prefill-sized calls, our grouped-query decode kernel for decode, as `mqa-native` "
-                  "(MQA_BYOC_HOPPER_FA4=always: FA4 for every call, decode through our split-KV around it)",
-    "mqa-native-fa2-combine": "`mqa-native` with `MQA_BYOC_FA2_COMBINE=fa2`: FA2's own split-KV and combine kernel "
-                              "for batch-1 decode instead of ours (separate run, same artifacts)",
-    "mqa-hopper-fa4-decode": "`mqa-hopper` with `MQA_BYOC_HOPPER_FA4=always`: batch-1 decode through our split-KV around "
-                             "FA4's sm90 kernel (separate run, same artifacts)",
+                  "(kernel option hopper_fa4=\"always\": FA4 for every call, decode through our split-KV around it)",
+    "mqa-native-fa2-combine": "`mqa-native` built with the kernel option `split_combine=\"fa2\"`: FA2's own split-KV and combine kernel "
+                              "for batch-1 decode instead of ours (artifacts built with `build --kernel-options split_combine=fa2`)",
+    "mqa-hopper-fa4-decode": "`mqa-hopper` built with the kernel option `hopper_fa4=\"always\"`: batch-1 decode through our split-KV around "
+                             "FA4's sm90 kernel (artifacts built with `build --kernel-options hopper_fa4=always`)",
     "repeat-native": "`mqa=False`: K/V repeated to H heads by TVM, FA2 as plain MHA (native provider)",
     "repeat-python": "`mqa=False`, Python provider",
     "torch-sdpa-gqa": "`torch.nn.functional.scaled_dot_product_attention(..., enable_gqa=True)`",

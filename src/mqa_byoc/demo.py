@@ -127,7 +127,7 @@ def run_demo(args) -> int:
     requested = args.provider if args.provider != "auto" else f"auto-{build_provider(None, target)}"
 
     def missing_kernels():
-        from .compiler.export import installed_kernel_config
+        from .compiler.link import installed_kernel_config
         from .kernels import find_kernels, normalize_arch
 
         keys = native_kernel_keys(part)

@@ -151,7 +151,7 @@ CASES = [
          dict(h=H, hkv=1, d=D, b=1, s=32, s_kv=160, dtype="bfloat16")),
     Case("repeat_gqa_bf16_decode", "1 repeat", "attention_repeat_bsnh",
          dict(GQA, b=2, s=1, s_kv=256, causal=None, dtype="bfloat16")),
-    # batch-1 decode: the hopper provider's FA4 split-KV decode path (MQA_BYOC_HOPPER_FA4=always in tests)
+    # batch-1 decode: the hopper provider's FA4 split-KV decode path (its test libraries are built with hopper_fa4="always")
     Case("repeat_gqa_f16_decode_b1", "1 repeat", "attention_repeat_bsnh", dict(GQA, b=1, s=1, s_kv=1000)),
     Case("mixed_kv_bnsh_mqa_f16_hdim64_decode_b1", "1+5 mixed layouts", "attention_mixed_layouts",
          dict(h=H, hkv=1, d=64, b=1, s=1, s_kv=640, layouts="BSNH,BNSH,BNSH", causal=None)),
@@ -497,7 +497,7 @@ def attach_bundles(provider: str, manifests: dict[str, dict], out_dir: Path, arg
                     m["ops_after_partition"][key] = entry["ops_after_partition"]
                     if provider == "hopper":
                         # FA4 runs the call when every site has an object and no causal row lacks a key
-                        # (the GPU test forces FA4 with MQA_BYOC_HOPPER_FA4=always)
+                        # (the test libraries are built with the kernel option hopper_fa4="always")
                         out = m["output"]
                         m.setdefault("fa4_expected", {})[key] = bool(entry["fa4_keys"]) and all(
                             entry["fa4_keys"]) and (not m["attention"]["causal"] or out["seq_q"] <= out["seq_kv"])

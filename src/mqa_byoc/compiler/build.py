@@ -5,10 +5,14 @@ The long form, for scripts that need a step in between (:func:`run_codegen` is t
     mod = mqa_byoc.partition_for_cutlass(mod, mqa=True, provider=provider)
     with target:
         mod = relax.transform.RunCodegen()(mod)
+        mod = mqa_byoc.compiler.link.AttachKernelLibraries(arch, kernel_options)(mod)
         ex = relax.build(mod, target=target, relax_pipeline=pipeline)
+    mqa_byoc.compiler.cuda_binary.compile_cuda_modules(ex, arch)  # with cuda_binary=True
 
 :func:`build` is exactly that, with the provider resolved once, here (see
-:mod:`mqa_byoc.compiler.provider` for the rule), and handed to the codegen as its option.
+:mod:`mqa_byoc.compiler.provider` for the rule), and handed to the codegen as its option. The attach
+step adds the kernel options and kernel objects as modules, so that ``ex.export_library(path)`` links
+them (:mod:`mqa_byoc.compiler.link`).
 """
 
 from __future__ import annotations
@@ -16,13 +20,18 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
+from mqa_byoc import kernels as _kernels
 from mqa_byoc.contract import CODEGEN
 
 from mqa_byoc.compiler.codegen import dispatch  # noqa: F401 - registers relax.ext.flash_attn
-from mqa_byoc.compiler.provider import PROVIDER_OPTION, build_provider
+from mqa_byoc.compiler.cuda_binary import compile_cuda_modules
+from mqa_byoc.compiler.kernel_options import KernelOptions
+from mqa_byoc.compiler.link import AttachKernelLibraries
+from mqa_byoc.compiler.provider import PROVIDER_OPTION, build_provider, target_arch
 
 
-def build(mod: tvm.IRModule, target, *, mqa: bool | None = True, provider: str | None = None, pipeline=None):
+def build(mod: tvm.IRModule, target, *, mqa: bool | None = True, provider: str | None = None, pipeline=None,
+          kernel_options=None, link_kernels: bool = True, cuda_binary: bool = False, progress=None):
     """Offload the attention of ``mod`` to Flash Attention 2 and build it for ``target``.
 
     Parameters
@@ -44,20 +53,43 @@ def build(mod: tvm.IRModule, target, *, mqa: bool | None = True, provider: str |
         ``relax.build``'s ``relax_pipeline``; None is TVM's default for the target. Whole decoders:
         ``mqa_byoc.compiler.pipeline.cuda_decoder_pipeline(target)``.
 
+    kernel_options : KernelOptions | dict | str | None
+        Kernel choices compiled into the library (:class:`mqa_byoc.compiler.kernel_options.KernelOptions`,
+        e.g. ``{"hopper_fa4": "always"}``); None: the defaults. Nothing in the environment changes
+        them later; the library's ``mqa_byoc_kernel_options()`` returns them.
+    link_kernels : bool
+        Attach the kernel objects the native / hopper wrappers need as static-library modules
+        (:class:`mqa_byoc.compiler.link.AttachKernelLibraries`), so that a plain
+        ``ex.export_library(path)`` links them; kernel families not built yet are left to
+        :func:`mqa_byoc.export_library`, which builds them.
+    cuda_binary : bool
+        Compile TVM's own generated CUDA kernels to fatbins for the target arch now
+        (:mod:`mqa_byoc.compiler.cuda_binary`), so the exported library loads with TVM's C++ runtime
+        alone (no ``tvm_callback_cuda_compile`` hook, no nvcc where it runs). Needs nvcc and g++.
+    progress : callable | None
+        Reports the compiles of the last two steps.
+
     Returns
     -------
     tvm.runtime.Executable
-        The built executable. Export it with :func:`mqa_byoc.export_library`, which links the native
-        provider's FA2 kernels (a plain ``export_library`` for the python provider).
+        The built executable. ``ex.export_library(path)`` links the kernel objects attached here;
+        :func:`mqa_byoc.export_library` also builds and links those that were missing.
     """
     from mqa_byoc.compiler.partition import partition_for_cutlass
 
     target = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
     if mqa is not None:
         mod = partition_for_cutlass(mod, mqa=mqa)
+    options = KernelOptions.of(kernel_options)
+    arch = target_arch(target) or _kernels.detect_arch()
     mod = run_codegen(mod, target, provider=provider)
     with target:
-        return relax.build(mod, target=target, relax_pipeline="default" if pipeline is None else pipeline)
+        if link_kernels:
+            mod = AttachKernelLibraries(arch, options, progress=progress)(mod)
+        ex = relax.build(mod, target=target, relax_pipeline="default" if pipeline is None else pipeline)
+    if cuda_binary:
+        compile_cuda_modules(ex, arch, progress=progress)
+    return ex
 
 
 def run_codegen(mod: tvm.IRModule, target, *, provider: str | None = None) -> tvm.IRModule:

@@ -64,6 +64,7 @@ class OffloadSite:
     note: str | None = None  # e.g. why an expansion was kept although the site is offloaded
     provider: str | None = None  # the kernel provider the build will use (offloaded sites)
     kernel: str | None = None  # what the site runs on with that provider
+    kernel_options: str | None = None  # the library's kernel choices (linked providers), see kernel_options.py
 
     def as_dict(self) -> dict:
         """Returns
@@ -80,8 +81,8 @@ def _causal_name(site):
     return "BottomRight" if site.mask.causal else None
 
 
-def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider: str | None = None
-                   ) -> list[OffloadSite]:
+def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider: str | None = None,
+                   kernel_options=None) -> list[OffloadSite]:
     """What :func:`partition_for_cutlass` would do with every attention in ``mod``.
 
     Parameters
@@ -94,6 +95,9 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
         As for :func:`mqa_byoc.build`: each offloaded site then names its ``provider`` and ``kernel``
         (e.g. on an sm_90 target the hopper provider's FA4 kernel, or why a site stays on FA2).
         Without either, the provider of the default rule for ``Target.current()``.
+    kernel_options
+        As for :func:`mqa_byoc.build`: the ``kernel`` of each site says what runs with them, and
+        ``kernel_options`` records them (sites of the linked providers).
 
     Returns
     -------
@@ -111,8 +115,10 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
     require_module(mod, "offload_report")
     from mqa_byoc.compiler.codegen import hopper as hopper_codegen
     from mqa_byoc.compiler.provider import build_provider
+    from mqa_byoc.compiler.kernel_options import KernelOptions
 
     chosen = build_provider(provider, target)
+    options = KernelOptions.of(kernel_options)
     for sites in analyze_module(mod, mqa).values():
         for s in sites:
             ok = s.reason is None
@@ -132,7 +138,8 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
                 kernel=hopper_codegen.describe_kernel(
                     chosen, dtype=s.dtype, head_dim=s.head_dim, num_q_heads=s.num_q_heads,
                     num_kv_heads=s.num_kv_heads if mqa else s.num_q_heads, causal=bool(s.mask.causal),
-                    window=s.mask.window, var_len=s.form == varlen.FORM) if ok else None,
+                    window=s.mask.window, var_len=s.form == varlen.FORM, options=options) if ok else None,
+                kernel_options=options.describe() if ok and chosen != "python" else None,
             ))
     return varlen.explain_unlowerable(report)
 

@@ -26,12 +26,17 @@ FA4_TILE_M = 128
 
 
 def describe_kernel(provider: str, *, dtype, head_dim, num_q_heads, num_kv_heads, causal, window,
-                    var_len: bool = False) -> str:
-    """What an offloaded site runs on with ``provider`` (the ``kernel`` of ``offload_report``)."""
+                    var_len: bool = False, options=None) -> str:
+    """What an offloaded site runs on with ``provider`` (the ``kernel`` of ``offload_report``) and the
+    kernel options the library is built with (:class:`~.kernel_options.KernelOptions`, None: defaults)."""
+    from mqa_byoc.compiler.kernel_options import KernelOptions
+
+    options = KernelOptions.of(options)
     if provider == "python":
         return "FA2 through the python provider (flash-attn or PyTorch at run time)"
-    decode = ("our grouped-query decode kernel" if decode_kernel_serves(head_dim, num_q_heads, num_kv_heads)
-              else "FA2 split-KV")
+    fa2_split = "FA2 split-KV" + (" with FA2's combine" if options.split_combine == "fa2" else "")
+    own = options.decode_kernel == "auto" and decode_kernel_serves(head_dim, num_q_heads, num_kv_heads)
+    decode = "our grouped-query decode kernel" if own else fa2_split
     fa2 = "FA2 var-len forward" if var_len else f"FA2 (decode: {decode})"
     if provider != "hopper":
         return fa2 + ", linked"
@@ -40,8 +45,13 @@ def describe_kernel(provider: str, *, dtype, head_dim, num_q_heads, num_kv_heads
     why = _rejection(dtype, head_dim, head_dim)
     if why:
         return f"{fa2}, linked (hopper provider: no FA4 object for {why})"
+    if options.hopper_fa4 == "never":
+        return f"{fa2}, linked (hopper provider with the kernel option hopper_fa4=never)"
     group = num_q_heads // num_kv_heads
     mask = "local" if window else ("causal" if causal else "none")
+    if options.hopper_fa4 == "always":
+        return (f"FA4 sm90 (flash-attn-4 {hopper.FA4_VERSION}, group {group}, {mask}) for every call it can "
+                f"compute (kernel option hopper_fa4=always); otherwise FA2 (decode: {decode})")
     out = (f"FA4 sm90 (flash-attn-4 {hopper.FA4_VERSION}, group {group}, {mask}) for calls with >= "
            f"{MIN_FA4_TILES} query tiles")
     return out + f"; otherwise FA2 (decode: {decode})"
@@ -73,7 +83,7 @@ def kernel_key(spec: AttentionSpec) -> hopper.HopperKernelKey | None:
 def decode_key(spec: AttentionSpec) -> hopper.HopperKernelKey | None:
     """The "splitkv" FA4 object of the split-KV decode (``native/fa4_decode.cu``): sites without a
     sliding window (a causal mask lets a single query row see every key). It runs only with
-    ``MQA_BYOC_HOPPER_FA4=always``: on the H200 it is 1.1-1.7x slower than FA2's split-KV (one query
+    the kernel option ``hopper_fa4="always"`` (:mod:`.kernel_options`): on the H200 it is 1.1-1.7x slower than FA2's split-KV (one query
     row per CTA leaves FA4's wgmma pipeline mostly idle), so decode stays on FA2 by default."""
     key = kernel_key(spec)
     if key is None or key.mask == "local":
@@ -114,19 +124,15 @@ constexpr int64_t kFa4TileM = @TILE_M@;
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-// MQA_BYOC_HOPPER_FA4: "auto" (default: the tile rule below, decode on FA2), "always" (every call FA4
-// can compute correctly, batch-1 decode through fa4_decode.cu: tests, benchmarks) or "never" (FA2 only).
-// Read once per process.
-int fa4_mode() {
-  static const int mode = [] {
-    const char* v = std::getenv("MQA_BYOC_HOPPER_FA4");
-    if (v == nullptr || std::strcmp(v, "auto") == 0 || v[0] == '\0') return 0;
-    if (std::strcmp(v, "always") == 0) return 1;
-    if (std::strcmp(v, "never") == 0) return 2;
-    TVM_FFI_THROW(ValueError) << "MQA_BYOC_HOPPER_FA4=" << v << ": expected auto, always or never";
-  }();
-  return mode;
-}
+// The library's hopper_fa4 kernel option (mqa_byoc.build(kernel_options=...), compiled into it as the
+// constant of fa2_dispatch.h's mqa_byoc_kernel_options; none: the default): 0 "auto" (the tile rule below,
+// decode on FA2), 1 "always" (every call FA4 can compute correctly, batch-1 decode through fa4_decode.cu:
+// tests, benchmarks), 2 "never" (FA2 only).
+extern "C" __attribute__((weak, visibility("hidden"))) const struct mqa_byoc_fa4_options_view {
+  int decode_kernel, decode_merge, split_combine, hopper_fa4;
+} mqa_byoc_library_kernel_options;
+
+int fa4_mode() { return &mqa_byoc_library_kernel_options != nullptr ? mqa_byoc_library_kernel_options.hopper_fa4 : 0; }
 
 // FA4 takes the call when it has a GPU's worth of query tiles (pack_gqa: the query heads of a K/V head
 // share a tile); its TMA loads need 16-byte aligned data and strides. Otherwise FA2 (split-KV for decode).
@@ -199,7 +205,7 @@ extern "C" __attribute__((weak)) int mqa_byoc_fa2_num_sms(int device_id);
 bool use_fa4_decode(int64_t batch, int64_t seqlen_q, int64_t seqlen_k, const DLTensor* k, const DLTensor* v,
                     const int64_t* ks, const int64_t* vs) {
   // measured slower than FA2's split-KV on the H200 (benchmarks/results/2026-11-30-attention-hopper-*):
-  // only MQA_BYOC_HOPPER_FA4=always takes it
+  // only the kernel option hopper_fa4="always" takes it
   if (fa4_mode() != 1 || batch != 1 || seqlen_q != 1 || seqlen_k < 1 || seqlen_k > INT32_MAX) return false;
   if (!aligned16(data_of(k)) || !aligned16(data_of(v))) return false;
   for (int d = 1; d < 3; ++d) {

@@ -170,7 +170,8 @@ void require_linked(bool linked) {
   if (!linked) {
     TVM_FFI_THROW(RuntimeError)
         << kSymbol << ": the native FA2 kernels are not linked into this library. Export it with "
-        << "mqa_byoc.export_library(executable, path) (plain export_library / jit do not link them), "
+        << "mqa_byoc.export_library(executable, path), which links them (a plain export_library links "
+        << "only what mqa_byoc.build attached), "
         << "or build with provider=\"python\".";
   }
 }
