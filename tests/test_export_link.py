@@ -18,7 +18,7 @@ import pytest
 
 tvm = pytest.importorskip("tvm")
 
-import graphs  # noqa: E402
+from mqa_byoc.testing import graphs  # noqa: E402
 import mqa_byoc  # noqa: E402
 from mqa_byoc import kernels as K  # noqa: E402
 from mqa_byoc.compiler import cuda_binary, kernel_options, link  # noqa: E402

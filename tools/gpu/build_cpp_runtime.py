@@ -41,7 +41,7 @@ OPTION_VARIANTS = {
 def build_option_variants(out: Path, arch: str) -> dict:
     import tvm
 
-    import graphs
+    from mqa_byoc.testing import graphs
     import mqa_byoc
 
     target = tvm.target.Target({"kind": "cuda", "arch": arch})
