@@ -2,7 +2,7 @@
 
 Runs on the GPU machine with the artifacts of ``python tools/gpu/build_paged.py`` (runtime-only TVM):
 
-    source .devkit/setup.sh && python3 benchmarks/paged_attention.py --out $OUT/paged_attention.json
+    source kit/setup.sh && python3 benchmarks/paged_attention.py --out paged_attention.json   # kit: mqa-byoc runtime-kit
 
 Per case and implementation (``tir.so`` page 16, ``fa2.so`` page = FA2's tile): layer 0's paged
 attention call (``attend``: append of the new K/V + attention; the same work in both) at decode with
@@ -132,7 +132,7 @@ def bench_decoder(tvm, torch, model, batch, context, iters):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results"
                     / "paged_attention.json")
     ap.add_argument("--cases", nargs="*", default=["gqa64_8_d128", "mqa71_1_d64"])
     ap.add_argument("--iters", type=int, default=20)
@@ -148,7 +148,9 @@ def main(argv=None):
 
     import torch
     if os.environ.get("TVM_USE_RUNTIME_LIB") == "1":
-        import boot  # noqa: F401
+        from mqa_byoc.deploy import prepare_runtime
+
+        prepare_runtime()  # the runtime kit's set-up: CUDA runtime + nvcc hook
     import tvm
     import tvm.runtime.vm  # noqa: F401
 

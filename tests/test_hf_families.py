@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import graphs as G  # noqa: E402
+from mqa_byoc.testing import graphs as G  # noqa: E402
 from mqa_byoc import offload_report, partition_for_cutlass  # noqa: E402
 from mqa_byoc.models import hf  # noqa: E402
 
@@ -117,7 +117,7 @@ def test_falcon_multi_query_offloaded_with_one_kv_head(impl, mode):
 
 def _falcon_numerics(model, mode):
     """The rewritten graph gives HF's logits. Imported with our convert map: the frontend takes Falcon's
-    ``qkv[..., [-2], :]`` with a negative index out of bounds (``test_models.py``)."""
+    ``qkv[..., [-2], :]`` with a negative index out of bounds (``test_models_decoders.py``)."""
     imp = hf.import_hf(model, mode=mode, batch=1, seq_len=12, past_len=6, convert="fixes",
                        mixed_precision=True)
     inputs = hf.example_inputs(model, mode=mode, seq_len=12, past_len=6, seed=1)

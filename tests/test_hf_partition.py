@@ -11,9 +11,9 @@ pytest.importorskip("transformers")
 import tvm  # noqa: E402
 from tvm import relax  # noqa: E402
 
-import graphs as G  # noqa: E402
+from mqa_byoc.testing import graphs as G  # noqa: E402
 from mqa_byoc import offload_report, partition_for_cutlass  # noqa: E402
-from mqa_byoc.compiler.gqa_legalize import LegalizeGroupedAttention  # noqa: E402
+from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention  # noqa: E402
 from mqa_byoc.compiler.partition import canonicalize_attention  # noqa: E402
 from mqa_byoc.models import hf  # noqa: E402
 

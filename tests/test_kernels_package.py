@@ -199,13 +199,13 @@ def test_manifest_updates_from_threads_lose_nothing(tmp_path):
 
 def test_codegen_default_provider_uses_the_one_nvcc_lookup(monkeypatch, tmp_path):
     pytest.importorskip("tvm")
-    from mqa_byoc.compiler import codegen
+    from mqa_byoc.compiler.provider import default_provider
 
     monkeypatch.setenv("MQA_BYOC_NVCC", "")  # authoritative: no nvcc, whatever PATH holds
-    assert codegen.default_provider(None, native=True) == "python"
+    assert default_provider(None, native=True) == "python"
     fake = tmp_path / "nvcc"
     fake.write_text("#!/bin/sh\nexit 0\n")
     fake.chmod(0o755)
     monkeypatch.setenv("MQA_BYOC_NVCC", str(fake))
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    assert codegen.default_provider(None, native=True) == "native"
+    assert default_provider(None, native=True) == "native"

@@ -15,7 +15,7 @@ import subprocess
 import pytest
 
 from mqa_byoc import kernels as K
-from mqa_byoc.compiler.spec import AttentionSpec
+from mqa_byoc.compiler.graph.spec import AttentionSpec
 
 SPEC = AttentionSpec(8, 2, 64, 64, "float16", AttentionSpec.default_scale(64), True)
 
@@ -47,11 +47,11 @@ def test_prebuilt_dir_has_this_codes_dispatcher_and_kernels(monkeypatch):
 def test_export_links_prebuilt_kernels_without_toolchain(monkeypatch, tmp_path):
     keys, _ = _prebuilt_or_skip()
     tvm = pytest.importorskip("tvm")
-    from graphs import import_c_source, site_call_executable
+    from mqa_byoc.testing.graphs import import_c_source, site_call_executable
     from tvm import relax
 
     from mqa_byoc.compiler import export as E
-    from mqa_byoc.compiler.native_codegen import emit_native_source
+    from mqa_byoc.compiler.codegen.native import emit_native_source
 
     monkeypatch.setenv("MQA_BYOC_NVCC", "")
     monkeypatch.setenv("MQA_BYOC_CACHE", str(tmp_path / "empty-cache"))

@@ -28,7 +28,7 @@ def _source_reason():
 def lib(tmp_path_factory):
     if _source_reason():
         pytest.skip(_source_reason())
-    from mqa_byoc.compiler.paged_build import paged_object
+    from mqa_byoc.compiler.paged.build import paged_object
     from mqa_byoc.kernels.build import static_cudart, support_object
 
     obj = paged_object("sm_90", build=False, progress=None)
@@ -93,7 +93,7 @@ def test_wrappers_compile_with_tvm_ffi_headers(tmp_path):
     """The emitted TVM-FFI wrappers compile as export compiles them (g++, TVM's include paths)."""
     import tvm_ffi.libinfo
 
-    from mqa_byoc.compiler.paged_codegen import PagedConfig, emit_paged_source
+    from mqa_byoc.compiler.paged.codegen import PagedConfig, emit_paged_source
 
     src = tmp_path / "w.cc"
     src.write_text(emit_paged_source(PagedConfig(71, 1, 64, "bfloat16", 256), ["prefill", "decode", "ragged", "merge"]))

@@ -10,8 +10,8 @@ import pytest
 import tvm
 from tvm import relax
 
-import graphs
-from mqa_byoc.compiler.paged import (
+from mqa_byoc.testing import graphs
+from mqa_byoc.compiler.paged.transform import (
     CREATE,
     UseFlashAttentionForPagedKVCache,
     format_paged_report,

@@ -1,12 +1,12 @@
-"""Long fuzz run of the attention partition (issue 10 item 8).
+"""Long fuzz run of the attention partition.
 
     python tools/fuzz.py --graphs 1000 --seed 1 --json fuzz.json
 
-draws random attention graphs (``tests/fuzz/gen.py``), checks every invariant of
-``tests/fuzz/invariants.py`` on each (building every graph with offloaded sites for sm_90 with both
+draws random attention graphs (``src/mqa_byoc/testing/fuzz/gen.py``), checks every invariant of
+``src/mqa_byoc/testing/fuzz/invariants.py`` on each (building every graph with offloaded sites for sm_90 with both
 providers unless ``--build-every N``), shrinks the first graph of each distinct violation and prints
 a summary: graphs, sites, offloaded, rejections by reason, violations by invariant with a repro
-(``GraphSpec``; ``tests/fuzz/build.py::build_module(spec).mod`` is the module). Exit status 1 when
+(``GraphSpec``; ``src/mqa_byoc/testing/fuzz/build.py::build_module(spec).mod`` is the module). Exit status 1 when
 there is a violation. Graph ``i`` of seed ``s`` is the same on every machine: ``--only i`` reruns it.
 """
 
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT / "src")]  # mqa_byoc from this checkout when it is not installed
 
 
 def main(argv=None) -> int:
@@ -38,9 +38,9 @@ def main(argv=None) -> int:
     ap.add_argument("--from-json", type=Path, help="read a run's summary instead of running")
     args = ap.parse_args(argv)
 
-    from fuzz import runner
-    from fuzz.build import build_module
-    from fuzz.invariants import check_graph
+    from mqa_byoc.testing.fuzz import runner
+    from mqa_byoc.testing.fuzz.build import build_module
+    from mqa_byoc.testing.fuzz.invariants import check_graph
 
     if args.from_json is not None:
         text = runner.markdown(json.loads(args.from_json.read_text()))

@@ -59,7 +59,7 @@ def build_group_module(shapes, dtype, providers):
     from tvm import relax
 
     import mqa_byoc
-    from mqa_byoc.compiler.gqa_legalize import LegalizeGroupedAttention
+    from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
 
     funcs, attrs = {}, None
     provider_of, summary, snapshot = {}, {}, {}
@@ -151,7 +151,8 @@ def build_grouped(args):
     meta = {"format": 2, "suite": args.suite, "arch": args.arch, "providers": providers, "page_size": PAGE_SIZE,
             "build_command": " ".join(["python"] + sys.argv),
             "build_date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "tvm": getattr(tvm, "__version__", None), "groups": {}, "cases": []}
+            "tvm": getattr(tvm, "__version__", None), "groups": {}, "cases": [],
+            "kernel_options": getattr(args, "kernel_options", None)}
     t_all = time.time()
     if not args.skip_llm:
         print("checking TVM's paged-KV kernels' calling convention on the CPU (llvm) ...", flush=True)
@@ -168,7 +169,8 @@ def build_grouped(args):
         print(f"[{dtype}] partitioned {len(summary)} functions in {g['partition_s']} s "
               f"({sum(1 for s in summary.values() if s['offloaded'])} offloaded)", flush=True)
         t0 = time.time()
-        ex = mqa_byoc.build(mod, target, mqa=None)  # each function carries its provider
+        # each function carries its provider
+        ex = mqa_byoc.build(mod, target, mqa=None, kernel_options=getattr(args, "kernel_options", None))
         g["relax_build_s"] = round(time.time() - t0, 1)
         lib = f"attn-{DT_SHORT[dtype]}.so"
         t0 = time.time()
@@ -219,7 +221,7 @@ def build(args):
     import tvm
 
     import mqa_byoc
-    from mqa_byoc.compiler.gqa_legalize import LegalizeGroupedAttention
+    from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
 
     os.makedirs(args.out, exist_ok=True)
     target = tvm.target.Target({"kind": "cuda", "arch": args.arch})

@@ -14,16 +14,16 @@ FA2 called directly, PyTorch SDPA with enable_gqa and TVM's own paged-KV-cache a
 (``tvm.relax.frontend.nn.llm``, the TIR kernels MLC-LLM runs without FlashInfer), measured side by
 side in one run.
 
-Three steps, on two machines (the GPU machine has only TVM's runtime):
+Three steps, on two machines (the GPU machine may have TVM's runtime only: ``mqa-byoc runtime-kit``):
 
-    python benchmarks/attention.py build --suite issue6 --out .bench-artifacts/issue6             # here
-    source .devkit/setup.sh && python3 -m boot benchmarks/attention.py run \
-        --artifacts .bench-artifacts/issue6 --json $OUT/attention-issue6.json    # on the GPU (carry .devkit and
-                                                                                # .bench-artifacts/issue6)
-    python benchmarks/attention.py report attention-issue6.json [rerun.json ...]   # here: benchmarks/results/
+    python benchmarks/attention.py build --suite presets --out .bench-artifacts/presets     # compile machine
+    source kit/setup.sh && python3 -m tvm_runtime_kit benchmarks/attention.py run \
+        --artifacts .bench-artifacts/presets --json attention-presets.json       # GPU machine (copy the kit and
+                                                                                # .bench-artifacts/presets there)
+    python benchmarks/attention.py report attention-presets.json [rerun.json ...]   # benchmarks/results/
 
-``build`` writes the libraries plus ``cases.json``. Suites ``issue4`` / ``full`` build one library per
-(case, variant) with static shapes. Suite ``issue6`` (every distinct (H, H_kv, D) of the model
+``build`` writes the libraries plus ``cases.json``. Suites ``smoke`` / ``full`` build one library per
+(case, variant) with static shapes. Suite ``presets`` (every distinct (H, H_kv, D) of the model
 presets x fp16/bf16 x prefill {1k, 4k, 16k} causal x decode S_kv {1k, 4k, 16k, 32k}) builds
 *symbolic* sequence lengths, so one library serves every length: per dtype one Relax library holding
 all shapes x {prefill, decode} x {mqa, repeat, stock} (the FA2 kernels of a (head dim, dtype) are
@@ -52,12 +52,15 @@ def main(argv=None):
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="compile the libraries (here)")
     b.add_argument("--out", default=".bench-artifacts")
-    b.add_argument("--suite", default="issue4", choices=sorted(SUITES) + sorted(GROUPED_SUITES))
-    b.add_argument("--providers", default=None, help="comma list; default python (issue4/full), native (issue6)")
+    b.add_argument("--suite", default="smoke", choices=sorted(SUITES) + sorted(GROUPED_SUITES))
+    b.add_argument("--providers", default=None, help="comma list; default python (smoke/full), native (presets)")
     b.add_argument("--arch", default="sm_90")
     b.add_argument("--shapes", default=None, help="grouped suites: only these shape ids, e.g. h64-kv8-d128")
     b.add_argument("--skip-llm", action="store_true", help="grouped suites: no TVM paged-KV kernels")
     b.add_argument("--no-precompile", action="store_true", help="grouped suites: leave TVM's CUDA to load-time JIT")
+    b.add_argument("--kernel-options", default=None,
+                   help="grouped suites: kernel options compiled into the libraries, e.g. split_combine=fa2 or "
+                        "hopper_fa4=always (docs/build-options.md)")
     r = sub.add_parser("run", help="measure (GPU machine)")
     r.add_argument("--artifacts", default=".bench-artifacts")
     r.add_argument("--json", default="attention-results.json")

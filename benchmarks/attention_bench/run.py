@@ -243,7 +243,7 @@ def run_case(case, meta, libs, args, skipped):
     run_variant("torch-sdpa-gqa", lambda: torch.nn.functional.scaled_dot_product_attention(
         qt, kt, vt, is_causal=case["causal"] and s_q > 1, scale=scale, enable_gqa=True).transpose(1, 2))
     if case["mode"] == "prefill" and not skipped("cublas-qk-gemm"):
-        # a tensor-core GEMM of the Q@K^T shape, the ceiling the issue compares prefill with
+        # a tensor-core GEMM of the Q@K^T shape, the ceiling prefill is compared with
         try:
             a = torch.randn(h, s_q, d, device="cuda", dtype=dt)
             b = torch.randn(h, d, s_kv, device="cuda", dtype=dt)

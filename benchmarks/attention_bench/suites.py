@@ -5,15 +5,15 @@ from __future__ import annotations
 import re
 
 SUITES = {
-    # the shapes the issues ask about: H=64, H_kv=8, D=128 fp16
-    "issue4": [
+    # two cases of the largest GQA preset: H=64, H_kv=8, D=128 fp16
+    "smoke": [
         dict(name="decode-16k", mode="decode", h=64, hkv=8, d=128, dtype="float16", s_q=1, s_kv=16384, causal=False),
         dict(name="prefill-2k-causal", mode="prefill", h=64, hkv=8, d=128, dtype="float16", s_q=2048, s_kv=2048,
              causal=True),
     ],
 }
 
-SUITES["full"] = SUITES["issue4"] + [
+SUITES["full"] = SUITES["smoke"] + [
     dict(name=f"{mode}-{label}-{dt}", mode=mode, h=64, hkv=8, d=128, dtype=dt, s_q=(1 if mode == "decode" else n),
          s_kv=n, causal=mode == "prefill")
     for dt in ("float16", "bfloat16")
@@ -25,7 +25,7 @@ SUITES["full"] = SUITES["issue4"] + [
 
 #: suites built per dtype with symbolic lengths (see the module docstring)
 GROUPED_SUITES = {
-    "issue6": dict(dtypes=("float16", "bfloat16"), prefill=(1024, 4096, 16384), decode=(1024, 4096, 16384, 32768)),
+    "presets": dict(dtypes=("float16", "bfloat16"), prefill=(1024, 4096, 16384), decode=(1024, 4096, 16384, 32768)),
 }
 
 # stock TVM lowers attention ~580x slower than FA2: only where it finishes in reasonable time
@@ -55,11 +55,11 @@ VARIANT_DOC = {
     "mqa-python": "ours, Python provider (FA2 through a Python bridge)",
     "mqa-hopper": "ours, hopper provider: FA4's sm90 kernel (flash-attn-4, compiled ahead of time and linked) for "
                   "prefill-sized calls, our grouped-query decode kernel for decode, as `mqa-native` "
-                  "(MQA_BYOC_HOPPER_FA4=always: FA4 for every call, decode through our split-KV around it)",
-    "mqa-native-fa2-combine": "`mqa-native` with `MQA_BYOC_FA2_COMBINE=fa2`: FA2's own split-KV and combine kernel "
-                              "for batch-1 decode instead of ours (separate run, same artifacts)",
-    "mqa-hopper-fa4-decode": "`mqa-hopper` with `MQA_BYOC_HOPPER_FA4=always`: batch-1 decode through our split-KV around "
-                             "FA4's sm90 kernel (separate run, same artifacts)",
+                  "(kernel option hopper_fa4=\"always\": FA4 for every call, decode through our split-KV around it)",
+    "mqa-native-fa2-combine": "`mqa-native` built with the kernel option `split_combine=\"fa2\"`: FA2's own split-KV and combine kernel "
+                              "for batch-1 decode instead of ours (artifacts built with `build --kernel-options split_combine=fa2`)",
+    "mqa-hopper-fa4-decode": "`mqa-hopper` built with the kernel option `hopper_fa4=\"always\"`: batch-1 decode through our split-KV around "
+                             "FA4's sm90 kernel (artifacts built with `build --kernel-options hopper_fa4=always`)",
     "repeat-native": "`mqa=False`: K/V repeated to H heads by TVM, FA2 as plain MHA (native provider)",
     "repeat-python": "`mqa=False`, Python provider",
     "torch-sdpa-gqa": "`torch.nn.functional.scaled_dot_product_attention(..., enable_gqa=True)`",

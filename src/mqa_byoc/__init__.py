@@ -25,8 +25,8 @@ _LAZY = {
     "offload_report": "mqa_byoc.compiler.partition",
     "OffloadSite": "mqa_byoc.compiler.partition",
     "AnnotateProvider": "mqa_byoc.compiler.partition",
-    "CanonicalizeAttention": "mqa_byoc.compiler.canonicalize",
-    "LegalizeGroupedAttention": "mqa_byoc.compiler.gqa_legalize",
+    "CanonicalizeAttention": "mqa_byoc.compiler.graph.canonicalize",
+    "LegalizeGroupedAttention": "mqa_byoc.compiler.graph.gqa_legalize",
     "build": "mqa_byoc.compiler.build",
     "export_library": "mqa_byoc.compiler.export",
 }
@@ -34,9 +34,9 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:  # the same names, for type checkers and IDEs
-    from mqa_byoc.compiler.canonicalize import CanonicalizeAttention
+    from mqa_byoc.compiler.graph.canonicalize import CanonicalizeAttention
     from mqa_byoc.compiler.export import export_library
-    from mqa_byoc.compiler.gqa_legalize import LegalizeGroupedAttention
+    from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
     from mqa_byoc.compiler.partition import AnnotateProvider, OffloadSite, offload_report, partition_for_cutlass
 
 

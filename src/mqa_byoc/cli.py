@@ -155,6 +155,20 @@ def _build_kernels_parser(sub):
                    help="print the plan (kernels, cache dir, nvcc commands) without compiling or fetching")
 
 
+def _runtime_kit_parser(sub):
+    p = sub.add_parser("runtime-kit", help="write a runtime-only TVM kit: run exported libraries on a machine "
+                                           "without TVM's compiler (cross-compiling)",
+                       description="Copy the installed tvm package without its compiler library, download the "
+                                   "wheels it needs for the run machine's Python, and write setup.sh and the "
+                                   "set-up module tvm_runtime_kit (CUDA backend + nvcc hook) into DIR.")
+    p.add_argument("--out", required=True, help="the kit's folder (replaced if it exists)")
+    p.add_argument("--python-version", default="3.12", help="the run machine's Python, X.Y (default 3.12)")
+    p.add_argument("--platform", action="append", default=None,
+                   help="pip platform tag of the run machine (repeatable; default: manylinux x86-64 tags)")
+    p.add_argument("--no-wheels", action="store_true",
+                   help="download no wheels: the run machine has apache-tvm-ffi and ml_dtypes installed")
+
+
 def build_kernels_request(args: argparse.Namespace):
     """The :class:`mqa_byoc.kernels.BuildRequest` of parsed ``build-kernels`` arguments.
 
@@ -181,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     _demo_parser(sub)
     _build_kernels_parser(sub)
     _profile_parser(sub)
+    _runtime_kit_parser(sub)
     return parser
 
 
@@ -288,10 +303,16 @@ def main(argv=None) -> int:
         from .demo import run_demo
 
         return run_demo(args)
+    if args.command == "runtime-kit":
+        from .deploy.runtime_kit import main_args
+
+        return main_args(args)
     if args.command == "build-kernels" and args.hopper is not None:
         from .kernels import hopper
+        from .models.presets import attention_shapes
 
-        return hopper.run_build(args.hopper, arch=args.arch, out=args.out, dry_run=args.dry_run)
+        return hopper.run_build(args.hopper, shapes=attention_shapes(), arch=args.arch, out=args.out,
+                                dry_run=args.dry_run)
     if args.command == "build-kernels":
         from .kernels import run_build_kernels
 

@@ -31,7 +31,7 @@ SINK_CAUSAL_ATTR = "mqa_byoc.causal"
 SINK_WINDOW_ATTR = "mqa_byoc.window"  # keys a row sees including its own, 0: no window
 SINK_LAYOUTS_ATTR = "mqa_byoc.layouts"  # "q,k,v" layouts (BSNH / BNSH); the output is BSNH
 
-#: Kernel providers of the codegen (see :mod:`mqa_byoc.compiler.codegen`): "native" links FA2,
+#: Kernel providers of the codegen (the rule: :mod:`mqa_byoc.compiler.provider`): "native" links FA2,
 #: "hopper" links FA4's sm90 kernel for prefill and FA2 for decode, "python" calls a registered function.
 PROVIDERS = ("native", "hopper", "python")
 #: The providers whose kernels are linked into the exported library.

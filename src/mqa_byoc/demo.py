@@ -72,13 +72,13 @@ def choose_provider(requested: str, *, gpu: bool, build_kernels: bool, missing_k
 
     ``requested``: "python" / "native" / "hopper" (asked for), or what the provider rule gives when the
     user did not ask ("auto-native": nvcc found; "auto-hopper": also an sm_90 target with FA4 objects at
-    hand; "auto-python": no nvcc, or ``MQA_BYOC_PROVIDER``). Both linked providers need FA2 kernels.
+    hand; "auto-python": no nvcc). Both linked providers need FA2 kernels.
     ``missing_kernels``: a callable giving the FA2 kernels the native library needs that are not
     built (called only when it decides: it runs the native codegen).
     """
     if requested in ("python", "auto-python"):
         return "python", False, None if requested == "python" else (
-            "native provider: not selected here (no nvcc, or MQA_BYOC_PROVIDER); built with the python provider")
+            "native provider: not selected here (no nvcc); built with the python provider")
     linked = requested.removeprefix("auto-")
     if requested in ("native", "hopper") or build_kernels or gpu:
         return linked, True, None
@@ -96,9 +96,10 @@ def run_demo(args) -> int:
     import tvm
 
     from . import build, export_library, offload_report, partition_for_cutlass
-    from .compiler.build import native_kernel_keys, resolve_build_provider
+    from .compiler.build import native_kernel_keys
     from .compiler.export import NativeKernelsUnavailable
     from .compiler.pipeline import cuda_decoder_pipeline
+    from .compiler.provider import build_provider
     from .models.llama import build_decoder
     from .models.presets import get_preset, scaled
 
@@ -123,15 +124,15 @@ def run_demo(args) -> int:
     target = tvm.target.Target({"kind": "cuda", "arch": args.arch})
     gpu = _gpu_present()
     not_done = []
-    requested = args.provider if args.provider != "auto" else f"auto-{resolve_build_provider(None, target)}"
+    requested = args.provider if args.provider != "auto" else f"auto-{build_provider(None, target)}"
 
     def missing_kernels():
-        from .compiler.export import _safe_config
+        from .compiler.link import installed_kernel_config
         from .kernels import find_kernels, normalize_arch
 
         keys = native_kernel_keys(part)
         arch = normalize_arch(args.arch)
-        found = find_kernels(keys, arch, _safe_config(arch))
+        found = find_kernels(keys, arch, installed_kernel_config(arch))
         return [k for k in keys if k not in found]
 
     provider, compile_kernels, why = choose_provider(requested, gpu=gpu, build_kernels=args.build_kernels,

@@ -1,4 +1,4 @@
-"""Shared by the GPU tests: the TVM runtime set-up (boot, libraries, VMs), inputs as torch tensors,
+"""Shared by the GPU tests: the TVM runtime set-up (runtime kit, libraries, VMs), inputs as torch tensors,
 the fp32 PyTorch reference. torch is imported lazily (the module is importable without it)."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def skip_reason() -> str | None:
 
 def no_artifacts_reason() -> str:
     return (f"no artifacts in {ARTIFACTS}: run `python tools/gpu/build_forms.py [--native]` on the build "
-            "machine and carry .gpu-artifacts/tests")
+            "machine and copy .gpu-artifacts/tests")
 
 
 def providers_of(m: dict) -> tuple[list[str], dict[str, str]]:
@@ -166,7 +166,7 @@ class StandaloneRuns:
 
     def __init__(self, libraries: dict[str, list[tuple[dict, str]]], device: str = "cuda"):
         self.tmp = Path(tempfile.mkdtemp(prefix="mqa-byoc-standalone-"))
-        env = {k: v for k, v in os.environ.items() if k != "MQA_BYOC_PROVIDER"}
+        env = dict(os.environ)
         self.procs, self.done = {}, {}
         for i, (path, entries) in enumerate(sorted(libraries.items())):
             job = {"library": path, "result": str(self.tmp / f"result{i}.json"), "calls": [], "device": device}
@@ -212,11 +212,9 @@ class Runtime:
         import torch
 
         if not full_tvm():
-            try:
-                import boot  # noqa: F401 - .devkit/boot.py: loads libtvm_runtime_cuda, nvcc hook
-            except ImportError as err:
-                fail(f"runtime-only TVM without .devkit/boot.py on the path ({err}): "
-                     "run `source .devkit/setup.sh` first (see tests/gpu/README.md)")
+            from mqa_byoc.deploy import prepare_runtime
+
+            prepare_runtime()  # the runtime kit's set-up: libtvm_runtime_cuda, the nvcc hook
         import tvm
         import tvm.runtime.vm  # noqa: F401 - not loaded by tvm.runtime itself
         import tvm_ffi
@@ -310,7 +308,7 @@ def decoder_runners(artifacts: Path, manifest: dict, builder: str) -> dict:
 
     if not manifest:
         pytest.skip(f"no artifacts in {artifacts}: run `python tools/gpu/{builder}` on the build machine "
-                    f"and carry .gpu-artifacts/{artifacts.name}")
+                    f"and copy .gpu-artifacts/{artifacts.name}")
     from mqa_byoc.runtime.runner import DecoderRunner
 
     return {(name, variant): DecoderRunner(os.path.join(artifacts, f), seed=0)

@@ -2,8 +2,8 @@
 
 Started by ``test_native_standalone.py`` as ``python3 native_standalone_child.py JOB.json``. JOB lists
 one library and the calls to make: ``{"library": path, "result": path, "calls": [{"manifest": path,
-"function": name, "out": path.npy}]}`` (and ``"device": "cpu"`` for the CPU self-test). Only ``boot``
-(``.devkit``: tvm + tvm_ffi), ``tvm.runtime``, numpy (and ml_dtypes for bfloat16, if present) are used. Each output is written as float32 ``.npy``;
+"function": name, "out": path.npy}]}`` (and ``"device": "cpu"`` for the CPU self-test). Only ``tvm_runtime_kit``
+(the runtime kit's set-up: tvm + tvm_ffi), ``tvm.runtime``, numpy (and ml_dtypes for bfloat16, if present) are used. Each output is written as float32 ``.npy``;
 RESULT gets what was imported and any error.
 """
 
@@ -54,6 +54,25 @@ def _to_float32(np, out, dtype):
     return arr.astype(np.float32)
 
 
+def _prepare_runtime() -> str:
+    """The runtime kit's set-up module (CUDA backend, nvcc hook), imported without the mqa_byoc package:
+    the kit's own ``tvm_runtime_kit`` when on the path, else the checkout's copy of that file."""
+    import importlib.util
+
+    try:
+        import tvm_runtime_kit
+    except ModuleNotFoundError as err:
+        if err.name != "tvm_runtime_kit":
+            raise
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src", "mqa_byoc", "deploy",
+                            "tvm_runtime_kit.py")
+        spec = importlib.util.spec_from_file_location("tvm_runtime_kit", path)
+        tvm_runtime_kit = importlib.util.module_from_spec(spec)
+        sys.modules["tvm_runtime_kit"] = tvm_runtime_kit
+        spec.loader.exec_module(tvm_runtime_kit)
+    return tvm_runtime_kit.__file__
+
+
 def main(job_path):
     with open(job_path) as f:
         job = json.load(f)
@@ -63,13 +82,7 @@ def main(job_path):
             raise RuntimeError(f"already imported before the blocker was installed: {_PRELOADED}")
         import numpy as np
 
-        try:
-            import boot  # noqa: F401 - .devkit/boot.py: CUDA runtime library + nvcc hook
-            result["boot"] = boot.__file__
-        except ImportError as err:
-            if os.environ.get("TVM_USE_RUNTIME_LIB") == "1":
-                raise RuntimeError(f"runtime-only TVM but no boot module ({err}): source .devkit/setup.sh") from err
-            result["boot"] = None
+        result["runtime_setup"] = _prepare_runtime() if os.environ.get("TVM_USE_RUNTIME_LIB") == "1" else None
         import tvm
         import tvm.runtime.vm
 

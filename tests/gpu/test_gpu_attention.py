@@ -104,7 +104,7 @@ def test_mqa_launches_no_kv_expansion(rt, m, provider):
     record["time_us"] = {"mqa": rt.time_us(m, f"mqa_{provider}"), "nomqa": rt.time_us(m, f"nomqa_{provider}")}
     backend = rt.providers.active_backend().name if provider == "python" else "native"
     for variant, kernels in (("mqa", mqa), ("nomqa", nomqa)):
-        # hopper: FA4's sm90 kernel runs every call it can (MQA_BYOC_HOPPER_FA4=always, conftest.py)
+        # hopper: FA4's sm90 kernel runs every call it can (built with kernel_options hopper_fa4="always", tools/gpu/bundle.py)
         if m.get("fa4_expected", {}).get(f"{variant}_{provider}"):
             assert any("FlashAttentionForwardSm90" in n for n in kernels), \
                 f"hopper provider, {variant}: no FA4 sm90 kernel launched: {kernels}"

@@ -1,4 +1,4 @@
-"""Issue 6: a Hugging Face transformers decoder through TVM's PyTorch frontend, run on the GPU.
+"""A Hugging Face transformers decoder through TVM's PyTorch frontend, run on the GPU.
 
 The artifacts come from ``tools/gpu/build_hf.py`` (build machine: transformers, the TVM
 compiler): random-weight HF Llama (GQA, Llama-3-8B attention) and Mistral (MQA, sliding window)
@@ -7,7 +7,7 @@ decoders exported with ``torch.export``, imported with ``from_exported_program``
 library, plus their fp16 weights, inputs and the float32 PyTorch eager logits computed on CPU.
 
 Here (runtime-only TVM: ``tvm.runtime.load_module`` + ``tvm.runtime.vm.VirtualMachine``; the session
-fixture ``rt`` of conftest.py imports ``.devkit``'s ``boot`` first), per model and function (prefill,
+fixture ``rt`` of conftest.py runs the runtime kit's set-up first), per model and function (prefill,
 one decode step):
 
 - the logits (and the returned K/V caches) of each variant match float32 eager within the manifest's
@@ -59,7 +59,7 @@ def _load_manifest():
 
 MANIFEST = _load_manifest()
 NO_ARTIFACTS = (f"no HF decoder artifacts in {HF_ARTIFACTS}: run `python tools/gpu/build_hf.py` on the "
-                "build machine and carry .gpu-artifacts/hf")
+                "build machine and copy .gpu-artifacts/hf")
 
 
 def _params(modes=MODES):
@@ -75,7 +75,7 @@ class HFRuntime:
         self.rt, self.torch, self.tvm, self.device = rt, rt.torch, rt.tvm, device
         path = HF_ARTIFACTS / MANIFEST["library"]["library"]
         t0 = time.time()
-        self.lib = self.tvm.runtime.load_module(str(path))  # compiles TVM's CUDA kernels (boot's nvcc hook)
+        self.lib = self.tvm.runtime.load_module(str(path))  # compiles TVM's CUDA kernels (the runtime kit's nvcc hook)
         dev = self.tvm.cuda(0) if device == "cuda" else self.tvm.cpu(0)  # cpu: a dry run of this harness
         self.vm = self.tvm.runtime.vm.VirtualMachine(self.lib, dev)
         self.load_seconds = time.time() - t0

@@ -1,4 +1,4 @@
-"""Issue 10 item 1: the standard HF path on the GPU.
+"""The standard HF path on the GPU.
 
 Artifacts from ``tools/gpu/build_hf_standard.py`` (build machine): float32 HF Llama (GQA, eager) and
 Mistral (MQA, window 16, sdpa) decoders exported with ``torch.export``, imported with plain
@@ -39,7 +39,7 @@ pytestmark = pytest.mark.gpu
 ARTIFACTS = Path(os.environ.get("MQA_BYOC_GPU_HF_STANDARD_ARTIFACTS", gc.ROOT / ".gpu-artifacts" / "hf-standard"))
 MANIFEST = json.loads((ARTIFACTS / "manifest.json").read_text()) if (ARTIFACTS / "manifest.json").exists() else None
 NO_ARTIFACTS = (f"no standard-path HF artifacts in {ARTIFACTS}: run `python tools/gpu/build_hf_standard.py` on "
-                "the build machine and carry .gpu-artifacts/hf-standard")
+                "the build machine and copy .gpu-artifacts/hf-standard")
 KV_EXPANSION = re.compile(r"repeat|broadcast|tile|expand", re.IGNORECASE)
 MODES = ("prefill", "decode")
 

@@ -48,9 +48,11 @@ def env():
     import torch
     if not MANIFEST:
         pytest.skip(f"no artifacts in {ARTIFACTS}: run `python tools/gpu/build_paged.py` on the build machine "
-                    "and carry .gpu-artifacts/paged")
+                    "and copy .gpu-artifacts/paged")
     if os.environ.get("TVM_USE_RUNTIME_LIB") == "1":
-        import boot  # noqa: F401 - .devkit/boot.py: CUDA runtime + nvcc hook
+        from mqa_byoc.deploy import prepare_runtime
+
+        prepare_runtime()  # the runtime kit's set-up: CUDA runtime + nvcc hook
     import tvm
     import tvm.runtime.vm  # noqa: F401
     import tvm_ffi

@@ -3,7 +3,7 @@ makes computes the same decoder (RoPE by the cache, mode NORMAL, which the paged
 leave out; FA2 matches TIR or is the nearer to an fp32 torch decoder), and ``profile run`` of it records FA2's kernels for ``mqa=True`` and TVM's TIR attention
 kernels for ``mqa=False``.
 
-Artifacts, built on the build machine (about 2 min) and carried as ``.gpu-artifacts/profile-paged``:
+Artifacts, built on the build machine and copied to the GPU machine as ``.gpu-artifacts/profile-paged``:
 
     MQA_BYOC_KERNEL_DIR=<prebuilt FA2 objects> python -m mqa_byoc.cli profile build --kv-cache paged \\
         --preset codellama-34b --layers 2 --vocab 4096 --hidden-size 2048 --intermediate-size 4096 \\
@@ -44,7 +44,9 @@ def env():
         pytest.skip(gpu_common.skip_reason())
     import torch
     if os.environ.get("TVM_USE_RUNTIME_LIB") == "1":
-        import boot  # noqa: F401 - .devkit/boot.py: CUDA runtime + nvcc hook
+        from mqa_byoc.deploy import prepare_runtime
+
+        prepare_runtime()  # the runtime kit's set-up: CUDA runtime + nvcc hook
     if len(_libraries()) != 2:
         pytest.skip(f"no paged pair in {ARTIFACTS}: build it with the command in this file's docstring")
     import tvm

@@ -1,7 +1,7 @@
-"""GPU test of R.nn.attention_var_len offloaded to FA2's var-len forward (issue 10 item 3).
+"""GPU test of R.nn.attention_var_len offloaded to FA2's var-len forward.
 
 Artifacts from ``python tools/gpu/build_varlen.py`` (``.gpu-artifacts/varlen``, or
-``MQA_BYOC_VARLEN_ARTIFACTS``); runs with a runtime-only TVM (``rt`` fixture of conftest.py: boot,
+``MQA_BYOC_VARLEN_ARTIFACTS``); runs with a runtime-only TVM (``rt`` fixture of conftest.py: the runtime kit's set-up,
 torch, the python providers). Per case and variant (``mqa``/``nomqa`` x ``python``/``native``):
 
 - the output matches an fp32 PyTorch reference computed sequence by sequence from the manifest (query

@@ -1,9 +1,9 @@
-"""Issue 5: a native-provider library runs with TVM's runtime only: no Python provider, no torch.
+"""A native-provider library runs with TVM's runtime only: no Python provider, no torch.
 
 For each native library in the artifacts (``tools/gpu/build_forms.py --native``), a fresh subprocess
 (``native_standalone_child.py``) in which ``torch`` and ``mqa_byoc`` cannot be imported (a
 ``sys.meta_path`` finder installed before anything else is imported makes them ModuleNotFoundError) loads it with
-``tvm.runtime.load_module`` + ``tvm.runtime.vm.VirtualMachine`` (after ``boot`` from ``.devkit``),
+``tvm.runtime.load_module`` + ``tvm.runtime.vm.VirtualMachine`` (after the runtime kit's set-up module ``tvm_runtime_kit``),
 feeds every case function in it the manifest's inputs (numpy, from the seed; copied to the GPU with
 ``tvm.runtime.tensor``) and writes the outputs as ``.npy``. This test then compares each with the
 python provider's output of the same case variant in this process (both FA2: nearly equal) and with

@@ -49,7 +49,7 @@ def test_torch_reference_matches_tvm_on_cpu(name):
     torch, ba = _build_tools()
     import tvm
 
-    from mqa_byoc.compiler.gqa_legalize import LegalizeGroupedAttention
+    from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
 
     case = next(c for c in ba.CASES if c.name == name)
     mod = ba.build_graph(case)
@@ -151,7 +151,7 @@ def test_standalone_child_on_cpu(tmp_path):
     import tvm
     from tvm import relax
 
-    from mqa_byoc.compiler.gqa_legalize import LegalizeGroupedAttention
+    from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
 
     funcs, calls, manifests = {}, [], {}
     for name in ("fewer_mqa_f16_decode_sym", "mlc4d_gqa_bf16_add_chunked"):

@@ -1,5 +1,5 @@
 """CPU check of the GPU var-len test's fp32 reference (``test_gpu_varlen.reference``) against the NumPy
-reference of tests/varlen_graphs.py (itself checked against PyTorch's SDPA in tests/test_varlen.py), on
+reference of mqa_byoc.testing.varlen_graphs (itself checked against PyTorch's SDPA in tests/test_graph_varlen.py), on
 manifest-shaped cases of tools/gpu/build_varlen.py; and of the built manifest where it exists."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # tests/: varlen_graphs
 sys.path.insert(0, str(HERE.parents[1] / "tools" / "gpu"))
 
 import gpu_common as gc  # noqa: E402
@@ -24,7 +23,7 @@ def test_gpu_reference_equals_numpy_reference(index):
     if not gc.full_tvm():
         pytest.skip("needs the full TVM (tvm.relax): this is a runtime-only TVM")
     import build_varlen as bv
-    from varlen_graphs import var_len_reference
+    from mqa_byoc.testing.varlen_graphs import var_len_reference
 
     case = bv.CASES[index]
     specs, values = bv._inputs(case, bv._graph(case))

@@ -3,7 +3,7 @@ cuDNN (benchmarks/results/2026-12-01-prefill-fa4-configs.md):
 
     # here (flash-attn-4 installed, no GPU): one directory of objects per configuration
     python tools/dev/fa4_configs.py build --out DIR "fp16 h128 g8 causal" "fp16 h128 g4 causal"
-    # on the GPU (runtime-only TVM from .devkit, torch): link each, call it through TVM-FFI, time it
+    # on the GPU (runtime-only TVM from `mqa-byoc runtime-kit`, torch): link each, call it through TVM-FFI, time it
     python3 tools/dev/fa4_configs.py run DIR --cases '[[64,8,128,16384]]' --json OUT.json
     # a few calls after a second idle each: the clock before the board's power limit lowers it
     python3 tools/dev/fa4_configs.py run DIR --cases '[[64,8,128,16384]]' --budget-ms 20 --idle-s 1

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Build the GPU test artifacts on a machine with the full apache-tvm (no GPU needed).
 
-Every case (see CASES, ``--list``) is one graph from ``tests/graphs.py`` in one of the forms
+Every case (see CASES, ``--list``) is one graph from ``mqa_byoc.testing.graphs`` in one of the forms
 ``partition_for_cutlass`` matches (README "What is matched"), small shapes with realistic head counts.
 Written into ``--out`` (default ``.gpu-artifacts/tests``, git-ignored; its own folder, so that it can be
-carried alone, without what else lives in ``.gpu-artifacts``):
+copied alone, without what else lives in ``.gpu-artifacts``):
 
 - ``<case>/reference.so``: the unpartitioned graph built by plain TVM for CUDA (grouped attention made
   correct with :class:`LegalizeGroupedAttention` first). Not for sliding-window cases: TVM 0.27
@@ -19,7 +19,7 @@ carried alone, without what else lives in ``.gpu-artifacts``):
   the VM functions ``<case>__mqa`` and ``<case>__nomqa`` of every case of the group, each exactly
   ``partition_for_cutlass(<case graph>, mqa=True/False, provider=...)`` with ``main`` renamed. Native
   libraries embed FA2 kernels (MBs): sharing links them once per group instead of twice per case, so
-  every case gets native variants within the carry limit.
+  every case gets native variants within 64 MiB.
 
 ``--build-native-kernels`` allows compiling missing FA2 kernel objects (minutes each); otherwise a
 group whose kernels are missing gets no native library, and its cases' manifests say why.
@@ -81,7 +81,7 @@ BUILDERS = {
 
 @dataclass(frozen=True)
 class Case:
-    """One graph: ``tests/graphs.<builder>(**kwargs)``. Symbolic dims (str) get their values from ``run``."""
+    """One graph: ``mqa_byoc.testing.graphs.<builder>(**kwargs)``. Symbolic dims (str) get their values from ``run``."""
 
     name: str
     form: str  # README "What is matched" number and a word
@@ -158,7 +158,7 @@ CASES = [
          dict(h=H, hkv=1, d=D, b=1, s=32, s_kv=160, dtype="bfloat16")),
     Case("repeat_gqa_bf16_decode", "1 repeat", "attention_repeat_bsnh",
          dict(GQA, b=2, s=1, s_kv=256, causal=None, dtype="bfloat16")),
-    # batch-1 decode: the hopper provider's FA4 split-KV decode path (MQA_BYOC_HOPPER_FA4=always in tests)
+    # batch-1 decode: the hopper provider's FA4 split-KV decode path (its test libraries are built with hopper_fa4="always")
     Case("repeat_gqa_f16_decode_b1", "1 repeat", "attention_repeat_bsnh", dict(GQA, b=1, s=1, s_kv=1000)),
     Case("mixed_kv_bnsh_mqa_f16_hdim64_decode_b1", "1+5 mixed layouts", "attention_mixed_layouts",
          dict(h=H, hkv=1, d=64, b=1, s=1, s_kv=640, layouts="BSNH,BNSH,BNSH", causal=None)),
@@ -203,7 +203,7 @@ CASES = [
          dict(GQA, b=1, s=64, s_kv=192, window=48, dtype="bfloat16")),
     Case("window_gqa_f16_decode", "1 repeat+window", "attention_repeat_bsnh",
          dict(GQA, b=2, s=1, s_kv=300, window=128)),
-    # mixed layouts (issue 10 item 2): composite parameters in any order, BNSH operands as strides
+    # mixed layouts: composite parameters in any order, BNSH operands as strides
     Case("mixed_q_bsnh_kv_bnsh_f16_causal", "1+5 mixed layouts", "attention_mixed_layouts",
          dict(GQA, b=2, s=128, layouts="BSNH,BNSH,BNSH")),
     Case("mixed_q_bsnh_kv_bnsh_out_bnsh_bf16_chunked", "1+5 mixed layouts", "attention_mixed_layouts",
@@ -233,7 +233,7 @@ CASES = [
     Case("onnx_gqa_f16_decode_b1", "12 onnx", "onnx_gqa_chain", dict(GQA, b=1, s=1, s_kv=500, causal=False)),
     # attention with sinks (GPT-OSS: 64 query heads, 8 K/V heads, head dim 64, full and 128-key sliding
     # layers, float32 sinks): FA2 + the sink epilogue; decode on our decode kernel (its base-2 LSE), and on
-    # FA2 split-KV (the LSE of its combine) with MQA_BYOC_DECODE_KERNEL=fa2
+    # FA2 split-KV (the LSE of its combine) with the kernel option decode_kernel=fa2
     Case("sink_gptoss_f16_hdim64_causal_prefill", "13 sinks", "sink_chain",
          dict(h=64, hkv=8, d=64, b=1, s=192)),
     Case("sink_gptoss_f16_hdim64_window_chunked", "13 sinks", "sink_chain",
@@ -252,7 +252,7 @@ CASES = [
 
 
 def build_graph(case: Case):
-    import graphs
+    from mqa_byoc.testing import graphs
 
     return getattr(graphs, case.builder)(**case.kwargs)
 
@@ -339,7 +339,7 @@ def build_case(case: Case, out_dir: Path, args) -> dict:
     """``<out>/<case>/``: the TVM reference library (where TVM can lower the graph) and the manifest."""
     import tvm
 
-    from mqa_byoc.compiler.gqa_legalize import LegalizeGroupedAttention
+    from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
 
     target = tvm.target.Target(TARGET)
     case_dir = out_dir / case.name
@@ -442,8 +442,8 @@ def _renamed_partition(case: Case, variant: str, mqa: bool, provider: str):
 
 def fa4_keys(part) -> list[str | None]:
     """The FA4 object of each offloaded function (None: the hopper provider keeps it on FA2)."""
-    from mqa_byoc.compiler import hopper_codegen
-    from mqa_byoc.compiler.codegen import spec_of
+    from mqa_byoc.compiler.codegen import hopper as hopper_codegen
+    from mqa_byoc.compiler.codegen.dispatch import spec_of
 
     keys = [hopper_codegen.kernel_key(spec_of(f)) for f in part.functions.values()
             if f.attrs is not None and "Codegen" in f.attrs]
@@ -523,7 +523,7 @@ def attach_bundles(provider: str, manifests: dict[str, dict], out_dir: Path, arg
                     m["ops_after_partition"][key] = entry["ops_after_partition"]
                     if provider == "hopper":
                         # FA4 runs the call when every site has an object and no causal row lacks a key
-                        # (the GPU test forces FA4 with MQA_BYOC_HOPPER_FA4=always)
+                        # (the test libraries are built with the kernel option hopper_fa4="always")
                         out = m["output"]
                         m.setdefault("fa4_expected", {})[key] = bool(entry["fa4_keys"]) and all(
                             entry["fa4_keys"]) and (not m["attention"]["causal"] or out["seq_q"] <= out["seq_kv"])
@@ -596,7 +596,7 @@ def main(argv=None) -> int:
     total = sum(files.values())
     folder = sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file())
     print(f"total {total / 2**20:.1f} MiB in {len(files)} files ({time.time() - t0:.0f}s); the folder {args.out} "
-          f"holds {folder / 2**20:.1f} MiB in all (carry limit 64 MiB with .devkit)")
+          f"holds {folder / 2**20:.1f} MiB in all (copied to the GPU machine with the runtime kit)")
     return 0
 
 

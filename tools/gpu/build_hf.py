@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Build the artifacts of ``tests/gpu/test_gpu_hf_decoder.py`` (issue 6) on the build machine.
+"""Build the artifacts of ``tests/gpu/test_gpu_hf_decoder.py`` on the build machine.
 
 A Hugging Face transformers decoder (random weights from a config, nothing downloaded), exported
 with ``torch.export`` and imported with TVM's PyTorch frontend, partitioned, compiled for CUDA and
@@ -28,7 +28,7 @@ so that attention is peaked rather than uniform: with HF's default init std 0.02
 row of the softmax is nearly flat and the logits would hardly depend on which keys a query sees.
 
 Written into ``--out`` (default ``.gpu-artifacts/hf``, git-ignored, a folder of its own so that it
-can be carried alone):
+can be copied alone):
 
 - ``hf.so``: ONE library with the VM functions ``<model>__<prefill|decode>__<variant>``, variant
   ``mqa`` (``partition_for_cutlass(mqa=True)``), ``nomqa`` (``mqa=False``: K/V expanded, FA2 as plain
@@ -573,7 +573,6 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True)
     manifest = {
         "format": FORMAT,
-        "issue": 6,
         "what": "HF transformers decoders (random weights from a config) exported with torch.export, imported with "
                 "TVM's PyTorch frontend, partitioned, built for CUDA; checked against PyTorch eager",
         "pipeline": "mqa_byoc.models.hf.import_hf(model, mode, batch, seq_len|past_len) [torch.export.export + "
@@ -611,8 +610,8 @@ def main(argv=None) -> int:
     manifest["build_seconds"] = round(time.time() - t0, 1)
     (args.out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     total = sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file())
-    print(f"total {total / 2**20:.1f} MiB in {args.out} ({time.time() - t0:.0f}s); carry it with .devkit "
-          "(64 MiB limit)")
+    print(f"total {total / 2**20:.1f} MiB in {args.out} ({time.time() - t0:.0f}s): copy it to the GPU machine "
+          "with the runtime kit (mqa-byoc runtime-kit)")
     return 0
 
 

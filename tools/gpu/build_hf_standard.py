@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Build the artifacts of ``tests/gpu/test_gpu_hf_standard.py`` (issue 10 item 1) on the build machine.
+"""Build the artifacts of ``tests/gpu/test_gpu_hf_standard.py`` on the build machine.
 
 The standard HF path, as a user who knows nothing of ``mqa_byoc.models.hf``'s convert maps runs it:
 a float32 ``LlamaForCausalLM`` / ``MistralForCausalLM`` (random weights from a config) exported with
@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-for p in (ROOT / "src", ROOT / "tests", ROOT / "tests" / "gpu", ROOT / "tools" / "gpu"):
+for p in (ROOT / "src", ROOT / "tests" / "gpu", ROOT / "tools" / "gpu"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
@@ -238,7 +238,7 @@ def main(argv=None) -> int:
         shutil.rmtree(args.out)
     args.out.mkdir(parents=True)
     manifest = {
-        "format": FORMAT, "issue": 10,
+        "format": FORMAT,
         "what": "the standard HF path: float32 HF decoders, torch.export, plain from_exported_program, "
                 "ToMixedPrecision(out_dtype='float16'), partition_for_cutlass(mqa=True, native); and unpartitioned",
         "pipeline": "mqa_byoc.models.hf.import_hf(model, mode, convert='standard', mixed_precision=True) -> "

@@ -26,7 +26,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import builder_paths  # noqa: E402,F401 - sys.path for mqa_byoc
 from bundle import decoder_builder_main, decoder_manifest, export_decoder_variants, vm_calls  # noqa: E402
-from mqa_byoc.contract import CODEGEN  # noqa: E402
 
 CASES = {
     # name: (preset, kv_expand form, fused projections: qkv_proj / gate_up_proj split, or HF's separate ones)
@@ -38,17 +37,14 @@ CASES = {
 
 def _lowered_cache_readers(part, target, fname: str) -> dict:
     """:func:`cache_readers` of ``fname`` after the decoders' CUDA pipeline (no kernel compiled)."""
-    import tvm
-    from tvm import relax
-
-    from mqa_byoc.compiler import codegen
+    from mqa_byoc.compiler.build import run_codegen
     from mqa_byoc.compiler.pipeline import cuda_decoder_pipeline
     from mqa_byoc.models.kv_caches import cache_readers
 
     symbols = {str(f.attrs["global_symbol"]) for f in part.functions.values()
                if f.attrs is not None and "Codegen" in f.attrs}
+    low = run_codegen(part, target, provider="native")
     with target:
-        low = relax.transform.RunCodegen({CODEGEN: {codegen.PROVIDER_OPTION: "native"}})(part)
         low = cuda_decoder_pipeline(target)(low)
     return cache_readers(low[fname], symbols)
 

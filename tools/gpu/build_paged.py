@@ -1,6 +1,6 @@
 """Build the PagedKVCache decoders for tests/gpu/test_gpu_paged.py and benchmarks/paged_attention.py.
 
-    MQA_BYOC_KERNEL_DIR=/work/kernels/fa2 MQA_BYOC_FLASH_ATTN_SRC=<flash_attn-2.8.3.tar.gz> \\
+    MQA_BYOC_KERNEL_DIR=.gpu-artifacts/fa2 MQA_BYOC_FLASH_ATTN_SRC=<flash_attn-2.8.3.tar.gz> \\
         python tools/gpu/build_paged.py [--out .gpu-artifacts/paged] [--cases gqa64_8_d128 ...]
 
 For each case, :class:`mqa_byoc.models.paged_llama.PagedLlama` (``relax.frontend.nn`` with a
@@ -42,8 +42,8 @@ def build(out: Path, arch: str, names=None) -> None:
     import tvm
 
     import mqa_byoc
-    from mqa_byoc.compiler.paged import (UseFlashAttentionForPagedKVCache, format_paged_report, page_unit,
-                                         paged_kv_cache_report)
+    from mqa_byoc.compiler.paged.transform import (UseFlashAttentionForPagedKVCache, format_paged_report, page_unit,
+                                                   paged_kv_cache_report)
     from mqa_byoc.models.paged_llama import PagedLlamaConfig, export_paged_llama
 
     target = tvm.target.Target({"kind": "cuda", "arch": arch})

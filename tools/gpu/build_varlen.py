@@ -1,4 +1,4 @@
-"""Build the var-len GPU artifacts (issue 10 item 3): run here (full TVM, nvcc), test on the GPU with
+"""Build the var-len GPU artifacts: run here (full TVM, nvcc), test on the GPU with
 ``tests/gpu/test_gpu_varlen.py`` (runtime-only TVM).
 
     python tools/gpu/build_varlen.py [--out .gpu-artifacts/varlen] [--no-native]
@@ -32,9 +32,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "tests"))
 
-from varlen_graphs import seqstarts, var_len_attention  # noqa: E402
+from mqa_byoc.testing.varlen_graphs import seqstarts, var_len_attention  # noqa: E402
 from mqa_byoc.contract import COMPOSITE_VAR_LEN  # noqa: E402
 
 TARGET = {"kind": "cuda", "arch": "sm_90"}
@@ -144,7 +143,6 @@ def _partition(case, variant: str, mqa: bool, provider: str):
 
 def build_library(provider: str, out: Path, manifest: dict) -> None:
     import tvm
-    from tvm import relax
 
     import mqa_byoc
 
@@ -159,9 +157,8 @@ def build_library(provider: str, out: Path, manifest: dict) -> None:
             entry["functions"][f"{variant}_{provider}"] = fname
             entry["reports"][variant] = report
             entry["ops_after_partition"][f"{variant}_{provider}"] = ops
-    target = tvm.target.Target(TARGET)
-    with target:
-        ex = tvm.compile(relax.transform.RunCodegen()(tvm.IRModule(funcs)), target=target)
+    # already partitioned (mqa=None), each function with its provider recorded
+    ex = mqa_byoc.build(tvm.IRModule(funcs), TARGET, mqa=None, provider=provider)
     path = out / f"{provider}.so"
     if provider == "native":
         mqa_byoc.export_library(ex, str(path), arch=TARGET["arch"], build=False, progress=print)

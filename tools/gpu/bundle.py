@@ -62,10 +62,10 @@ def check_exports(path: Path, symbols: list[str], kernel_entries: list[str] | No
 
 
 def cuda_kernel_names(ex) -> list[str]:
-    from mqa_byoc.compiler.export import _iter_modules, _root_module
+    from mqa_byoc.compiler.link import iter_modules, root_module
 
     names = set()
-    for m in _iter_modules(_root_module(ex)):
+    for m in iter_modules(root_module(ex)):
         if m.kind == "cuda":
             names.update(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", m.inspect_source()))
     return sorted(names)
@@ -106,6 +106,12 @@ def add_functions(funcs: dict, mod, where: str) -> None:
         funcs[gv] = func
 
 
+def kernel_options(provider: str) -> dict | None:
+    """The kernel options of the test libraries: the hopper provider's run FA4 on every call it can
+    compute (not only prefill-sized ones), so that the tests' small shapes exercise the FA4 objects."""
+    return {"hopper_fa4": "always"} if provider == "hopper" else None
+
+
 def build_library(funcs: dict, path: Path, provider: str, args, pipeline=None):
     """``mqa_byoc.build`` of the already partitioned ``funcs`` for :data:`TARGET` (each offloaded
     function carries its provider), exported to ``path`` (native: FA2 kernels linked; compiled when
@@ -120,7 +126,7 @@ def build_library(funcs: dict, path: Path, provider: str, args, pipeline=None):
     t0 = time.time()
     target = tvm.target.Target(TARGET)
     ex = mqa_byoc.build(tvm.IRModule(funcs), target, mqa=None, provider=provider,
-                        pipeline=pipeline(target) if pipeline else None)
+                        pipeline=pipeline(target) if pipeline else None, kernel_options=kernel_options(provider))
     t1 = time.time()
     mqa_byoc.export_library(ex, str(path), arch=TARGET["arch"], build=args.build_native_kernels,
                             jobs=args.jobs, progress=print)

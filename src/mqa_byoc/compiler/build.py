@@ -1,14 +1,18 @@
 """``mqa_byoc.build``: partition, generate the FA2 calls and build, in one call.
 
-The long form, for scripts that need a step in between::
+The long form, for scripts that need a step in between (:func:`run_codegen` is the middle step)::
 
     mod = mqa_byoc.partition_for_cutlass(mod, mqa=True, provider=provider)
     with target:
         mod = relax.transform.RunCodegen()(mod)
+        mod = mqa_byoc.compiler.link.AttachKernelLibraries(arch, kernel_options)(mod)
         ex = relax.build(mod, target=target, relax_pipeline=pipeline)
+    mqa_byoc.compiler.cuda_binary.compile_cuda_modules(ex, arch)  # with cuda_binary=True
 
 :func:`build` is exactly that, with the provider resolved once, here (see
-``mqa_byoc.compiler.codegen`` for the rule), and handed to the codegen as its option.
+:mod:`mqa_byoc.compiler.provider` for the rule), and handed to the codegen as its option. The attach
+step adds the kernel options and kernel objects as modules, so that ``ex.export_library(path)`` links
+them (:mod:`mqa_byoc.compiler.link`).
 """
 
 from __future__ import annotations
@@ -16,19 +20,18 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
+from mqa_byoc import kernels as _kernels
 from mqa_byoc.contract import CODEGEN
 
-from . import codegen
+from mqa_byoc.compiler.codegen import dispatch  # noqa: F401 - registers relax.ext.flash_attn
+from mqa_byoc.compiler.cuda_binary import compile_cuda_modules
+from mqa_byoc.compiler.kernel_options import KernelOptions
+from mqa_byoc.compiler.link import AttachKernelLibraries
+from mqa_byoc.compiler.provider import PROVIDER_OPTION, build_provider, target_arch
 
 
-def resolve_build_provider(provider: str | None, target) -> str:
-    """The provider a build uses: ``provider`` when given ("native" / "python"; "auto" = the
-    default rule), else the process-wide setting, ``MQA_BYOC_PROVIDER`` or the default rule for
-    ``target`` (``codegen.resolve_provider``)."""
-    return codegen.resolve_provider(None, {codegen.PROVIDER_OPTION: provider, "target": target})
-
-
-def build(mod: tvm.IRModule, target, *, mqa: bool | None = True, provider: str | None = None, pipeline=None):
+def build(mod: tvm.IRModule, target, *, mqa: bool | None = True, provider: str | None = None, pipeline=None,
+          kernel_options=None, link_kernels: bool = True, cuda_binary: bool = False, progress=None):
     """Offload the attention of ``mod`` to Flash Attention 2 and build it for ``target``.
 
     Parameters
@@ -41,29 +44,69 @@ def build(mod: tvm.IRModule, target, *, mqa: bool | None = True, provider: str |
         Passed to :func:`mqa_byoc.partition_for_cutlass` (True: FA2 with native K/V heads; False:
         the A/B baseline on expanded K/V). None: ``mod`` is already partitioned (several
         partitions merged into one library, say) and only the codegen and the build run.
-    provider : "native" | "python" | "auto" | None
-        FA2 kernel provider of the offloaded functions that do not name one themselves
-        (``partition_for_cutlass(provider=...)``). None: the process-wide setting
-        (``codegen.use_provider``), ``MQA_BYOC_PROVIDER``, else native when nvcc is found.
+    provider : "native" | "hopper" | "python" | "auto" | None
+        Kernel provider of the offloaded functions that do not name one themselves
+        (``partition_for_cutlass(provider=...)``). None or "auto": the default rule of
+        :mod:`mqa_byoc.compiler.provider` for ``target`` (native when nvcc is found, hopper on
+        sm_90 when FA4 objects can be had, else python).
     pipeline : str | tvm.transform.Pass | None
         ``relax.build``'s ``relax_pipeline``; None is TVM's default for the target. Whole decoders:
         ``mqa_byoc.compiler.pipeline.cuda_decoder_pipeline(target)``.
 
+    kernel_options : KernelOptions | dict | str | None
+        Kernel choices compiled into the library (:class:`mqa_byoc.compiler.kernel_options.KernelOptions`,
+        e.g. ``{"hopper_fa4": "always"}``); None: the defaults. Nothing in the environment changes
+        them later; the library's ``mqa_byoc_kernel_options()`` returns them.
+    link_kernels : bool
+        Attach the kernel objects the native / hopper wrappers need as static-library modules
+        (:class:`mqa_byoc.compiler.link.AttachKernelLibraries`), so that a plain
+        ``ex.export_library(path)`` links them; kernel families not built yet are left to
+        :func:`mqa_byoc.export_library`, which builds them.
+    cuda_binary : bool
+        Compile TVM's own generated CUDA kernels to fatbins for the target arch now
+        (:mod:`mqa_byoc.compiler.cuda_binary`), so the exported library loads with TVM's C++ runtime
+        alone (no ``tvm_callback_cuda_compile`` hook, no nvcc where it runs). Needs nvcc and g++.
+    progress : callable | None
+        Reports the compiles of the last two steps.
+
     Returns
     -------
     tvm.runtime.Executable
-        The built executable. Export it with :func:`mqa_byoc.export_library`, which links the native
-        provider's FA2 kernels (a plain ``export_library`` for the python provider).
+        The built executable. ``ex.export_library(path)`` links the kernel objects attached here;
+        :func:`mqa_byoc.export_library` also builds and links those that were missing.
     """
-    from .partition import partition_for_cutlass
+    from mqa_byoc.compiler.partition import partition_for_cutlass
 
     target = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
-    provider = resolve_build_provider(provider, target)
     if mqa is not None:
         mod = partition_for_cutlass(mod, mqa=mqa)
+    options = KernelOptions.of(kernel_options)
+    arch = target_arch(target) or _kernels.detect_arch()
+    mod = run_codegen(mod, target, provider=provider)
     with target:
-        mod = relax.transform.RunCodegen({CODEGEN: {codegen.PROVIDER_OPTION: provider}})(mod)
-        return relax.build(mod, target=target, relax_pipeline="default" if pipeline is None else pipeline)
+        if link_kernels:
+            mod = AttachKernelLibraries(arch, options, progress=progress)(mod)
+        ex = relax.build(mod, target=target, relax_pipeline="default" if pipeline is None else pipeline)
+    if cuda_binary:
+        compile_cuda_modules(ex, arch, progress=progress)
+    return ex
+
+
+def run_codegen(mod: tvm.IRModule, target, *, provider: str | None = None) -> tvm.IRModule:
+    """``RunCodegen`` of a partitioned ``mod`` under ``target``, the provider resolved once (as
+    :func:`build` does it, which calls this): for scripts that inspect or lower the module between
+    the codegen and ``relax.build``.
+
+    Returns
+    -------
+    IRModule
+        ``mod`` with each ``flash_attn`` function replaced by a call of its generated kernel
+        (the generated modules in the ``external_mods`` attribute).
+    """
+    target = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
+    provider = build_provider(provider, target)
+    with target:
+        return relax.transform.RunCodegen({CODEGEN: {PROVIDER_OPTION: provider}})(mod)
 
 
 def native_kernel_keys(mod: tvm.IRModule) -> tuple:
@@ -76,9 +119,9 @@ def native_kernel_keys(mod: tvm.IRModule) -> tuple:
     tuple of KernelKey
         Sorted, without duplicates; empty when nothing is offloaded.
     """
-    from .export import collect_kernel_keys
+    from mqa_byoc.compiler.export import collect_kernel_keys
 
-    generated = relax.transform.RunCodegen({CODEGEN: {codegen.PROVIDER_OPTION: "native"}})(mod)
+    generated = relax.transform.RunCodegen({CODEGEN: {PROVIDER_OPTION: "native"}})(mod)  # no target needed
     keys = set()
     for m in (generated.attrs or {}).get("external_mods", []):
         keys.update(collect_kernel_keys(m))

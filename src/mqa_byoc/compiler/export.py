@@ -1,74 +1,42 @@
-"""``export_library`` that links the native FA2 objects the offloaded attentions need.
+"""``mqa_byoc.export_library``: TVM's ``export_library``, building and linking kernel objects the
+executable does not carry yet.
 
-The codegen's native wrappers carry a marker line naming their kernel families
-(``// mqa_byoc-kernels: hdim128 fp16; hdim128 fp16 causal; ...``). :func:`export_library` reads the
-markers from the executable's imported C source modules, gets the dispatcher and kernel objects from
-:mod:`mqa_byoc.kernels` (building missing ones unless ``build=False``) and links them, with the
-static CUDA runtime, into the exported shared library (plus ``native/fa2_paged.cu`` when the paged-KV
-wrappers of :mod:`mqa_byoc.compiler.paged` are there). The result needs only TVM's runtime and the
-NVIDIA driver: no mqa_byoc, no torch, no CUDA toolkit. Executables without markers export unchanged.
+:func:`mqa_byoc.build` attaches the kernel objects its native wrappers need as static-library modules
+(:mod:`mqa_byoc.compiler.link`), so a plain ``ex.export_library("m.so")`` links them. What this
+function adds: the kernel objects that were not there at build time (FA2 families compiled now,
+minutes each, unless ``build=False``), for executables built with ``mqa_byoc.build`` before the
+kernels were, or by ``RunCodegen`` + ``relax.build`` by hand (the wrappers' marker lines name their
+kernel families: ``// mqa_byoc-kernels: hdim128 fp16; ...``); it then links them with the static CUDA
+runtime (``-std=c++17``, the archives after all objects). The result needs only TVM's runtime and the
+NVIDIA driver: no mqa_byoc, no torch, no CUDA toolkit. Executables without native wrappers export
+unchanged.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from mqa_byoc import kernels as _kernels
-from mqa_byoc.compiler.paged_build import PAGED_MARKER, paged_object
+from mqa_byoc.compiler import link as _link
+from mqa_byoc.compiler.paged.build import paged_object
 from mqa_byoc.kernels import KernelKey, NativeKernelsUnavailable  # noqa: F401 (re-export)
 from mqa_byoc.kernels import hopper as _hopper
 
 _FCOMPILE_ATTRS = ("object_format", "output_format", "need_system_lib", "get_target_triple")
 
-
-def _root_module(obj):
-    """The runtime module of a ``tvm.runtime.Executable`` / ``relax.VMExecutable`` or a module."""
-    mod = getattr(obj, "mod", None)
-    return mod if mod is not None and hasattr(mod, "imports") else obj
-
-
-def _iter_modules(mod) -> Iterable:
-    seen, stack = set(), [mod]
-    while stack:
-        m = stack.pop()
-        key = m.__hash__() if hasattr(m, "__hash__") else id(m)
-        if key in seen:
-            continue
-        seen.add(key)
-        yield m
-        stack.extend(m.imports)
-
-
-def native_sources(executable) -> list[str]:
-    """Sources of the imported modules that carry an mqa_byoc kernel marker."""
-    out = []
-    for m in _iter_modules(_root_module(executable)):
-        if m.kind not in ("c", "source"):  # CSourceModule reports "c"
-            continue
-        try:
-            src = m.inspect_source()
-        except Exception:  # noqa: BLE001 - a module without source is simply not ours
-            continue
-        if _kernels.MARKER in src:
-            out.append(src)
-    return out
+# the import-tree walker lives with the linking
+native_sources = _link.native_sources
 
 
 def collect_hopper_keys(executable) -> tuple:
     """FA4 objects (:class:`~mqa_byoc.kernels.hopper.HopperKernelKey`) named by the hopper wrappers."""
-    keys = set()
-    for src in native_sources(executable):
-        keys.update(_hopper.parse_markers(src))
-    return tuple(sorted(keys))
+    return _link.Needs.of(executable).fa4
 
 
 def collect_kernel_keys(executable) -> tuple[KernelKey, ...]:
     """Kernel families named by the markers of all native wrappers in ``executable``."""
-    keys = set()
-    for src in native_sources(executable):
-        keys.update(_kernels.parse_markers(src))
-    return tuple(sorted(keys))
+    return _link.Needs.of(executable).fa2
 
 
 def _with_libs(base: Callable, libs: list[str]) -> Callable:
@@ -95,7 +63,9 @@ def export_library(
     progress: Callable[[str], None] | None = print,
     **kwargs,
 ):
-    """Export ``executable`` to the shared library ``path``, linking native FA2 kernels if needed.
+    """Export ``executable`` to the shared library ``path``, linking the native kernels it needs.
+
+    What :func:`mqa_byoc.build` attached links as it is; the rest is built here and linked.
 
     arch: CUDA arch of the kernels (``sm_90``); default ``$MQA_BYOC_ARCH``, the local GPU, else sm_90.
     build: compile missing kernel objects (minutes each); with False, raise
@@ -105,41 +75,50 @@ def export_library(
     kwargs: passed to ``executable.export_library`` (``fcompile``, ``addons``, ``options``, ...).
     """
     path = os.fspath(path)
-    keys = collect_kernel_keys(executable)
-    if not keys:
+    needs = _link.Needs.of(executable)
+    if not needs:
         return executable.export_library(path, **kwargs)
     if path.endswith((".tar", ".wasm")):
         raise ValueError(f"{path}: native FA2 kernels can only be linked into a shared library (.so)")
-
     arch = _kernels.normalize_arch(arch or _kernels.detect_arch())
-    if allow_missing:
-        found = _kernels.find_kernels(keys, arch, _safe_config(arch))
-        if not build:
-            keys = tuple(k for k in keys if k in found)
-    objects, libs = _kernels.link_inputs(keys, arch, build=build, jobs=jobs, progress=progress)
-    hopper_keys = collect_hopper_keys(executable)
-    if hopper_keys:
+    attached = _link.attached_names(executable, needs.names())
+    options = kwargs.pop("options", None) or []
+    options = [options] if isinstance(options, str) else list(options)
+    if not any(str(o).startswith("-std=") for o in options):
+        options.append("-std=c++17")
+    if attached == needs.names():
+        return executable.export_library(path, options=options, **kwargs)
+
+    if _link.DISPATCHER_SYMBOL in attached:  # built by mqa_byoc.build: add the objects it could not have
+        missing = tuple(k for k in needs.fa2 if k.entry_symbol not in attached)
+        extra = []
+        if missing:
+            fa2 = _link.fa2_inputs(missing, arch, build=build, jobs=jobs, allow_missing=allow_missing,
+                                   progress=progress)
+            extra += [i.path for i in fa2[2:]]  # the dispatcher and its support object are attached
+        if needs.paged and _link.PAGED_SYMBOL not in attached:
+            extra.append(str(paged_object(arch, build=build, progress=progress)))
+        fa4 = tuple(k for k in needs.fa4 if f"__tvm_ffi_{k.symbol}" not in attached)
+        if fa4:
+            with_support = len(fa4) == len(needs.fa4)  # none attached: their glue and archive neither
+            extra += [i.path for i in _link.fa4_inputs(fa4, arch, with_support=with_support, progress=progress)]
+        addons = extra + list(kwargs.pop("addons", None) or [])
+        return executable.export_library(path, addons=addons, options=options, **kwargs)
+
+    inputs = _link.fa2_inputs(needs.fa2, arch, build=build, jobs=jobs, allow_missing=allow_missing, progress=progress)
+    objects = [i.path for i in inputs]
+    libs = _kernels.static_cudart(arch)
+    if needs.fa4:
         # FA4 objects, our glue, then the DSL's static shim archive: before the static cudart in libs
         # compiled even with build=False when flash-attn-4 is installed: seconds each, like the dispatcher
-        libs = _hopper.link_inputs(hopper_keys, arch, build=True, progress=progress) + libs
-    if any(PAGED_MARKER in src for src in native_sources(executable)):  # FA2 over TVM's KV pages
+        libs = _hopper.link_inputs(needs.fa4, arch, build=True, progress=progress) + libs
+    if needs.paged:  # FA2 over TVM's KV pages
         objects.append(str(paged_object(arch, build=build, progress=progress)))
 
     from tvm.support import cc as _cc  # compile time only
 
     addons = list(kwargs.pop("addons", None) or []) + objects
     base = kwargs.pop("fcompile", None) or _cc.create_shared
-    options = kwargs.pop("options", None) or []
-    options = [options] if isinstance(options, str) else list(options)
-    if not any(str(o).startswith("-std=") for o in options):
-        options.append("-std=c++17")
     return executable.export_library(
         path, fcompile=_with_libs(base, libs), addons=addons, options=options, **kwargs
     )
-
-
-def _safe_config(arch):
-    try:
-        return _kernels.build_config(arch, download=False, progress=lambda _m: None)
-    except NativeKernelsUnavailable:
-        return None

@@ -26,12 +26,14 @@ from tvm import relax
 
 from mqa_byoc.contract import PROVIDER_ATTR, check_provider, composite_name
 
-from . import analysis, varlen
-from .canonicalize import CanonicalizeAttention, analyze_module, canonicalize_attention
-from .exprs import is_flash_attn_function
-from .graph.sink_attention import OffloadSinkAttention
-from .gqa_legalize import LegalizeGroupedAttention
-from .patterns import flash_attn_patterns
+from mqa_byoc.compiler.graph import varlen
+from mqa_byoc.compiler.graph.canonicalize import CanonicalizeAttention, analyze_module, canonicalize_attention
+from mqa_byoc.compiler.graph.exprs import is_flash_attn_function
+from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
+from mqa_byoc.compiler.graph.patterns import flash_attn_patterns
+from mqa_byoc.compiler.graph.sink_attention import OffloadSinkAttention
+from mqa_byoc.compiler.graph.site import FUSED_FORMS, require_module
+from mqa_byoc.compiler.graph.trace import Bindings
 
 __all__ = [
     "AnnotateProvider",
@@ -65,6 +67,7 @@ class OffloadSite:
     note: str | None = None  # e.g. why an expansion was kept although the site is offloaded
     provider: str | None = None  # the kernel provider the build will use (offloaded sites)
     kernel: str | None = None  # what the site runs on with that provider
+    kernel_options: str | None = None  # the library's kernel choices (linked providers), see kernel_options.py
 
     def as_dict(self) -> dict:
         """Returns
@@ -76,13 +79,13 @@ class OffloadSite:
 
 
 def _causal_name(site):
-    if site.form in analysis.FUSED_FORMS and site.causal_attr is not None:
+    if site.form in FUSED_FORMS and site.causal_attr is not None:
         return str(site.causal_attr)
     return "BottomRight" if site.mask.causal else None
 
 
-def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider: str | None = None
-                   ) -> list[OffloadSite]:
+def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider: str | None = None,
+                   kernel_options=None) -> list[OffloadSite]:
     """What :func:`partition_for_cutlass` would do with every attention in ``mod``.
 
     Parameters
@@ -95,6 +98,9 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
         As for :func:`mqa_byoc.build`: each offloaded site then names its ``provider`` and ``kernel``
         (e.g. on an sm_90 target the hopper provider's FA4 kernel, or why a site stays on FA2).
         Without either, the provider of the default rule for ``Target.current()``.
+    kernel_options
+        As for :func:`mqa_byoc.build`: the ``kernel`` of each site says what runs with them, and
+        ``kernel_options`` records them (sites of the linked providers).
 
     Returns
     -------
@@ -109,10 +115,13 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
         When ``mod`` is not an IRModule.
     """
     report = []
-    analysis.require_module(mod, "offload_report")
-    from . import codegen, hopper_codegen
+    require_module(mod, "offload_report")
+    from mqa_byoc.compiler.codegen import hopper as hopper_codegen
+    from mqa_byoc.compiler.provider import build_provider
+    from mqa_byoc.compiler.kernel_options import KernelOptions
 
-    chosen = codegen.resolve_provider(None, {codegen.PROVIDER_OPTION: provider, "target": target})
+    chosen = build_provider(provider, target)
+    options = KernelOptions.of(kernel_options)
     for sites in analyze_module(mod, mqa).values():
         for s in sites:
             ok = s.reason is None
@@ -133,8 +142,9 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
                 kernel=hopper_codegen.describe_kernel(
                     chosen, dtype=s.dtype, head_dim=s.head_dim, num_q_heads=s.num_q_heads,
                     num_kv_heads=s.num_kv_heads if mqa else s.num_q_heads, causal=bool(s.mask.causal),
-                    window=s.mask.window, var_len=s.form == varlen.FORM,
+                    window=s.mask.window, var_len=s.form == varlen.FORM, options=options,
                     sinks=s.sinks is not None) if ok else None,
+                kernel_options=options.describe() if ok and chosen != "python" else None,
             ))
     return varlen.explain_unlowerable(report)
 
@@ -152,7 +162,7 @@ class AnnotateProvider:
 
     Parameters
     ----------
-    provider : "native" | "python" | None
+    provider : "native" | "hopper" | "python" | None
         Stored as the function attribute :data:`mqa_byoc.contract.PROVIDER_ATTR`, which the codegen
         reads first; None leaves the module unchanged (the codegen's default rule decides).
     """
@@ -169,12 +179,22 @@ class AnnotateProvider:
         return mod
 
 
+def _mqa_switch(mqa: bool | None, use_flash_mqa: bool | None) -> bool:
+    if mqa is not None and use_flash_mqa is not None and bool(mqa) != bool(use_flash_mqa):
+        raise ValueError(f"partition_for_cutlass: mqa={mqa!r} and use_flash_mqa={use_flash_mqa!r} disagree; they "
+                         "are the same switch (use_flash_mqa is upstream TVM's name): pass one of them")
+    chosen = mqa if mqa is not None else use_flash_mqa
+    return True if chosen is None else bool(chosen)
+
+
 def partition_for_cutlass(
     mod: tvm.IRModule,
-    mqa: bool = True,
+    mqa: bool | None = None,
     annotate_codegen: bool = True,
     provider: str | None = None,
     bind_constants: bool = False,
+    *,
+    use_flash_mqa: bool | None = None,
 ) -> tvm.IRModule:
     """Partition ``mod`` so that attention runs in Flash Attention v2.
 
@@ -187,17 +207,20 @@ def partition_for_cutlass(
     mod : IRModule
         Any Relax module; attention may be ``R.nn.attention`` or an explicit matmul/softmax chain,
         with K/V expanded by repeat / broadcast_to / expand_dims+broadcast_to+reshape, or not.
-    mqa : bool
+    mqa : bool, default True
         True: K/V expansions are removed and FA2 gets the K/V heads natively
         (``flash_attn.attention_mqa``). False (the A/B baseline): expansions stay in the graph and
         attention is offloaded on the expanded K/V as plain MHA (``flash_attn.attention``).
     annotate_codegen : bool
         Wrap each composite in a function with ``Codegen="flash_attn"`` for ``RunCodegen``.
-    provider : "native" | "python" | None
-        Kernel provider recorded on each offloaded function (see ``mqa_byoc.compiler.codegen``);
+    provider : "native" | "hopper" | "python" | None
+        Kernel provider recorded on each offloaded function (see :mod:`mqa_byoc.compiler.provider`);
         None leaves the choice to the codegen's default rule.
     bind_constants : bool
         Passed to ``FuseOpsByPattern``.
+    use_flash_mqa : bool, optional
+        Upstream TVM's name of the same switch (``tvm.relax.backend.cuda.cutlass.partition_for_cutlass``);
+        give ``mqa`` or ``use_flash_mqa``, or both with the same value.
 
     Returns
     -------
@@ -211,17 +234,19 @@ def partition_for_cutlass(
     TypeError
         When ``mod`` is not an IRModule.
     ValueError
-        For an unknown ``provider``.
+        For an unknown ``provider``, or ``mqa`` and ``use_flash_mqa`` that disagree.
     """
-    from . import codegen  # noqa: F401 - registers relax.ext.flash_attn
+    from mqa_byoc.compiler.codegen import dispatch  # noqa: F401 - registers relax.ext.flash_attn
 
-    analysis.require_module(mod, "partition_for_cutlass")
+    mqa = _mqa_switch(mqa, use_flash_mqa)
+
+    require_module(mod, "partition_for_cutlass")
     # the pattern check sees one call, not its function: it gets the match_cast length facts of
     # the module's functions (shape variables are unique per function) in its closure
     facts = {}
     for func in mod.functions.values():
         if isinstance(func, relax.Function):
-            facts.update(analysis.Bindings(func).length_facts)
+            facts.update(Bindings(func).length_facts)
     return tvm.transform.Sequential([
         CanonicalizeAttention(mqa=mqa),
         relax.transform.FuseOpsByPattern(flash_attn_patterns(length_facts=facts), bind_constants=bind_constants,

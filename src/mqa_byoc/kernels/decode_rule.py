@@ -1,7 +1,7 @@
 """Which decode calls (one query row) our grouped-query decode kernel (``native/gqa_decode.cu``) serves:
 the rule the dispatcher applies at run time (``own_decode_fits`` in ``fa2_dispatch.cc``: the kernel's
 head dims and whole head groups), stated here for ``offload_report``.
-``tests/test_decode_plan.py`` checks it against the compiled kernel's own plan."""
+``tests/test_kernels_decode_plan.py`` checks it against the compiled kernel's own plan."""
 
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ PIP_REQUIREMENTS = (f"flash-attn-4=={FA4_VERSION}", f"nvidia-cutlass-dsl[cu13]==
 HEAD_DIMS = (64, 128)
 #: "none": no mask; "causal": bottom-right causal; "local": a sliding window (both bounds at run time);
 #: "splitkv": no mask, K/V var-len (cu_seqlens_k) and the LSE written: one query row per chunk of the
-#: keys, the split-KV decode of :mod:`mqa_byoc.native.fa4_decode` (FA4's sm90 path has none of its own)
+#: keys, the split-KV decode of ``native/fa4_decode.cu`` (FA4's sm90 path has none of its own)
 MASKS = ("none", "causal", "local", "splitkv")
 #: arches the objects are built for (FA4's sm90 path needs sm_90a)
 ARCHES = ("sm_90",)
@@ -259,20 +259,21 @@ def support_objects(arch: str = "sm_90", progress: Callable[[str], None] | None 
     ]
 
 
-def preset_keys(dtypes=("fp16", "bf16"), masks=MASKS) -> list[HopperKernelKey]:
-    """The objects the model presets need: their (head dim, group) and group 1 (``mqa=False`` and
-    plain MHA) for each dtype and mask kind."""
-    from mqa_byoc.models.presets import PRESETS  # TVM-free
-
-    shapes = {(c.head_dim, c.num_heads // c.num_kv_heads) for c in PRESETS.values() if c.head_dim in HEAD_DIMS}
+def preset_keys(shapes, dtypes=("fp16", "bf16"), masks=MASKS) -> list[HopperKernelKey]:
+    """The objects a set of attention shapes needs: each (head dim, group) FA4 serves and group 1
+    (``mqa=False`` and plain MHA) for each dtype and mask kind. The model presets' shapes are
+    :func:`mqa_byoc.models.presets.attention_shapes` (the caller passes them: this layer does not
+    import the models)."""
+    shapes = {(d, g) for d, g in shapes if d in HEAD_DIMS}
     shapes |= {(d, 1) for d, _ in shapes}
     return sorted({HopperKernelKey(dt, d, g, m) for dt in dtypes for d, g in shapes for m in masks})
 
 
-def run_build(labels, *, arch: str | None = None, out: str | None = None, dry_run: bool = False,
+def run_build(labels, *, shapes=(), arch: str | None = None, out: str | None = None, dry_run: bool = False,
               progress=print) -> int:
-    """``mqa-byoc build-kernels --hopper [LABEL ...]``: compile FA4 objects (default: :func:`preset_keys`)."""
-    keys = [HopperKernelKey.parse(x) for x in labels] if labels else preset_keys()
+    """``mqa-byoc build-kernels --hopper [LABEL ...]``: compile FA4 objects (no labels:
+    :func:`preset_keys` of ``shapes``, the (head dim, group) pairs the command was given)."""
+    keys = [HopperKernelKey.parse(x) for x in labels] if labels else preset_keys(shapes)
     arch = normalize_arch(arch or "sm_90")
     if arch not in ARCHES:
         progress(f"mqa-byoc build-kernels --hopper: FA4's sm90 kernel is for sm_90, not {arch}")

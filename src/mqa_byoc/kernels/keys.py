@@ -153,7 +153,7 @@ def normalize_arch(arch: str | int) -> str:
 def plan_kernels(spec) -> tuple[KernelKey, ...]:
     """The kernel keys one attention needs at run time.
 
-    ``spec`` is an :class:`mqa_byoc.compiler.spec.AttentionSpec` or anything with ``head_dim``,
+    ``spec`` is an :class:`mqa_byoc.compiler.graph.spec.AttentionSpec` or anything with ``head_dim``,
     ``head_dim_v``, ``dtype``, ``causal``, ``window_left`` and ``window_right``.
 
     Both split-KV and plain kernels are planned (the choice depends on B, S_q, S_kv at run time).

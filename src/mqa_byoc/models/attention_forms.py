@@ -13,7 +13,8 @@ KV_EXPAND_FORMS = ("repeat", "repeat-chain", "hf-broadcast", "native")
 _MASK_FORMS = ("repeat-chain", "hf-broadcast")
 
 
-def _nn():
+def nn_frontend():
+    """TVM's ``nn`` frontend and its ``op`` module (imported at the first use)."""
     from tvm.relax.frontend import nn
     from tvm.relax.frontend.nn import op
 
@@ -32,7 +33,7 @@ def _max_value(dtype: str) -> float:
     return float(tvm.tirx.max_value(dtype).value)
 
 
-def _simplify(x):
+def simplify_index(x):
     """Fold ``(s + 0) - s`` style index arithmetic so printed shapes stay readable."""
     if isinstance(x, int):
         return x
@@ -44,7 +45,8 @@ def _simplify(x):
     return int(y) if isinstance(y, tvm.tirx.IntImm) else y
 
 
-def _emit(expr, name):
+def emit_expr(expr, name):
+    """Wrap a Relax expression as an ``nn`` tensor named ``name``."""
     from tvm.relax.frontend.nn.core import wrap_nested
 
     return wrap_nested(expr, name)
@@ -68,10 +70,10 @@ def build_mask(kv_expand: str, batch, seq_len, kv_len, dtype: str, causal_mask, 
         return None
     if causal_mask is None:
         raise ValueError("a sliding window needs a causal mask")
-    nn, op = _nn()
+    nn, op = nn_frontend()
     from tvm import relax, te, tirx
 
-    offset = _simplify(kv_len - seq_len) if causal_mask == "BottomRight" else 0
+    offset = simplify_index(kv_len - seq_len) if causal_mask == "BottomRight" else 0
     if kv_expand == "repeat-chain":
         lo, hi = _min_value(dtype), _max_value(dtype)
 
@@ -88,14 +90,14 @@ def build_mask(kv_expand: str, batch, seq_len, kv_len, dtype: str, causal_mask, 
         m = op.reshape(m, (1, 1, seq_len, kv_len))
         return op.broadcast_to(m, (batch, 1, seq_len, kv_len))
     # hf-broadcast: positions -> bool -> where(ok, 0, min)
-    qp = op.arange(offset, _simplify(offset + seq_len), dtype="int64")
+    qp = op.arange(offset, simplify_index(offset + seq_len), dtype="int64")
     kp = op.arange(0, kv_len, dtype="int64")
     qcol = op.reshape(qp, (seq_len, 1))
     krow = op.reshape(kp, (1, kv_len))
     ok = op.less_equal(krow, qcol)
     if window is not None:
         lower = op.subtract(qcol, nn.Tensor.from_scalar(window, "int64"))
-        ok = _emit(relax.op.logical_and(ok._expr, op.greater(krow, lower)._expr), "and_window")
+        ok = emit_expr(relax.op.logical_and(ok._expr, op.greater(krow, lower)._expr), "and_window")
     ok = op.reshape(ok, (1, 1, seq_len, kv_len))
     zero = nn.Tensor.from_scalar(0.0, dtype)
     neg = nn.Tensor.from_scalar(_min_value(dtype), dtype)
@@ -108,7 +110,7 @@ def attention(q, k, v, *, kv_expand: str, mask=None, causal_mask="BottomRight", 
     q ``(B, S, H, D)``, k/v ``(B, S_kv, H_kv, D)`` nn.Tensors; ``mask`` from :func:`build_mask`
     for the explicit-mask forms. Returns ``(B, S, H, D)``.
     """
-    nn, op = _nn()
+    nn, op = nn_frontend()
     from tvm import relax
 
     if kv_expand not in KV_EXPAND_FORMS:
@@ -126,7 +128,7 @@ def attention(q, k, v, *, kv_expand: str, mask=None, causal_mask="BottomRight", 
         call = relax.op.nn.attention(
             q._expr, k._expr, v._expr, causal_mask=causal_mask, window_size=window
         )
-        return _emit(call, "attention")
+        return emit_expr(call, "attention")
 
     if mask is None and (causal_mask is not None or window is not None):
         raise ValueError(f"{kv_expand}: the mask from build_mask() is required")

@@ -30,7 +30,7 @@ def offloaded_composites(mod) -> dict[str, int]:
     one offloaded function)."""
     from tvm import relax
 
-    from ..compiler.codegen import find_site
+    from ..compiler.codegen.sites import find_site
 
     offloaded = {}
     for gv, func in mod.functions.items():
@@ -63,6 +63,7 @@ def build_decoder_libraries(
     modes: Sequence[bool] = (True, False),
     extra: dict | None = None,
     progress: Callable[[str], None] | None = print,
+    tensor_parallel_shards: int = 1,
 ) -> list[str]:
     """Build ``config`` (batch 1) once per mode in ``modes``; returns the exported library paths.
 
@@ -72,7 +73,11 @@ def build_decoder_libraries(
     gets a sidecar ``<lib>.json`` with the parameter shapes plus ``mqa``, ``provider``, ``kv_expand``,
     ``kv_cache``, ``fused_projections`` (``config``'s: qkv_proj / gate_up_proj, or separate
     projections), ``functions``, ``arch``, ``logits``, ``num_heads``, ``offloaded`` (composite name ->
-    count) and ``extra``.
+    count), ``tensor_parallel_shards`` and ``extra``.
+
+    ``tensor_parallel_shards`` N > 1 builds the library of one shard (every shard runs the same library,
+    with its own weights: :func:`mqa_byoc.tp.shard_params`), with all-reduces for TVM's disco; the
+    sidecar's parameter shapes, ``num_heads`` and ``intermediate_size`` are then the shard's.
     """
     import tvm
 
@@ -88,7 +93,12 @@ def build_decoder_libraries(
 
     provider = check_provider(provider, "build_decoder_libraries(provider=)")
     mod, spec = build_decoder(config, dtype=dtype, kv_expand=kv_expand, batch=1, logits=logits,
-                              functions=tuple(functions), kv_cache=kv_cache)
+                              functions=tuple(functions), kv_cache=kv_cache,
+                              tensor_parallel_shards=tensor_parallel_shards)
+    if tensor_parallel_shards > 1:
+        from ..tp.sharding import shard_config
+
+        config = shard_config(config, tensor_parallel_shards)
     target = tvm.target.Target({"kind": "cuda", "arch": arch})
     os.makedirs(out_dir, exist_ok=True)
     paths = []
@@ -102,7 +112,8 @@ def build_decoder_libraries(
             "mqa": bool(mqa), "provider": provider, "kv_expand": kv_expand, "kv_cache": kv_cache,
             "fused_projections": config.fused_projections, "functions": list(functions),
             "arch": arch, "logits": logits, "num_heads": config.num_heads, "hidden_size": config.hidden_size,
-            "intermediate_size": config.intermediate_size, "offloaded": offloaded, **(extra or {}),
+            "intermediate_size": config.intermediate_size, "offloaded": offloaded,
+            "tensor_parallel_shards": tensor_parallel_shards, **(extra or {}),
         })
         progress(f"built {path} (mqa={mqa}, {provider} provider, {kv_cache} KV cache, "
                  f"{'fused' if config.fused_projections else 'separate'} projections, offloaded: "
@@ -183,8 +194,8 @@ def build_paged_decoder_libraries(
     import tvm
 
     from ..compiler.export import export_library
-    from ..compiler.paged import (UseFlashAttentionForPagedKVCache, format_paged_report, page_unit,
-                                  paged_kv_cache_report)
+    from ..compiler.paged.transform import (UseFlashAttentionForPagedKVCache, format_paged_report, page_unit,
+                                            paged_kv_cache_report)
     from ..compiler.pipeline import cuda_decoder_pipeline
     from ..sidecar import write_sidecar
     from .paged_llama import export_paged_llama

@@ -156,6 +156,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .hf_config import cache_heads_and_dim
 from .presets import DecoderConfig
 
 
@@ -570,19 +571,6 @@ def import_hf(
         return logits.float().numpy()
 
     return HFImport(mod, np_params, reference)
-
-
-def cache_heads_and_dim(cfg) -> tuple[int, int]:
-    """Heads and head dim of the K/V cache an HF decoder keeps: ``num_key_value_heads`` (Llama and most);
-    one head with ``multi_query`` (Falcon-7B, GPTBigCode); else one per query head (Falcon's new decoder
-    architecture broadcasts its ``num_kv_heads`` to every query head before it caches them)."""
-    if getattr(cfg, "num_key_value_heads", None):
-        hkv = cfg.num_key_value_heads
-    elif getattr(cfg, "multi_query", False) and not getattr(cfg, "new_decoder_architecture", False):
-        hkv = 1
-    else:
-        hkv = cfg.num_attention_heads
-    return hkv, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 def example_inputs(

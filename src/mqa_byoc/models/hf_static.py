@@ -3,7 +3,7 @@
 ``StaticCache`` preallocates ``(B, H_kv, max_cache_len, D)`` K/V per layer and writes each call's new
 rows in place (``keys.index_copy_(2, cache_position, k)``, a 0-d ``cumulative_length.add_``). What
 torch.export (2.13, ``strict=False``) and TVM 0.27's ``from_exported_program`` make of it (the
-observations are pinned in ``tests/test_hf_static.py``; the story is in ``docs/hf_kv_caches.md``):
+observations are pinned in ``tests/test_hf_static_cache.py``; the story is in ``docs/hf_kv_caches.md``):
 
 - The cache tensors live in a plain Python object, not a module: non-strict export lifts them (and
   ``cumulative_length``) as *constants*, and ``run_decompositions`` (which the frontend runs) fails
@@ -20,6 +20,8 @@ observations are pinned in ``tests/test_hf_static.py``; the story is in ``docs/h
 """
 
 from __future__ import annotations
+
+from .hf_config import cache_heads_and_dim
 
 
 def index_put_converter(node, importer):
@@ -98,8 +100,6 @@ def static_example_inputs(model, *, mode: str = "decode", batch: int = 1, seq_le
     if start + n_tok > max_cache_len:
         raise ValueError(f"positions up to {start + n_tok} exceed max_cache_len={max_cache_len}")
     rng = np.random.default_rng(seed)
-    from .hf import cache_heads_and_dim  # hf imports this module's functions lazily too
-
     hkv, d = cache_heads_and_dim(cfg)
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     shape = (batch, hkv, max_cache_len, d)

@@ -33,7 +33,7 @@ as a shape). Per layer, after RoPE (k, v ``(1, S, H_kv, D)``)::
 (the same for v), then the ``kv_expand`` form (repeat, attention, ...) as with the functional
 cache. The view checks at run time that the cache holds ``past_len + S`` rows; the match_cast is the
 KV-cache fact ``kv_len == past_len + S`` that proves S <= S_kv for the causal mask
-(:func:`mqa_byoc.compiler.trace._match_cast_lengths`). Appending past the reserved capacity makes
+(:func:`mqa_byoc.compiler.graph.trace._match_cast_lengths`). Appending past the reserved capacity makes
 the runtime reallocate and copy the cache (correct, but a full copy): reserve prompt + new tokens.
 """
 
@@ -82,9 +82,9 @@ class FunctionalKV:
         self._layer = 0
 
     def kv_len(self, seq_len):
-        from .attention_forms import _simplify
+        from .attention_forms import simplify_index
 
-        return self.kv_len_var if self.kv_len_var is not None else _simplify(self.past_len + seq_len)
+        return self.kv_len_var if self.kv_len_var is not None else simplify_index(self.past_len + seq_len)
 
     def update(self, attn, k, v):
         """(k, v for attention, k, v returned as the new cache) of the next layer."""
@@ -122,11 +122,11 @@ class InplaceKV:
     def _append_view(self, cache, x, name):
         from tvm.relax.frontend.nn import op
 
-        from .attention_forms import _simplify
+        from .attention_forms import simplify_index
 
         _, s, hkv, d = x.shape
         cache.append(op.reshape(x, (s, hkv, d)))
-        view = cache.view(_simplify(self.past_len + s))
+        view = cache.view(simplify_index(self.past_len + s))
         if self.kv_len_var is not None:
             view = match_len(view, self.kv_len_var, f"{name}_view")
         return op.reshape(view, (1, view.shape[0], hkv, d))

@@ -114,7 +114,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .attention_forms import KV_EXPAND_FORMS, _emit, _nn, _simplify, attention, build_mask  # noqa: F401
+from .attention_forms import KV_EXPAND_FORMS, attention, build_mask, emit_expr, nn_frontend, simplify_index  # noqa: F401
 from .kv_caches import FRESH_LEN_FORMS, FunctionalKV
 from .presets import DecoderConfig
 
@@ -137,18 +137,18 @@ class ParamInfo:
 
 def _rope_tables(positions_start, seq_len, head_dim: int, theta: float, dtype: str):
     """cos / sin tables ``(1, S, 1, D)`` in ``dtype`` for positions start .. start + S - 1."""
-    nn, op = _nn()
+    nn, op = nn_frontend()
     from tvm import relax
 
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    pos = op.arange(positions_start, _simplify(positions_start + seq_len), dtype="float32")
+    pos = op.arange(positions_start, simplify_index(positions_start + seq_len), dtype="float32")
     freqs = op.multiply(
         op.reshape(pos, (seq_len, 1)),
         nn.Tensor.from_const(inv_freq.astype("float32").reshape(1, head_dim // 2)),
     )
     emb = op.concat([freqs, freqs], dim=-1)  # (S, D), HF's non-interleaved layout
-    cos = _emit(relax.op.cos(emb._expr), "rope_cos")
-    sin = _emit(relax.op.sin(emb._expr), "rope_sin")
+    cos = emit_expr(relax.op.cos(emb._expr), "rope_cos")
+    sin = emit_expr(relax.op.sin(emb._expr), "rope_sin")
     if dtype != "float32":
         cos, sin = op.astype(cos, dtype), op.astype(sin, dtype)
     return op.reshape(cos, (1, seq_len, 1, head_dim)), op.reshape(sin, (1, seq_len, 1, head_dim))
@@ -156,14 +156,20 @@ def _rope_tables(positions_start, seq_len, head_dim: int, theta: float, dtype: s
 
 def _apply_rope(x, cos, sin):
     """x * cos + rotate_half(x) * sin on ``(B, S, N, D)``; rotate_half = concat(-x2, x1)."""
-    _, op = _nn()
+    _, op = nn_frontend()
     x1, x2 = op.split(x, 2, axis=-1)
     rot = op.concat([op.negative(x2), x1], dim=-1)
     return op.add(op.multiply(x, cos), op.multiply(rot, sin))
 
 
-def _make_module_classes():
-    nn, op = _nn()
+def _make_module_classes(tensor_parallel_shards: int = 1):
+    """The decoder's ``nn.Module`` classes; with ``tensor_parallel_shards > 1`` each is one shard's (its
+    config already cut by :func:`mqa_byoc.tp.sharding.shard_config`): the outputs of the row-parallel
+    o_proj and down_proj are summed over the shards by ``op.ccl_allreduce``."""
+    nn, op = nn_frontend()
+
+    def reduce_shards(x):
+        return op.ccl_allreduce(x, "sum") if tensor_parallel_shards > 1 else x
 
     def linear(n_in, n_out, dtype):
         return nn.Linear(n_in, n_out, bias=False, dtype=dtype)
@@ -194,7 +200,7 @@ def _make_module_classes():
             k, v, k_out, v_out = kv.update(self, k, v)
             o = attention(q, k, v, kv_expand=kv_expand, mask=mask, window=window)
             o = op.reshape(o, (b, s, cfg.q_size))
-            return self.o_proj(o), k_out, v_out
+            return reduce_shards(self.o_proj(o)), k_out, v_out
 
     class MLP(nn.Module):
         def __init__(self, cfg: DecoderConfig, dtype: str):
@@ -211,7 +217,7 @@ def _make_module_classes():
                 gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
             else:
                 gate, up = self.gate_proj(x), self.up_proj(x)
-            return self.down_proj(op.multiply(op.silu(gate), up))
+            return reduce_shards(self.down_proj(op.multiply(op.silu(gate), up)))
 
     class Layer(nn.Module):
         def __init__(self, cfg: DecoderConfig, dtype: str):
@@ -259,7 +265,7 @@ def _make_module_classes():
             if self.logits_mode == "last":
                 from tvm import relax
 
-                x = _emit(
+                x = emit_expr(
                     relax.op.strided_slice(
                         x._expr, axes=[1], begin=[s - 1], end=[s], assume_inbound=True
                     ),
@@ -325,6 +331,7 @@ def build_decoder(
     functions: Sequence[str] = ("prefill", "decode"),
     fresh_kv_len: bool = True,
     kv_cache: str = "functional",
+    tensor_parallel_shards: int = 1,
 ):
     """Build the decoder as an IRModule; returns ``(mod, param_spec)``.
 
@@ -347,6 +354,11 @@ def build_decoder(
     - ``kv_cache``: "functional" (K/V tensors in and out, above) or "inplace" (TVM's in-place
       cache objects, batch 1, plus a ``create_kv_cache`` function; see
       :mod:`mqa_byoc.models.kv_caches`; ``fresh_kv_len`` then binds each cache view).
+    - ``tensor_parallel_shards``: N > 1 builds the graph of one of N tensor-parallel shards (the same
+      graph for every shard; :mod:`mqa_byoc.tp.sharding`): ``H / N`` query and ``H_kv / N`` K/V heads,
+      ``intermediate_size / N`` MLP width, an all-reduce (``op.ccl_allreduce``, run by TVM's disco) after
+      o_proj and after down_proj; ``param_spec`` then has the shard's shapes, the caches its K/V heads.
+      Raises :class:`mqa_byoc.tp.ShardingError` for a model that cannot be cut so (e.g. H_kv < N).
     """
     _check_common(kv_expand, dtype)
     if kv_cache not in KV_CACHES:
@@ -360,14 +372,17 @@ def build_decoder(
         raise ValueError(f"unknown functions {sorted(bad)}; use prefill / decode / extend")
     if num_layers is not None:
         config = config.replace(num_layers=num_layers)
+    from ..tp.sharding import shard_config
+
+    config = shard_config(config, tensor_parallel_shards)
     if sliding_window is True:
         window = config.sliding_window
     elif sliding_window is False or sliding_window is None:
         window = None
     else:
         window = int(sliding_window)
-    nn, _ = _nn()
-    Decoder, _ = _make_module_classes()
+    nn, _ = nn_frontend()
+    Decoder, _ = _make_module_classes(tensor_parallel_shards)
     if kv_cache == "inplace":
         from . import kv_caches
 
@@ -426,7 +441,7 @@ def build_attention_block(
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if causal_mask not in (None, "BottomRight", "TopLeft"):
         raise ValueError(f"causal_mask must be None, 'BottomRight' or 'TopLeft', got {causal_mask!r}")
-    nn, _ = _nn()
+    nn, _ = nn_frontend()
     _, AttentionBlock = _make_module_classes()
     bdim = "batch" if batch is None else int(batch)
     sdim = "seq_len" if seq_len is None else int(seq_len)

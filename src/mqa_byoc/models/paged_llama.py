@@ -45,9 +45,15 @@ class PagedLlamaConfig:
         return self.head_dim**-0.5
 
 
+def _reduce_shards(x: nn.Tensor, shards: int) -> nn.Tensor:
+    """The sum over the tensor-parallel shards of a row-parallel projection's partial output."""
+    return op.ccl_allreduce(x, "sum") if shards > 1 else x
+
+
 class _Attention(nn.Module):
-    def __init__(self, c: PagedLlamaConfig):
+    def __init__(self, c: PagedLlamaConfig, shards: int = 1):
         self.c = c
+        self.shards = shards
         self.qkv_proj = nn.Linear(c.hidden, (c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_q_heads * c.head_dim, c.hidden, bias=False)
 
@@ -56,13 +62,14 @@ class _Attention(nn.Module):
         b, s, _ = x.shape
         qkv = op.reshape(self.qkv_proj(x), (b, s, c.num_q_heads + 2 * c.num_kv_heads, c.head_dim))
         out = cache.attention_with_fused_qkv(layer_id, qkv, c.num_q_heads, sm_scale=c.sm_scale)
-        return self.o_proj(op.reshape(out, (b, s, c.num_q_heads * c.head_dim)))
+        return _reduce_shards(self.o_proj(op.reshape(out, (b, s, c.num_q_heads * c.head_dim))), self.shards)
 
 
 class _Layer(nn.Module):
-    def __init__(self, c: PagedLlamaConfig):
+    def __init__(self, c: PagedLlamaConfig, shards: int = 1):
+        self.shards = shards
         self.attn_norm = nn.RMSNorm(c.hidden, -1, 1e-5, bias=False)
-        self.attn = _Attention(c)
+        self.attn = _Attention(c, shards)
         self.mlp_norm = nn.RMSNorm(c.hidden, -1, 1e-5, bias=False)
         self.gate_up = nn.Linear(c.hidden, 2 * c.intermediate, bias=False)
         self.down = nn.Linear(c.intermediate, c.hidden, bias=False)
@@ -70,16 +77,18 @@ class _Layer(nn.Module):
     def forward(self, x: nn.Tensor, cache: PagedKVCache, layer_id: int):
         x = x + self.attn(self.attn_norm(x), cache, layer_id)
         gate, up = op.split(self.gate_up(self.mlp_norm(x)), 2, axis=-1)
-        return x + self.down(op.silu(gate) * up)
+        return x + _reduce_shards(self.down(op.silu(gate) * up), self.shards)
 
 
 class PagedLlama(nn.Module):
-    """Llama-style decoder over a TVM ``PagedKVCache`` (see the module docstring)."""
+    """Llama-style decoder over a TVM ``PagedKVCache`` (see the module docstring); with ``shards > 1``
+    one tensor-parallel shard of it, ``c`` being the shard's config
+    (:func:`mqa_byoc.tp.sharding.shard_config`): an all-reduce after ``o_proj`` and after ``down``."""
 
-    def __init__(self, c: PagedLlamaConfig):
+    def __init__(self, c: PagedLlamaConfig, shards: int = 1):
         self.c = c
         self.embed = nn.Embedding(c.vocab, c.hidden)
-        self.layers = nn.ModuleList([_Layer(c) for _ in range(c.layers)])
+        self.layers = nn.ModuleList([_Layer(c, shards) for _ in range(c.layers)])
         self.norm = nn.RMSNorm(c.hidden, -1, 1e-5, bias=False)
         self.lm_head = nn.Linear(c.hidden, c.vocab, bias=False)
 
@@ -119,9 +128,18 @@ class PagedLlama(nn.Module):
         )
 
 
-def export_paged_llama(c: PagedLlamaConfig, target=None):
+def export_paged_llama(c: PagedLlamaConfig, target=None, *, tensor_parallel_shards: int = 1):
     """``(IRModule, named parameters)`` of :class:`PagedLlama` (``nn.Module.export_tvm``), built under
-    ``target`` (default cuda sm_90; TVM's paged kernels are generated for it)."""
+    ``target`` (default cuda sm_90; TVM's paged kernels are generated for it).
+
+    ``tensor_parallel_shards`` N > 1: the graph of one of N shards (:mod:`mqa_byoc.tp.sharding`; the same
+    for every shard): its cache has ``H / N`` query and ``H_kv / N`` K/V heads, its projections the
+    shard's rows / columns, and the outputs of ``o_proj`` and ``down`` are all-reduced. Raises
+    :class:`mqa_byoc.tp.ShardingError` for a config that cannot be cut so."""
+    from ..tp.sharding import shard_config
+
+    shards = tensor_parallel_shards
+    c = shard_config(c, shards)
     if target is None:
         target = {"kind": "cuda", "arch": "sm_90"}
     target = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
@@ -139,7 +157,7 @@ def export_paged_llama(c: PagedLlamaConfig, target=None):
     for name in ("prefill", "decode"):
         spec[name]["$"] = {"param_mode": "packed", "effect_mode": "none"}
     spec["attend"]["$"] = {"param_mode": "none", "effect_mode": "none"}
-    model = PagedLlama(c)
+    model = PagedLlama(c, shards)
     model.to(c.dtype)
     with target:
         return model.export_tvm(spec=spec, allow_extern=True)

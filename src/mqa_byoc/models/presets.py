@@ -184,6 +184,12 @@ PRESETS: dict[str, DecoderConfig] = {
 }
 
 
+def attention_shapes() -> set[tuple[int, int]]:
+    """``{(head dim, query heads per K/V head)}`` of the presets' attention: what
+    ``mqa-byoc build-kernels --hopper`` builds by default."""
+    return {(c.head_dim, c.num_heads // c.num_kv_heads) for c in PRESETS.values()}
+
+
 def get_preset(name: str) -> DecoderConfig:
     """The preset called ``name`` (see :data:`PRESETS`)."""
     try:

@@ -5,7 +5,8 @@
 // The kernel entries are referenced weakly, so this object links with whatever subset was built;
 // a call that needs a missing one fails with a message saying how to build it.
 //
-// NVTX: with MQA_BYOC_NVTX=1 in the environment (read once, at the first call) each kernel launch is
+// NVTX: with MQA_BYOC_NVTX=1 in the environment (read once, at the first call; the one variable a library
+// reads, a profiling aid that changes no kernel) each kernel launch is
 // wrapped in an NVTX range "flash_attn[h=H,kv=H_kv,d=D]" (NVTX3, header-only from the CUDA toolkit;
 // without a tool such as nsys attached a push/pop is a call into an empty stub). Unset, the only cost is
 // one check of a static flag.
@@ -31,6 +32,9 @@
 #include <vector>
 
 #include "flash.h"  // flash-attn's Flash_fwd_params (from the fetched sources)
+
+// Defined (hidden) by the library's options module when the build gives one; null otherwise.
+extern "C" __attribute__((weak, visibility("hidden"))) const mqa_byoc_kernel_options mqa_byoc_library_kernel_options;
 
 namespace {
 
@@ -201,6 +205,13 @@ std::string arch_of(int device) {
 
 bool fits_int(int64_t x) { return x >= 0 && x <= INT_MAX; }
 
+const mqa_byoc_kernel_options kDefaultOptions = {0, 0, 0, 0};
+
+// The kernel options the build compiled into this library (mqa_byoc_kernel_options in fa2_dispatch.h).
+const mqa_byoc_kernel_options& library_options() {
+  return &mqa_byoc_library_kernel_options != nullptr ? mqa_byoc_library_kernel_options : kDefaultOptions;
+}
+
 // $MQA_BYOC_NVTX: set, non-empty and not 0/false/off/no (the rule of mqa_byoc.runtime.providers).
 bool nvtx_enabled() {
   static const bool enabled = [] {
@@ -356,14 +367,8 @@ int launch_and_free(EntryFn fn, Params* p, cudaStream_t stream, void* ws, const 
 // cut into n chunks of whole kBlockN tiles, one FA2 call of the split family with num_splits = 1 over
 // the chunks as a batch (q batch stride 0; K/V batch stride = one chunk; non-cumulative cu_seqlens_k
 // holding each chunk's length), writing each chunk's output and LSE, then mqa_byoc_combine_chunks
-// (split_kv_combine.cu). Disabled with MQA_BYOC_FA2_COMBINE=fa2 (FA2's own split-KV and combine).
-bool own_combine_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("MQA_BYOC_FA2_COMBINE");
-    return v == nullptr || std::strcmp(v, "fa2") != 0;
-  }();
-  return on;
-}
+// (split_kv_combine.cu). Off with the library's split_combine option set to FA2 (FA2's own split-KV and combine).
+bool own_combine_enabled() { return library_options().split_combine == 0; }
 
 int chunked_decode(Params& p, EntryFn fn, int splits, int block_n, int64_t seqlen_k, int64_t num_heads,
                    int64_t num_heads_k, int64_t head_dim, int64_t out_head_stride, int is_bf16, int device_id,
@@ -410,15 +415,9 @@ int chunked_decode(Params& p, EntryFn fn, int splits, int block_n, int64_t seqle
 
 // Decode (one query row per sequence) on our grouped-query kernel (gqa_decode.cu): split-KV and the
 // combine in one launch, K/V read once per 16 query heads of a group (Falcon's 71: five CTAs per split
-// read its K/V head, from L2 after the first). It serves head dims 64 and 128; MQA_BYOC_DECODE_KERNEL=fa2
-// turns it off (the FA2 paths below).
-bool own_decode_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("MQA_BYOC_DECODE_KERNEL");
-    return v == nullptr || std::strcmp(v, "fa2") != 0;
-  }();
-  return on;
-}
+// read its K/V head, from L2 after the first). It serves head dims 64 and 128; the library's decode_kernel option
+// set to FA2 turns it off (the FA2 paths below).
+bool own_decode_enabled() { return library_options().decode_kernel == 0; }
 
 bool own_decode_fits(int64_t head_dim, int64_t num_heads, int64_t num_heads_k, int64_t batch) {
   if (!own_decode_enabled() || !mqa_byoc_decode_supported(head_dim, num_heads, num_heads_k)) return false;
@@ -427,16 +426,11 @@ bool own_decode_fits(int64_t head_dim, int64_t num_heads, int64_t num_heads_k, i
   return batch <= 65535 && num_heads_k * row_groups <= 65535;  // the grid's z and y
 }
 
-// How its splits merge: MQA_BYOC_DECODE_MERGE=global (through the workspace) or cluster (only in a
-// thread-block cluster; a launch that cannot fails), else the plan's choice (AUTO).
+// How its splits merge: the library's decode_merge option (global: through the workspace; cluster: only
+// in a thread-block cluster, a launch that cannot fails), else the plan's choice (AUTO).
 int own_decode_merge() {
-  static const int merge = [] {
-    const char* v = std::getenv("MQA_BYOC_DECODE_MERGE");
-    if (v != nullptr && std::strcmp(v, "global") == 0) return int(MQA_BYOC_DECODE_MERGE_GLOBAL);
-    if (v != nullptr && std::strcmp(v, "cluster") == 0) return int(MQA_BYOC_DECODE_MERGE_CLUSTER);
-    return int(MQA_BYOC_DECODE_MERGE_AUTO);
-  }();
-  return merge;
+  const int m = library_options().decode_merge;
+  return m == MQA_BYOC_DECODE_MERGE_GLOBAL || m == MQA_BYOC_DECODE_MERGE_CLUSTER ? m : int(MQA_BYOC_DECODE_MERGE_AUTO);
 }
 
 int own_decode(const mqa_byoc_decode_args& a, int device_id, cudaStream_t stream) {
@@ -473,6 +467,8 @@ int own_decode(const mqa_byoc_decode_args& a, int device_id, cudaStream_t stream
 }  // namespace
 
 extern "C" const char* mqa_byoc_fa2_last_error(void) { return g_last_error.c_str(); }
+
+extern "C" const mqa_byoc_kernel_options* mqa_byoc_fa2_kernel_options(void) { return &library_options(); }
 
 // For fa4_decode.cu (hopper provider): the same workspace pool, SM count and error message.
 extern "C" int mqa_byoc_fa2_alloc_workspace(void** ws, size_t bytes, int device_id, void* stream) {

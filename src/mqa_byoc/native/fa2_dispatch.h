@@ -1,7 +1,7 @@
 // C API of the mqa_byoc FA2 forward dispatcher (fa2_dispatch.cc).
 //
 // The codegen's emitted wrappers repeat these declarations (TVM compiles them without our include
-// path); keep the two in sync (mqa_byoc/compiler/native_codegen.py).
+// path); keep the two in sync (mqa_byoc/compiler/codegen/native.py).
 #pragma once
 #include <stddef.h>
 #include <stdint.h>
@@ -11,6 +11,20 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+// The kernel choices of a library, fixed when it is built (mqa_byoc.build(kernel_options=...),
+// mqa_byoc/compiler/kernel_options.py, which defines the one constant below in the library, hidden).
+// Each field is 0 for the default. A library built without it (no definition: the weak reference is
+// null) runs the defaults. No environment variable changes a kernel.
+typedef struct {
+  int decode_kernel;  // 0: our grouped-query decode kernel where it serves; 1: FA2 only
+  int decode_merge;   // MQA_BYOC_DECODE_MERGE_* (gqa_decode.h): how its splits merge
+  int split_combine;  // 0: batch-1 FA2 split-KV through chunks and our combine kernel; 1: FA2's own
+  int hopper_fa4;     // hopper provider: 0 FA4 for prefill-sized calls, 1 for every call it can, 2 never
+} mqa_byoc_kernel_options;
+
+// The options of this library (all zero when it defines none).
+const mqa_byoc_kernel_options* mqa_byoc_fa2_kernel_options(void);
 
 // Flash Attention 2 forward, BSNH layout, destination passing.
 //   q (B, S_q, H, D), k and v (B, S_kv, H_kv, D), out (B, S_q, H, D), all fp16 or all bf16.
@@ -85,12 +99,12 @@ int mqa_byoc_apply_sinks(void* out, const float* lse, const void* sinks, int sin
                          int64_t h, int64_t d, const int64_t* o_stride, int is_bf16, int lse_base2, void* stream);
 
 // Our grouped-query decode kernel (gqa_decode.cu) behind the dispatcher's checks, workspace pool and NVTX
-// range: whether it serves a call (head dim, grouping, batch; MQA_BYOC_DECODE_KERNEL=fa2 says no), and
+// range: whether it serves a call (head dim, grouping, batch; the library's decode_kernel option set to FA2 says no), and
 // the call (0, or nonzero with mqa_byoc_fa2_last_error()). Shared with fa2_paged.cu.
 int mqa_byoc_fa2_own_decode_fits(int64_t head_dim, int64_t num_heads, int64_t num_heads_k, int64_t batch);
 int mqa_byoc_fa2_own_decode(const mqa_byoc_decode_args* args, int device_id, void* stream);
 
-// An NVTX range around a call, when MQA_BYOC_NVTX is on: push names it by `format` (a
+// An NVTX range around a call, when MQA_BYOC_NVTX is on (a profiling aid: it changes no kernel): push names it by `format` (a
 // "<name>[h=%lld,kv=%lld,d=%lld]" format) and returns 1 when it opened one, which the caller pops.
 int mqa_byoc_fa2_nvtx_push(const char* format, int64_t num_heads, int64_t num_heads_k, int64_t head_dim);
 void mqa_byoc_fa2_nvtx_pop(void);

@@ -1,6 +1,6 @@
 // One FA2 forward kernel family, wrapped behind a plain C entry point.
 //
-// mqa_byoc.runtime.kernels compiles this file once per (arch, head dim, dtype, causal, split) with
+// mqa_byoc.kernels (kernels/build.py) compiles this file once per (arch, head dim, dtype, causal, split) with
 //   -DMQA_BYOC_FA_FILE="flash_fwd[_split]_hdim<D>_<fp16|bf16>[_causal]_sm80.cu"   (from flash-attn's sources)
 //   -DMQA_BYOC_ENTRY=mqa_byoc_fa2_fwd[_split]_hdim<D>_<fp16|bf16>[_causal]
 //   -DMQA_BYOC_ELEM=cutlass::half_t | cutlass::bfloat16_t
@@ -10,7 +10,7 @@
 
 #if !defined(MQA_BYOC_FA_FILE) || !defined(MQA_BYOC_ENTRY) || !defined(MQA_BYOC_ELEM) || \
     !defined(MQA_BYOC_HDIM) || !defined(MQA_BYOC_CAUSAL) || !defined(MQA_BYOC_SPLIT)
-#error "fa2_kernel_entry.cu is compiled by mqa_byoc.runtime.kernels, which defines MQA_BYOC_*"
+#error "fa2_kernel_entry.cu is compiled by mqa_byoc.kernels, which defines MQA_BYOC_*"
 #endif
 
 #include MQA_BYOC_FA_FILE

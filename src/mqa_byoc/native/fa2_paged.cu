@@ -7,7 +7,7 @@
 // one of the FA2 kernel entries compiled from fa2_kernel_entry.cu (referenced weakly, as
 // fa2_dispatch.cc does, so a library linked without one fails with a message, not a link error).
 //
-// Compiled by mqa_byoc.compiler.paged_build with nvcc for the target arch (it holds device code).
+// Compiled by mqa_byoc.compiler.paged.build with nvcc for the target arch (it holds device code).
 
 #include "fa2_paged.h"
 

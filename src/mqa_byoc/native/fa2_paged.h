@@ -1,6 +1,6 @@
 // C API of mqa_byoc's FA2 attention over TVM's PagedKVCache (fa2_paged.cu).
 //
-// The TVM-FFI wrappers emitted by mqa_byoc.compiler.paged_codegen repeat these declarations (TVM
+// The TVM-FFI wrappers emitted by mqa_byoc.compiler.paged.codegen repeat these declarations (TVM
 // compiles them without our include path); keep the two in sync.
 #pragma once
 #include <stdint.h>

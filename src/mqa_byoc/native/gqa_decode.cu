@@ -1009,8 +1009,8 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_b
   int64_t target = std::min<int64_t>(32, std::max<int64_t>(1, int64_t(std::max(num_sms, 1)) / slots));
   // Merged in a cluster (through the workspace takes 1.5-2.5 us more, measured on the H200): clusters of a
   // power of two blocks (clusters of 9 and splits of 912 keys ran 5-10% slower than 8 of 1024), the
-  // largest of which every slot's can be co-resident. Worth its fewer splits (fitted to the H200's sweeps,
-  // benchmarks/results/2026-12-01-decode-plan.json and -decode-load-path-fp16.json) when
+  // largest of which every slot's can be co-resident. Worth its fewer splits (fitted to split/cluster
+  // sweeps on the H200, docs/performance.md) when
   // - it has as many splits as the workspace plan would,
   // - or the group is small (RowsAsN) and clusters of at most 8 fill about half the GPU: the K/V stream
   //   is bandwidth-bound then (64/8/128 and 32/8/128 from 1k to 32k keys). A cluster lies in one GPC

@@ -2,7 +2,7 @@
 
 Importing this module registers the global function ``mqa_byoc.flash_attn_forward`` (see
 :func:`flash_attn_forward` for the contract), which the C++ forwarders emitted by
-``mqa_byoc.compiler.codegen`` look up and call. It needs only ``tvm_ffi`` (a runtime-only TVM is
+``mqa_byoc.compiler.codegen.python`` look up and call. It needs only ``tvm_ffi`` (a runtime-only TVM is
 enough; ``tvm.relax`` is never imported); torch and flash-attn are imported at the first call.
 
 Backend, chosen at the first call and then kept for the process:
@@ -31,14 +31,13 @@ native one: the switch is read once (at the first call, again after :func:`reset
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
-import threading
-
 import tvm_ffi
 
 from mqa_byoc.contract import PY_FORWARD_FUNC, PY_SINK_FORWARD_FUNC
+
+from .backends import (BACKENDS, ENV_VAR, INSTALL_HINT, NVTX_ENV_VAR, ProviderUnavailableError, active_backend,
+                       as_torch, nvtx_enabled, nvtx_range_name, nvtx_requested, requested_backend, reset,
+                       select_backend)
 
 __all__ = [
     "BACKENDS",
@@ -57,191 +56,6 @@ __all__ = [
 ]
 
 FORWARD_FUNC = PY_FORWARD_FUNC  # the name the codegen's forwarders call (mqa_byoc.contract)
-ENV_VAR = "MQA_BYOC_PY_PROVIDER"
-BACKENDS = ("flash_attn", "torch")
-INSTALL_HINT = 'pip install "mqa-byoc[gpu]"'
-NVTX_ENV_VAR = "MQA_BYOC_NVTX"
-
-
-class ProviderUnavailableError(RuntimeError):
-    """The selected Python FA2 backend cannot run here (and no other is substituted)."""
-
-
-# --------------------------------------------------------------------------- selection
-
-
-def requested_backend(env: str | None = None) -> str:
-    """``"auto"``, ``"flash_attn"`` or ``"torch"``, from ``env`` or ``$MQA_BYOC_PY_PROVIDER``."""
-    value = os.environ.get(ENV_VAR, "") if env is None else env
-    value = value.strip().lower().replace("-", "_") or "auto"
-    if value not in BACKENDS + ("auto",):
-        raise ValueError(f"{ENV_VAR}={value!r}: expected one of {', '.join(BACKENDS)} or auto")
-    return value
-
-
-def _flash_attn_installed() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
-
-
-def select_backend(env: str | None = None, *, flash_attn_installed: bool | None = None) -> str:
-    """The backend name the rule picks (does not import or check it): explicit wins, else
-    ``flash_attn`` when the package is installed, else ``torch``."""
-    choice = requested_backend(env)
-    if choice != "auto":
-        return choice
-    installed = _flash_attn_installed() if flash_attn_installed is None else flash_attn_installed
-    return "flash_attn" if installed else "torch"
-
-
-def nvtx_requested(env: str | None = None) -> bool:
-    """Whether ``$MQA_BYOC_NVTX`` (or ``env``) asks for NVTX ranges: set, non-empty and not
-    ``0``/``false``/``off``/``no`` (the rule fa2_dispatch.cc applies too)."""
-    value = os.environ.get(NVTX_ENV_VAR, "") if env is None else env
-    return value.strip().lower() not in ("", "0", "false", "off", "no")
-
-
-def nvtx_range_name(num_heads: int, num_kv_heads: int, head_dim: int) -> str:
-    """``flash_attn[h=64,kv=8,d=128]``: the NVTX range around one offloaded attention."""
-    return f"flash_attn[h={num_heads},kv={num_kv_heads},d={head_dim}]"
-
-
-# --------------------------------------------------------------------------- backends
-
-
-class _Backend:
-    name = ""
-
-    def __init__(self, torch):
-        self.torch = torch
-        self._streams = {}
-
-    def stream_for(self, device_index: int):
-        """The torch stream object for TVM's current stream on ``cuda:device_index``."""
-        ptr = int(tvm_ffi.get_raw_stream(tvm_ffi.device("cuda", device_index)))
-        key = (ptr, device_index)
-        stream = self._streams.get(key)
-        if stream is None:
-            cuda = self.torch.cuda
-            if ptr == 0:
-                stream = cuda.default_stream(device_index)
-            else:
-                stream = cuda.ExternalStream(ptr, device=self.torch.device("cuda", device_index))
-            self._streams[key] = stream
-        return stream
-
-    def run(self, q, k, v, out, scale, causal, window_left, window_right):  # pragma: no cover
-        raise NotImplementedError
-
-
-class _FlashAttnBackend(_Backend):
-    name = "flash_attn"
-
-    def __init__(self, torch, ext):
-        super().__init__(torch)
-        self.ext = ext
-
-    def run(self, q, k, v, out, scale, causal, window_left, window_right):
-        # flash-attn >= 2.6: fwd(q, k, v, out, alibi_slopes, p_dropout, softmax_scale, is_causal,
-        #                        window_size_left, window_size_right, softcap, return_softmax, gen)
-        try:
-            res = self.ext.fwd(q, k, v, out, None, 0.0, scale, causal, window_left, window_right, 0.0, False, None)
-        except TypeError as err:
-            raise ProviderUnavailableError(
-                f"flash-attn's fwd() does not take the flash-attn >= 2.6 arguments ({err}); "
-                f"install flash-attn >= 2.6 ({INSTALL_HINT}) or set {ENV_VAR}=torch"
-            ) from err
-        result = res[0]
-        if result.data_ptr() != out.data_ptr():  # it writes into `out`; keep this as a safety net
-            out.copy_(result)
-        return res[1]  # the row log-sum-exp (B, H, S_q), float32
-
-
-class _TorchBackend(_Backend):
-    name = "torch"
-
-    def run(self, q, k, v, out, scale, causal, window_left, window_right):
-        kwargs = {"scale": scale}
-        if window_left != -1 or window_right != -1:  # torch < 2.5 lacks these; pass them only when used
-            kwargs.update(window_size_left=window_left, window_size_right=window_right)
-        res = self.torch.ops.aten._flash_attention_forward(
-            q, k, v, None, None, q.shape[1], k.shape[1], 0.0, causal, False, **kwargs
-        )
-        # No out= overload exists for this op: copy the result (the output only) into `out`.
-        out.copy_(res[0])
-        return res[1]  # the row log-sum-exp (B, H, S_q), float32
-
-
-_lock = threading.Lock()
-_backend: _Backend | None = None
-_nvtx: bool | None = None  # $MQA_BYOC_NVTX, read at the first call
-
-
-def _import_torch_with_cuda():
-    try:
-        torch = importlib.import_module("torch")
-    except ImportError as err:
-        raise ProviderUnavailableError(
-            f"mqa_byoc python provider: PyTorch is not installed ({err}). "
-            f"Install the GPU extras: {INSTALL_HINT}"
-        ) from err
-    if not torch.cuda.is_available():
-        raise ProviderUnavailableError(
-            f"mqa_byoc python provider: torch {torch.__version__} has no usable CUDA "
-            f"(torch.cuda.is_available() is False; CUDA build: {torch.version.cuda}). FA2 runs only on "
-            f"NVIDIA GPUs: install a CUDA build of torch ({INSTALL_HINT}) and run on a GPU machine."
-        )
-    return torch
-
-
-def _make_backend(name: str) -> _Backend:
-    torch = _import_torch_with_cuda()
-    if name == "flash_attn":
-        try:
-            importlib.import_module("flash_attn")
-            ext = importlib.import_module("flash_attn_2_cuda")
-        except ImportError as err:
-            raise ProviderUnavailableError(
-                f"mqa_byoc python provider: backend flash_attn selected "
-                f"({ENV_VAR}={os.environ.get(ENV_VAR, 'auto')!r}) but the flash-attn package does not import "
-                f"({err}). Install it ({INSTALL_HINT}) or set {ENV_VAR}=torch to use PyTorch's FA2."
-            ) from err
-        return _FlashAttnBackend(torch, ext)
-    if not hasattr(torch.ops.aten, "_flash_attention_forward"):
-        raise ProviderUnavailableError(
-            f"mqa_byoc python provider: torch {torch.__version__} has no aten::_flash_attention_forward; "
-            f"install torch >= 2.5 with CUDA ({INSTALL_HINT})"
-        )
-    return _TorchBackend(torch)
-
-
-def active_backend() -> _Backend:
-    """Resolve, check and cache the backend (raises :class:`ProviderUnavailableError`)."""
-    global _backend
-    if _backend is None:
-        with _lock:
-            if _backend is None:
-                _backend = _make_backend(select_backend())
-    return _backend
-
-
-def reset() -> None:
-    """Forget the cached backend and NVTX switch (the next call resolves them again)."""
-    global _backend, _nvtx
-    with _lock:
-        _backend = None
-        _nvtx = None
-
-
-# --------------------------------------------------------------------------- the entry point
-
-
-def _as_torch(torch, x, what: str):
-    if isinstance(x, torch.Tensor):
-        return x
-    try:
-        return torch.from_dlpack(x)  # zero-copy
-    except Exception as err:  # noqa: BLE001
-        raise TypeError(f"mqa_byoc.flash_attn_forward: {what} is not a DLPack tensor ({type(x).__name__}): {err}") from err
 
 
 def _check(torch, q, k, v, out):
@@ -290,15 +104,13 @@ def flash_attn_forward(q, k, v, out, scale: float, causal: bool, window_left: in
     """
     backend = active_backend()
     torch = backend.torch
-    qt, kt, vt, ot = (_as_torch(torch, x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out")))
+    qt, kt, vt, ot = (as_torch(torch, x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out")))
     _check(torch, qt, kt, vt, ot)
     device_index = qt.device.index if qt.device.index is not None else torch.cuda.current_device()
     stream = backend.stream_for(device_index)
     args = (qt, kt, vt, ot, float(scale), bool(causal), int(window_left), int(window_right))
-    global _nvtx
-    if _nvtx is None:
-        _nvtx = nvtx_requested()
-    if _nvtx:
+    nvtx = nvtx_enabled()
+    if nvtx:
         torch.cuda.nvtx.range_push(nvtx_range_name(qt.shape[2], kt.shape[2], qt.shape[3]))
     try:
         if torch.cuda.current_stream(device_index) == stream:
@@ -307,7 +119,7 @@ def flash_attn_forward(q, k, v, out, scale: float, causal: bool, window_left: in
             with torch.cuda.stream(stream):
                 backend.run(*args)
     finally:
-        if _nvtx:
+        if nvtx:
             torch.cuda.nvtx.range_pop()
 
 
@@ -324,8 +136,8 @@ def flash_attn_sink_forward(q, k, v, sinks, out, scale: float, causal: bool, win
     """
     backend = active_backend()
     torch = backend.torch
-    qt, kt, vt, ot = (_as_torch(torch, x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out")))
-    st = _as_torch(torch, sinks, "sinks")
+    qt, kt, vt, ot = (as_torch(torch, x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out")))
+    st = as_torch(torch, sinks, "sinks")
     _check(torch, qt, kt, vt, ot)
     if tuple(st.shape) != (qt.shape[2],) or st.device != qt.device:
         raise ValueError(f"mqa_byoc.flash_attn_sink_forward: sinks has shape {tuple(st.shape)} on {st.device}, "

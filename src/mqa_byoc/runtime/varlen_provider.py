@@ -1,8 +1,9 @@
 """Python provider of var-len attention: the global function ``mqa_byoc.flash_attn_varlen_forward``.
 
-Registered when :mod:`mqa_byoc.runtime.providers` is imported; uses its backend choice (flash-attn's
-``varlen_fwd`` when installed, else ``torch.ops.aten._flash_attention_forward`` with ``cum_seq_q`` /
-``cum_seq_k``), its streams and its NVTX switch. Runtime-only: no ``tvm.relax``.
+Registered when :mod:`mqa_byoc.runtime.providers` is imported; uses the same backend choice
+(:mod:`.backends`: flash-attn's ``varlen_fwd`` when installed, else
+``torch.ops.aten._flash_attention_forward`` with ``cum_seq_q`` / ``cum_seq_k``), streams and NVTX
+switch. Runtime-only: no ``tvm.relax``.
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ import tvm_ffi
 
 from mqa_byoc.contract import PY_VAR_LEN_FORWARD_FUNC
 
-from . import providers as _p
-
+from .backends import ProviderUnavailableError, active_backend, as_torch, nvtx_enabled, nvtx_range_name
 
 
 def _max_length(torch, t, name: str, total: int) -> int:
@@ -32,8 +32,8 @@ def _max_length(torch, t, name: str, total: int) -> int:
 def _check(torch, q, k, v, out, cq, ck, heads, kv_heads, head_dim):
     for name, t, h in (("q", q, heads), ("k", k, kv_heads), ("v", v, kv_heads), ("out", out, heads)):
         if t.device.type != "cuda" or t.device != q.device:
-            raise _p.ProviderUnavailableError(f"{PY_VAR_LEN_FORWARD_FUNC}: {name} is on {t.device}; FA2 needs "
-                                              f"every tensor on the CUDA device of q ({q.device})")
+            raise ProviderUnavailableError(f"{PY_VAR_LEN_FORWARD_FUNC}: {name} is on {t.device}; FA2 needs "
+                                            f"every tensor on the CUDA device of q ({q.device})")
         if t.dim() != 4 or t.shape[0] != 1 or t.shape[2] != h or t.shape[3] != head_dim:
             raise ValueError(f"{PY_VAR_LEN_FORWARD_FUNC}: {name} has shape {tuple(t.shape)}, compiled for "
                              f"(1, total, {h}, {head_dim})")
@@ -84,10 +84,10 @@ def flash_attn_varlen_forward(q, k, v, seqstart_q, seqstart_k, max_seqlen_q, max
       (a device tensor would synchronize the stream: the total length is used as the bound instead).
     - ``causal``: bottom-right aligned per sequence; ``window_left``/``window_right``: -1 = unbounded.
     """
-    backend = _p.active_backend()
+    backend = active_backend()
     torch = backend.torch
     qt, kt, vt, ot, cq, ck, mq, mk = (
-        _p._as_torch(torch, x, n) for x, n in (
+        as_torch(torch, x, n) for x, n in (
             (q, "q"), (k, "k"), (v, "v"), (out, "out"), (seqstart_q, "seqstart_q"), (seqstart_k, "seqstart_k"),
             (max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")))
     _check(torch, qt, kt, vt, ot, cq, ck, int(num_heads), int(num_kv_heads), int(head_dim))
@@ -100,10 +100,9 @@ def flash_attn_varlen_forward(q, k, v, seqstart_q, seqstart_k, max_seqlen_q, max
     stream = backend.stream_for(device_index)
     args = (backend, qt[0], kt[0], vt[0], ot[0], cq, ck, max_q, max_k, float(scale), bool(causal),
             int(window_left), int(window_right))
-    if _p._nvtx is None:
-        _p._nvtx = _p.nvtx_requested()
-    if _p._nvtx:
-        torch.cuda.nvtx.range_push("flash_attn_varlen" + _p.nvtx_range_name(num_heads, num_kv_heads, head_dim)[10:])
+    nvtx = nvtx_enabled()
+    if nvtx:
+        torch.cuda.nvtx.range_push("flash_attn_varlen" + nvtx_range_name(num_heads, num_kv_heads, head_dim)[10:])
     try:
         if torch.cuda.current_stream(device_index) == stream:
             _run(*args)
@@ -111,7 +110,7 @@ def flash_attn_varlen_forward(q, k, v, seqstart_q, seqstart_k, max_seqlen_q, max
             with torch.cuda.stream(stream):
                 _run(*args)
     finally:
-        if _p._nvtx:
+        if nvtx:
             torch.cuda.nvtx.range_pop()
 
 

@@ -9,6 +9,11 @@ Run time only: importable with a runtime-only TVM (never imports ``tvm.relax``);
 - :mod:`.header`: the header of a run's JSON record (command, date, GPU, torch, CUDA);
 - :mod:`.cuda_compile`: a ``tvm_callback_cuda_compile`` hook that restores the previous one;
 - :mod:`.setup`: the run path's set-up hook (modules that prepare a runtime-only TVM).
+
+Compile time (they need the full TVM, ``tvm.relax``; not exported by name, import the module): the
+graph builders the CPU tests and the GPU artifact builders share (:mod:`.graphs`, :mod:`.varlen_graphs`)
+and the graph fuzzer (:mod:`.fuzz`: the CI profile ``tests/test_graph_fuzz.py``, the long run
+``tools/fuzz.py``).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from tvm import relax, tirx
 from mqa_byoc.contract import (CODEGEN, SINK_ATTR, SINK_CAUSAL_ATTR, SINK_LAYOUTS_ATTR, SINK_SCALE_ATTR,
                                SINK_WINDOW_ATTR, composite_name)
 
-from ..trace import as_int
+from mqa_byoc.compiler.graph.trace import as_int
 
 FUNC_PREFIX = "attention_sinks"
 

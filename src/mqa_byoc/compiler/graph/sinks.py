@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from tvm import relax
 
-from ..exprs import op_name
-from ..trace import as_int, prove_equal, shape_of
+from mqa_byoc.compiler.graph.exprs import op_name
+from mqa_byoc.compiler.graph.trace import as_int, prove_equal, shape_of
 
 # ops a softmax's probabilities may pass on their way to P@V without being a new computation
 _PROB_PLUMBING = ("relax.astype", "relax.reshape", "relax.broadcast_to", "relax.permute_dims",

@@ -1,0 +1,109 @@
+"""Codegen of attention with sinks (``flash_attn.attention_mqa_sink`` / ``flash_attn.attention_sink``).
+
+The composite is the sink attention's function (:mod:`.graph.sink_attention`): parameters
+``(q, k, v, sinks)``, q/k/v in the layouts its :data:`~mqa_byoc.contract.SINK_LAYOUTS_ATTR` names, sinks
+(H,), output (B, S_q, H, D); scale and mask in its attributes. The kernels compute FA2's attention and
+its log-sum-exp and scale each output row by ``sigmoid(lse - sink_h)``:
+
+- python provider: ``mqa_byoc.flash_attn_sink_forward(q, k, v, sinks, out, scale, causal, window_left,
+  window_right)`` (``mqa_byoc.runtime.providers``);
+- native and hopper providers: the native wrapper calling the dispatcher's ``mqa_byoc_fa2_forward_sink``
+  (FA2 or our decode kernel, then our sink epilogue kernel); the hopper provider has no FA4 sink path.
+"""
+
+from __future__ import annotations
+
+from mqa_byoc.contract import (PY_SINK_FORWARD_FUNC, SINK_CAUSAL_ATTR, SINK_LAYOUTS_ATTR, SINK_SCALE_ATTR,
+                               SINK_WINDOW_ATTR)
+
+from mqa_byoc.compiler.graph.spec import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttentionSpec
+
+SINK_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def read_sink_composite(func) -> tuple[AttentionSpec, tuple[int, int, int, int]]:
+    """The :class:`AttentionSpec` (with ``sinks_dtype``) of a sink composite; operands are its parameters
+    in order.
+
+    Raises
+    ------
+    ValueError
+        When the function is not one the kernels compute.
+    """
+    from mqa_byoc.compiler.graph.sink_attention import fixed_heads
+
+    attrs = func.attrs
+    for key in (SINK_SCALE_ATTR, SINK_CAUSAL_ATTR, SINK_WINDOW_ATTR, SINK_LAYOUTS_ATTR):
+        if key not in attrs:
+            raise ValueError(f"sink composite without its attribute {key!r}")
+    if len(func.params) != 4:
+        raise ValueError(f"sink composite takes (q, k, v, sinks), got {len(func.params)} parameters")
+    layouts = str(attrs[SINK_LAYOUTS_ATTR]).split(",")
+    if len(layouts) != 3 or any(x not in ("BSNH", "BNSH") for x in layouts):
+        raise ValueError(f"sink composite layouts {layouts}: expected three of BSNH / BNSH")
+    h, hkv, d = fixed_heads(func)
+    dtypes = {str(p.ty.dtype) for p in func.params[:3]}
+    sink_ty = func.params[3].ty
+    if None in (h, hkv, d):
+        raise ValueError("heads and head dim must be static")
+    if len(dtypes) != 1 or next(iter(dtypes)) not in SUPPORTED_DTYPES:
+        raise ValueError(f"q, k, v dtypes {sorted(dtypes)}: FA2 needs one of {SUPPORTED_DTYPES}")
+    if str(sink_ty.dtype) not in SINK_DTYPES or [int(x) for x in sink_ty.shape.values] != [h]:
+        raise ValueError(f"sinks must be ({h},) of {SINK_DTYPES}, got {sink_ty}")
+    if d > MAX_HEAD_DIM or d % 8 or h % hkv:
+        raise ValueError(f"head dim {d} with {h} / {hkv} heads is not an FA2 attention")
+    window = int(attrs[SINK_WINDOW_ATTR])
+    causal = bool(int(attrs[SINK_CAUSAL_ATTR]))
+    wl, wr = (-1, -1) if window <= 0 else (window - 1, 0)
+    spec = AttentionSpec(h, hkv, d, d, next(iter(dtypes)), float(attrs[SINK_SCALE_ATTR]), causal, wl, wr,
+                         *layouts, "BSNH", sinks_dtype=str(sink_ty.dtype))
+    return spec, (0, 1, 2, 3)
+
+
+_DLTYPE = {"float16": "DLDataType{kDLFloat, 16, 1}", "bfloat16": "DLDataType{kDLBfloat, 16, 1}",
+           "float32": "DLDataType{kDLFloat, 32, 1}"}
+
+
+def emit_python_forwarder(symbol: str, spec: AttentionSpec, arg_map, num_inputs: int, shape_params=()) -> str:
+    """C++ exporting ``symbol(inputs..., out)`` that calls ``mqa_byoc.flash_attn_sink_forward`` (the
+    python provider's prelude, :data:`mqa_byoc.compiler.codegen.python.PY_PRELUDE`, defines the helpers)."""
+    ins = ", ".join(f"tvm::ffi::{'Shape' if i in shape_params else 'Tensor'} in{i}" for i in range(num_inputs))
+    bnsh = {"q": spec.q_layout == "BNSH", "k": spec.k_layout == "BNSH", "v": spec.v_layout == "BNSH", "out": False}
+    operand = {"q": f"in{arg_map[0]}", "k": f"in{arg_map[1]}", "v": f"in{arg_map[2]}", "out": "out"}
+    heads = {"q": "kNumQHeads", "k": "kNumKVHeads", "v": "kNumKVHeads", "out": "kNumQHeads"}
+    checks = "\n".join(f'  MqaByocCheck({operand[x]}, "{symbol}", "{x}", {1 if bnsh[x] else 2}, {heads[x]}, kHeadDim, '
+                       f'kDType, "{spec.dtype}");' for x in ("q", "k", "v", "out"))
+    views = "\n".join(f"  tvm::ffi::Tensor {x}_bsnh = {'MqaByocSwap12(' + operand[x] + ')' if bnsh[x] else operand[x]};"
+                      for x in ("q", "k", "v", "out"))
+    sinks = f"in{arg_map[3]}"
+    from mqa_byoc.compiler.codegen.python import py_function_lookup
+
+    lookup = py_function_lookup("MqaByocPySinkForward", PY_SINK_FORWARD_FUNC)
+    return f"""
+// ---- {symbol}: attention with sinks, {spec.num_q_heads} query heads over {spec.num_kv_heads} K/V heads, head dim {spec.head_dim}, {spec.dtype}, sinks {spec.sinks_dtype}
+namespace {{
+namespace mqa_byoc_{symbol} {{
+constexpr int64_t kNumQHeads = {spec.num_q_heads};
+constexpr int64_t kNumKVHeads = {spec.num_kv_heads};
+constexpr int64_t kHeadDim = {spec.head_dim};
+constexpr double kScale = {float(spec.scale)!r};
+constexpr bool kCausal = {"true" if spec.causal else "false"};
+constexpr int64_t kWindowLeft = {int(spec.window_left)};
+constexpr int64_t kWindowRight = {int(spec.window_right)};
+const DLDataType kDType = {_DLTYPE[spec.dtype]};
+const DLDataType kSinkDType = {_DLTYPE[spec.sinks_dtype]};
+
+@LOOKUP@
+void Run({ins}, tvm::ffi::Tensor out) {{
+{checks}
+  DLDataType sd = {sinks}.dtype();
+  if ({sinks}.ndim() != 1 || {sinks}.size(0) != kNumQHeads || sd.code != kSinkDType.code || sd.bits != kSinkDType.bits) {{
+    TVM_FFI_THROW(ValueError) << "{symbol}: sinks must be ({spec.num_q_heads},) {spec.sinks_dtype}";
+  }}
+{views}
+  MqaByocPySinkForward()(q_bsnh, k_bsnh, v_bsnh, {sinks}, out_bsnh, kScale, kCausal, kWindowLeft, kWindowRight);
+}}
+}}  // namespace mqa_byoc_{symbol}
+}}  // namespace
+TVM_FFI_DLL_EXPORT_TYPED_FUNC({symbol}, mqa_byoc_{symbol}::Run);
+""".replace("@LOOKUP@", lookup)

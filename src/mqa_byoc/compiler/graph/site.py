@@ -1,0 +1,158 @@
+"""An attention site (what the analysis found at one root) and the checks every form shares.
+
+:class:`AttentionSite` is filled by the analysis of each form (:mod:`.analysis` for
+``R.nn.attention`` and matmul-softmax chains, :mod:`.varlen` for ``R.nn.attention_var_len``);
+:func:`common_checks` decides what is the same for all of them: operand layouts, the K/V expansion,
+heads, head dim, dtype, batch and K/V lengths. A failed check becomes the site's ``reason``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tvm import relax
+
+from mqa_byoc.compiler.graph import masks
+from mqa_byoc.compiler.graph.sinks import SinkLogits
+from mqa_byoc.compiler.graph.spec import MAX_HEAD_DIM, SUPPORTED_DTYPES
+from mqa_byoc.compiler.graph.trace import BROADCAST, TILE, Traced, as_int, prove_equal
+
+# fused attention ops: their K/V may have fewer heads than Q (no matmul broadcasting involved)
+FUSED_FORMS = ("R.nn.attention", "R.nn.attention_var_len")
+
+
+@dataclass
+class AttentionSite:
+    function: str
+    root: relax.Var
+    form: str  # "R.nn.attention" | "matmul-softmax chain"
+    q: Traced | None = None
+    k: Traced | None = None
+    v: Traced | None = None
+    num_q_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    dtype: str | None = None
+    scale: float | None = None  # None: 1/sqrt(D)
+    mask: masks.MaskKind = masks.NO_MASK
+    causal_attr: str | None = None  # causal_mask attribute of an R.nn.attention root
+    out_labels: list = field(default_factory=list)
+    reason: str | None = None
+    note: str | None = None
+    # why FA2 cannot take K/V before their expansion (a tile of several heads, ...); None: it can
+    expansion_problem: str | None = None
+    # chain pieces kept for the rewrite
+    mask_ops: list = field(default_factory=list)
+    # a sink logit per query head appended to the scores (GPT-OSS), see graph.sinks
+    sinks: SinkLogits | None = None
+
+    @property
+    def expansion_ops(self):
+        return [op for t in (self.k, self.v) if t is not None for op in t.expansion_ops]
+
+    @property
+    def expansion(self):
+        return self.k.expansion if self.k is not None else None
+
+    def reject(self, reason):
+        if self.reason is None:
+            self.reason = reason
+        return self
+
+
+def require_module(mod, what: str):
+    """``what`` takes a whole module: a clear TypeError for anything else (a function, a path)."""
+    import tvm
+
+    if not isinstance(mod, tvm.IRModule):
+        hint = " (wrap a function: tvm.IRModule({'main': func}))" if isinstance(mod, relax.Function) else ""
+        raise TypeError(f"{what} expects a tvm.IRModule (a Relax module), got {type(mod).__name__}{hint}")
+
+
+
+# ----------------------------------------------------------------------------- checks
+def seq_len(t: Traced):
+    return t.shape()[t.labels.index("S")]
+
+
+def heads_of(t: Traced):
+    if t.layout() == "BSH":
+        return 1
+    return t.shape()[t.labels.index("Hkv" if "Hkv" in t.labels else "H")]
+
+
+def common_checks(site: AttentionSite) -> AttentionSite:
+    """The checks every attention form shares (operand layouts and shapes, K/V expansion, heads,
+    head dim, dtype, batch and K/V lengths): the first failing one becomes ``site.reason``."""
+    q, k, v = site.q, site.k, site.v
+    for name, t in (("K", k), ("V", v)):
+        if t.problem:
+            site.expansion_problem = f"{name}: {t.problem}"
+            return site.reject(site.expansion_problem)
+    for name, t in (("Q", q), ("K", k), ("V", v)):
+        if t.layout() is None:
+            return site.reject(f"{name} reaches attention through an unsupported layout {t.labels}")
+        if t.shape() is None:
+            return site.reject(f"{name} has an unknown shape")
+    if len({t.layout() == "BSH" for t in (q, k, v)}) > 1:
+        return site.reject("Q, K and V mix (B, S, D) single-head operands with operands that have a head axis "
+                           f"({', '.join(f'{n} {t.layout()}' for n, t in zip('QKV', (q, k, v)))})")
+    if "Hkv" in q.labels:
+        return site.reject("the query is expanded")
+    if (k.expansion, k.factor) != (v.expansion, v.factor):
+        if None in (k.expansion, v.expansion):
+            found, t, missing = ("K", k, "V") if k.expansion else ("V", v, "K")
+            site.expansion_problem = (f"{found} is expanded ({t.expansion} x{t.factor}) but no expansion of {missing} "
+                                      f"was found: its trace stops at an op it does not pass (e.g. a rotary "
+                                      f"embedding applied after the expansion)")
+        else:
+            site.expansion_problem = (f"K and V are expanded differently ({k.expansion} x{k.factor} vs "
+                                      f"{v.expansion} x{v.factor})")
+        return site.reject(site.expansion_problem)
+    qs, ks, vs = q.shape(), k.shape(), v.shape()
+    dtypes = {t.kernel_dtype() for t in (q, k, v)}
+    site.dtype = q.kernel_dtype() or str(q.entry_dtype)
+    h = as_int(heads_of(q))
+    hkv = as_int(heads_of(k))
+    d = as_int(qs[q.labels.index("D")])
+    dk = as_int(ks[k.labels.index("D")])
+    dv = as_int(vs[v.labels.index("D")])
+    site.num_q_heads, site.head_dim = h, d
+    if k.expansion is None and h is not None and hkv == 1 and h != 1 and site.form not in FUSED_FORMS:
+        k.expansion = v.expansion = BROADCAST  # MQA through matmul broadcasting
+        k.factor = v.factor = h
+    site.num_kv_heads = hkv
+    site.expansion_problem = expansion_problem(k, h, hkv)
+    if None in (h, hkv, d, dk, dv):
+        return site.reject("the head count or head dim is symbolic")
+    if None in dtypes or site.dtype not in SUPPORTED_DTYPES:
+        return site.reject(f"dtype {site.dtype}: FA2 supports float16 and bfloat16 "
+                           "(run relax.transform.ToMixedPrecision first for float32 graphs)")
+    if len(dtypes) != 1:
+        return site.reject(f"Q, K and V have different dtypes {sorted(dtypes)}")
+    if not (dk == d == dv):
+        return site.reject(f"head dims differ (q {d}, k {dk}, v {dv})")
+    if d > MAX_HEAD_DIM or d % 8:
+        return site.reject(f"head dim {d}: FA2 needs a multiple of 8 up to {MAX_HEAD_DIM}")
+    if k.expansion is None and hkv != h and site.form not in FUSED_FORMS:
+        return site.reject(f"{h} query heads against {hkv} K/V heads without an expansion")
+    if site.expansion_problem:
+        return site.reject(site.expansion_problem)
+    if h % hkv:
+        return site.reject(f"{h} query heads are not a multiple of {hkv} K/V heads")
+    b_q, b_k, b_v = (t.shape()[t.labels.index("B")] for t in (q, k, v))
+    if not (prove_equal(b_q, b_k) and prove_equal(b_q, b_v)):
+        return site.reject("Q, K and V batch sizes differ")
+    if not prove_equal(seq_len(k), seq_len(v)):
+        return site.reject("K and V sequence lengths differ")
+    return site
+
+
+def expansion_problem(k: Traced, h, hkv) -> str | None:
+    if k.expansion is None or None in (h, hkv):
+        return None
+    if hkv * k.factor != h:
+        return f"K/V expanded {hkv} x {k.factor} heads, but the query has {h}"
+    if k.expansion == TILE and hkv != 1:
+        return "K/V expanded with tile: query head h would use K/V head h % H_kv, FA2 uses h // (H / H_kv)"
+    return None

@@ -1,0 +1,334 @@
+"""Trace an attention operand back through layout and K/V-expansion ops to its source tensor.
+
+Real graphs reach attention through many equivalent op sequences (permute, 3-D batched-matmul
+reshapes, no-op broadcast_to/astype, repeat, HF's expand_dims -> broadcast_to -> reshape, the same with
+a reshape adding the unit axis, tile).
+Instead of one dataflow pattern per sequence, we walk backwards and keep a *label* per axis:
+"B" batch, "H" query-head count, "Hkv" K/V heads, "R" the repeat factor axis, "S"/"D" sequence and
+head dim, "BH" a merged batch*head axis. Any sequence of ops whose labels end as a permutation of
+(B, S, Hkv|H, D) on a source tensor is a K/V expansion we can remove, whatever its spelling.
+A 3-D operand whose merged axis is never split has no head axis: its labels end as (B, S, D), one head
+(upstream's BSH form).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tvm import relax, tirx
+from tvm.ir.expr import Constant
+from tvm.sym import Analyzer
+
+from mqa_byoc.compiler.graph.exprs import op_name  # noqa: F401 - re-exported for the analysis
+
+_ANALYZER = Analyzer()
+
+# Expansion kinds. "repeat" and "broadcast" give query head h the K/V head h // r (what FA2 computes);
+# "tile" gives h % H_kv, which is only the same when H_kv == 1.
+REPEAT, BROADCAST, TILE = "repeat", "broadcast", "tile"
+
+# labels of a (B, S, D) operand: no head axis, one head
+SINGLE_HEAD = ["B", "S", "D"]
+
+
+def shape_of(expr):
+    ty = expr.ty
+    if not isinstance(ty, relax.TensorType) or ty.shape is None:
+        return None
+    shape = ty.shape
+    return list(shape.values) if isinstance(shape, relax.ShapeExpr) else None
+
+
+def prove_equal(a, b) -> bool:
+    return _ANALYZER.can_prove_equal(tirx.const(a, "int64") if isinstance(a, int) else a,
+                                     tirx.const(b, "int64") if isinstance(b, int) else b)
+
+
+def as_int(x):
+    return int(x) if isinstance(x, (int, tirx.IntImm)) else None
+
+
+@dataclass
+class Traced:
+    """Result of tracing one operand."""
+
+    source: relax.Expr  # the tensor before any layout/expansion op
+    labels: list  # labels of the source axes
+    expansion: str | None = None  # REPEAT / BROADCAST / TILE / None
+    factor: int = 1  # heads after expansion / heads before
+    expansion_ops: list = field(default_factory=list)  # bound vars of the expansion ops passed
+    ops: list = field(default_factory=list)  # every bound var passed (layout ops included)
+    entry_dtype: str | None = None  # dtype of the operand as attention consumes it
+    scale: float = 1.0  # constant factors multiplied into the operand (query side)
+    problem: str | None = None  # why the trace is unusable
+    unit_axis: int | None = None  # a size-1 source axis the expansion broadcast from, dropped from labels
+
+    def __post_init__(self):
+        if self.entry_dtype is None and isinstance(self.source.ty, relax.TensorType):
+            self.entry_dtype = str(self.source.ty.dtype)
+
+    def kernel_dtype(self) -> str | None:
+        """The half-precision type FA2 runs in for this operand: the type attention consumes, or,
+        when that is float32, the half type it was exactly up-cast from; None when neither."""
+        half = ("float16", "bfloat16")
+        if self.entry_dtype in half:
+            return self.entry_dtype
+        src = str(self.source.ty.dtype)
+        if self.entry_dtype == "float32" and src in half:
+            return src  # an exact up-cast: FA2 accumulates in float32 anyway
+        return None
+
+    def shape(self):
+        """The source's shape as :attr:`labels` describe it (without :attr:`unit_axis`), or None."""
+        shape = shape_of(self.source)
+        if shape is None or self.unit_axis is None:
+            return shape
+        return shape[:self.unit_axis] + shape[self.unit_axis + 1:]
+
+    def layout(self) -> str | None:
+        core = [lab for lab in self.labels]
+        head = "Hkv" if "Hkv" in core else "H"
+        if core == ["B", "S", head, "D"]:
+            return "BSNH"
+        if core == ["B", head, "S", "D"]:
+            return "BNSH"
+        if core == SINGLE_HEAD:
+            return "BSH"
+        return None
+
+
+def _match_cast_lengths(func) -> dict:
+    """{shape var: expression} from ``R.match_cast``s that bind a fresh variable to a dimension whose
+    value is known (a KV cache view: ``match_cast(concat(past, new), (B, kv_len, ...))`` means
+    kv_len == past_len + seq_len at run time, checked by the VM)."""
+    facts = {}
+    for block in func.body.blocks:
+        for b in block.bindings:
+            if not isinstance(b, relax.MatchCast):
+                continue
+            pattern, value = b.ty, b.value.ty
+            if not (isinstance(pattern, relax.TensorType) and isinstance(value, relax.TensorType)):
+                continue
+            if pattern.shape is None or value.shape is None:
+                continue
+            p_dims, v_dims = getattr(pattern.shape, "values", None), getattr(value.shape, "values", None)
+            if p_dims is None or v_dims is None or len(p_dims) != len(v_dims):
+                continue
+            for p, v in zip(p_dims, v_dims):
+                if isinstance(p, tirx.Var) and not p.same_as(v) and p not in facts:
+                    facts[p] = v
+    return facts
+
+
+class Bindings:
+    """Var -> bound value for a whole function, plus use counts."""
+
+    def __init__(self, func: relax.Function):
+        self.value = {}
+        self.binding = {}  # var -> its binding (VarBinding, or MatchCast, which defines shape vars)
+        self.block_of = {}
+        for i, block in enumerate(func.body.blocks):
+            for b in block.bindings:
+                self.binding[b.var] = b
+                self.block_of[b.var] = i
+                if isinstance(b, relax.VarBinding):
+                    self.value[b.var] = b.value
+        self.params = set(func.params)
+        self.length_facts = _match_cast_lengths(func)
+
+    def get(self, expr):
+        return self.value.get(expr) if isinstance(expr, relax.Var) else None
+
+    def resolve_scalar(self, expr):
+        """A constant scalar (possibly astype'd / reshaped), as a Python float, else None. Casts are
+        applied: ``astype(const(0.1, "float32"), "float16")`` is the float16 value the graph uses."""
+        casts = []
+        while True:
+            if isinstance(expr, Constant):
+                arr = expr.value.numpy()
+                if arr.size == 0:
+                    return None
+                flat = arr.reshape(-1)
+                if not (flat == flat[0]).all():
+                    return None
+                x = flat[:1]
+                for dtype in reversed(casts):
+                    x = x.astype(_np_dtype(dtype))
+                return float(x.astype("float64")[0])
+            v = self.get(expr)
+            if v is None or op_name(v) not in ("relax.astype", "relax.reshape", "relax.broadcast_to"):
+                return None
+            if op_name(v) == "relax.astype":
+                casts.append(str(v.attrs.dtype))
+            expr = v.args[0]
+
+
+def _np_dtype(dtype: str):
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return dtype
+
+
+def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: bool = False) -> Traced:
+    """Walk back from ``expr`` whose axes carry ``labels`` (see module docstring).
+
+    ``allow_expansion``: pass through K/V head expansions (else stop before them);
+    ``fold_scale``: pass through multiplication by a constant (the query side), kept in ``scale``.
+    """
+    t = Traced(source=expr, labels=list(labels), entry_dtype=str(expr.ty.dtype))
+    while True:
+        value = bindings.get(expr)
+        name = op_name(value)
+        out_shape = shape_of(expr)
+        if value is None or out_shape is None:
+            break
+        arg = value.args[0] if name else None
+        in_shape = shape_of(arg) if arg is not None else None
+        labels = t.labels
+        new_labels = None
+        expansion = None
+
+        if name == "relax.astype":
+            # Casts between float types commute with the layout/expansion ops we pass; kernel_dtype()
+            # decides which precision FA2 runs in and the rewrite casts the source if needed.
+            if str(arg.ty.dtype).startswith(("float", "bfloat")) and str(expr.ty.dtype).startswith(("float", "bfloat")):
+                new_labels = labels
+        elif name == "relax.permute_dims":
+            axes = value.attrs.axes
+            axes = list(range(len(labels)))[::-1] if axes is None else [int(a) for a in axes]
+            new_labels = [None] * len(labels)
+            for i, a in enumerate(axes):
+                new_labels[a] = labels[i]
+        elif name in ("relax.reshape", "relax.broadcast_to") and in_shape is not None and \
+                len(in_shape) == len(out_shape) and all(prove_equal(a, b) for a, b in zip(in_shape, out_shape)):
+            new_labels = labels  # a no-op
+        elif name == "relax.reshape" and in_shape is not None and _inserts_unit_r_axes(labels, in_shape, out_shape):
+            # expand_dims spelled as a reshape (``nn.op.reshape(k, [b, s, hkv, 1, d])``, ONNX's Unsqueeze)
+            new_labels = [lab for lab, n in zip(labels, out_shape) if not (lab == "R" and as_int(n) == 1)]
+            expansion = "expand_dims"
+        elif name == "relax.reshape" and in_shape is not None:
+            new_labels = _unreshape(labels, in_shape, out_shape)
+            if new_labels is not None and "H0" in new_labels:
+                expansion = "split"
+        elif name == "relax.broadcast_to" and in_shape is not None and len(in_shape) == len(out_shape):
+            new_labels, expansion = _unbroadcast(labels, in_shape, out_shape)
+        elif name == "relax.expand_dims" and in_shape is not None:
+            axes = [int(a) % len(out_shape) for a in value.attrs.axis]
+            if all(labels[a] == "R" and as_int(out_shape[a]) == 1 for a in axes):
+                new_labels = [lab for i, lab in enumerate(labels) if i not in axes]
+                expansion = "expand_dims"
+        elif name == "relax.repeat":
+            axis = int(value.attrs.axis) % len(labels) if value.attrs.axis is not None else None
+            if axis is not None and labels[axis] == "H":
+                new_labels = list(labels)
+                new_labels[axis] = "Hkv"
+                expansion = REPEAT
+                t.factor = int(value.attrs.repeats)
+        elif name == "relax.tile":
+            reps = [int(r) for r in value.attrs.repeats]
+            reps = [1] * (len(labels) - len(reps)) + reps
+            moved = [i for i, r in enumerate(reps) if r != 1]
+            if len(moved) == 1 and labels[moved[0]] == "H":
+                new_labels = list(labels)
+                new_labels[moved[0]] = "Hkv"
+                expansion = TILE
+                t.factor = reps[moved[0]]
+        elif name == "relax.multiply" and fold_scale:
+            # a constant scale folded into Q or K (torch's SDPA decomposition scales both by sqrt)
+            for a, b in ((value.args[0], value.args[1]), (value.args[1], value.args[0])):
+                c = bindings.resolve_scalar(b)
+                if c is not None and shape_of(a) is not None and len(shape_of(a)) == len(out_shape):
+                    t.scale *= c
+                    arg = a
+                    new_labels = labels
+                    break
+
+        if new_labels is None or any(lab is None for lab in new_labels):
+            break
+        if expansion is not None:
+            if not allow_expansion:
+                break
+            t.expansion_ops.append(expr)
+            if expansion in (REPEAT, TILE, BROADCAST):
+                if t.expansion is not None:
+                    t.problem = "K/V heads expanded twice"
+                t.expansion = expansion
+                if expansion == BROADCAST:
+                    t.factor = as_int(out_shape[labels.index("H")])
+            elif expansion in ("broadcast-r", "broadcast-r-outer"):
+                # HF repeat_kv: (B, Hkv, 1, S, D) -> (B, Hkv, r, S, D) -> (B, Hkv*r, S, D) groups
+                # query head h with K/V head h // r; broadcasting the outer factor groups h % Hkv.
+                if t.expansion is not None:
+                    t.problem = "K/V heads expanded twice"
+                t.expansion = REPEAT if expansion == "broadcast-r" else TILE
+                t.factor = as_int(out_shape[new_labels.index("R")])
+        t.ops.append(expr)
+        t.labels = new_labels
+        expr = arg
+        t.source = expr
+
+    if t.expansion == REPEAT and "R" in t.labels and not t.problem:
+        # the broadcast's input came from an op we do not pass with its unit axis in place: Falcon's
+        # fused qkv indexed with a list (``qkv[:, :, :, [-2]]``: (B, S, Hkv, 1, D)); K/V are that view
+        axis = t.labels.index("R")
+        shape = shape_of(t.source)
+        if shape is not None and as_int(shape[axis]) == 1:
+            t.unit_axis = axis
+            t.labels = t.labels[:axis] + t.labels[axis + 1:]
+    if any(lab in ("H0", "H1", "R") for lab in t.labels):
+        t.problem = "K/V head axis reshaped without a recognized expansion"
+    if t.labels == ["BH", "S", "D"]:
+        # the merged axis was never split into (batch, heads): a batched matmul over it is attention
+        # with one head per batch entry, whatever the tensor was before
+        t.labels = list(SINGLE_HEAD)
+    return t
+
+
+def _inserts_unit_r_axes(labels, in_shape, out_shape) -> bool:
+    """Whether a reshape only inserts the size-1 axes that a broadcast then grows into the repeat
+    factor (labelled "R"): the input is the output without them."""
+    kept = [n for lab, n in zip(labels, out_shape) if not (lab == "R" and as_int(n) == 1)]
+    return len(kept) == len(in_shape) < len(out_shape) and all(prove_equal(a, b) for a, b in zip(kept, in_shape))
+
+
+def _unreshape(labels, in_shape, out_shape):
+    """Labels of a reshape's input, when it only splits/merges labelled axes we understand."""
+    # merge: (B, H, a, b) -> (B*H, a, b)
+    if len(in_shape) == len(out_shape) + 1 and labels[0] == "BH":
+        if prove_equal(in_shape[0] * in_shape[1], out_shape[0]) and all(
+            prove_equal(x, y) for x, y in zip(in_shape[2:], out_shape[1:])
+        ):
+            return ["B", "H"] + list(labels[1:])
+    # split of the head axis: (.., H, ..) <- (.., Hkv, R, ..)  (HF repeat_kv)
+    if len(in_shape) == len(out_shape) + 1 and "H" in labels:
+        p = labels.index("H")
+        if all(prove_equal(x, y) for x, y in zip(in_shape[:p], out_shape[:p])) and all(
+            prove_equal(x, y) for x, y in zip(in_shape[p + 2:], out_shape[p + 1:])
+        ) and prove_equal(in_shape[p] * in_shape[p + 1], out_shape[p]):
+            return list(labels[:p]) + ["H0", "H1"] + list(labels[p + 1:])
+    # merged batch*head on the output side: (B*H, a, b) <- (B, H, a, b) handled above; the reverse
+    # (a 4-D view of a 3-D batched matmul): (B, H, a, b) <- (B*H, a, b)
+    if len(in_shape) + 1 == len(out_shape) and labels[:2] == ["B", "H"]:
+        if prove_equal(out_shape[0] * out_shape[1], in_shape[0]) and all(
+            prove_equal(x, y) for x, y in zip(in_shape[1:], out_shape[2:])
+        ):
+            return ["BH"] + list(labels[2:])
+    return None
+
+
+def _unbroadcast(labels, in_shape, out_shape):
+    grown = [i for i, (a, b) in enumerate(zip(in_shape, out_shape)) if not prove_equal(a, b)]
+    if len(grown) != 1 or as_int(in_shape[grown[0]]) != 1:
+        return None, None
+    axis = grown[0]
+    if labels[axis] in ("H0", "H1"):  # the broadcast half of a split head axis is the repeat factor
+        inner = labels[axis] == "H1"
+        renamed = {"H0": "Hkv", "H1": "R"} if inner else {"H0": "R", "H1": "Hkv"}
+        return [renamed.get(lab, lab) for lab in labels], "broadcast-r" if inner else "broadcast-r-outer"
+    if labels[axis] == "H":  # MQA: a single K/V head broadcast to all query heads
+        new = list(labels)
+        new[axis] = "Hkv"
+        return new, BROADCAST
+    return None, None

@@ -1,0 +1,148 @@
+"""The generator's ground truth: what the partition should decide for each site, and why.
+
+Independent of the code under test: it is derived from the ``Site`` fields and FA2's contract
+(README "What is matched" / "Rejected"), not from the analysis.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .build import allowed_np, lowest, rounded
+from .gen import GraphSpec, KVGroup, Site
+
+# keyword alternatives a rejection reason must contain one of, per cause
+DTYPE = ("dtype",)
+HEAD_DIM = ("head dim",)
+HEADS = ("not a multiple", "cannot share")
+RUNTIME = ("runtime input",)
+BIAS = ("neither 0 nor", "bias")
+TOP_LEFT = ("TopLeft", "top-left", "same causal", "no sample", "S_q <= S_kv")
+SQ_LE_SKV = ("S_q <= S_kv", "no sample", "hides every key")
+MASK_BEFORE_SCALE = "mask applied before a scale that brings its fill above -1e4"
+ROW_GUARD = ("every score of the row is -inf",)
+SOFTCAP = ("soft-capping",)
+UNKNOWN_MOD = ("unsupported op", "cannot prove")
+
+
+@dataclass
+class Expect:
+    offload: bool | None  # None: no expectation (a form whose meaning is not settled)
+    causes: list = field(default_factory=list)  # (label, keyword alternatives) of each rejection cause
+    num_q_heads: int | None = None
+    num_kv_heads: int | None = None  # as offload_report gives it
+    composite_kv_heads: int | None = None  # as the composite passes them to FA2
+    head_dim: int | None = None
+    dtype: str | None = None
+    causal: str | None = None  # report's causal
+    window: int | None = None
+    scale: float | None = None
+    note_tile: bool = False  # offloaded with the expansion kept (tile)
+    sinks: bool = False  # offloaded as attention with sinks
+    known_bug: str | None = None  # a known issue that makes the analysis disagree with this truth
+
+
+def _lengths(site: Site, g: KVGroup):
+    """(static S_q or None, static S_kv or None, S_q == S_kv provable, S_q <= S_kv provable)."""
+    if g.lengths == "static":
+        sq, skv = site.s_q, g.s_kv
+        return sq, skv, sq == skv, sq <= skv
+    if g.lengths == "same":
+        return None, None, True, True
+    if g.lengths == "concat":
+        return None, None, False, True
+    if g.lengths == "concat1":
+        return 1, None, False, True
+    # indep: S_kv = m unrelated (m >= 1, so one query row is never more than the keys)
+    return (1, None, False, True) if site.s_q == 1 else (None, None, False, False)
+
+
+def _chain_mask_kind(site: Site, g: KVGroup, sq, skv):
+    """(report causal, report window) of a chain mask that FA2 can compute."""
+    if site.mask_op in ("none", "runtime_bias", "runtime_mask", "const_bias"):
+        return None, None
+    if sq is not None and skv is not None:
+        a = allowed_np(site, sq, skv)
+        if a.all():
+            return None, None
+        i = np.arange(sq)[:, None]
+        j = np.arange(skv)[None, :]
+        if np.array_equal(a, j <= i + (skv - sq)):
+            return "BottomRight", None
+        return "BottomRight", site.window
+    if sq == 1:  # one query row over a symbolic S_kv
+        return ("BottomRight", site.window) if site.window is not None else (None, None)
+    return "BottomRight", site.window
+
+
+def expect(spec: GraphSpec, i: int) -> Expect:
+    site = spec.sites[i]
+    g = spec.groups[site.group]
+    mqa = spec.mqa
+    e = Expect(offload=True, num_q_heads=site.h, head_dim=g.d, dtype=g.dtype)
+    sq, skv, eq, le = _lengths(site, g)
+    if g.dtype not in ("float16", "bfloat16"):
+        e.causes.append(("dtype", DTYPE))
+    if g.d % 8 or g.d > 256:
+        e.causes.append(("head dim", HEAD_DIM))
+    if site.h % g.hkv:
+        e.causes.append(("heads not a multiple", HEADS))
+    fused = site.form in ("fused", "varlen")
+    if site.mask_op in ("runtime_mask", "runtime_bias"):
+        e.causes.append(("runtime mask/bias", RUNTIME))
+    if site.mask_op == "const_bias":
+        e.causes.append(("constant bias", BIAS))
+    if site.causal == "TopLeft" and not eq:
+        e.causes.append(("TopLeft with S_q != S_kv", TOP_LEFT))
+    masked = site.causal is not None or site.window is not None
+    if fused:
+        if masked and site.causal != "TopLeft" and not le:
+            e.causes.append(("causal where S_q <= S_kv is not provable", SQ_LE_SKV))
+    elif site.mask_op in ("where", "add", "minmax"):
+        if not le and not (sq == 1 and site.window is None and site.causal == "BottomRight"):
+            e.causes.append(("causal where S_q <= S_kv is not provable", SQ_LE_SKV))
+    if site.row_guard == "any":
+        e.causes.append(("rows zeroed where any score is -inf", ROW_GUARD))
+    if site.score_mod == "softcap":
+        e.causes.append(("soft-capping", SOFTCAP))
+    elif site.score_mod == "unknown":
+        e.causes.append(("unknown score modification", UNKNOWN_MOD))
+    e.offload = not e.causes
+    if site.form == "varlen":
+        # being added: only the rejections FA2 itself forces are expected
+        e.causes = [c for c in e.causes if c[0] in ("dtype", "head dim")]
+        e.offload = False if e.causes else None
+    if site.window_without_causal:
+        e.offload = None  # window_size without a causal mask: what it means is not settled
+    # what an offloaded site reports
+    expanded_op = site.expand in ("repeat", "hf", "hf_reshape", "broadcast", "tile") and site.h != g.hkv
+    tile_kept = site.expand == "tile" and g.hkv > 1 and site.h != g.hkv
+    if mqa and not tile_kept:
+        e.num_kv_heads = g.hkv
+    else:
+        e.num_kv_heads = site.h if expanded_op else g.hkv
+    e.composite_kv_heads = e.num_kv_heads if mqa else site.h
+    e.note_tile = mqa and tile_kept
+    e.sinks = site.score_mod == "sinks"
+    if fused:
+        e.causal = site.causal if site.causal is not None else ("BottomRight" if site.window else None)
+        e.window = site.window
+        s = site.scale if site.scale is not None else 1.0 / math.sqrt(g.d)
+        if site.q_prescale is not None:
+            s *= rounded(site.q_prescale, g.dtype)
+        e.scale = s
+    else:
+        e.causal, e.window = _chain_mask_kind(site, g, sq, skv)
+        if site.scale_op == "multiply":
+            e.scale = rounded(site.scale, g.dtype)
+        else:
+            e.scale = 1.0 / rounded(1.0 / site.scale, g.dtype)
+        finite_fill = site.fill == "min" or site.mask_op == "minmax"  # minmax also clamps at the lowest
+        if site.mask_first and site.mask_op in ("where", "add", "minmax") and finite_fill \
+                and lowest(g.dtype) * e.scale > -1.0e4:
+            e.known_bug = MASK_BEFORE_SCALE
+    return e
+

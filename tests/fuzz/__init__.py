@@ -1,9 +1,0 @@
-"""Property-based fuzzing of the attention partition (issue 10 item 8).
-
-- :mod:`.gen`: random attention graph specs (``GraphSpec``), driven by a plain ``random.Random``
-  (``tools/fuzz.py``) or by hypothesis (``tests/test_fuzz.py``) through one chooser interface;
-- :mod:`.build`: a spec as a Relax ``IRModule``, its inputs, and a NumPy reference of every site;
-- :mod:`.oracle`: what the partition should decide for each site (the generator's ground truth);
-- :mod:`.invariants`: the checks run on one graph, returning ``Violation`` records;
-- :mod:`.runner`: many graphs, shrinking of failing ones, the summary.
-"""

@@ -1,0 +1,68 @@
+"""``mqa-byoc demo``, the README's first command: on a machine without a GPU and without built FA2
+kernels it partitions, builds, exports and says what it did not do, compiling no kernel."""
+
+from __future__ import annotations
+
+import pytest
+
+from mqa_byoc import cli
+from mqa_byoc.contract import PY_FORWARD_FUNC
+from mqa_byoc.demo import choose_provider
+from mqa_byoc.kernels import KernelKey
+
+KEYS = [KernelKey(head_dim=128, dtype="fp16", causal=False, split=False)]
+
+
+def _never():
+    raise AssertionError("the kernel check must not run here")
+
+
+def test_choose_provider():
+    # asked for: no kernel check
+    assert choose_provider("python", gpu=True, build_kernels=False, missing_kernels=_never) == ("python", False, None)
+    assert choose_provider("native", gpu=False, build_kernels=False, missing_kernels=_never) == ("native", True, None)
+    # a GPU machine gets the full run
+    assert choose_provider("auto-native", gpu=True, build_kernels=False, missing_kernels=_never) == \
+        ("native", True, None)
+    assert choose_provider("auto-native", gpu=False, build_kernels=True, missing_kernels=_never) == \
+        ("native", True, None)
+    # no GPU: native only with the kernels already built
+    assert choose_provider("auto-native", gpu=False, build_kernels=False, missing_kernels=lambda: []) == \
+        ("native", False, None)
+    provider, compile_, why = choose_provider("auto-native", gpu=False, build_kernels=False,
+                                              missing_kernels=lambda: KEYS)
+    assert (provider, compile_) == ("python", False)
+    assert "1 FA2 kernel file(s) not built (hdim128 fp16" in why and "mqa-byoc demo --build-kernels" in why
+    provider, _, why = choose_provider("auto-python", gpu=True, build_kernels=False, missing_kernels=_never)
+    assert provider == "python" and "no nvcc" in why
+
+
+def test_cli_parses_demo():
+    a = cli.build_parser().parse_args(["demo", "--build-kernels", "--layers", "1"])
+    assert (a.build_kernels, a.layers, a.provider) == (True, 1, "auto")
+    assert cli.build_parser().parse_args(["demo"]).build_kernels is False
+
+
+@pytest.mark.slow
+def test_demo_quick_path(tmp_path, monkeypatch, capsys):
+    """The whole command, small (1 layer), with an empty kernel cache: python provider, library exported."""
+    import tvm
+
+    if tvm.cuda(0).exist:
+        pytest.skip("a GPU machine runs the full demo (native kernels, prefill + decode)")
+    monkeypatch.setenv("MQA_BYOC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("MQA_BYOC_KERNEL_DIR", raising=False)
+    assert cli.main(["demo", "--layers", "1", "--vocab", "256", "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "attention sites found: 2; offloaded: 2 (2 with native K/V heads)" in out
+    assert "kernel provider: python" in out
+    assert "Not done here:" in out and "run: no CUDA GPU here" in out
+    from mqa_byoc.compiler.provider import default_provider
+
+    if default_provider("cuda") == "native":  # nvcc here: the native library was skipped, saying how to get it
+        assert "FA2 kernel file(s) not built" in out and "--build-kernels" in out
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.o"))  # nothing compiled
+    lib = tmp_path / "out" / "codellama-34b-mqa.so"
+    assert lib.stat().st_size > 0
+    # the python provider's forwarder is in it, calling the registered FA2 function
+    assert PY_FORWARD_FUNC.encode() in lib.read_bytes()

@@ -1,0 +1,139 @@
+"""``torch.nn.functional.scaled_dot_product_attention`` in a user's own module, exported with
+``torch.export`` and imported with plain ``from_exported_program``, then ``ToMixedPrecision``: the form
+of gpt-fast-style decoders and of transformers' sdpa attention when no mask is materialized.
+
+TVM's frontend sees torch's math decomposition: the K/V expansion of ``enable_gqa=True`` (or the
+user's own ``repeat_interleave``), batched matmuls, and the safe softmax, which zeroes the rows whose
+scores are all -inf (``where(not(any(scores != -inf)), 0, softmax)``). That guard is what the kernels do
+too; a ``where`` on any other condition is not, and keeps the site in the graph (the synthetic cases)."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tvm import relax  # noqa: E402
+
+from mqa_byoc.testing import graphs as G  # noqa: E402
+from mqa_byoc import offload_report, partition_for_cutlass  # noqa: E402
+
+H, HKV, D = 8, 2, 32
+F = torch.nn.functional
+
+
+class Attention(torch.nn.Module):
+    """The attention of a decoder layer as users write it: SDPA on BNSH tensors."""
+
+    def __init__(self, expand="enable_gqa", causal=False, mask=False, scale=None):
+        super().__init__()
+        self.expand, self.causal, self.mask, self.scale = expand, causal, mask, scale
+
+    def forward(self, q, k, v):
+        kw = {}
+        if self.expand == "enable_gqa":
+            kw["enable_gqa"] = True
+        elif self.expand == "repeat_interleave":
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+        if self.mask:  # a boolean causal mask aligned to the end of the cache (decode with a past)
+            s_q, s_kv = q.shape[2], k.shape[2]
+            rows = torch.arange(s_q).reshape(s_q, 1) + (s_kv - s_q)
+            kw["attn_mask"] = torch.arange(s_kv) <= rows
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=self.scale, **kw)
+
+
+def _import(module, s_q, s_kv, dynamic=None):
+    from tvm.relax.frontend.torch import from_exported_program
+
+    gen = torch.Generator().manual_seed(0)
+    b = 2 if dynamic == "prefill" else 1  # torch.export specializes an example size of 1
+    args = (torch.randn(b, H, s_q, D, generator=gen), torch.randn(b, HKV, s_kv, D, generator=gen),
+            torch.randn(b, HKV, s_kv, D, generator=gen))
+    dyn = None
+    if dynamic == "decode":  # the cache length symbolic, as in a decode loop
+        past = torch.export.Dim("kv_len", min=2, max=64)
+        dyn = ({}, {2: past}, {2: past})
+    elif dynamic == "prefill":  # batch and prompt length symbolic
+        b, s = torch.export.Dim("batch", min=1, max=4), torch.export.Dim("seq", min=2, max=64)
+        dyn = ({0: b, 2: s}, {0: b, 2: s}, {0: b, 2: s})
+    ep = torch.export.export(module.eval(), args, dynamic_shapes=dyn)
+    mod = relax.transform.ToMixedPrecision(out_dtype="float16")(from_exported_program(ep))
+    return mod, [a.numpy() for a in args]
+
+
+
+
+CASES = [  # (expand, causal, bool mask, S_q, S_kv)
+    ("enable_gqa", False, False, 1, 12),  # decode: one query, every cached key, no mask
+    ("enable_gqa", True, False, 12, 12),  # prefill
+    ("enable_gqa", False, True, 3, 12),  # a chunk of 3 new tokens after 9 cached, boolean mask
+    ("repeat_interleave", False, False, 1, 12),  # K/V expanded by the user, then plain SDPA
+    ("repeat_interleave", True, False, 12, 12),
+]
+
+
+@pytest.mark.parametrize("expand, causal, mask, s_q, s_kv", CASES)
+def test_exported_sdpa_offloaded_and_rewrite_numerics(expand, causal, mask, s_q, s_kv):
+    mod, args = _import(Attention(expand, causal, mask), s_q, s_kv)
+    assert "R.where" in mod.script(show_meta=False)  # the safe softmax's guard is in the graph
+    (site,) = offload_report(mod)
+    assert site.offloaded, site.reason
+    assert (site.num_q_heads, site.num_kv_heads, site.head_dim, site.dtype) == (H, HKV, D, "float16")
+    assert site.expansion == "repeat" and site.composite == "flash_attn.attention_mqa"
+    assert site.causal == ("BottomRight" if causal or mask else None)
+    assert site.scale == pytest.approx(D ** -0.5, rel=1e-3)
+    out = partition_for_cutlass(mod)
+    assert G.composites(out) == ["flash_attn.attention_mqa"]
+    assert G.count_ops(out, "relax.where") == 0 or mask  # the guard went with the softmax
+    # the rewritten graph (attention on the un-expanded K/V) computes what the graph does
+    got = G.rewritten_on_cpu(mod, args)
+    q, k, v = (torch.from_numpy(a) for a in args)
+    ref = Attention(expand, causal, mask)(q, k, v).numpy()
+    np.testing.assert_allclose(got, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_exported_sdpa_with_its_own_scale():
+    """torch's decomposition multiplies Q and K^T by sqrt(scale) each: FA2 gets their product."""
+    mod, args = _import(Attention("enable_gqa", causal=True, scale=0.05), 12, 12)
+    (site,) = offload_report(mod)
+    assert site.offloaded and site.scale == pytest.approx(0.05, rel=1e-3)
+    G.rewritten_on_cpu(mod, args)
+
+
+@pytest.mark.parametrize("dynamic, causal, mask, s_q, causal_kind", [
+    ("decode", False, False, 1, None),  # a symbolic cache length
+    ("prefill", True, False, 12, "BottomRight"),  # symbolic batch and prompt length, is_causal
+    ("prefill", False, True, 12, "BottomRight"),  # the same with a boolean causal mask
+])
+def test_exported_sdpa_with_symbolic_shapes(dynamic, causal, mask, s_q, causal_kind):
+    mod, _ = _import(Attention("enable_gqa", causal, mask), s_q, 12, dynamic=dynamic)
+    assert relax.analysis.free_symbolic_vars(mod["main"]) or relax.analysis.defined_symbolic_vars(mod["main"])
+    (site,) = offload_report(mod)
+    assert site.offloaded, site.reason
+    assert (site.num_kv_heads, site.causal) == (HKV, causal_kind)
+
+
+@pytest.mark.parametrize("cond", ["torch", "all", "ne"])
+@pytest.mark.parametrize("masked, s, s_kv", [(False, 16, 16), (False, 1, 24), (True, 16, 16), (True, 4, 24)])
+def test_dead_row_guard_spellings_are_offloaded(cond, masked, s, s_kv):
+    mod = G.safe_softmax_chain(cond=cond, masked=masked, s=s, s_kv=s_kv)
+    (site,) = offload_report(mod)
+    assert site.offloaded, site.reason
+    assert site.causal == ("BottomRight" if masked else None)
+    assert G.composites(partition_for_cutlass(mod)) == ["flash_attn.attention_mqa"]
+    if cond == "torch":
+        rng = np.random.default_rng(0)
+        args = [rng.standard_normal(shape).astype("float16") for shape in ((1, 8, s, 64), (1, 2, s_kv, 64),
+                                                                            (1, 2, s_kv, 64))]
+        G.rewritten_on_cpu(mod, args)
+
+
+@pytest.mark.parametrize("cond, masked", [("any", False), ("no-not", False), ("heads-axis", False),
+                                          ("threshold", False), ("raw", True)])
+def test_other_zeroing_conditions_stay_in_the_graph(cond, masked):
+    """A where() that zeroes rows on anything but "all scores -inf" (of the scores the softmax sees,
+    over the key axis) changes the result: not offloaded, and the reason says what was expected."""
+    mod = G.safe_softmax_chain(cond=cond, masked=masked)
+    (site,) = offload_report(mod)
+    assert not site.offloaded
+    assert "every score of the row is -inf" in site.reason
+    assert G.composites(partition_for_cutlass(mod)) == []
