@@ -1,6 +1,7 @@
 """Codegen of attention with sinks (``flash_attn.attention_mqa_sink`` / ``flash_attn.attention_sink``).
 
-The composite is the sink attention's function (:mod:`.graph.sink_attention`): parameters
+The composite is the sink attention's function (:mod:`mqa_byoc.compiler.graph.sink_attention`, which
+also reads its :class:`AttentionSpec`): parameters
 ``(q, k, v, sinks)``, q/k/v in the layouts its :data:`~mqa_byoc.contract.SINK_LAYOUTS_ATTR` names, sinks
 (H,), output (B, S_q, H, D); scale and mask in its attributes. The kernels compute FA2's attention and
 its log-sum-exp and scale each output row by ``sigmoid(lse - sink_h)``:
@@ -13,52 +14,10 @@ its log-sum-exp and scale each output row by ``sigmoid(lse - sink_h)``:
 
 from __future__ import annotations
 
-from mqa_byoc.contract import (PY_SINK_FORWARD_FUNC, SINK_CAUSAL_ATTR, SINK_LAYOUTS_ATTR, SINK_SCALE_ATTR,
-                               SINK_WINDOW_ATTR)
+from mqa_byoc.contract import PY_SINK_FORWARD_FUNC
 
-from mqa_byoc.compiler.graph.spec import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttentionSpec
-
-SINK_DTYPES = ("float32", "float16", "bfloat16")
-
-
-def read_sink_composite(func) -> tuple[AttentionSpec, tuple[int, int, int, int]]:
-    """The :class:`AttentionSpec` (with ``sinks_dtype``) of a sink composite; operands are its parameters
-    in order.
-
-    Raises
-    ------
-    ValueError
-        When the function is not one the kernels compute.
-    """
-    from mqa_byoc.compiler.graph.sink_attention import fixed_heads
-
-    attrs = func.attrs
-    for key in (SINK_SCALE_ATTR, SINK_CAUSAL_ATTR, SINK_WINDOW_ATTR, SINK_LAYOUTS_ATTR):
-        if key not in attrs:
-            raise ValueError(f"sink composite without its attribute {key!r}")
-    if len(func.params) != 4:
-        raise ValueError(f"sink composite takes (q, k, v, sinks), got {len(func.params)} parameters")
-    layouts = str(attrs[SINK_LAYOUTS_ATTR]).split(",")
-    if len(layouts) != 3 or any(x not in ("BSNH", "BNSH") for x in layouts):
-        raise ValueError(f"sink composite layouts {layouts}: expected three of BSNH / BNSH")
-    h, hkv, d = fixed_heads(func)
-    dtypes = {str(p.ty.dtype) for p in func.params[:3]}
-    sink_ty = func.params[3].ty
-    if None in (h, hkv, d):
-        raise ValueError("heads and head dim must be static")
-    if len(dtypes) != 1 or next(iter(dtypes)) not in SUPPORTED_DTYPES:
-        raise ValueError(f"q, k, v dtypes {sorted(dtypes)}: FA2 needs one of {SUPPORTED_DTYPES}")
-    if str(sink_ty.dtype) not in SINK_DTYPES or [int(x) for x in sink_ty.shape.values] != [h]:
-        raise ValueError(f"sinks must be ({h},) of {SINK_DTYPES}, got {sink_ty}")
-    if d > MAX_HEAD_DIM or d % 8 or h % hkv:
-        raise ValueError(f"head dim {d} with {h} / {hkv} heads is not an FA2 attention")
-    window = int(attrs[SINK_WINDOW_ATTR])
-    causal = bool(int(attrs[SINK_CAUSAL_ATTR]))
-    wl, wr = (-1, -1) if window <= 0 else (window - 1, 0)
-    spec = AttentionSpec(h, hkv, d, d, next(iter(dtypes)), float(attrs[SINK_SCALE_ATTR]), causal, wl, wr,
-                         *layouts, "BSNH", sinks_dtype=str(sink_ty.dtype))
-    return spec, (0, 1, 2, 3)
-
+from mqa_byoc.compiler.codegen.python import py_function_lookup
+from mqa_byoc.compiler.graph.spec import AttentionSpec
 
 _DLTYPE = {"float16": "DLDataType{kDLFloat, 16, 1}", "bfloat16": "DLDataType{kDLBfloat, 16, 1}",
            "float32": "DLDataType{kDLFloat, 32, 1}"}
@@ -76,8 +35,6 @@ def emit_python_forwarder(symbol: str, spec: AttentionSpec, arg_map, num_inputs:
     views = "\n".join(f"  tvm::ffi::Tensor {x}_bsnh = {'MqaByocSwap12(' + operand[x] + ')' if bnsh[x] else operand[x]};"
                       for x in ("q", "k", "v", "out"))
     sinks = f"in{arg_map[3]}"
-    from mqa_byoc.compiler.codegen.python import py_function_lookup
-
     lookup = py_function_lookup("MqaByocPySinkForward", PY_SINK_FORWARD_FUNC)
     return f"""
 // ---- {symbol}: attention with sinks, {spec.num_q_heads} query heads over {spec.num_kv_heads} K/V heads, head dim {spec.head_dim}, {spec.dtype}, sinks {spec.sinks_dtype}

@@ -16,6 +16,7 @@ from tvm import relax
 from mqa_byoc.contract import COMPOSITES, SINK_COMPOSITES, composite_name
 
 from mqa_byoc.compiler.graph.exprs import get_attr
+from mqa_byoc.compiler.graph.sink_attention import read_sink_composite
 from mqa_byoc.compiler.graph.spec import AttentionSpec, read_composite
 
 __all__ = ["CodegenError", "CodegenSite", "composite_call", "composite_name_of", "find_site", "read_spec"]
@@ -91,8 +92,6 @@ def find_site(func: relax.Function) -> CodegenSite:
     if name not in COMPOSITES:
         raise CodegenError(f"flash_attn codegen ({symbol}): unknown composite {name!r}; expected one of {COMPOSITES}")
     if name in SINK_COMPOSITES:
-        from mqa_byoc.compiler.codegen.sinks import read_sink_composite
-
         try:
             spec, operand_params = read_sink_composite(composite)
         except (ValueError, TypeError, AttributeError) as err:

@@ -21,6 +21,7 @@ from tvm import relax, tirx
 from mqa_byoc.contract import (CODEGEN, SINK_ATTR, SINK_CAUSAL_ATTR, SINK_LAYOUTS_ATTR, SINK_SCALE_ATTR,
                                SINK_WINDOW_ATTR, composite_name)
 
+from mqa_byoc.compiler.graph.spec import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttentionSpec
 from mqa_byoc.compiler.graph.trace import as_int
 
 FUNC_PREFIX = "attention_sinks"
@@ -192,3 +193,43 @@ def fixed_heads(func) -> tuple[int, int, int]:
     q, k = func.params[0].ty.shape.values, func.params[1].ty.shape.values
     head_axis = {"BSNH": 2, "BNSH": 1}
     return (as_int(q[head_axis[layouts[0]]]), as_int(k[head_axis[layouts[1]]]), as_int(q[3]))
+
+
+SINK_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def read_sink_composite(func) -> tuple[AttentionSpec, tuple[int, int, int, int]]:
+    """The :class:`AttentionSpec` (with ``sinks_dtype``) of a sink composite; operands are its parameters
+    in order.
+
+    Raises
+    ------
+    ValueError
+        When the function is not one the kernels compute.
+    """
+    attrs = func.attrs
+    for key in (SINK_SCALE_ATTR, SINK_CAUSAL_ATTR, SINK_WINDOW_ATTR, SINK_LAYOUTS_ATTR):
+        if key not in attrs:
+            raise ValueError(f"sink composite without its attribute {key!r}")
+    if len(func.params) != 4:
+        raise ValueError(f"sink composite takes (q, k, v, sinks), got {len(func.params)} parameters")
+    layouts = str(attrs[SINK_LAYOUTS_ATTR]).split(",")
+    if len(layouts) != 3 or any(x not in ("BSNH", "BNSH") for x in layouts):
+        raise ValueError(f"sink composite layouts {layouts}: expected three of BSNH / BNSH")
+    h, hkv, d = fixed_heads(func)
+    dtypes = {str(p.ty.dtype) for p in func.params[:3]}
+    sink_ty = func.params[3].ty
+    if None in (h, hkv, d):
+        raise ValueError("heads and head dim must be static")
+    if len(dtypes) != 1 or next(iter(dtypes)) not in SUPPORTED_DTYPES:
+        raise ValueError(f"q, k, v dtypes {sorted(dtypes)}: FA2 needs one of {SUPPORTED_DTYPES}")
+    if str(sink_ty.dtype) not in SINK_DTYPES or [int(x) for x in sink_ty.shape.values] != [h]:
+        raise ValueError(f"sinks must be ({h},) of {SINK_DTYPES}, got {sink_ty}")
+    if d > MAX_HEAD_DIM or d % 8 or h % hkv:
+        raise ValueError(f"head dim {d} with {h} / {hkv} heads is not an FA2 attention")
+    window = int(attrs[SINK_WINDOW_ATTR])
+    causal = bool(int(attrs[SINK_CAUSAL_ATTR]))
+    wl, wr = (-1, -1) if window <= 0 else (window - 1, 0)
+    spec = AttentionSpec(h, hkv, d, d, next(iter(dtypes)), float(attrs[SINK_SCALE_ATTR]), causal, wl, wr,
+                         *layouts, "BSNH", sinks_dtype=str(sink_ty.dtype))
+    return spec, (0, 1, 2, 3)
