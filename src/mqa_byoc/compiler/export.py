@@ -1,4 +1,5 @@
-"""``export_library`` that links the native FA2 objects the offloaded attentions need.
+"""``export_library`` that links the native FA2 objects the offloaded attentions need (and the cuBLASLt
+dispatcher of offloaded GEMMs).
 
 The codegen's native wrappers carry a marker line naming their kernel families
 (``// mqa_byoc-kernels: hdim128 fp16; hdim128 fp16 causal; ...``). :func:`export_library` reads the
@@ -15,6 +16,8 @@ import os
 from collections.abc import Callable, Iterable
 
 from mqa_byoc import kernels as _kernels
+from mqa_byoc.compiler import cublaslt_build
+from mqa_byoc.compiler.cublaslt_build import GEMM_MARKER
 from mqa_byoc.compiler.paged_build import PAGED_MARKER, paged_object
 from mqa_byoc.kernels import KernelKey, NativeKernelsUnavailable  # noqa: F401 (re-export)
 from mqa_byoc.kernels import hopper as _hopper
@@ -40,8 +43,9 @@ def _iter_modules(mod) -> Iterable:
         stack.extend(m.imports)
 
 
-def native_sources(executable) -> list[str]:
-    """Sources of the imported modules that carry an mqa_byoc kernel marker."""
+def native_sources(executable, marker: str | None = None) -> list[str]:
+    """Sources of the imported modules that carry an mqa_byoc kernel marker (or ``marker``)."""
+    marker = marker or _kernels.MARKER
     out = []
     for m in _iter_modules(_root_module(executable)):
         if m.kind not in ("c", "source"):  # CSourceModule reports "c"
@@ -50,7 +54,7 @@ def native_sources(executable) -> list[str]:
             src = m.inspect_source()
         except Exception:  # noqa: BLE001 - a module without source is simply not ours
             continue
-        if _kernels.MARKER in src:
+        if marker in src:
             out.append(src)
     return out
 
@@ -106,10 +110,14 @@ def export_library(
     """
     path = os.fspath(path)
     keys = collect_kernel_keys(executable)
-    if not keys:
+    gemm = bool(native_sources(executable, GEMM_MARKER))
+    if not keys and not gemm:
         return executable.export_library(path, **kwargs)
     if path.endswith((".tar", ".wasm")):
-        raise ValueError(f"{path}: native FA2 kernels can only be linked into a shared library (.so)")
+        raise ValueError(f"{path}: native kernels can only be linked into a shared library (.so)")
+    if not keys:  # GEMMs only: the cuBLASLt dispatcher, no FA2 objects
+        return _export_linked(executable, path, [str(cublaslt_build.dispatcher_object(progress))],
+                              list(cublaslt_build.LINK_LIBS), kwargs)
 
     arch = _kernels.normalize_arch(arch or _kernels.detect_arch())
     if allow_missing:
@@ -124,7 +132,13 @@ def export_library(
         libs = _hopper.link_inputs(hopper_keys, arch, build=True, progress=progress) + libs
     if any(PAGED_MARKER in src for src in native_sources(executable)):  # FA2 over TVM's KV pages
         objects.append(str(paged_object(arch, build=build, progress=progress)))
+    if gemm:  # the cuBLASLt dispatcher of the offloaded GEMMs (host code; cuBLASLt opened at run time)
+        objects.append(str(cublaslt_build.dispatcher_object(progress)))
+        libs = libs + list(cublaslt_build.LINK_LIBS)
+    return _export_linked(executable, path, objects, libs, kwargs)
 
+
+def _export_linked(executable, path, objects, libs, kwargs):
     from tvm.support import cc as _cc  # compile time only
 
     addons = list(kwargs.pop("addons", None) or []) + objects

@@ -78,8 +78,8 @@ def _causal_name(site):
     return "BottomRight" if site.mask.causal else None
 
 
-def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider: str | None = None
-                   ) -> list[OffloadSite]:
+def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider: str | None = None,
+                   gemm: bool = False) -> list:
     """What :func:`partition_for_cutlass` would do with every attention in ``mod``.
 
     Parameters
@@ -93,9 +93,13 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
         (e.g. on an sm_90 target the hopper provider's FA4 kernel, or why a site stays on FA2).
         Without either, the provider of the default rule for ``Target.current()``.
 
+    gemm : bool
+        Append one :class:`~.graph.gemm.GemmSite` per matmul (what ``partition_for_cutlass(gemm=True)``
+        runs on cuBLASLt and what stays on TVM, with the reason), read off the partitioned module.
+
     Returns
     -------
-    list of OffloadSite
+    list of OffloadSite (then GemmSite with ``gemm=True``)
         One entry per attention, computed by the same analysis the partition uses: ``offloaded``
         sites become ``composite`` functions, the others keep their original graph and say why in
         ``reason``.
@@ -131,7 +135,12 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
                     num_kv_heads=s.num_kv_heads if mqa else s.num_q_heads, causal=bool(s.mask.causal),
                     window=s.mask.window, var_len=s.form == varlen.FORM) if ok else None,
             ))
-    return varlen.explain_unlowerable(report)
+    report = varlen.explain_unlowerable(report)
+    if gemm:
+        from .graph.gemm import gemm_report
+
+        report = report + gemm_report(partition_for_cutlass(mod, mqa=mqa, gemm=False))
+    return report
 
 
 def _resolved_scale(site):
@@ -170,12 +179,14 @@ def partition_for_cutlass(
     annotate_codegen: bool = True,
     provider: str | None = None,
     bind_constants: bool = False,
+    gemm: bool = True,
 ) -> tvm.IRModule:
-    """Partition ``mod`` so that attention runs in Flash Attention v2.
+    """Partition ``mod`` so that attention runs in Flash Attention v2 and GEMMs on cuBLASLt.
 
     The passes, in a ``tvm.transform.Sequential`` like upstream's CUTLASS partition:
     :class:`CanonicalizeAttention`, ``FuseOpsByPattern`` with :func:`flash_attn_patterns`,
-    :class:`AnnotateProvider`, :class:`LegalizeGroupedAttention`.
+    :class:`AnnotateProvider`, :class:`LegalizeGroupedAttention`, then (``gemm=True``)
+    :class:`~.graph.gemm.PartitionGemm`.
 
     Parameters
     ----------
@@ -192,7 +203,14 @@ def partition_for_cutlass(
         Kernel provider recorded on each offloaded function (see ``mqa_byoc.compiler.codegen``);
         None leaves the choice to the codegen's default rule.
     bind_constants : bool
-        Passed to ``FuseOpsByPattern``.
+        Passed to the attention's ``FuseOpsByPattern`` (GEMM composites always take their weight as a
+        parameter).
+    gemm : bool
+        Also offload the matmul sites with a 2-D weight (nn.Linear and friends, with bias / relu /
+        gelu_tanh / residual epilogues) to cuBLASLt (``cublaslt.*`` composites, ``Codegen="cublaslt"``),
+        like upstream's partition offloads matmuls to CUTLASS; decode-sized static GEMMs stay on TVM's
+        GEMV. :func:`mqa_byoc.compiler.graph.gemm.gemm_report` (or ``offload_report(..., gemm=True)``)
+        says what each GEMM runs on and why. False: attention only.
 
     Returns
     -------
@@ -217,10 +235,15 @@ def partition_for_cutlass(
     for func in mod.functions.values():
         if isinstance(func, relax.Function):
             facts.update(analysis.Bindings(func).length_facts)
-    return tvm.transform.Sequential([
+    passes = [
         CanonicalizeAttention(mqa=mqa),
         relax.transform.FuseOpsByPattern(flash_attn_patterns(length_facts=facts), bind_constants=bind_constants,
                                          annotate_codegen=annotate_codegen),
         AnnotateProvider(provider if annotate_codegen else None),
         LegalizeGroupedAttention(),
-    ], name="PartitionForFlashAttention")(mod)
+    ]
+    if gemm:
+        from .graph.gemm import PartitionGemm
+
+        passes.append(PartitionGemm(annotate_codegen=annotate_codegen))
+    return tvm.transform.Sequential(passes, name="PartitionForFlashAttention")(mod)
