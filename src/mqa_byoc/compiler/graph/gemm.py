@@ -46,7 +46,9 @@ __all__ = [
     "gemm_patterns",
     "gemm_reason",
     "gemm_report",
+    "inline_gemm_composites",
     "make_gemm_pattern",
+    "offload_gemms",
 ]
 
 #: element types cuBLASLt runs here (fp32 accumulate, ``CUBLAS_COMPUTE_32F``)
@@ -270,6 +272,16 @@ class PartitionGemm:
                                                 annotate_codegen=self.annotate_codegen)(mod)
 
 
+def offload_gemms(mod: tvm.IRModule, target) -> tvm.IRModule:
+    """:class:`PartitionGemm` then ``RunCodegen`` under ``target``: for modules that skip
+    ``partition_for_cutlass`` (the PagedKVCache decoders, whose attention is served by the cache pass).
+    Export the built result with :func:`mqa_byoc.export_library`."""
+    target = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
+    part = PartitionGemm()(mod)
+    with target:
+        return relax.transform.RunCodegen()(part)
+
+
 # ----------------------------------------------------------------------------- the report
 @dataclass
 class GemmSite:
@@ -327,14 +339,26 @@ def matmul_of(composite_func):
 
 
 def _followed_by(users, var, bindings):
-    notes = []
-    for user in users.get(var, ()):
-        op = getattr(bindings[user].op, "name", None) if isinstance(bindings.get(user), relax.Call) else None
-        if op == "relax.nn.silu":
-            notes.append("its silu stays on TVM: cuBLASLt has no silu epilogue (TVM fuses it with the next "
-                         "elementwise op)")
-        elif op == "relax.nn.gelu":
-            notes.append("its GELU (erf form) stays on TVM: cuBLASLt's GELU epilogue is the tanh approximation")
+    """Notes on what follows the GEMM (through a split, as in a fused gate_up) that cuBLASLt cannot fuse."""
+    notes, frontier, seen = [], [var], set()
+    while frontier:
+        v = frontier.pop()
+        for user in users.get(v, ()):
+            if user in seen:
+                continue
+            seen.add(user)
+            value = bindings.get(user)
+            if isinstance(value, relax.TupleGetItem):
+                frontier.append(user)
+                continue
+            op = getattr(value.op, "name", None) if isinstance(value, relax.Call) else None
+            if op == "relax.split":
+                frontier.append(user)
+            elif op == "relax.nn.silu":
+                notes.append("its silu stays on TVM: cuBLASLt has no silu epilogue (TVM fuses it with the next "
+                             "elementwise op)")
+            elif op == "relax.nn.gelu":
+                notes.append("its GELU (erf form) stays on TVM: cuBLASLt's GELU epilogue is the tanh approximation")
     return "; ".join(dict.fromkeys(notes)) or None
 
 
@@ -368,6 +392,8 @@ def gemm_report(mod: tvm.IRModule) -> list[GemmSite]:
                 if isinstance(b.value, relax.Call):
                     for arg in b.value.args:
                         use(arg)
+                elif isinstance(b.value, relax.TupleGetItem):
+                    use(b.value.tuple_value)
         for var, value in bindings.items():
             if not isinstance(value, relax.Call):
                 continue
