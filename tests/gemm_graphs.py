@@ -29,7 +29,8 @@ def gemm_graph(transposed=True, bias=False, activation=None, residual=False, *, 
     if weight_const:
         if dtype == "bfloat16":
             raise ValueError("this helper makes constant weights of numpy types only (not bfloat16)")
-        w = relax.const((np.random.default_rng(seed).standard_normal(w_shape) * 0.1).astype(dtype))
+        # drawn through fp16, so that a float32 twin of the graph holds the same values
+        w = relax.const((np.random.default_rng(seed).standard_normal(w_shape) * 0.1).astype("float16").astype(dtype))
     else:
         w = relax.Var("w", relax.TensorType(w_shape, dtype))
         params.append(w)
