@@ -98,6 +98,7 @@ def run_demo(args) -> int:
     from . import build, export_library, offload_report, partition_for_cutlass
     from .compiler.build import native_kernel_keys, resolve_build_provider
     from .compiler.export import NativeKernelsUnavailable
+    from .compiler.graph.gemm import format_gemm_report, gemm_report
     from .compiler.pipeline import cuda_decoder_pipeline
     from .models.llama import build_decoder
     from .models.presets import get_preset, scaled
@@ -113,9 +114,12 @@ def run_demo(args) -> int:
                                         kv_cache=args.kv_cache)
     with step("partition_for_cutlass(mod, mqa=True)"):
         report = offload_report(mod, mqa=True, target={"kind": "cuda", "arch": args.arch}, provider=args.provider)
+        gemms = gemm_report(partition_for_cutlass(mod, mqa=True, gemm=False))
         part = partition_for_cutlass(mod, mqa=True)
     print()
     print(format_report(report))
+    print(f"\nGEMM sites: {len(gemms)}; on cuBLASLt: {sum(s.offloaded for s in gemms)}")
+    print(format_gemm_report(gemms))
     print()
     if args.no_build:
         return 0

@@ -36,7 +36,7 @@ def pattern_cases():
 
     cases = []
     for i, form in enumerate(FORMS):
-        cases.append((f"f{i}_fp16_sym", form, dict(dtype="float16", rows=(2, "n"), k=256, n=384)))
+        cases.append((f"f{i}_fp16_sym", form, dict(dtype="float16", rows=(2, "n"), k=128, n=256)))
     for i, form in enumerate(FORMS[:6]):
         cases.append((f"f{i}_bf16_sym", form, dict(dtype="bfloat16", rows=("n",), k=256, n=256)))
     cases.append(("static_fp16", FORMS[3], dict(dtype="float16", rows=(4, 33), k=128, n=256)))
