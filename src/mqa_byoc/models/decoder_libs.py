@@ -63,8 +63,11 @@ def build_decoder_libraries(
     modes: Sequence[bool] = (True, False),
     extra: dict | None = None,
     progress: Callable[[str], None] | None = print,
+    gemm: bool = True,
 ) -> list[str]:
     """Build ``config`` (batch 1) once per mode in ``modes``; returns the exported library paths.
+
+    ``gemm``: passed to :func:`mqa_byoc.partition_for_cutlass` (GEMMs on cuBLASLt; False: on TVM's kernels).
 
     Both modes are partitions of one graph, so they share its KV cache (``kv_cache``: "inplace",
     TVM's in-place cache objects, or "functional", K/V tensors concatenated per step; see
@@ -93,7 +96,7 @@ def build_decoder_libraries(
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     for mqa in modes:
-        part = partition_for_cutlass(mod, mqa=mqa)
+        part = partition_for_cutlass(mod, mqa=mqa, gemm=gemm)
         offloaded = offloaded_composites(part)
         ex = build(part, target, mqa=None, provider=provider, pipeline=cuda_decoder_pipeline(target))
         path = os.path.join(out_dir, library_name(config.name, mqa))
