@@ -410,7 +410,23 @@ def gemm_report(mod: tvm.IRModule) -> list[GemmSite]:
                                       _epilogue(fields), None, _followed_by(users, var, bindings)))
             elif getattr(value.op, "name", None) == "relax.matmul":
                 sites.append(_tvm_site(gv.name_hint, var, value, bindings, users))
+            elif _lowered_matmul(value):
+                out_ty = value.ty if isinstance(value.ty, relax.TensorType) else None
+                sites.append(GemmSite(
+                    gv.name_hint, var.name, False, "TVM", None, None, None, None,
+                    str(out_ty.dtype) if out_ty is not None else None, "NT_" in value.args[0].name_hint, None,
+                    f"already lowered to TVM's {value.args[0].name_hint} (relax.transform.FuseTransposeMatmul or "
+                    "LegalizeOps ran first): partition before the build pipeline, as mqa_byoc.build does"))
     return sites
+
+
+def _lowered_matmul(call) -> bool:
+    """A ``call_tir`` of a PrimFunc that FuseTransposeMatmul / LegalizeOps made from a matmul."""
+    if getattr(call.op, "name", None) != "relax.call_tir" or not call.args:
+        return False
+    callee = call.args[0]
+    name = getattr(callee, "name_hint", "")
+    return isinstance(callee, tvm.ir.GlobalVar) and (name.startswith("NT_matmul") or name.startswith("matmul"))
 
 
 def _tvm_site(fname, var, call, bindings, users):
@@ -443,7 +459,7 @@ def format_gemm_report(sites) -> str:
     lines = []
     for s in sites:
         shape = f"M={s.m} N={s.n} K={s.k} {s.dtype}{' W^T' if s.transposed else ''}"
-        what = f"{s.composite} ({s.epilogue or 'no epilogue'})" if s.offloaded else f"TVM: {s.reason}"
+        what = f"{s.composite} ({s.epilogue or 'no epilogue'})" if s.offloaded else s.reason
         lines.append(f"{s.function}/{s.output}: {shape} -> {s.runs_on}: {what}" + (f" [{s.note}]" if s.note else ""))
     return "\n".join(lines)
 
