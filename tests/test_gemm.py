@@ -278,3 +278,9 @@ def test_export_links_the_dispatcher(tmp_path):
     assert " t mqa_byoc_cublaslt_gemm" in syms or " T mqa_byoc_cublaslt_gemm" in syms
     needed = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True).stdout
     assert "cublas" not in needed.lower()  # libcublasLt is opened at the first GEMM
+    # a plain export_library links too: the dispatcher is a weak reference, its GEMMs say how to export
+    plain = tmp_path / "plain.so"
+    ex.export_library(str(plain))
+    syms = subprocess.run(["nm", str(plain)], capture_output=True, text=True).stdout
+    assert " w mqa_byoc_cublaslt_gemm" in syms
+    assert b"mqa_byoc.export_library(executable, path)" in plain.read_bytes()

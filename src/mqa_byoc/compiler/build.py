@@ -28,8 +28,9 @@ def resolve_build_provider(provider: str | None, target) -> str:
     return codegen.resolve_provider(None, {codegen.PROVIDER_OPTION: provider, "target": target})
 
 
-def build(mod: tvm.IRModule, target, *, mqa: bool | None = True, provider: str | None = None, pipeline=None):
-    """Offload the attention of ``mod`` to Flash Attention 2 and build it for ``target``.
+def build(mod: tvm.IRModule, target, *, mqa: bool | None = True, provider: str | None = None, pipeline=None,
+          gemm: bool = True):
+    """Offload the attention of ``mod`` to Flash Attention 2 (and its GEMMs to cuBLASLt) and build it for ``target``.
 
     Parameters
     ----------
@@ -45,6 +46,8 @@ def build(mod: tvm.IRModule, target, *, mqa: bool | None = True, provider: str |
         FA2 kernel provider of the offloaded functions that do not name one themselves
         (``partition_for_cutlass(provider=...)``). None: the process-wide setting
         (``codegen.use_provider``), ``MQA_BYOC_PROVIDER``, else native when nvcc is found.
+    gemm : bool
+        Passed to :func:`mqa_byoc.partition_for_cutlass`: GEMMs on cuBLASLt (False: on TVM's kernels).
     pipeline : str | tvm.transform.Pass | None
         ``relax.build``'s ``relax_pipeline``; None is TVM's default for the target. Whole decoders:
         ``mqa_byoc.compiler.pipeline.cuda_decoder_pipeline(target)``.
@@ -53,14 +56,14 @@ def build(mod: tvm.IRModule, target, *, mqa: bool | None = True, provider: str |
     -------
     tvm.runtime.Executable
         The built executable. Export it with :func:`mqa_byoc.export_library`, which links the native
-        provider's FA2 kernels (a plain ``export_library`` for the python provider).
+        provider's FA2 kernels and the cuBLASLt dispatcher of offloaded GEMMs.
     """
     from .partition import partition_for_cutlass
 
     target = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
     provider = resolve_build_provider(provider, target)
     if mqa is not None:
-        mod = partition_for_cutlass(mod, mqa=mqa)
+        mod = partition_for_cutlass(mod, mqa=mqa, gemm=gemm)
     with target:
         mod = relax.transform.RunCodegen({CODEGEN: {codegen.PROVIDER_OPTION: provider}})(mod)
         return relax.build(mod, target=target, relax_pipeline="default" if pipeline is None else pipeline)
