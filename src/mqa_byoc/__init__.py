@@ -9,6 +9,8 @@ partition_for_cutlass
     Partition a Relax module so that attention runs in FA2 (a ``Sequential`` of the passes below).
 offload_report, OffloadSite
     What the partition does with each attention, and why.
+gemm_report, GemmSite, PartitionGemm
+    What the partition does with each GEMM (cuBLASLt or TVM), and why; the GEMM partition pass alone.
 CanonicalizeAttention, AnnotateProvider, LegalizeGroupedAttention
     The partition's module passes, for users who compose their own ``Sequential``.
 export_library
@@ -28,6 +30,9 @@ _LAZY = {
     "CanonicalizeAttention": "mqa_byoc.compiler.graph.canonicalize",
     "LegalizeGroupedAttention": "mqa_byoc.compiler.graph.gqa_legalize",
     "build": "mqa_byoc.compiler.build",
+    "gemm_report": "mqa_byoc.compiler.graph.gemm",
+    "GemmSite": "mqa_byoc.compiler.graph.gemm",
+    "PartitionGemm": "mqa_byoc.compiler.graph.gemm",
     "export_library": "mqa_byoc.compiler.export",
 }
 
@@ -37,6 +42,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from mqa_byoc.compiler.graph.canonicalize import CanonicalizeAttention
     from mqa_byoc.compiler.export import export_library
     from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
+    from mqa_byoc.compiler.graph.gemm import GemmSite, PartitionGemm, gemm_report
     from mqa_byoc.compiler.partition import AnnotateProvider, OffloadSite, offload_report, partition_for_cutlass
 
 

@@ -75,6 +75,8 @@ def _profile_parser(sub):
                    help="prefill returns the last position's logits (serving; the default) or all of them "
                         "(--kv-cache paged: all, the paged model's prefill)")
     b.add_argument("--out", default=".profile-artifacts", help="directory for the libraries and sidecars")
+    b.add_argument("--no-gemm", action="store_true",
+                   help="leave the GEMMs on TVM's kernels (default: on cuBLASLt, partition_for_cutlass(gemm=True))")
     r = ps.add_parser("run", help="run the libraries of DIR on the GPU (runtime-only TVM is enough)")
     r.add_argument("dir", help="directory written by `mqa-byoc profile build`")
     r.add_argument("--prompt-len", type=int, default=2048,
@@ -226,7 +228,8 @@ def _profile_build_paged(args, config) -> int:
                                         "on TVM's TIR kernels (mqa=False)"), flush=True)
     try:
         build_paged_decoder_libraries(config, args.out, dtype=args.dtype, arch=args.arch,
-                                      extra={"preset": args.preset}, progress=lambda m: print(m, flush=True))
+                                      extra={"preset": args.preset, "gemm": not args.no_gemm},
+                                      progress=lambda m: print(m, flush=True), gemm=not args.no_gemm)
     except ValueError as e:  # a sliding-window preset
         print(f"mqa-byoc profile build: error: {e}", file=sys.stderr)
         return 2
@@ -248,8 +251,9 @@ def _profile_build(args) -> int:
                                             f"{args.projections} projections"), flush=True)
         build_decoder_libraries(config, args.out, functions=("prefill", "decode"), dtype=args.dtype,
                                 kv_expand=args.kv_expand or "repeat", kv_cache=args.kv_cache, provider=args.provider,
-                                arch=args.arch, logits=args.logits or "last", extra={"preset": args.preset},
-                                progress=lambda m: print(m, flush=True))
+                                arch=args.arch, logits=args.logits or "last",
+                                extra={"preset": args.preset, "gemm": not args.no_gemm},
+                                progress=lambda m: print(m, flush=True), gemm=not args.no_gemm)
         rc = 0
     if rc == 0:
         print(f"next, on the GPU (a runtime-only TVM is enough; --setup MODULE imports its set-up first):\n"

@@ -78,3 +78,53 @@ def check_provider(provider, where: str, allow_auto: bool = False) -> str:
     if name not in allowed:
         raise ValueError(f"{where}: unknown flash_attn provider {provider!r}; expected one of {allowed}")
     return name
+
+
+# ----------------------------------------------------------------------------- GEMMs (cuBLASLt)
+#: ``Codegen`` attribute of the offloaded GEMMs; ``RunCodegen`` calls ``relax.ext.<GEMM_CODEGEN>``.
+GEMM_CODEGEN = "cublaslt"
+#: The epilogues cuBLASLt applies to ``A @ B + bias`` (``CUBLASLT_EPILOGUE_{BIAS,RELU_BIAS,GELU_BIAS}``).
+#: cuBLASLt's GELU is the tanh approximation, so only ``R.nn.gelu_tanh`` is fused; silu has no epilogue.
+GEMM_ACTIVATIONS = {"relu": "relax.nn.relu", "gelu_tanh": "relax.nn.gelu_tanh"}
+
+
+def gemm_composite_name(transposed: bool, bias: bool, activation: str | None = None,
+                        residual: bool = False) -> str:
+    """The composite of a GEMM site: ``cublaslt.matmul[_transposed][_bias[_<activation>]][_residual]``.
+
+    ``transposed``: the weight is given as (N, K) (``R.matmul(x, R.permute_dims(w))``, nn.Linear);
+    ``activation``: a key of :data:`GEMM_ACTIVATIONS` (needs ``bias``); ``residual``: ``+ r`` with ``r``
+    of the output's shape, added by cuBLASLt as ``beta * C`` with beta = 1 (not with an activation,
+    which cuBLASLt would apply after the sum).
+
+    Raises
+    ------
+    ValueError
+        For a combination cuBLASLt does not compute in one call.
+    """
+    if activation is not None and (activation not in GEMM_ACTIVATIONS or not bias or residual):
+        raise ValueError(f"no cuBLASLt epilogue for activation={activation!r}, bias={bias}, residual={residual}")
+    return (f"{GEMM_CODEGEN}.matmul" + ("_transposed" if transposed else "") + ("_bias" if bias else "")
+            + (f"_{activation}" if activation else "") + ("_residual" if residual else ""))
+
+
+#: (bias, activation, residual) of each epilogue form, largest pattern first.
+GEMM_EPILOGUE_FORMS = ((True, None, True), (True, "gelu_tanh", False), (True, "relu", False),
+                       (True, None, False), (False, None, True), (False, None, False))
+#: Every GEMM composite, largest pattern first (the order of the pattern table).
+GEMM_COMPOSITES = tuple(gemm_composite_name(t, *form) for t in (True, False) for form in GEMM_EPILOGUE_FORMS)
+
+
+def parse_gemm_composite(name: str) -> dict:
+    """The fields of :func:`gemm_composite_name` read back from ``name``.
+
+    Raises
+    ------
+    ValueError
+        When ``name`` is not one of :data:`GEMM_COMPOSITES`.
+    """
+    for t in (True, False):
+        for b, a, r in GEMM_EPILOGUE_FORMS:
+            if gemm_composite_name(t, b, a, r) == name:
+                return {"transposed": t, "bias": b, "activation": a, "residual": r}
+    raise ValueError(f"unknown GEMM composite {name!r}; expected one of {GEMM_COMPOSITES}")

@@ -98,6 +98,7 @@ def run_demo(args) -> int:
     from . import build, export_library, offload_report, partition_for_cutlass
     from .compiler.build import native_kernel_keys
     from .compiler.export import NativeKernelsUnavailable
+    from .compiler.graph.gemm import format_gemm_report, gemm_report
     from .compiler.pipeline import cuda_decoder_pipeline
     from .compiler.provider import build_provider
     from .models.llama import build_decoder
@@ -114,9 +115,12 @@ def run_demo(args) -> int:
                                         kv_cache=args.kv_cache)
     with step("partition_for_cutlass(mod, mqa=True)"):
         report = offload_report(mod, mqa=True, target={"kind": "cuda", "arch": args.arch}, provider=args.provider)
+        gemms = gemm_report(partition_for_cutlass(mod, mqa=True, gemm=False))
         part = partition_for_cutlass(mod, mqa=True)
     print()
     print(format_report(report))
+    print(f"\nGEMM sites: {len(gemms)}; on cuBLASLt: {sum(s.offloaded for s in gemms)}")
+    print(format_gemm_report(gemms))
     print()
     if args.no_build:
         return 0

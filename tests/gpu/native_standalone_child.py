@@ -54,7 +54,7 @@ def _to_float32(np, out, dtype):
     return arr.astype(np.float32)
 
 
-def _prepare_runtime() -> str:
+def prepare_runtime() -> str:
     """The runtime kit's set-up module (CUDA backend, nvcc hook), imported without the mqa_byoc package:
     the kit's own ``tvm_runtime_kit`` when on the path, else the checkout's copy of that file."""
     import importlib.util
@@ -82,7 +82,7 @@ def main(job_path):
             raise RuntimeError(f"already imported before the blocker was installed: {_PRELOADED}")
         import numpy as np
 
-        result["runtime_setup"] = _prepare_runtime() if os.environ.get("TVM_USE_RUNTIME_LIB") == "1" else None
+        result["runtime_setup"] = prepare_runtime() if os.environ.get("TVM_USE_RUNTIME_LIB") == "1" else None
         import tvm
         import tvm.runtime.vm
 

@@ -6,7 +6,7 @@
 For each case, :class:`mqa_byoc.models.paged_llama.PagedLlama` (``relax.frontend.nn`` with a
 ``TIRPagedKVCache``) twice: ``tir.so`` as TVM builds it (TVM's TIR attention kernels, page size 16)
 and ``fa2.so`` after :class:`~mqa_byoc.compiler.paged.UseFlashAttentionForPagedKVCache` (FA2, page
-size = FA2's tile for the head dim), exported with :func:`mqa_byoc.export_library`. RoPE mode NONE,
+size = FA2's tile for the head dim) with its GEMMs on cuBLASLt (``offload_gemms``), exported with :func:`mqa_byoc.export_library`. RoPE mode NONE,
 so that the test's fp32 reference needs no RoPE (the attention is what is compared). ``manifest.json``
 holds the config, page sizes, parameter shapes and the pass's report per case.
 """
@@ -44,6 +44,7 @@ def build(out: Path, arch: str, names=None) -> None:
     import mqa_byoc
     from mqa_byoc.compiler.paged.transform import (UseFlashAttentionForPagedKVCache, format_paged_report, page_unit,
                                                    paged_kv_cache_report)
+    from mqa_byoc.compiler.build import offload_gemms
     from mqa_byoc.models.paged_llama import PagedLlamaConfig, export_paged_llama
 
     target = tvm.target.Target({"kind": "cuda", "arch": arch})
@@ -64,6 +65,7 @@ def build(out: Path, arch: str, names=None) -> None:
             raise SystemExit(f"{name}: not served as expected:\n{format_paged_report(report)}")
         with target:
             fa2_mod = UseFlashAttentionForPagedKVCache(page_size=fa2_page)(mod)
+        fa2_mod = offload_gemms(fa2_mod, target)  # and its GEMMs on cuBLASLt (tir.so: TVM's own throughout)
         case_dir = out / name
         case_dir.mkdir(parents=True, exist_ok=True)
         tvm.compile(mod, target=target).export_library(str(case_dir / "tir.so"))

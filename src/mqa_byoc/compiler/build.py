@@ -23,6 +23,7 @@ from tvm import relax
 from mqa_byoc import kernels as _kernels
 from mqa_byoc.contract import CODEGEN
 
+from mqa_byoc.compiler.codegen import cublaslt  # noqa: F401 - registers relax.ext.cublaslt
 from mqa_byoc.compiler.codegen import dispatch  # noqa: F401 - registers relax.ext.flash_attn
 from mqa_byoc.compiler.cuda_binary import compile_cuda_modules
 from mqa_byoc.compiler.kernel_options import KernelOptions
@@ -31,8 +32,9 @@ from mqa_byoc.compiler.provider import PROVIDER_OPTION, build_provider, target_a
 
 
 def build(mod: tvm.IRModule, target, *, mqa: bool | None = True, provider: str | None = None, pipeline=None,
-          kernel_options=None, link_kernels: bool = True, cuda_binary: bool = False, progress=None):
-    """Offload the attention of ``mod`` to Flash Attention 2 and build it for ``target``.
+          gemm: bool = True, kernel_options=None, link_kernels: bool = True, cuda_binary: bool = False,
+          progress=None):
+    """Offload the attention of ``mod`` to Flash Attention (and its GEMMs to cuBLASLt) and build it for ``target``.
 
     Parameters
     ----------
@@ -49,6 +51,8 @@ def build(mod: tvm.IRModule, target, *, mqa: bool | None = True, provider: str |
         (``partition_for_cutlass(provider=...)``). None or "auto": the default rule of
         :mod:`mqa_byoc.compiler.provider` for ``target`` (native when nvcc is found, hopper on
         sm_90 when FA4 objects can be had, else python).
+    gemm : bool
+        Passed to :func:`mqa_byoc.partition_for_cutlass`: GEMMs on cuBLASLt (False: on TVM's kernels).
     pipeline : str | tvm.transform.Pass | None
         ``relax.build``'s ``relax_pipeline``; None is TVM's default for the target. Whole decoders:
         ``mqa_byoc.compiler.pipeline.cuda_decoder_pipeline(target)``.
@@ -72,14 +76,15 @@ def build(mod: tvm.IRModule, target, *, mqa: bool | None = True, provider: str |
     Returns
     -------
     tvm.runtime.Executable
-        The built executable. ``ex.export_library(path)`` links the kernel objects attached here;
-        :func:`mqa_byoc.export_library` also builds and links those that were missing.
+        The built executable. ``ex.export_library(path)`` links the kernel objects attached here
+        (FA2, FA4, the cuBLASLt dispatcher); :func:`mqa_byoc.export_library` also builds and links those
+        that were missing.
     """
     from mqa_byoc.compiler.partition import partition_for_cutlass
 
     target = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
     if mqa is not None:
-        mod = partition_for_cutlass(mod, mqa=mqa)
+        mod = partition_for_cutlass(mod, mqa=mqa, gemm=gemm)
     options = KernelOptions.of(kernel_options)
     arch = target_arch(target) or _kernels.detect_arch()
     mod = run_codegen(mod, target, provider=provider)
@@ -126,3 +131,15 @@ def native_kernel_keys(mod: tvm.IRModule) -> tuple:
     for m in (generated.attrs or {}).get("external_mods", []):
         keys.update(collect_kernel_keys(m))
     return tuple(sorted(keys))
+
+
+def offload_gemms(mod: tvm.IRModule, target) -> tvm.IRModule:
+    """:class:`~mqa_byoc.compiler.graph.gemm.PartitionGemm` then ``RunCodegen`` under ``target``: for
+    modules that skip ``partition_for_cutlass`` (the PagedKVCache decoders, whose attention is served by
+    the cache pass). Export the built result with ``export_library``."""
+    from mqa_byoc.compiler.graph.gemm import PartitionGemm
+
+    target = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
+    part = PartitionGemm()(mod)
+    with target:
+        return relax.transform.RunCodegen()(part)

@@ -8,8 +8,9 @@ minutes each, unless ``build=False``), for executables built with ``mqa_byoc.bui
 kernels were, or by ``RunCodegen`` + ``relax.build`` by hand (the wrappers' marker lines name their
 kernel families: ``// mqa_byoc-kernels: hdim128 fp16; ...``); it then links them with the static CUDA
 runtime (``-std=c++17``, the archives after all objects). The result needs only TVM's runtime and the
-NVIDIA driver: no mqa_byoc, no torch, no CUDA toolkit. Executables without native wrappers export
-unchanged.
+NVIDIA driver: no mqa_byoc, no torch, no CUDA toolkit; with GEMMs offloaded, also
+``libcublasLt.so.13`` (the ``nvidia-cublas`` wheel), which the cuBLASLt dispatcher opens at its first
+call. Executables without native wrappers export unchanged.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def export_library(
     if not needs:
         return executable.export_library(path, **kwargs)
     if path.endswith((".tar", ".wasm")):
-        raise ValueError(f"{path}: native FA2 kernels can only be linked into a shared library (.so)")
+        raise ValueError(f"{path}: native kernels can only be linked into a shared library (.so)")
     arch = _kernels.normalize_arch(arch or _kernels.detect_arch())
     attached = _link.attached_names(executable, needs.names())
     options = kwargs.pop("options", None) or []
@@ -89,6 +90,10 @@ def export_library(
     if attached == needs.names():
         return executable.export_library(path, options=options, **kwargs)
 
+    gemm = [_link.gemm_input(progress).path] if needs.gemm and _link.GEMM_SYMBOL not in attached else []
+    if not needs.attention:  # GEMMs only: the cuBLASLt dispatcher, no FA2 objects
+        addons = gemm + list(kwargs.pop("addons", None) or [])
+        return executable.export_library(path, addons=addons, options=options, **kwargs)
     if _link.DISPATCHER_SYMBOL in attached:  # built by mqa_byoc.build: add the objects it could not have
         missing = tuple(k for k in needs.fa2 if k.entry_symbol not in attached)
         extra = []
@@ -102,11 +107,11 @@ def export_library(
         if fa4:
             with_support = len(fa4) == len(needs.fa4)  # none attached: their glue and archive neither
             extra += [i.path for i in _link.fa4_inputs(fa4, arch, with_support=with_support, progress=progress)]
-        addons = extra + list(kwargs.pop("addons", None) or [])
+        addons = extra + gemm + list(kwargs.pop("addons", None) or [])
         return executable.export_library(path, addons=addons, options=options, **kwargs)
 
     inputs = _link.fa2_inputs(needs.fa2, arch, build=build, jobs=jobs, allow_missing=allow_missing, progress=progress)
-    objects = [i.path for i in inputs]
+    objects = [i.path for i in inputs] + gemm
     libs = _kernels.static_cudart(arch)
     if needs.fa4:
         # FA4 objects, our glue, then the DSL's static shim archive: before the static cudart in libs

@@ -38,6 +38,7 @@ from mqa_byoc import kernels as _kernels
 from mqa_byoc.kernels import KernelKey, NativeKernelsUnavailable
 from mqa_byoc.kernels import hopper as _hopper
 
+from mqa_byoc.compiler import cublaslt_build as _cublaslt
 from mqa_byoc.compiler import kernel_options as _options
 from mqa_byoc.compiler.paged.build import PAGED_MARKER, paged_object
 
@@ -47,6 +48,8 @@ logger = logging.getLogger(__name__)
 DISPATCHER_SYMBOL = "mqa_byoc_fa2_forward"
 #: The symbol the attached ``fa2_paged.cu`` module names.
 PAGED_SYMBOL = "mqa_byoc_fa2_paged_forward"
+#: The symbol of the cuBLASLt dispatcher (``native/cublaslt_gemm.cc``) the GEMM wrappers call.
+GEMM_SYMBOL = "mqa_byoc_cublaslt_gemm"
 
 
 @dataclass(frozen=True)
@@ -79,8 +82,9 @@ def iter_modules(mods) -> Iterable:
         stack.extend(m.imports)
 
 
-def native_sources(mods) -> list[str]:
-    """Sources of the C source modules in ``mods`` that carry an mqa_byoc kernel marker."""
+def native_sources(mods, marker: str | None = None) -> list[str]:
+    """Sources of the C source modules in ``mods`` that carry an mqa_byoc kernel marker (or ``marker``)."""
+    marker = marker or _kernels.MARKER
     out = []
     for m in iter_modules(mods):
         if m.kind not in ("c", "source"):  # CSourceModule reports "c"
@@ -89,18 +93,20 @@ def native_sources(mods) -> list[str]:
             src = m.inspect_source()
         except Exception:  # noqa: BLE001 - a module without source is simply not ours
             continue
-        if _kernels.MARKER in src:
+        if marker in src:
             out.append(src)
     return out
 
 
 @dataclass(frozen=True)
 class Needs:
-    """What the native wrappers of an executable link: FA2 families, FA4 objects, the paged object."""
+    """What the native wrappers of an executable link: FA2 families, FA4 objects, the paged object, the
+    cuBLASLt dispatcher."""
 
     fa2: tuple[KernelKey, ...]
     fa4: tuple
     paged: bool
+    gemm: bool = False
 
     @classmethod
     def of(cls, mods) -> Needs:
@@ -109,14 +115,23 @@ class Needs:
         for src in sources:
             fa2.update(_kernels.parse_markers(src))
             fa4.update(_hopper.parse_markers(src))
-        return cls(tuple(sorted(fa2)), tuple(sorted(fa4)), any(PAGED_MARKER in s for s in sources))
+        gemm = bool(native_sources(mods, _cublaslt.GEMM_MARKER))
+        return cls(tuple(sorted(fa2)), tuple(sorted(fa4)), any(PAGED_MARKER in s for s in sources), gemm)
+
+    @property
+    def attention(self) -> bool:
+        """Whether any attention wrapper needs the FA2 dispatcher."""
+        return bool(self.fa2 or self.fa4 or self.paged)
 
     def __bool__(self) -> bool:
-        return bool(self.fa2 or self.fa4 or self.paged)
+        return self.attention or self.gemm
 
     def names(self) -> set[str]:
         """The symbols the attached modules of these needs are known by."""
-        out = {DISPATCHER_SYMBOL} | {k.entry_symbol for k in self.fa2} | {f"__tvm_ffi_{k.symbol}" for k in self.fa4}
+        out = {GEMM_SYMBOL} if self.gemm else set()
+        if not self.attention:
+            return out
+        out |= {DISPATCHER_SYMBOL} | {k.entry_symbol for k in self.fa2} | {f"__tvm_ffi_{k.symbol}" for k in self.fa4}
         return out | ({PAGED_SYMBOL} if self.paged else set())
 
 
@@ -153,6 +168,12 @@ def fa4_inputs(keys, arch: str, *, with_support: bool = True, progress=None) -> 
     return named + [LinkInput(p) for p in paths[len(named):]]
 
 
+def gemm_input(progress=None) -> LinkInput:
+    """The cuBLASLt dispatcher object (compiled with the host compiler once, cached; it opens
+    ``libcublasLt.so.13`` at its first call, so nothing else is linked)."""
+    return LinkInput(str(_cublaslt.dispatcher_object(progress or (lambda _m: None))), (GEMM_SYMBOL,))
+
+
 def cudart_input(arch: str) -> LinkInput:
     """The static CUDA runtime archive (``-ldl -lpthread -lrt`` it also needs are in glibc >= 2.34)."""
     return LinkInput(_kernels.static_cudart(arch)[0])
@@ -174,7 +195,11 @@ def attach_inputs(needs: Needs, arch: str, *, progress=None) -> list[LinkInput]:
     NativeKernelsUnavailable
         No dispatcher (no nvcc or no flash-attn sources here): nothing can be attached.
     """
+    if not needs.attention:  # GEMMs only: the cuBLASLt dispatcher (host code, no CUDA runtime)
+        return [gemm_input(progress)]
     inputs = fa2_inputs(needs.fa2, arch, build=False, allow_missing=True, progress=progress)
+    if needs.gemm:
+        inputs.append(gemm_input(progress))
     if needs.paged:
         inputs.append(LinkInput(str(paged_object(arch, build=False, progress=progress)), (PAGED_SYMBOL,)))
     if needs.fa4:
@@ -200,11 +225,13 @@ def combined_library(inputs: list[LinkInput]):
     RuntimeError
         ``ld`` failed (with its output).
     """
+    names = sorted({n for i in inputs for n in i.names})
+    if len(inputs) == 1 and inputs[0].names == (GEMM_SYMBOL,):  # GEMMs only: one host object
+        return tvm.runtime.load_static_library(inputs[0].path, names)
     ld = shutil.which("ld")
     if ld is None:
         raise NativeKernelsUnavailable("ld not found (binutils): the kernel objects cannot be combined")
     *rest, cudart = inputs
-    names = sorted({n for i in inputs for n in i.names})
     with tempfile.TemporaryDirectory(prefix="mqa_byoc_link_") as d:
         out = Path(d) / "mqa_byoc_kernels.o"
         cmd = [ld, "-r", "-o", str(out), *(i.path for i in rest), "--whole-archive", cudart.path,
@@ -248,7 +275,7 @@ class AttachKernelLibraries:
         extra = [_csource(_options.c_source(self.options), [_options.QUERY_FUNCTION])]
         try:
             self.attached = attach_inputs(needs, self.arch, progress=self.progress)
-        except NativeKernelsUnavailable as err:
+        except (NativeKernelsUnavailable, _cublaslt.CublasLtUnavailable) as err:
             self.skipped = str(err)
             logger.info("kernel objects not attached (mqa_byoc.export_library builds and links them): %s", err)
         if self.attached:

@@ -85,7 +85,7 @@ def _causal_name(site):
 
 
 def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider: str | None = None,
-                   kernel_options=None) -> list[OffloadSite]:
+                   kernel_options=None, gemm: bool = False) -> list:
     """What :func:`partition_for_cutlass` would do with every attention in ``mod``.
 
     Parameters
@@ -102,9 +102,13 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
         As for :func:`mqa_byoc.build`: the ``kernel`` of each site says what runs with them, and
         ``kernel_options`` records them (sites of the linked providers).
 
+    gemm : bool
+        Append one :class:`~.graph.gemm.GemmSite` per matmul (what ``partition_for_cutlass(gemm=True)``
+        runs on cuBLASLt and what stays on TVM, with the reason), read off the partitioned module.
+
     Returns
     -------
-    list of OffloadSite
+    list of OffloadSite (then GemmSite with ``gemm=True``)
         One entry per attention, computed by the same analysis the partition uses: ``offloaded``
         sites become ``composite`` functions, the others keep their original graph and say why in
         ``reason``.
@@ -146,7 +150,12 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
                     sinks=s.sinks is not None) if ok else None,
                 kernel_options=options.describe() if ok and chosen != "python" else None,
             ))
-    return varlen.explain_unlowerable(report)
+    report = varlen.explain_unlowerable(report)
+    if gemm:
+        from mqa_byoc.compiler.graph.gemm import gemm_report
+
+        report = report + gemm_report(partition_for_cutlass(mod, mqa=mqa, gemm=False))
+    return report
 
 
 def _resolved_scale(site):
@@ -193,14 +202,16 @@ def partition_for_cutlass(
     annotate_codegen: bool = True,
     provider: str | None = None,
     bind_constants: bool = False,
+    gemm: bool = True,
     *,
     use_flash_mqa: bool | None = None,
 ) -> tvm.IRModule:
-    """Partition ``mod`` so that attention runs in Flash Attention v2.
+    """Partition ``mod`` so that attention runs in Flash Attention v2 and GEMMs on cuBLASLt.
 
     The passes, in a ``tvm.transform.Sequential`` like upstream's CUTLASS partition:
     :class:`CanonicalizeAttention`, ``FuseOpsByPattern`` with :func:`flash_attn_patterns`,
-    :class:`OffloadSinkAttention`, :class:`AnnotateProvider`, :class:`LegalizeGroupedAttention`.
+    :class:`OffloadSinkAttention`, :class:`AnnotateProvider`, :class:`LegalizeGroupedAttention`, then
+    (``gemm=True``) :class:`~mqa_byoc.compiler.graph.gemm.PartitionGemm`.
 
     Parameters
     ----------
@@ -217,7 +228,14 @@ def partition_for_cutlass(
         Kernel provider recorded on each offloaded function (see :mod:`mqa_byoc.compiler.provider`);
         None leaves the choice to the codegen's default rule.
     bind_constants : bool
-        Passed to ``FuseOpsByPattern``.
+        Passed to the attention's ``FuseOpsByPattern`` (GEMM composites always take their weight as a
+        parameter).
+    gemm : bool
+        Also offload the matmul sites with a 2-D weight (nn.Linear and friends, with bias / relu /
+        gelu_tanh / residual epilogues) to cuBLASLt (``cublaslt.*`` composites, ``Codegen="cublaslt"``),
+        like upstream's partition offloads matmuls to CUTLASS; decode-sized static GEMMs stay on TVM's
+        GEMV. :func:`mqa_byoc.compiler.graph.gemm.gemm_report` (or ``offload_report(..., gemm=True)``)
+        says what each GEMM runs on and why. False: attention only.
     use_flash_mqa : bool, optional
         Upstream TVM's name of the same switch (``tvm.relax.backend.cuda.cutlass.partition_for_cutlass``);
         give ``mqa`` or ``use_flash_mqa``, or both with the same value.
@@ -236,7 +254,7 @@ def partition_for_cutlass(
     ValueError
         For an unknown ``provider``, or ``mqa`` and ``use_flash_mqa`` that disagree.
     """
-    from mqa_byoc.compiler.codegen import dispatch  # noqa: F401 - registers relax.ext.flash_attn
+    from mqa_byoc.compiler.codegen import cublaslt, dispatch  # noqa: F401 - register relax.ext.cublaslt, .flash_attn
 
     mqa = _mqa_switch(mqa, use_flash_mqa)
 
@@ -247,11 +265,16 @@ def partition_for_cutlass(
     for func in mod.functions.values():
         if isinstance(func, relax.Function):
             facts.update(Bindings(func).length_facts)
-    return tvm.transform.Sequential([
+    passes = [
         CanonicalizeAttention(mqa=mqa),
         relax.transform.FuseOpsByPattern(flash_attn_patterns(length_facts=facts), bind_constants=bind_constants,
                                          annotate_codegen=annotate_codegen),
         OffloadSinkAttention(annotate_codegen),
         AnnotateProvider(provider if annotate_codegen else None),
         LegalizeGroupedAttention(),
-    ], name="PartitionForFlashAttention")(mod)
+    ]
+    if gemm:
+        from mqa_byoc.compiler.graph.gemm import PartitionGemm
+
+        passes.append(PartitionGemm(annotate_codegen=annotate_codegen))
+    return tvm.transform.Sequential(passes, name="PartitionForFlashAttention")(mod)

@@ -64,8 +64,11 @@ def build_decoder_libraries(
     extra: dict | None = None,
     progress: Callable[[str], None] | None = print,
     tensor_parallel_shards: int = 1,
+    gemm: bool = True,
 ) -> list[str]:
     """Build ``config`` (batch 1) once per mode in ``modes``; returns the exported library paths.
+
+    ``gemm``: passed to :func:`mqa_byoc.partition_for_cutlass` (GEMMs on cuBLASLt; False: on TVM's kernels).
 
     Both modes are partitions of one graph, so they share its KV cache (``kv_cache``: "inplace",
     TVM's in-place cache objects, or "functional", K/V tensors concatenated per step; see
@@ -103,7 +106,7 @@ def build_decoder_libraries(
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     for mqa in modes:
-        part = partition_for_cutlass(mod, mqa=mqa)
+        part = partition_for_cutlass(mod, mqa=mqa, gemm=gemm)
         offloaded = offloaded_composites(part)
         ex = build(part, target, mqa=None, provider=provider, pipeline=cuda_decoder_pipeline(target))
         path = os.path.join(out_dir, library_name(config.name, mqa))
@@ -168,6 +171,7 @@ def build_paged_decoder_libraries(
     modes: Sequence[bool] = (True, False),
     extra: dict | None = None,
     progress: Callable[[str], None] | None = print,
+    gemm: bool = True,
 ) -> list[str]:
     """Build ``config`` as :class:`~mqa_byoc.models.paged_llama.PagedLlama` (``relax.frontend.nn`` on TVM's
     PagedKVCache) once per mode; returns the exported library paths.
@@ -180,6 +184,8 @@ def build_paged_decoder_libraries(
     :func:`build_decoder_libraries` (``kv_cache="paged"``, ``logits="all"``: the paged prefill returns every
     position's) plus ``paged_attention`` ("fa2" / "tir"), ``page_size``, ``paged_config`` (what
     :class:`mqa_byoc.runtime.paged_driver.PagedModel` needs) and ``paged_served`` (TVM kernels on FA2).
+    ``gemm``: both libraries run their GEMMs on cuBLASLt (:func:`mqa_byoc.compiler.build.offload_gemms`;
+    ``gemm_offloaded`` in the sidecar counts the sites); False: on TVM's kernels.
 
     Raises
     ------
@@ -220,12 +226,26 @@ def build_paged_decoder_libraries(
                 lib_mod = UseFlashAttentionForPagedKVCache(page_size=fa2_page)(mod)
         else:
             lib_mod = mod
+        gemm_sites = 0
+        if gemm:
+            from tvm import relax
+
+            from ..compiler.codegen import cublaslt  # noqa: F401 - registers relax.ext.cublaslt
+            from ..compiler.graph.gemm import PartitionGemm
+            from ..contract import GEMM_CODEGEN
+
+            lib_mod = PartitionGemm()(lib_mod)
+            gemm_sites = sum(1 for f in lib_mod.functions.values() if getattr(f, "attrs", None) is not None
+                             and str(f.attrs.get("Codegen", "")) == GEMM_CODEGEN)
+            with target:
+                lib_mod = relax.transform.RunCodegen()(lib_mod)
         ex = tvm.compile(lib_mod, target=target, relax_pipeline=cuda_decoder_pipeline(target))
         export_library(ex, path, arch=arch)  # links FA2 + fa2_paged for the FA2 library; a plain export for TIR
         write_sidecar(path, config, spec, dtype, {
             "mqa": bool(mqa), "kv_cache": "paged", "paged_attention": PAGED_ATTENTION[bool(mqa)],
             "page_size": fa2_page if mqa else TVM_TIR_PAGE_SIZE, "paged_config": dataclasses.asdict(pcfg),
             "paged_served": served if mqa else [], **({"provider": "native"} if mqa else {}),
+            "gemm_offloaded": gemm_sites,
             "functions": ["prefill", "decode"], "arch": arch, "logits": "all", "num_heads": config.num_heads,
             "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size, **(extra or {}),
         })

@@ -308,12 +308,18 @@ def count_ops(mod, name, function="main"):
     return n
 
 
-def composites(mod):
+def _codegen_is(f, codegen):
+    return (isinstance(f, relax.Function) and f.attrs is not None and "Codegen" in f.attrs
+            and (codegen is None or str(f.attrs["Codegen"]) == codegen))
+
+
+def composites(mod, codegen="flash_attn"):
     """Composite names of the offloaded calls, one entry per call site (FuseOpsByPattern shares one
-    function between structurally equal sites)."""
+    function between structurally equal sites); of the attention codegen by default (``codegen=None``:
+    every codegen, the GEMMs' ``cublaslt`` too)."""
     names = {}
     for gv, f in mod.functions.items():
-        if isinstance(f, relax.Function) and f.attrs is not None and "Codegen" in f.attrs:
+        if _codegen_is(f, codegen):
             found = []
 
             def visit(e, found=found):
@@ -403,11 +409,11 @@ def hf_chains_shared_kv(sites=2, h=8, hkv=2, d=64, s=16, b=1, dtype=F16, share_e
     return _finish(bb)
 
 
-def composite_calls_per_function(mod):
-    """``{function name: sorted composite names of the offloaded calls it makes}``."""
+def composite_calls_per_function(mod, codegen_name="flash_attn"):
+    """``{function name: sorted composite names of the offloaded calls it makes}`` (attention's by default)."""
     codegen = {}
     for gv, f in mod.functions.items():
-        if isinstance(f, relax.Function) and f.attrs is not None and "Codegen" in f.attrs:
+        if _codegen_is(f, codegen_name):
             found = []
             relax.analysis.post_order_visit(f.body, lambda e, found=found: found.append(str(e.attrs["Composite"]))
                                             if isinstance(e, relax.Function) and e.attrs is not None

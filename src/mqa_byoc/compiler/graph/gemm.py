@@ -1,0 +1,485 @@
+"""GEMM sites for cuBLASLt: the pattern table, its checks and the report.
+
+A GEMM site is ``R.matmul(x, w)`` or ``R.matmul(x, R.permute_dims(w))`` (nn.Linear's weight given as
+(N, K)) with a 2-D weight ``w`` (constant or parameter), ``x`` of shape (..., K) whose leading axes
+(batch x tokens, static or symbolic) are the GEMM's M, optionally followed by what cuBLASLt computes in
+the same call:
+
+- ``+ bias`` (a vector of N, or (1, ..., 1, N)): ``CUBLASLT_EPILOGUE_BIAS``;
+- ``relu(+ bias)`` / ``gelu_tanh(+ bias)``: ``CUBLASLT_EPILOGUE_RELU_BIAS`` / ``GELU_BIAS`` (cuBLASLt's
+  GELU is the tanh approximation, so ``R.nn.gelu``, the erf form, is not fused: its matmul (+ bias) is
+  offloaded and the GELU stays on TVM);
+- ``+ residual`` of the output's shape (after the bias, if any): ``D = A @ B + 1 * C`` with C the
+  residual.
+
+``silu`` is no cuBLASLt epilogue: a SwiGLU's ``silu(gate) * up`` stays on TVM, which fuses it into one
+elementwise kernel. The patterns are registered with TVM's pattern registry under the prefix
+``cublaslt`` (:data:`mqa_byoc.contract.GEMM_COMPOSITES`), like TVM's own cuBLAS table.
+
+Every check that keeps a site on TVM has a readable reason, and :func:`gemm_report` lists each matmul
+of a module with what it runs on and why. The partition runs before the build pipeline's
+``FuseTransposeMatmul`` (which would turn the transposed form into TVM's ``NT_matmul`` kernels), so the
+patterns see ``permute_dims`` + ``matmul``; the report says so for sites left to TVM.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import asdict, dataclass
+from functools import partial, reduce
+
+import tvm
+from tvm import relax, tirx
+from tvm.relax.backend.pattern_registry import get_patterns_with_prefix, register_patterns
+from tvm.relax.backend.utils import has_leaking_intermediate_variables
+from tvm.relax.dpl import is_op, wildcard
+from tvm.relax.transform import PatternCheckContext
+from tvm.sym import Analyzer
+
+from mqa_byoc.contract import (GEMM_ACTIVATIONS, GEMM_CODEGEN, GEMM_COMPOSITES, gemm_composite_name,
+                               parse_gemm_composite)
+
+__all__ = [
+    "DECODE_TVM_MAX_M",
+    "GemmSite",
+    "PartitionGemm",
+    "gemm_patterns",
+    "gemm_reason",
+    "gemm_report",
+    "inline_gemm_composites",
+    "make_gemm_pattern",
+    "offload_gemms",
+]
+
+#: element types cuBLASLt runs here (fp32 accumulate, ``CUBLAS_COMPUTE_32F``)
+SUPPORTED_DTYPES = ("float16", "bfloat16")
+#: operand and output rows must start on 16 bytes: K and N a multiple of this many 2-byte elements
+ALIGN_ELEMENTS = 8
+#: cuBLASLt takes int64 sizes but its leading dimensions and heuristics are int32 in practice
+MAX_DIM = 2**31 - 1
+#: A GEMM with a static M of at most this many rows (decode at a fixed batch) stays on TVM: dlight's GEMV
+#: rule applies to it (static shapes only) and reads the weight as fast as cuBLASLt. Measured on the H200
+#: (benchmarks/results/2026-12-01-gemm.md, CodeLlama-34B shapes, fp16): at M = 1 dlight's GEMV took
+#: 43.8 / 41.0 / 172.8 / 104.2 us for qkv / o_proj / gate_up / down, cuBLASLt 47.4 / 41.1 / 171.9 / 102.9;
+#: at a static M = 8 dlight's kernels took 378-1008 us, cuBLASLt 41-170 us. A symbolic M (a batch decided
+#: at run time) goes to cuBLASLt: no GEMV rule applies and TVM's kernel read the weight at 0.9-1.7 TB/s
+#: against cuBLASLt's 3.3-4.2 TB/s.
+DECODE_TVM_MAX_M = 1
+DECODE_RULE_REASON = (
+    "static M = {m} <= {limit}: dlight's GEMV schedule reads the weight as fast as cuBLASLt at this size "
+    "(measured on the H200: within 8% either way on CodeLlama-34B's GEMMs), so the site stays on TVM")
+
+
+# ----------------------------------------------------------------------------- the patterns
+def make_gemm_pattern(transposed: bool, bias: bool, activation: str | None = None, residual: bool = False):
+    """The pattern of one composite (:func:`mqa_byoc.contract.gemm_composite_name`).
+
+    Returns
+    -------
+    pattern : DFPattern
+        The root of the match (the last epilogue op, else the matmul).
+    annotations : dict
+        ``lhs``, ``weight`` (the 2-D operand before any permute), ``permute`` (transposed only),
+        ``matmul``, ``bias`` / ``bias_add``, ``activation``, ``residual`` / ``residual_add``, ``root``.
+    """
+    lhs, weight = wildcard(), wildcard()
+    ann = {"lhs": lhs, "weight": weight}
+    rhs = weight
+    if transposed:
+        rhs = ann["permute"] = is_op("relax.permute_dims")(weight)
+    out = ann["matmul"] = is_op("relax.matmul")(lhs, rhs)
+    if bias:
+        ann["bias"] = wildcard()
+        out = ann["bias_add"] = is_op("relax.add")(out, ann["bias"])  # add is matched either way round
+    if activation is not None:
+        out = ann["activation"] = is_op(GEMM_ACTIVATIONS[activation])(out)
+    if residual:
+        ann["residual"] = wildcard()
+        out = ann["residual_add"] = is_op("relax.add")(out, ann["residual"])
+    ann["root"] = out
+    return out, ann
+
+
+def _static(dim):
+    if isinstance(dim, int):
+        return dim
+    if isinstance(dim, tirx.IntImm):
+        return int(dim.value)
+    return None
+
+
+def _shape(ty):
+    shape = getattr(ty, "shape", None)
+    values = getattr(shape, "values", None)
+    return None if values is None else list(values)
+
+
+def _fmt(shape):
+    return "(" + ", ".join(str(d) for d in shape) + ")" if shape is not None else "(unknown shape)"
+
+
+def rows_of(lhs_shape):
+    """M of the GEMM: the product of every axis of ``x`` but the last (int when static, else a PrimExpr)."""
+    m = reduce(operator.mul, lhs_shape[:-1], 1)
+    static = _static(m) if not isinstance(m, int) else m
+    if static is None:
+        simplified = Analyzer().simplify(m)
+        static = _static(simplified)
+        m = simplified if static is None else static
+    return static if static is not None else m
+
+
+def gemm_reason(lhs_ty, rhs_ty, out_ty, transposed: bool, permute_axes=None, bias_ty=None,
+                residual_ty=None) -> str | None:
+    """Why cuBLASLt must not compute this GEMM (None: it computes it exactly).
+
+    ``lhs_ty`` / ``rhs_ty`` / ``out_ty``: the struct info of ``x``, of the weight as given (before the
+    permute when ``transposed``) and of the matmul; ``bias_ty`` / ``residual_ty`` of the epilogue operands.
+    """
+    for name, ty in (("x", lhs_ty), ("weight", rhs_ty), ("output", out_ty)):
+        if not isinstance(ty, relax.TensorType) or _shape(ty) is None:
+            return f"the {name} has no known tensor shape"
+    dtypes = (str(lhs_ty.dtype), str(rhs_ty.dtype), str(out_ty.dtype))
+    if dtypes[0] != dtypes[1]:
+        return f"mixed operand types {dtypes[0]} x {dtypes[1]}: cuBLASLt here takes one type for both"
+    if dtypes[0] not in SUPPORTED_DTYPES:
+        if dtypes[0].startswith(("int", "uint")):
+            return (f"{dtypes[0]} GEMM: cuBLASLt's integer GEMM needs int32 output and no epilogue; "
+                    "only fp16/bf16 GEMMs are offloaded")
+        if dtypes[0] == "float32":
+            return ("float32 GEMM: only fp16/bf16 (fp32 accumulate) are offloaded; cast the model to fp16 "
+                    "(relax.transform.ToMixedPrecision) to offload it")
+        return f"{dtypes[0]} GEMM: only {SUPPORTED_DTYPES} are offloaded"
+    if dtypes[2] != dtypes[0]:
+        return f"the output is {dtypes[2]} from {dtypes[0]} operands (out_dtype): only same-type output is offloaded"
+    lhs, rhs = _shape(lhs_ty), _shape(rhs_ty)
+    if len(lhs) < 2:
+        return f"x is {len(lhs)}-D: a vector-matrix product (matmul drops the axis), left to TVM"
+    if len(rhs) != 2:
+        return (f"the right-hand side is {len(rhs)}-D {_fmt(rhs)}: a batched product of two activations "
+                "(e.g. attention's scores), not a GEMM with a weight; left to TVM")
+    if transposed and permute_axes is not None and [int(a) for a in permute_axes] != [1, 0]:
+        return f"the weight's permute_dims has axes {list(permute_axes)}, not a transpose"
+    n_dim, k_dim = (rhs[0], rhs[1]) if transposed else (rhs[1], rhs[0])
+    k, n = _static(k_dim), _static(n_dim)
+    if k is None or n is None:
+        return f"the weight {_fmt(rhs)} has a symbolic size: K and N must be static"
+    if _static(lhs[-1]) != k:
+        return f"x's last axis {lhs[-1]} is not the weight's K = {k}"
+    if k <= 0 or n <= 0:
+        return f"empty GEMM (K = {k}, N = {n})"
+    for name, size in (("K", k), ("N", n)):
+        if size % ALIGN_ELEMENTS:
+            return (f"{name} = {size} is not a multiple of {ALIGN_ELEMENTS} elements: cuBLASLt's rows would not "
+                    "start on 16 bytes (its fast kernels refuse them); left to TVM")
+        if size > MAX_DIM:
+            return f"{name} = {size} exceeds cuBLASLt's int32 leading dimension"
+    m = rows_of(lhs)
+    if isinstance(m, int) and m > MAX_DIM:
+        return f"M = {m} exceeds cuBLASLt's int32 leading dimension"
+    if isinstance(m, int) and m == 0:
+        return "empty GEMM (M = 0)"
+    if bias_ty is not None:
+        reason = _bias_reason(bias_ty, n, dtypes[0])
+        if reason:
+            return reason
+    if residual_ty is not None:
+        reason = _residual_reason(residual_ty, out_ty)
+        if reason:
+            return reason
+    return None
+
+
+def _bias_reason(bias_ty, n, dtype):
+    shape = _shape(bias_ty) if isinstance(bias_ty, relax.TensorType) else None
+    if shape is None:
+        return "the added operand has no known shape"
+    if str(bias_ty.dtype) != dtype:
+        return f"the bias is {bias_ty.dtype}, the GEMM {dtype}"
+    if not shape or _static(shape[-1]) != n or any(_static(d) != 1 for d in shape[:-1]):
+        return f"the added operand {_fmt(shape)} is not a bias vector of N = {n} (cuBLASLt's bias epilogue)"
+    return None
+
+
+def _residual_reason(res_ty, out_ty):
+    shape = _shape(res_ty) if isinstance(res_ty, relax.TensorType) else None
+    if shape is None:
+        return "the residual has no known shape"
+    if str(res_ty.dtype) != str(out_ty.dtype):
+        return f"the residual is {res_ty.dtype}, the GEMM {out_ty.dtype}"
+    out = _shape(out_ty)
+    analyzer = Analyzer()
+    if len(shape) != len(out) or not all(analyzer.can_prove_equal(a, b) for a, b in zip(shape, out)):
+        return f"the added operand {_fmt(shape)} does not have the output's shape {_fmt(out)} (no broadcast in C)"
+    return None
+
+
+def dispatch_reason(lhs_shape) -> str | None:
+    """The per-shape dispatch rule: why a GEMM cuBLASLt could compute stays on TVM (None: offload)."""
+    m = rows_of(lhs_shape)
+    if isinstance(m, int) and m <= DECODE_TVM_MAX_M:
+        return DECODE_RULE_REASON.format(m=m, limit=DECODE_TVM_MAX_M)
+    return None
+
+
+def _site_reason(composite: str, context: PatternCheckContext) -> str | None:
+    fields = parse_gemm_composite(composite)
+    ann = context.annotated_expr
+    if has_leaking_intermediate_variables(context):
+        return "an intermediate value of the pattern is used elsewhere"
+    permute = ann.get("permute")
+    reason = gemm_reason(
+        ann["lhs"].ty, ann["weight"].ty, ann["matmul"].ty, fields["transposed"],
+        permute.attrs.axes if permute is not None and permute.attrs.axes is not None else None,
+        ann["bias"].ty if fields["bias"] else None,
+        ann["residual"].ty if fields["residual"] else None,
+    )
+    return reason or dispatch_reason(_shape(ann["lhs"].ty))
+
+
+def check_gemm(composite: str, context: PatternCheckContext) -> bool:
+    """The check of every GEMM pattern: :func:`gemm_reason` and the dispatch rule accept the site."""
+    return _site_reason(composite, context) is None
+
+
+def _register():
+    # TVM's registry: patterns later in the list have the higher priority, so the smallest go first
+    register_patterns([
+        (name, *make_gemm_pattern(**parse_gemm_composite(name)), partial(check_gemm, name))
+        for name in reversed(GEMM_COMPOSITES)
+    ])
+
+
+_register()
+
+
+def gemm_patterns() -> list:
+    """The registered GEMM patterns (``cublaslt.*``), highest priority first, for ``FuseOpsByPattern``."""
+    return get_patterns_with_prefix(GEMM_CODEGEN)
+
+
+@tvm.transform.module_pass(opt_level=0, name="PartitionGemm")
+class PartitionGemm:
+    """Module pass: group every GEMM site cuBLASLt computes into a ``cublaslt.*`` composite with
+    ``Codegen="cublaslt"`` (``FuseOpsByPattern`` with :func:`gemm_patterns`)."""
+
+    def __init__(self, bind_constants: bool = False, annotate_codegen: bool = True):
+        self.bind_constants = bind_constants
+        self.annotate_codegen = annotate_codegen
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        return relax.transform.FuseOpsByPattern(gemm_patterns(), bind_constants=self.bind_constants,
+                                                annotate_codegen=self.annotate_codegen)(mod)
+
+
+# ----------------------------------------------------------------------------- the report
+@dataclass
+class GemmSite:
+    """One matmul of the module, as reported to the user."""
+
+    function: str
+    output: str  # the variable the site's result is bound to
+    offloaded: bool
+    runs_on: str  # "cuBLASLt" or "TVM"
+    composite: str | None
+    m: str | None  # rows (batch x tokens): an int or a symbolic expression, as text
+    n: int | None
+    k: int | None
+    dtype: str | None
+    transposed: bool
+    epilogue: str | None  # "bias", "bias+gelu_tanh", "residual", ... (offloaded sites)
+    reason: str | None  # why the site stays on TVM; None when offloaded
+    note: str | None = None
+
+    def as_dict(self) -> dict:
+        """Returns
+        -------
+        dict
+            The fields as a plain dict (JSON-ready).
+        """
+        return asdict(self)
+
+
+def _epilogue(fields):
+    parts = (["bias"] if fields["bias"] else []) + ([fields["activation"]] if fields["activation"] else [])
+    parts += ["residual"] if fields["residual"] else []
+    return "+".join(parts) or None
+
+
+def _composite_of(func):
+    for block in func.body.blocks:
+        for b in block.bindings:
+            if isinstance(b.value, relax.Function) and b.value.attrs is not None and "Composite" in b.value.attrs:
+                return str(b.value.attrs["Composite"]), b.value
+    if func.attrs is not None and "Composite" in func.attrs:
+        return str(func.attrs["Composite"]), func
+    return None, None
+
+
+def matmul_of(composite_func):
+    """The ``relax.matmul`` call inside a GEMM composite (and the permute of its weight, if any)."""
+    found = {}
+
+    def visit(e):
+        if isinstance(e, relax.Call) and getattr(e.op, "name", None) == "relax.matmul":
+            found["matmul"] = e
+
+    relax.analysis.post_order_visit(composite_func.body, visit)
+    return found.get("matmul")
+
+
+def _followed_by(users, var, bindings):
+    """Notes on what follows the GEMM (through a split, as in a fused gate_up) that cuBLASLt cannot fuse."""
+    notes, frontier, seen = [], [var], set()
+    while frontier:
+        v = frontier.pop()
+        for user in users.get(v, ()):
+            if user in seen:
+                continue
+            seen.add(user)
+            value = bindings.get(user)
+            if isinstance(value, relax.TupleGetItem):
+                frontier.append(user)
+                continue
+            op = getattr(value.op, "name", None) if isinstance(value, relax.Call) else None
+            if op == "relax.split":
+                frontier.append(user)
+            elif op == "relax.nn.silu":
+                notes.append("its silu stays on TVM: cuBLASLt has no silu epilogue (TVM fuses it with the next "
+                             "elementwise op)")
+            elif op == "relax.nn.gelu":
+                notes.append("its GELU (erf form) stays on TVM: cuBLASLt's GELU epilogue is the tanh approximation")
+    return "; ".join(dict.fromkeys(notes)) or None
+
+
+def gemm_report(mod: tvm.IRModule) -> list[GemmSite]:
+    """What :class:`PartitionGemm` does with every matmul of ``mod``: one :class:`GemmSite` each.
+
+    The module is partitioned and read back, so the report is the partition's own decision: offloaded
+    sites name their composite and epilogue; every matmul left in the graph says why
+    (:func:`gemm_reason`, the dispatch rule, or an intermediate used elsewhere).
+    """
+    part = PartitionGemm(annotate_codegen=True)(mod)
+    codegen_funcs = {gv: f for gv, f in part.functions.items()
+                     if isinstance(f, relax.Function) and f.attrs is not None
+                     and str(f.attrs.get("Codegen", "")) == GEMM_CODEGEN}
+    sites = []
+    for gv, func in part.functions.items():
+        if not isinstance(func, relax.Function) or gv in codegen_funcs or (
+                func.attrs is not None and ("Codegen" in func.attrs or "Composite" in func.attrs)):
+            continue
+        bindings, users = {}, {}
+        for block in func.body.blocks:
+            for b in block.bindings:
+                if not isinstance(b, relax.VarBinding):
+                    continue
+                bindings[b.var] = b.value
+
+                def use(e, var=b.var):
+                    if isinstance(e, relax.Var):
+                        users.setdefault(e, []).append(var)
+
+                if isinstance(b.value, relax.Call):
+                    for arg in b.value.args:
+                        use(arg)
+                elif isinstance(b.value, relax.TupleGetItem):
+                    use(b.value.tuple_value)
+        for var, value in bindings.items():
+            if not isinstance(value, relax.Call):
+                continue
+            if isinstance(value.op, relax.GlobalVar) and value.op in codegen_funcs:
+                name, comp = _composite_of(codegen_funcs[value.op])
+                fields = parse_gemm_composite(name)
+                mm = matmul_of(comp)
+                lhs, w = _shape(mm.args[0].ty), _shape(mm.args[1].ty)
+                sites.append(GemmSite(gv.name_hint, var.name, True, "cuBLASLt", name, str(rows_of(lhs)),
+                                      int(w[1]), int(lhs[-1]), str(mm.ty.dtype), fields["transposed"],
+                                      _epilogue(fields), None, _followed_by(users, var, bindings)))
+            elif getattr(value.op, "name", None) == "relax.matmul":
+                sites.append(_tvm_site(gv.name_hint, var, value, bindings, users))
+            elif _lowered_matmul(value):
+                out_ty = value.ty if isinstance(value.ty, relax.TensorType) else None
+                sites.append(GemmSite(
+                    gv.name_hint, var.name, False, "TVM", None, None, None, None,
+                    str(out_ty.dtype) if out_ty is not None else None, "NT_" in value.args[0].name_hint, None,
+                    f"already lowered to TVM's {value.args[0].name_hint} (relax.transform.FuseTransposeMatmul or "
+                    "LegalizeOps ran first): partition before the build pipeline, as mqa_byoc.build does"))
+    return sites
+
+
+def _lowered_matmul(call) -> bool:
+    """A ``call_tir`` of a PrimFunc that FuseTransposeMatmul / LegalizeOps made from a matmul."""
+    if getattr(call.op, "name", None) != "relax.call_tir" or not call.args:
+        return False
+    callee = call.args[0]
+    name = getattr(callee, "name_hint", "")
+    return isinstance(callee, tvm.ir.GlobalVar) and (name.startswith("NT_matmul") or name.startswith("matmul"))
+
+
+def _tvm_site(fname, var, call, bindings, users):
+    lhs, rhs = call.args
+    transposed, axes, weight = False, None, rhs
+    producer = bindings.get(rhs) if isinstance(rhs, relax.Var) else None
+    if isinstance(producer, relax.Call) and getattr(producer.op, "name", None) == "relax.permute_dims":
+        transposed, weight = True, producer.args[0]
+        axes = producer.attrs.axes
+        if _shape(weight.ty) is not None and len(_shape(weight.ty)) != 2:
+            transposed, weight, axes = False, rhs, None
+    reason = gemm_reason(lhs.ty, weight.ty, call.ty, transposed, axes)
+    lshape, wshape = _shape(lhs.ty), _shape(weight.ty)
+    if reason is None:
+        reason = dispatch_reason(lshape) or "an intermediate value of the pattern is used elsewhere"
+    m = str(rows_of(lshape)) if lshape and len(lshape) >= 2 else None
+    n = k = None
+    if wshape is not None and len(wshape) == 2:
+        n, k = (_static(wshape[0]), _static(wshape[1])) if transposed else (_static(wshape[1]), _static(wshape[0]))
+    dtype = str(call.ty.dtype) if isinstance(call.ty, relax.TensorType) else None
+    note = _followed_by(users, var, bindings)
+    if transposed:
+        extra = "the build pipeline's FuseTransposeMatmul makes it TVM's NT_matmul kernel"
+        note = extra if note is None else f"{note}; {extra}"
+    return GemmSite(fname, var.name, False, "TVM", None, m, n, k, dtype, transposed, None, reason, note)
+
+
+def format_gemm_report(sites) -> str:
+    """One line per GEMM site (what ``mqa-byoc`` prints)."""
+    lines = []
+    for s in sites:
+        shape = f"M={s.m} N={s.n} K={s.k} {s.dtype}{' W^T' if s.transposed else ''}"
+        what = f"{s.composite} ({s.epilogue or 'no epilogue'})" if s.offloaded else s.reason
+        lines.append(f"{s.function}/{s.output}: {shape} -> {s.runs_on}: {what}" + (f" [{s.note}]" if s.note else ""))
+    return "\n".join(lines)
+
+
+def composite_fields(name: str) -> dict:
+    """:func:`mqa_byoc.contract.parse_gemm_composite` plus the epilogue as text."""
+    fields = parse_gemm_composite(name)
+    return {**fields, "epilogue": _epilogue(fields), "name": gemm_composite_name(**fields)}
+
+
+def inline_gemm_composites(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` with every ``cublaslt`` function replaced by its composite's body as a plain Relax
+    function: the partitioned graph as TVM would compute it (e.g. on llvm), to check that the rewrite
+    computes what the original graph does.
+
+    Raises
+    ------
+    ValueError
+        When a composite does not take the function's parameters in order.
+    """
+    out = tvm.IRModule(dict(mod.functions), attrs=mod.attrs)
+    for gv, func in mod.functions.items():
+        if not (isinstance(func, relax.Function) and func.attrs is not None
+                and str(func.attrs.get("Codegen", "")) == GEMM_CODEGEN):
+            continue
+        name, comp = _composite_of(func)
+        if comp is func:
+            out[gv] = func.without_attr("Composite").without_attr("Codegen")
+            continue
+        call = next(b.value for block in func.body.blocks for b in block.bindings
+                    if isinstance(b.value, relax.Call) and not isinstance(b.value, relax.Function)
+                    and isinstance(b.value.op, relax.Var))
+        if [a for a in call.args] != list(func.params) and not all(a.same_as(p) for a, p in zip(call.args, func.params)):
+            raise ValueError(f"{gv.name_hint}: composite {name} does not take the function's parameters in order")
+        out[gv] = comp.without_attr("Composite")
+    return out

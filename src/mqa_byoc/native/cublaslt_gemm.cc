@@ -1,0 +1,249 @@
+// GEMMs of offloaded Relax matmuls on cuBLASLt: D = epilogue(X @ W (+ bias)) (+ residual).
+//
+// Row-major X (M, K), W (K, N) or W^T given as (N, K), D (M, N). cuBLASLt is column-major, so the call
+// computes D^T (N x M) = op(W)^T-view (N x K) @ X^T-view (K x M): the row-major buffers read as their
+// transposes, no copy. The bias (N) is a vector over cuBLASLt's rows; the residual is C with beta = 1.
+//
+// libcublasLt.so.13 is opened at the first call (dlopen), so that the exported library loads without it
+// and says what to install when it is missing. Search order: the loader's path (LD_LIBRARY_PATH, rpath,
+// ld.so cache), $MQA_BYOC_CUBLASLT_PATH (a file), the directory of this library, and the nvidia-cublas
+// wheel directory seen when this file was compiled (MQA_BYOC_CUBLASLT_HINT).
+//
+// One handle per device, one descriptor set + heuristic algorithm cached per (device, shape, type,
+// epilogue, alignment); a 32 MiB workspace per device from TVM's workspace pool, used on TVM's stream.
+#include <cublasLt.h>
+#include <dlfcn.h>
+#include <tvm/runtime/c_backend_api.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+#ifndef MQA_BYOC_CUBLASLT_HINT
+#define MQA_BYOC_CUBLASLT_HINT ""
+#endif
+
+namespace {
+
+constexpr size_t kWorkspaceBytes = 32u << 20;  // what NVIDIA recommends for Hopper
+
+struct Api {
+  void* lib = nullptr;
+  std::string error;
+  decltype(&cublasLtCreate) create = nullptr;
+  decltype(&cublasLtMatmulDescCreate) desc_create = nullptr;
+  decltype(&cublasLtMatmulDescSetAttribute) desc_set = nullptr;
+  decltype(&cublasLtMatrixLayoutCreate) layout_create = nullptr;
+  decltype(&cublasLtMatmulPreferenceCreate) pref_create = nullptr;
+  decltype(&cublasLtMatmulPreferenceSetAttribute) pref_set = nullptr;
+  decltype(&cublasLtMatmulPreferenceDestroy) pref_destroy = nullptr;
+  decltype(&cublasLtMatmulAlgoGetHeuristic) heuristic = nullptr;
+  decltype(&cublasLtMatmul) matmul = nullptr;
+  decltype(&cublasLtGetStatusString) status_string = nullptr;
+};
+
+std::string self_dir() {
+  Dl_info info;
+  if (dladdr(reinterpret_cast<void*>(&self_dir), &info) == 0 || info.dli_fname == nullptr) return "";
+  std::string path(info.dli_fname);
+  size_t slash = path.rfind('/');
+  return slash == std::string::npos ? std::string() : path.substr(0, slash);
+}
+
+void* open_cublaslt(std::string* tried) {
+  const char* name = "libcublasLt.so.13";
+  std::string candidates[4] = {name, "", "", ""};
+  if (const char* env = std::getenv("MQA_BYOC_CUBLASLT_PATH")) candidates[1] = env;
+  std::string dir = self_dir();
+  if (!dir.empty()) candidates[2] = dir + "/" + name;
+  if (MQA_BYOC_CUBLASLT_HINT[0] != '\0') candidates[3] = std::string(MQA_BYOC_CUBLASLT_HINT) + "/" + name;
+  for (const std::string& c : candidates) {
+    if (c.empty()) continue;
+    if (void* h = dlopen(c.c_str(), RTLD_NOW | RTLD_LOCAL)) return h;
+    *tried += "\n  " + c + ": " + dlerror();
+  }
+  return nullptr;
+}
+
+template <typename F>
+bool bind(Api* api, F* slot, const char* symbol) {
+  *slot = reinterpret_cast<F>(dlsym(api->lib, symbol));
+  if (*slot == nullptr) api->error = std::string("libcublasLt.so.13 has no symbol ") + symbol;
+  return *slot != nullptr;
+}
+
+const Api& api() {
+  static Api a;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    std::string tried;
+    a.lib = open_cublaslt(&tried);
+    if (a.lib == nullptr) {
+      a.error = "cannot load libcublasLt.so.13 (cuBLASLt, for the offloaded GEMMs). Install it with "
+                "`pip install nvidia-cublas` and put its nvidia/cu13/lib on LD_LIBRARY_PATH, copy "
+                "libcublasLt.so.13 next to this library, or set MQA_BYOC_CUBLASLT_PATH to the file. Tried:" +
+                tried;
+      return;
+    }
+    bind(&a, &a.create, "cublasLtCreate") && bind(&a, &a.desc_create, "cublasLtMatmulDescCreate") &&
+        bind(&a, &a.desc_set, "cublasLtMatmulDescSetAttribute") &&
+        bind(&a, &a.layout_create, "cublasLtMatrixLayoutCreate") &&
+        bind(&a, &a.pref_create, "cublasLtMatmulPreferenceCreate") &&
+        bind(&a, &a.pref_set, "cublasLtMatmulPreferenceSetAttribute") &&
+        bind(&a, &a.pref_destroy, "cublasLtMatmulPreferenceDestroy") &&
+        bind(&a, &a.heuristic, "cublasLtMatmulAlgoGetHeuristic") && bind(&a, &a.matmul, "cublasLtMatmul") &&
+        bind(&a, &a.status_string, "cublasLtGetStatusString");
+  });
+  return a;
+}
+
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
+  cublasLtMatmulAlgo_t algo;
+};
+
+struct Device {
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+};
+
+// (device, dtype, transposed, epilogue, residual, m, n, k, alignment)
+using Key = std::tuple<int, int, int, int, int, int64_t, int64_t, int64_t, int>;
+
+std::mutex g_mutex;
+std::map<int, Device> g_devices;
+std::map<Key, Plan> g_plans;
+thread_local std::string g_error;
+
+int fail(const std::string& msg) {
+  g_error = msg;
+  return -1;
+}
+
+std::string status(const Api& a, cublasStatus_t s) {
+  return std::string(a.status_string ? a.status_string(s) : "?") + " (" + std::to_string(static_cast<int>(s)) + ")";
+}
+
+#define MQA_BYOC_LT(call, what)                                                            \
+  do {                                                                                     \
+    cublasStatus_t s_ = (call);                                                            \
+    if (s_ != CUBLAS_STATUS_SUCCESS) return fail(std::string(what) + ": " + status(a, s_)); \
+  } while (0)
+
+int alignment_of(const void* p) {
+  uintptr_t v = reinterpret_cast<uintptr_t>(p);
+  int align = 256;
+  while (align > 1 && (v % align) != 0) align /= 2;
+  return align;
+}
+
+cublasLtEpilogue_t epilogue_of(int epilogue) {
+  switch (epilogue) {
+    case 1: return CUBLASLT_EPILOGUE_BIAS;
+    case 2: return CUBLASLT_EPILOGUE_RELU_BIAS;
+    case 3: return CUBLASLT_EPILOGUE_GELU_BIAS;
+    default: return CUBLASLT_EPILOGUE_DEFAULT;
+  }
+}
+
+int make_plan(const Api& a, cublasLtHandle_t handle, const Key& key, Plan* plan) {
+  const int is_bf16 = std::get<1>(key), transposed = std::get<2>(key), epilogue = std::get<3>(key);
+  const int residual = std::get<4>(key), align = std::get<8>(key);
+  const int64_t m = std::get<5>(key), n = std::get<6>(key), k = std::get<7>(key);
+  const cudaDataType_t type = is_bf16 ? CUDA_R_16BF : CUDA_R_16F;
+  MQA_BYOC_LT(a.desc_create(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
+  // cuBLASLt's A is W: (N x K) col-major. Row-major (K, N) W is that with op N; row-major (N, K) W^T
+  // reads as (K x N) col-major, so op T.
+  cublasOperation_t op_a = transposed ? CUBLAS_OP_T : CUBLAS_OP_N, op_b = CUBLAS_OP_N;
+  MQA_BYOC_LT(a.desc_set(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)), "set TRANSA");
+  MQA_BYOC_LT(a.desc_set(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)), "set TRANSB");
+  cublasLtEpilogue_t epi = epilogue_of(epilogue);
+  MQA_BYOC_LT(a.desc_set(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)), "set EPILOGUE");
+  if (transposed) {
+    MQA_BYOC_LT(a.layout_create(&plan->a, type, k, n, k), "layout W^T");
+  } else {
+    MQA_BYOC_LT(a.layout_create(&plan->a, type, n, k, n), "layout W");
+  }
+  MQA_BYOC_LT(a.layout_create(&plan->b, type, k, m, k), "layout X");
+  MQA_BYOC_LT(a.layout_create(&plan->c, type, n, m, n), "layout C");
+  MQA_BYOC_LT(a.layout_create(&plan->d, type, n, m, n), "layout D");
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  MQA_BYOC_LT(a.pref_create(&pref), "cublasLtMatmulPreferenceCreate");
+  size_t ws = kWorkspaceBytes;
+  uint32_t al = static_cast<uint32_t>(align);
+  a.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+  a.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al, sizeof(al));
+  a.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al, sizeof(al));
+  a.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al, sizeof(al));
+  a.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al, sizeof(al));
+  cublasLtMatmulHeuristicResult_t result;
+  int found = 0;
+  cublasStatus_t s = a.heuristic(handle, plan->desc, plan->a, plan->b, plan->c, plan->d, pref, 1, &result, &found);
+  a.pref_destroy(pref);
+  if (s != CUBLAS_STATUS_SUCCESS || found == 0) {
+    return fail("cuBLASLt has no algorithm for M=" + std::to_string(m) + " N=" + std::to_string(n) +
+                " K=" + std::to_string(k) + (is_bf16 ? " bf16" : " fp16") + " epilogue " + std::to_string(epilogue) +
+                (residual ? " + residual" : "") + ": " + status(a, s));
+  }
+  plan->algo = result.algo;
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// The message of the last failed call on this thread.
+const char* mqa_byoc_cublaslt_last_error(void) { return g_error.c_str(); }
+
+// D = epilogue(X @ op(W) + bias) + residual, all row-major and contiguous, on `stream` (a cudaStream_t).
+// dtype: 0 fp16, 1 bf16. epilogue: 0 none, 1 bias, 2 relu(bias), 3 gelu_tanh(bias). bias: N elements or
+// null; residual: (M, N) or null (not with an activation). Returns 0, or -1 with the message in
+// mqa_byoc_cublaslt_last_error().
+int mqa_byoc_cublaslt_gemm(int device_id, void* stream, int dtype, int transposed, int epilogue, int64_t m,
+                           int64_t n, int64_t k, const void* x, const void* w, const void* bias,
+                           const void* residual, void* out) {
+  const Api& a = api();
+  if (a.lib == nullptr || !a.error.empty()) return fail(a.error);
+  if (m == 0) return 0;
+  if (m < 0 || n <= 0 || k <= 0) return fail("invalid GEMM sizes");
+  if ((epilogue != 0) != (bias != nullptr)) return fail("a bias epilogue needs a bias pointer and vice versa");
+  int align = alignment_of(x);
+  for (const void* p : {w, residual, static_cast<const void*>(out), bias}) {
+    if (p != nullptr && alignment_of(p) < align) align = alignment_of(p);
+  }
+  if (align > 16) align = 16;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  Device& dev = g_devices[device_id];
+  if (dev.handle == nullptr) {
+    MQA_BYOC_LT(a.create(&dev.handle), "cublasLtCreate");
+    dev.workspace = TVMBackendAllocWorkspace(kDLCUDA, device_id, kWorkspaceBytes, kDLUInt, 8);
+    if (dev.workspace == nullptr) return fail("cannot allocate the cuBLASLt workspace on device " + std::to_string(device_id));
+  }
+  Key key{device_id, dtype, transposed, epilogue, residual != nullptr, m, n, k, align};
+  auto it = g_plans.find(key);
+  if (it == g_plans.end()) {
+    Plan plan;
+    if (make_plan(a, dev.handle, key, &plan) != 0) return -1;
+    it = g_plans.emplace(key, plan).first;
+  }
+  Plan& plan = it->second;
+  if (bias != nullptr) {
+    MQA_BYOC_LT(a.desc_set(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)), "set BIAS_POINTER");
+  }
+  const float alpha = 1.0f, beta = residual != nullptr ? 1.0f : 0.0f;
+  const void* c = residual != nullptr ? residual : out;
+  MQA_BYOC_LT(a.matmul(dev.handle, plan.desc, &alpha, w, plan.a, x, plan.b, &beta, c, plan.c, out, plan.d,
+                       &plan.algo, dev.workspace, kWorkspaceBytes, static_cast<cudaStream_t>(stream)),
+              "cublasLtMatmul");
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,77 @@
+"""Relax graphs of GEMM sites for the GEMM tests (CPU and GPU): one matmul with an epilogue each."""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax, tirx
+
+#: (transposed, bias, activation, residual) of each composite, and the op that spells the activation
+FORMS = [(t, b, a, r) for t in (True, False)
+         for b, a, r in ((True, None, True), (True, "gelu_tanh", False), (True, "relu", False),
+                         (True, None, False), (False, None, True), (False, None, False))]
+ACTIVATION_OPS = {"gelu_tanh": relax.op.nn.gelu_tanh, "relu": relax.op.nn.relu, "gelu": relax.op.nn.gelu,
+                  "silu": relax.op.nn.silu}
+
+
+def gemm_graph(transposed=True, bias=False, activation=None, residual=False, *, dtype="float16",
+               rows=(2, "n"), k=64, n=128, weight_const=False, seed=0, bias_shape=None, residual_first=True,
+               function="main"):
+    """``main(x, [w], [b], [r])`` computing one GEMM site: x (*rows, K) @ w (K, N) or permute_dims(w (N, K)),
+    ``+ b``, activation, ``+ r``. ``rows``: ints or names of symbolic axes. ``weight_const``: w is a constant
+    (drawn with ``seed``). Returns (module, parameter specs [(name, shape, dtype)])."""
+    syms = {}
+    row_dims = [syms.setdefault(d, tirx.Var(d, "int64")) if isinstance(d, str) else d for d in rows]
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([*row_dims, k], dtype))
+    params, specs = [x], [("x", (*rows, k), dtype)]
+    w_shape = (n, k) if transposed else (k, n)
+    if weight_const:
+        if dtype == "bfloat16":
+            raise ValueError("this helper makes constant weights of numpy types only (not bfloat16)")
+        # drawn through fp16, so that a float32 twin of the graph holds the same values
+        w = relax.const((np.random.default_rng(seed).standard_normal(w_shape) * 0.1).astype("float16").astype(dtype))
+    else:
+        w = relax.Var("w", relax.TensorType(w_shape, dtype))
+        params.append(w)
+        specs.append(("w", w_shape, dtype))
+    b = r = None
+    if bias:
+        b = relax.Var("b", relax.TensorType(bias_shape or (n,), dtype))
+        params.append(b)
+        specs.append(("b", bias_shape or (n,), dtype))
+    if residual:
+        r = relax.Var("r", relax.TensorType([*row_dims, n], dtype))
+        params.append(r)
+        specs.append(("r", (*rows, n), dtype))
+    with bb.function(function, params):
+        with bb.dataflow():
+            rhs = bb.emit(relax.op.permute_dims(w)) if transposed else w
+            y = bb.emit(relax.op.matmul(x, rhs))
+            if b is not None:
+                y = bb.emit(relax.op.add(y, b))
+            if activation is not None:
+                y = bb.emit(ACTIVATION_OPS[activation](y))
+            if r is not None:
+                y = bb.emit(relax.op.add(r, y) if residual_first else relax.op.add(y, r))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    return bb.get(), specs
+
+
+def draw_inputs(specs, sizes=None, seed=0):
+    """numpy arrays for ``specs`` with symbolic axes set from ``sizes`` (default 3); weights scaled by 0.1."""
+    rng = np.random.default_rng(seed)
+    sizes = dict(sizes or {})
+    out = []
+    for name, shape, dtype in specs:
+        concrete = [sizes.get(d, 3) if isinstance(d, str) else d for d in shape]
+        a = rng.standard_normal(concrete) * (0.1 if name == "w" else 1.0)
+        out.append(a.astype("float32" if dtype == "bfloat16" else dtype))
+    return out
+
+
+def run_llvm(mod, arrays, function="main"):
+    """``function`` of ``mod`` on llvm; the output as float32."""
+    vm = relax.VirtualMachine(relax.build(mod, target="llvm"), tvm.cpu())
+    return vm[function](*[tvm.runtime.tensor(a) for a in arrays]).numpy().astype("float32")

@@ -1,0 +1,286 @@
+"""GEMM offload to cuBLASLt on the CPU: the pattern table, its checks and reasons, the report, the
+rewrite's numerics (the composites inlined and run on llvm against the original graph), the generated
+C++ (compiled with g++ against TVM's and cuBLASLt's headers) and the export."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax, tirx
+from tvm.relax.backend.pattern_registry import get_patterns_with_prefix
+
+import mqa_byoc
+from mqa_byoc.testing.gemm_graphs import FORMS, draw_inputs, gemm_graph, run_llvm
+from mqa_byoc.compiler import cublaslt_build
+from mqa_byoc.compiler.codegen.cublaslt import GemmCodegenError, emit_gemm_source, find_gemm_site
+from mqa_byoc.compiler.graph import gemm
+from mqa_byoc.contract import GEMM_CODEGEN, GEMM_COMPOSITES, gemm_composite_name, parse_gemm_composite
+
+
+def _codegen_funcs(mod):
+    return {gv.name_hint: f for gv, f in mod.functions.items()
+            if isinstance(f, relax.Function) and f.attrs is not None and str(f.attrs.get("Codegen", "")) == GEMM_CODEGEN}
+
+
+def _have_cublaslt_headers():
+    try:
+        cublaslt_build.include_flags()
+    except cublaslt_build.CublasLtUnavailable as err:
+        return str(err)
+    return None
+
+
+def test_pattern_table_is_registered_with_tvm_largest_first():
+    names = [p.name for p in get_patterns_with_prefix(GEMM_CODEGEN)]
+    assert names == list(GEMM_COMPOSITES)
+    assert names[0] == "cublaslt.matmul_transposed_bias_residual" and names[-1] == "cublaslt.matmul"
+    for name in GEMM_COMPOSITES:
+        assert gemm_composite_name(**parse_gemm_composite(name)) == name
+
+
+def test_composite_names_refuse_what_cublaslt_cannot_fuse():
+    with pytest.raises(ValueError, match="no cuBLASLt epilogue"):
+        gemm_composite_name(True, False, "relu")  # an activation needs the bias epilogue
+    with pytest.raises(ValueError, match="no cuBLASLt epilogue"):
+        gemm_composite_name(True, True, "silu")
+    with pytest.raises(ValueError, match="no cuBLASLt epilogue"):
+        gemm_composite_name(True, True, "gelu_tanh", residual=True)  # cuBLASLt would apply it after C
+    with pytest.raises(ValueError, match="unknown GEMM composite"):
+        parse_gemm_composite("cublaslt.matmul_silu")
+
+
+@pytest.mark.parametrize("form", FORMS, ids=[gemm_composite_name(*f) for f in FORMS])
+def test_every_pattern_is_offloaded_and_computes_the_original(form):
+    mod, specs = gemm_graph(*form)
+    part = mqa_byoc.partition_for_cutlass(mod)
+    funcs = _codegen_funcs(part)
+    assert len(funcs) == 1
+    site = find_gemm_site(next(iter(funcs.values())))
+    assert site.composite_name == gemm_composite_name(*form)
+    assert (site.transposed, site.bias is not None, site.activation, site.residual is not None) == form
+    [report] = gemm.gemm_report(mod)
+    assert report.offloaded and report.runs_on == "cuBLASLt" and report.composite == site.composite_name
+    assert (report.n, report.k, report.dtype) == (128, 64, "float16")
+    # the rewrite computes what the graph did: composites inlined back and run on llvm
+    arrays = draw_inputs(specs, {"n": 5})
+    got = run_llvm(gemm.inline_gemm_composites(part), arrays)
+    np.testing.assert_allclose(got, run_llvm(mod, arrays), rtol=1e-3, atol=1e-3)
+
+
+def test_operand_order_of_the_adds_and_bias_spellings():
+    mod, specs = gemm_graph(True, True, None, True, residual_first=False, bias_shape=(1, 1, 128))
+    part = mqa_byoc.partition_for_cutlass(mod)
+    site = find_gemm_site(next(iter(_codegen_funcs(part).values())))
+    assert site.composite_name == "cublaslt.matmul_transposed_bias_residual"
+    names = [p.name for p in next(iter(_codegen_funcs(part).values())).params]
+    assert (names[site.x], names[site.weight], names[site.bias], names[site.residual]) == ("x", "w", "b", "r")
+    arrays = draw_inputs(specs, {"n": 4})
+    np.testing.assert_allclose(run_llvm(gemm.inline_gemm_composites(part), arrays), run_llvm(mod, arrays),
+                               rtol=1e-3, atol=1e-3)
+
+
+def test_bf16_and_static_shapes_and_constant_weights():
+    for kw in (dict(dtype="bfloat16"), dict(rows=(4, 33)), dict(rows=("b", "s")), dict(weight_const=True)):
+        mod, _ = gemm_graph(True, False, None, False, **kw)
+        [site] = gemm.gemm_report(mod)
+        assert site.offloaded, (kw, site)
+    mod, specs = gemm_graph(True, True, None, False, weight_const=True)
+    part = mqa_byoc.partition_for_cutlass(mod)
+    [func] = _codegen_funcs(part).values()
+    assert find_gemm_site(func).num_inputs == 3  # the constant weight is a parameter of the function
+    arrays = draw_inputs(specs, {"n": 3})
+    np.testing.assert_allclose(run_llvm(gemm.inline_gemm_composites(part), arrays), run_llvm(mod, arrays),
+                               rtol=1e-3, atol=1e-3)
+
+
+def _int8_graph():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([16, 64], "int8"))
+    w = relax.Var("w", relax.TensorType([64, 64], "int8"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit_output(bb.emit(relax.op.matmul(x, w, out_dtype="int32")))
+        bb.emit_func_output(y)
+    return bb.get()
+
+
+def _batched_rhs_graph():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([2, 16, 64], "float16"))
+    w = relax.Var("w", relax.TensorType([2, 64, 32], "float16"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit_output(bb.emit(relax.op.matmul(x, w)))
+        bb.emit_func_output(y)
+    return bb.get()
+
+
+def _symbolic_k_graph():
+    k = tirx.Var("k", "int64")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([16, k], "float16"))
+    w = relax.Var("w", relax.TensorType([k, 64], "float16"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit_output(bb.emit(relax.op.matmul(x, w)))
+        bb.emit_func_output(y)
+    return bb.get()
+
+
+def _fp32_out_graph():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([16, 64], "float16"))
+    w = relax.Var("w", relax.TensorType([64, 64], "float16"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit_output(bb.emit(relax.op.matmul(x, w, out_dtype="float32")))
+        bb.emit_func_output(y)
+    return bb.get()
+
+
+BAD = {
+    "int8": (_int8_graph, "integer GEMM"),
+    "fp32": (lambda: gemm_graph(dtype="float32")[0], "float32 GEMM"),
+    "k_unaligned": (lambda: gemm_graph(k=60)[0], "K = 60 is not a multiple of 8"),
+    "n_unaligned": (lambda: gemm_graph(n=100)[0], "N = 100 is not a multiple of 8"),
+    "batched_rhs": (_batched_rhs_graph, "batched product of two activations"),
+    "symbolic_k": (_symbolic_k_graph, "symbolic size"),
+    "fp32_output": (_fp32_out_graph, "out_dtype"),
+    "decode_m1": (lambda: gemm_graph(rows=(1, 1))[0], "static M = 1"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_stays_on_tvm_with_a_reason(case):
+    build, why = BAD[case]
+    mod = build()
+    part = mqa_byoc.partition_for_cutlass(mod)
+    assert not _codegen_funcs(part)
+    tvm.ir.assert_structural_equal(part["main"], mod["main"])
+    [site] = gemm.gemm_report(mod)
+    assert not site.offloaded and site.runs_on == "TVM"
+    assert why in site.reason, site.reason
+
+
+def test_epilogues_cublaslt_lacks_stay_on_tvm_with_a_note():
+    # erf GELU: cuBLASLt's GELU is the tanh form, so only matmul + bias is fused
+    mod, specs = gemm_graph(True, True, "gelu", False)
+    [site] = gemm.gemm_report(mod)
+    assert site.offloaded and site.composite == "cublaslt.matmul_transposed_bias"
+    assert "tanh approximation" in site.note
+    part = mqa_byoc.partition_for_cutlass(mod)
+    arrays = draw_inputs(specs, {"n": 3})
+    np.testing.assert_allclose(run_llvm(gemm.inline_gemm_composites(part), arrays), run_llvm(mod, arrays),
+                               rtol=1e-3, atol=1e-3)
+    mod, _ = gemm_graph(True, False, "silu", False)
+    [site] = gemm.gemm_report(mod)
+    assert site.offloaded and site.composite == "cublaslt.matmul_transposed" and "no silu epilogue" in site.note
+    # an added operand that is neither a bias vector nor of the output's shape is left to TVM
+    mod, _ = gemm_graph(True, True, None, False, bias_shape=(3, 128), rows=(2, 3))
+    [site] = gemm.gemm_report(mod)
+    assert site.offloaded and site.composite == "cublaslt.matmul_transposed"
+
+
+def test_gemm_false_leaves_matmuls_and_offload_report_lists_gemm_sites():
+    mod, _ = gemm_graph(True, True, None, True)
+    assert not _codegen_funcs(mqa_byoc.partition_for_cutlass(mod, gemm=False))
+    assert mqa_byoc.offload_report(mod) == []  # attention only by default
+    [site] = mqa_byoc.offload_report(mod, gemm=True)
+    assert isinstance(site, gemm.GemmSite) and site.composite == "cublaslt.matmul_transposed_bias_residual"
+    assert "cuBLASLt" in gemm.format_gemm_report([site])
+
+
+def test_the_decoders_gemm_sites():
+    from mqa_byoc.models.llama import build_decoder
+    from mqa_byoc.models.paged_llama import PagedLlamaConfig, export_paged_llama
+    from mqa_byoc.models.presets import scaled
+
+    cfg = scaled("llama3-8b", num_layers=1, vocab_size=256, hidden_size=256, intermediate_size=512)
+    mod, _ = build_decoder(cfg, kv_expand="repeat", logits="all", functions=("prefill", "decode"), batch=1,
+                           kv_cache="inplace")
+    sites = gemm.gemm_report(mqa_byoc.partition_for_cutlass(mod, gemm=False))
+    prefill = [s for s in sites if s.function == "prefill"]
+    decode = [s for s in sites if s.function == "decode"]
+    # qkv, o_proj, gate_up, down (+ the residual) and lm_head; prefill's rows are symbolic
+    assert len(prefill) == 5 and all(s.offloaded and s.transposed for s in prefill), gemm.format_gemm_report(prefill)
+    assert sum(s.epilogue == "residual" for s in prefill) >= 1
+    assert len(decode) == 5 and not any(s.offloaded for s in decode)
+    assert all("static M = 1" in s.reason and "NT_matmul" in s.note for s in decode)
+    silu = [s for s in prefill if s.note and "silu" in s.note]
+    assert len(silu) == 1 and silu[0].n == 2 * cfg.intermediate_size
+    pcfg = PagedLlamaConfig(num_q_heads=8, num_kv_heads=2, head_dim=64, hidden=512, intermediate=1024, layers=1,
+                            vocab=256)
+    pmod, _params, _ = export_paged_llama(pcfg, tvm.target.Target({"kind": "cuda", "arch": "sm_90"}))
+    psites = gemm.gemm_report(pmod)
+    by_fn = {}
+    for s in psites:
+        by_fn.setdefault(s.function, []).append(s)
+    assert by_fn["decode"] and all(s.offloaded for s in by_fn["decode"]), gemm.format_gemm_report(psites)
+    assert by_fn["prefill"] and all(s.offloaded for s in by_fn["prefill"])
+
+
+def test_a_module_after_fuse_transpose_matmul_says_to_partition_first():
+    mod, _ = gemm_graph(True, False, None, False, rows=(4, 16))
+    lowered = relax.transform.FuseTransposeMatmul()(mod)
+    [site] = gemm.gemm_report(lowered)
+    assert not site.offloaded and site.transposed
+    assert "NT_matmul" in site.reason and "partition before the build pipeline" in site.reason
+    # the decoder pipeline runs it after the partition: the same graph partitioned first is offloaded
+    assert gemm.gemm_report(mod)[0].offloaded
+
+
+def test_codegen_errors_are_typed():
+    mod, _ = gemm_graph(True, False, None, False)
+    with pytest.raises(GemmCodegenError, match="exactly one composite call"):
+        find_gemm_site(mod["main"])  # not a partitioned function
+    with pytest.raises(GemmCodegenError, match="unknown composite"):
+        find_gemm_site(mod["main"].with_attr("Composite", "cublaslt.matmul_silu"))
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
+def test_generated_source_and_dispatcher_compile(tmp_path):
+    missing = _have_cublaslt_headers()
+    if missing:
+        pytest.skip(missing)
+    import dataclasses
+
+    sources = []
+    for i, form in enumerate(FORMS):
+        part = mqa_byoc.partition_for_cutlass(gemm_graph(*form, dtype="bfloat16" if form[1] else "float16")[0])
+        site = find_gemm_site(next(iter(_codegen_funcs(part).values())))
+        sources.append(emit_gemm_source(dataclasses.replace(site, symbol=f"{site.symbol}_{i}"), prelude=not sources))
+    src = tmp_path / "gemm.cc"
+    src.write_text("".join(sources))
+    tvm_inc = [f for f in cublaslt_build.include_flags() if "nvidia" not in f and "cuda" not in f]
+    res = subprocess.run(["g++", "-std=c++17", "-fsyntax-only", *tvm_inc, str(src)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    obj = cublaslt_build.dispatcher_object(progress=None)
+    syms = subprocess.run(["nm", str(obj)], capture_output=True, text=True).stdout
+    assert " T mqa_byoc_cublaslt_gemm" in syms and " U TVMBackendAllocWorkspace" in syms
+    assert "cublasLtMatmul" not in syms.replace("mqa_byoc_cublaslt", "")  # opened at run time, not linked
+
+
+@pytest.mark.slow
+def test_export_links_the_dispatcher(tmp_path):
+    missing = _have_cublaslt_headers()
+    if missing:
+        pytest.skip(missing)
+    mod, _ = gemm_graph(True, True, "gelu_tanh", False)
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    ex = mqa_byoc.build(mod, target, provider="python")
+    path = tmp_path / "gemm.so"
+    mqa_byoc.export_library(ex, path, progress=None)
+    syms = subprocess.run(["nm", str(path)], capture_output=True, text=True).stdout
+    assert " t mqa_byoc_cublaslt_gemm" in syms or " T mqa_byoc_cublaslt_gemm" in syms
+    needed = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True).stdout
+    assert "cublas" not in needed.lower()  # libcublasLt is opened at the first GEMM
+    # a plain export_library links too: the dispatcher is a weak reference, its GEMMs say how to export
+    plain = tmp_path / "plain.so"
+    ex.export_library(str(plain))
+    syms = subprocess.run(["nm", str(plain)], capture_output=True, text=True).stdout
+    assert " w mqa_byoc_cublaslt_gemm" in syms
+    assert b"mqa_byoc.export_library(executable, path)" in plain.read_bytes()

@@ -1,0 +1,163 @@
+"""Build the GEMM libraries for tests/gpu/test_gpu_gemm.py and benchmarks/gemm.py.
+
+    python tools/gpu/build_gemm.py [--out .gpu-artifacts/gemm] [--arch sm_90] [--no-bench]
+
+``patterns/``: every GEMM composite (fp16 and bf16, symbolic and static M, a constant weight), each as
+one function of one module: ``ours.so`` (``partition_for_cutlass(gemm=True)``, cuBLASLt, exported with
+``mqa_byoc.export_library``), random inputs and the unpartitioned module's outputs as TVM computes them
+on the CPU (``inputs.npz``: ``<function>.<i>`` and ``<function>.ref``).
+
+``bench/``: the CodeLlama-34B GEMM shapes (nn.Linear: x @ W^T, fp16): ``ours.so`` with symbolic M on
+cuBLASLt, ``tvm_sym.so`` the same functions on TVM (decoder pipeline: FuseTransposeMatmul + dlight) and
+``tvm_static.so`` one function per (shape, M) on TVM (where dlight's GEMV rule applies to M = 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "src"))
+
+#: (name, N, K) of the CodeLlama-34B preset's GEMMs (hidden 8192, intermediate 22016, 64/8 heads x 128)
+BENCH_SHAPES = (("qkv", (64 + 2 * 8) * 128, 8192), ("o_proj", 8192, 8192), ("gate_up", 2 * 22016, 8192),
+                ("down", 8192, 22016))
+BENCH_M = (1, 8, 32, 2048, 16384)
+
+
+def pattern_cases():
+    from mqa_byoc.testing.gemm_graphs import FORMS
+
+    cases = []
+    for i, form in enumerate(FORMS):
+        cases.append((f"f{i}_fp16_sym", form, dict(dtype="float16", rows=(2, "n"), k=128, n=256)))
+    for i, form in enumerate(FORMS[:6]):
+        cases.append((f"f{i}_bf16_sym", form, dict(dtype="bfloat16", rows=("n",), k=256, n=256)))
+    cases.append(("static_fp16", FORMS[3], dict(dtype="float16", rows=(4, 33), k=128, n=256)))
+    cases.append(("const_fp16", FORMS[5], dict(dtype="float16", rows=("n",), k=256, n=512, weight_const=True)))
+    return cases
+
+
+def merged(cases, dtype=None):
+    import tvm
+
+    from mqa_byoc.testing.gemm_graphs import gemm_graph
+
+    funcs, specs = {}, {}
+    for name, form, kw in cases:
+        mod, spec = gemm_graph(*form, function=name, **{**kw, **({"dtype": dtype} if dtype else {})})
+        funcs[name] = mod[name]
+        specs[name] = spec
+    return tvm.IRModule({tvm.ir.GlobalVar(n): f.with_attr("global_symbol", n) for n, f in funcs.items()}), specs
+
+
+def build_patterns(out: Path, arch: str):
+    import ml_dtypes
+    import numpy as np
+    import tvm
+    import tvm.runtime.vm
+
+    import mqa_byoc
+    from mqa_byoc.testing.gemm_graphs import draw_inputs
+    from mqa_byoc.compiler.graph.gemm import gemm_report
+
+    target = tvm.target.Target({"kind": "cuda", "arch": arch})
+    cases = pattern_cases()
+    mod, specs = merged(cases)
+    report = gemm_report(mod)
+    not_offloaded = [s for s in report if not s.offloaded]
+    if not_offloaded or len(report) != len(cases):
+        raise SystemExit(f"not every pattern case offloaded: {not_offloaded}")
+    out.mkdir(parents=True, exist_ok=True)
+    ex = mqa_byoc.build(mod, target, mqa=True)  # partition_for_cutlass(gemm=True) + RunCodegen + build
+    mqa_byoc.export_library(ex, out / "ours.so")
+    # the reference: the unpartitioned graph as TVM builds it for the CPU, in float32 on the inputs rounded
+    # to their type (TVM's llvm matmul sums in the operands' type, a bf16 sum is off by a few %; TVM's CUDA
+    # default pipeline fails in dlight's Matmul rule on the fused transposed-weight + bias forms)
+    ref_mod, _ = merged(cases, dtype="float32")
+    ref_vm = tvm.runtime.vm.VirtualMachine(tvm.compile(ref_mod, target="llvm"), tvm.cpu())
+    manifest = {"functions": {}}
+    arrays = {}
+    for name, form, kw in cases:
+        sizes = {"n": 37} if "sym" in name or "const" in name else {}
+        ins = draw_inputs(specs[name], sizes, seed=len(arrays))
+        for j, a in enumerate(ins):
+            arrays[f"{name}.{j}"] = a
+        rounded = [a.astype(ml_dtypes.bfloat16).astype("float32") if dt == "bfloat16" else a.astype("float32")
+                   for a, dt in zip(ins, (s[2] for s in specs[name]))]
+        args = [tvm.runtime.tensor(a) for a in rounded]
+        arrays[f"{name}.ref"] = np.asarray(ref_vm[name](*args).numpy()).astype("float32")
+        manifest["functions"][name] = {"form": list(form), **{k: v for k, v in kw.items() if k != "rows"},
+                                       "rows": [str(r) for r in kw["rows"]], "sizes": sizes,
+                                       "dtypes": [s[2] for s in specs[name]], "num_inputs": len(ins),
+                                       "composite": next(s.composite for s in report if s.function == name)}
+    arrays["__meta__"] = np.array(json.dumps(manifest["functions"]))
+    np.savez(out / "inputs.npz", **arrays)
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    print(f"patterns: {len(cases)} functions -> {out}", flush=True)
+
+
+def bench_module(static_m=None):
+    import tvm
+    from tvm import relax, tirx
+
+    funcs = {}
+    for name, n, k in BENCH_SHAPES:
+        for m in ([None] if static_m is None else static_m):
+            rows = tirx.Var("m", "int64") if m is None else m
+            bb = relax.BlockBuilder()
+            x = relax.Var("x", relax.TensorType([rows, k], "float16"))
+            w = relax.Var("w", relax.TensorType([n, k], "float16"))
+            fname = name if m is None else f"{name}_m{m}"
+            with bb.function(fname, [x, w]):
+                with bb.dataflow():
+                    y = bb.emit_output(bb.emit(relax.op.matmul(x, relax.op.permute_dims(w))))
+                bb.emit_func_output(y)
+            funcs[fname] = bb.get()[fname]
+    return tvm.IRModule({tvm.ir.GlobalVar(n): f.with_attr("global_symbol", n) for n, f in funcs.items()})
+
+
+def build_bench(out: Path, arch: str):
+    import tvm
+
+    import mqa_byoc
+    from mqa_byoc.compiler.graph.gemm import PartitionGemm
+    from mqa_byoc.compiler.pipeline import cuda_decoder_pipeline
+
+    target = tvm.target.Target({"kind": "cuda", "arch": arch})
+    out.mkdir(parents=True, exist_ok=True)
+    sym = bench_module()
+    t0 = time.time()
+    ex = mqa_byoc.build(PartitionGemm()(sym), target, mqa=None, pipeline=cuda_decoder_pipeline(target))
+    mqa_byoc.export_library(ex, out / "ours.so")
+    tvm.compile(sym, target=target, relax_pipeline=cuda_decoder_pipeline(target)).export_library(str(out / "tvm_sym.so"))
+    print(f"bench: ours + tvm_sym in {time.time() - t0:.0f}s", flush=True)
+    t0 = time.time()
+    static = bench_module(BENCH_M)
+    tvm.compile(static, target=target, relax_pipeline=cuda_decoder_pipeline(target)).export_library(
+        str(out / "tvm_static.so"))
+    (out / "manifest.json").write_text(json.dumps({"shapes": [list(s) for s in BENCH_SHAPES], "m": list(BENCH_M)}))
+    print(f"bench: tvm_static in {time.time() - t0:.0f}s", flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=ROOT / ".gpu-artifacts" / "gemm")
+    ap.add_argument("--arch", default=os.environ.get("MQA_BYOC_ARCH", "sm_90"))
+    ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--no-patterns", action="store_true")
+    args = ap.parse_args(argv)
+    if not args.no_patterns:
+        build_patterns(args.out / "patterns", args.arch)
+    if not args.no_bench:
+        build_bench(args.out / "bench", args.arch)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TVM_NUM_THREADS", "2")
+    main()
