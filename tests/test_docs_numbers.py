@@ -329,3 +329,34 @@ def test_results_index_records_commit_date_gpu_command():
         assert re.fullmatch(r"[0-9a-f]{7,}", commit), row
         assert re.match(r"20\d\d-\d\d-\d\d", date), row
         assert gpu and command, row
+
+
+def gemm_claims() -> dict[str, str]:
+    """The README's GEMM numbers, from the GEMM benchmark and the paged decoder's same-run profiles."""
+    rows = _load("2026-12-01-gemm.json")["rows"]
+    big = [r for r in rows if r["M"] >= 2048]
+    ours = [r["ours"]["tflops"] for r in big]
+    tvm = [min(r["tvm_static"]["tflops"], r["tvm_sym"]["tflops"]) for r in big]
+    tvm_hi = [max(r["tvm_static"]["tflops"], r["tvm_sym"]["tflops"]) for r in big]
+    vs = [r["ours"]["vs_torch"] for r in big]
+    on = _load("2026-12-01-profile-codellama34b-4l-paged-gemm-2k.json")
+    off = _load("2026-12-01-profile-codellama34b-4l-paged-nogemm-2k.json")
+    m_on, m_off = on["modes"]["mqa"], off["modes"]["mqa"]
+    limit_ms = weights_and_kv_bytes(m_on, on["prompt_len"]) / (HBM_TB_S * 1e12) * 1e3
+    d_on, d_off = m_on["decode_loop_ms_per_token"], m_off["decode_loop_ms_per_token"]
+    p_on = m_on["phases"]["prefill"]["wall_ms_median"]
+    p_off = m_off["phases"]["prefill"]["wall_ms_median"]
+    return {
+        "prefill rate": f"at {min(ours):.0f}–{max(ours):.0f} TFLOP/s, {min(vs):.2f}–{max(vs):.2f}x `torch.matmul`",
+        "tvm rate": f"(TVM's own kernels: {min(tvm):.0f}–{max(tvm_hi):.0f} TFLOP/s)",
+        "decode": f"decode {d_on:.3f} ms/token vs {d_off:.3f} on TVM's kernels ({d_off / d_on:.2f}x), "
+                  f"{d_on / limit_ms:.2f}x the time it takes to read every weight and the K/V once",
+        "prefill": f"prefill {p_on:.1f} ms vs {p_off:.1f} ms ({p_off / p_on:.2f}x)",
+    }
+
+
+@pytest.mark.parametrize("name", sorted(gemm_claims()))
+def test_readme_gemm_claim(name):
+    text = " ".join(README.read_text().split())
+    assert gemm_claims()[name] in text, f"README lacks {name}: {gemm_claims()[name]!r}"
+

@@ -278,9 +278,23 @@ def test_export_links_the_dispatcher(tmp_path):
     assert " t mqa_byoc_cublaslt_gemm" in syms or " T mqa_byoc_cublaslt_gemm" in syms
     needed = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True).stdout
     assert "cublas" not in needed.lower()  # libcublasLt is opened at the first GEMM
-    # a plain export_library links too: the dispatcher is a weak reference, its GEMMs say how to export
+    # TVM's own export_library links it too: mqa_byoc.build attached the dispatcher as a static library
     plain = tmp_path / "plain.so"
     ex.export_library(str(plain))
     syms = subprocess.run(["nm", str(plain)], capture_output=True, text=True).stdout
+    assert " t mqa_byoc_cublaslt_gemm" in syms or " T mqa_byoc_cublaslt_gemm" in syms
+    assert "cublas" not in subprocess.run(["readelf", "-d", str(plain)], capture_output=True, text=True).stdout.lower()
+    # built by hand (RunCodegen + relax.build, nothing attached): the dispatcher stays a weak reference whose
+    # GEMMs say how to export, and mqa_byoc.export_library links it
+    with target:
+        bare = relax.build(relax.transform.RunCodegen()(mqa_byoc.partition_for_cutlass(mod, provider="python")),
+                           target=target)
+    weak = tmp_path / "weak.so"
+    bare.export_library(str(weak))
+    syms = subprocess.run(["nm", str(weak)], capture_output=True, text=True).stdout
     assert " w mqa_byoc_cublaslt_gemm" in syms
-    assert b"mqa_byoc.export_library(executable, path)" in plain.read_bytes()
+    assert b"mqa_byoc.export_library(executable, path)" in weak.read_bytes()
+    linked = tmp_path / "linked.so"
+    mqa_byoc.export_library(bare, linked, progress=None)
+    syms = subprocess.run(["nm", str(linked)], capture_output=True, text=True).stdout
+    assert " t mqa_byoc_cublaslt_gemm" in syms or " T mqa_byoc_cublaslt_gemm" in syms

@@ -6,8 +6,9 @@
 //
 // libcublasLt.so.13 is opened at the first call (dlopen), so that the exported library loads without it
 // and says what to install when it is missing. Search order: the loader's path (LD_LIBRARY_PATH, rpath,
-// ld.so cache), $MQA_BYOC_CUBLASLT_PATH (a file), the directory of this library, and the nvidia-cublas
-// wheel directory seen when this file was compiled (MQA_BYOC_CUBLASLT_HINT).
+// ld.so cache, a libcublasLt already loaded in the process), the directory of this library, and the
+// nvidia-cublas wheel directory seen when this file was compiled (MQA_BYOC_CUBLASLT_HINT). No environment
+// variable of ours is read.
 //
 // One handle per device, one descriptor set + heuristic algorithm cached per (device, shape, type,
 // epilogue, alignment); a 32 MiB workspace per device from TVM's workspace pool, used on TVM's stream.
@@ -57,11 +58,10 @@ std::string self_dir() {
 
 void* open_cublaslt(std::string* tried) {
   const char* name = "libcublasLt.so.13";
-  std::string candidates[4] = {name, "", "", ""};
-  if (const char* env = std::getenv("MQA_BYOC_CUBLASLT_PATH")) candidates[1] = env;
+  std::string candidates[3] = {name, "", ""};
   std::string dir = self_dir();
-  if (!dir.empty()) candidates[2] = dir + "/" + name;
-  if (MQA_BYOC_CUBLASLT_HINT[0] != '\0') candidates[3] = std::string(MQA_BYOC_CUBLASLT_HINT) + "/" + name;
+  if (!dir.empty()) candidates[1] = dir + "/" + name;
+  if (MQA_BYOC_CUBLASLT_HINT[0] != '\0') candidates[2] = std::string(MQA_BYOC_CUBLASLT_HINT) + "/" + name;
   for (const std::string& c : candidates) {
     if (c.empty()) continue;
     if (void* h = dlopen(c.c_str(), RTLD_NOW | RTLD_LOCAL)) return h;
@@ -85,8 +85,8 @@ const Api& api() {
     a.lib = open_cublaslt(&tried);
     if (a.lib == nullptr) {
       a.error = "cannot load libcublasLt.so.13 (cuBLASLt, for the offloaded GEMMs). Install it with "
-                "`pip install nvidia-cublas` and put its nvidia/cu13/lib on LD_LIBRARY_PATH, copy "
-                "libcublasLt.so.13 next to this library, or set MQA_BYOC_CUBLASLT_PATH to the file. Tried:" +
+                "`pip install nvidia-cublas` and put its nvidia/cu13/lib on LD_LIBRARY_PATH, or copy "
+                "libcublasLt.so.13 next to this library. Tried:" +
                 tried;
       return;
     }
