@@ -59,6 +59,11 @@ _IN_KIT = textwrap.dedent("""
     import tvm, tvm_ffi
     assert tvm.__file__.startswith(os.environ["KIT"]), tvm.__file__
     assert tvm_ffi.get_global_func("tvm_callback_cuda_compile") is not None
+    import tvm.support.nvcc  # noqa: F401 - TVM's own hook, which needs the compiler library, must not win
+    try:
+        tvm_ffi.get_global_func("tvm_callback_cuda_compile")("__global__ void k() {}", "fatbin")
+    except Exception as err:  # no GPU (or no nvcc) here: the kit's hook says so in its own words
+        assert "tvm_runtime_kit:" in str(err), err
     try:
         import tvm.relax  # noqa: F401
         raise SystemExit("tvm.relax imported from the runtime-only kit")

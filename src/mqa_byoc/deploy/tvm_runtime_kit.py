@@ -7,8 +7,9 @@ Importing it
 - loads ``tvm/lib/libtvm_runtime_cuda.so``: TVM's runtime-only mode does not load device backends by
   itself. Where the CUDA driver is missing the load fails; the reason is kept in :data:`CUDA_ERROR`
   and a warning says so (libraries built for the CPU still run);
-- registers ``tvm_callback_cuda_compile`` unless one is registered already (a full TVM registers
-  its own): TVM 0.27 keeps the CUDA kernels it generates as source inside an exported library and
+- registers ``tvm_callback_cuda_compile``: always on a runtime-only TVM, whose Python package registers
+  TVM's own hook too (``tvm.support.nvcc``), which needs the compiler library and fails there; on a
+  full TVM only when none is registered. TVM 0.27 keeps the CUDA kernels it generates as source inside an exported library and
   compiles them when the library is loaded. The hook compiles with ``nvcc --fatbin`` for the
   architecture of the GPU it runs on (``$CUDA_HOME/bin/nvcc``, else ``nvcc`` on ``PATH``).
 
@@ -19,6 +20,7 @@ Use: ``import tvm_runtime_kit`` before ``tvm.runtime.load_module``, or
 from __future__ import annotations
 
 import ctypes
+import importlib
 import os
 import shutil
 import subprocess
@@ -59,8 +61,16 @@ def gpu_arch(device: int = 0) -> str:
     return f"sm_{major}{minor}"
 
 
-def compile_cuda(code, *_rest) -> bytearray:
-    """``tvm_callback_cuda_compile``: CUDA C source -> fatbin for the local GPU."""
+def compile_cuda(code, *rest) -> bytearray:
+    """``tvm_callback_cuda_compile``: CUDA C source -> fatbin for the local GPU. Its errors start with
+    ``tvm_runtime_kit:`` so that a failing load says which hook ran."""
+    try:
+        return _compile_cuda(code)
+    except Exception as err:
+        raise RuntimeError(f"tvm_runtime_kit: compiling TVM's CUDA kernels failed: {err}") from err
+
+
+def _compile_cuda(code) -> bytearray:
     with tempfile.TemporaryDirectory(prefix="tvm-cuda-") as d:
         src, out = os.path.join(d, "kernels.cu"), os.path.join(d, "kernels.fatbin")
         with open(src, "w") as f:
@@ -84,8 +94,13 @@ def setup() -> None:
             CUDA_ERROR = str(err)
             warnings.warn(f"TVM's CUDA runtime did not load ({err}): only CPU libraries can run", RuntimeWarning,
                           stacklevel=2)
-    if tvm_ffi.get_global_func(HOOK, allow_missing=True) is None:
-        tvm_ffi.register_global_func(HOOK, compile_cuda)
+    if runtime_only():
+        try:  # TVM's own hook registers itself when this is imported; ours must come after it
+            importlib.import_module("tvm.support.nvcc")
+        except Exception:  # noqa: BLE001 - a runtime-only package may lack it: then there is nothing to replace
+            pass
+    if runtime_only() or tvm_ffi.get_global_func(HOOK, allow_missing=True) is None:
+        tvm_ffi.register_global_func(HOOK, compile_cuda, override=True)
 
 
 setup()

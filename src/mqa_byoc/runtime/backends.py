@@ -12,6 +12,8 @@ import importlib.util
 import os
 import threading
 
+import tvm_ffi
+
 __all__ = [
     "BACKENDS",
     "ENV_VAR",
