@@ -63,7 +63,7 @@ PAGED_EARLIER = "2026-11-30-paged-attention.json"
 PAGED_PROFILE = "2026-11-30-profile-codellama34b-4l-paged-2k.json"
 KERNEL_RUN = "2026-12-01-decode-kernel-loadpath.json"
 FLOOR_RUN = "2026-12-01-decode-kernel-read-floor.json"
-FUZZ_RUN = "2026-11-30-fuzz-1000-seed8.json"
+FUZZ_RUN = "2026-12-01-fuzz-1000-seed8.json"
 PARTITION_RUN = "2026-11-29-partition-speed.json"
 
 TABLE_ROWS = {  # README / performance.md kernel table: row label -> variant
