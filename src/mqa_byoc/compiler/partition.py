@@ -276,5 +276,9 @@ def partition_for_cutlass(
     if gemm:
         from mqa_byoc.compiler.graph.gemm import PartitionGemm
 
-        passes.append(PartitionGemm(annotate_codegen=annotate_codegen))
+        gemms = PartitionGemm(annotate_codegen=annotate_codegen)
+        # Without the annotation the attention composites stay plain global functions, and TVM's
+        # FuseOpsByPattern fails inside such a function (the sink attention's); the GEMMs are grouped first
+        # then (the attention matmuls are never GEMM sites: their right-hand side is not a 2-D weight).
+        passes = passes + [gemms] if annotate_codegen else [gemms] + passes
     return tvm.transform.Sequential(passes, name="PartitionForFlashAttention")(mod)
