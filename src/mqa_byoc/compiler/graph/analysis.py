@@ -15,7 +15,7 @@ from tvm import relax, tirx
 
 from mqa_byoc.compiler.graph import masks
 from mqa_byoc.compiler.graph import sinks as sink_forms
-from mqa_byoc.compiler.graph.site import AttentionSite, common_checks, seq_len
+from mqa_byoc.compiler.graph.site import AttentionSite, common_checks, seq_len, trace_fused_operands
 from mqa_byoc.compiler.graph.trace import SINGLE_HEAD, Bindings, Traced, op_name, prove_equal, shape_of, trace
 from mqa_byoc.compiler.graph.varlen import var_len_site
 
@@ -61,18 +61,9 @@ def find_sites(func_name: str, func: relax.Function, evaluator: masks.MaskEvalua
 # ----------------------------------------------------------------------------- R.nn.attention roots
 def _attention_call_site(func_name, var, call, bindings, evaluator, allow_kv_expansion=True):
     site = AttentionSite(func_name, var, "R.nn.attention", out_labels=["B", "S", "H", "D"])
-    bsnh = ["B", "S", "H", "D"]
-    site.q = trace(call.args[0], bsnh, bindings, allow_expansion=False, fold_scale=True)
-    site.k = trace(call.args[1], bsnh, bindings, allow_expansion=allow_kv_expansion)
-    site.v = trace(call.args[2], bsnh, bindings, allow_expansion=allow_kv_expansion)
-    attrs = call.attrs
-    site.scale = float(attrs.scale.value) if attrs.scale is not None else None
-    site.causal_attr = attrs.causal_mask
-    common_checks(site)
-    if site.reason:
+    if not trace_fused_operands(site, call, bindings, allow_kv_expansion):
         return site
-    if site.q.scale != 1.0:  # a constant multiplied into the query scales the logits
-        site.scale = (site.scale if site.scale is not None else 1.0 / site.head_dim ** 0.5) * site.q.scale
+    attrs = call.attrs
     if len(call.args) > 3 and call.args[3] is not None:
         if attrs.causal_mask is not None or attrs.window_size is not None:
             return site.reject("a bias together with a causal mask or window")

@@ -15,7 +15,7 @@ from tvm import relax
 from mqa_byoc.compiler.graph import masks
 from mqa_byoc.compiler.graph.sinks import SinkLogits
 from mqa_byoc.compiler.graph.spec import MAX_HEAD_DIM, SUPPORTED_DTYPES
-from mqa_byoc.compiler.graph.trace import BROADCAST, TILE, Traced, as_int, prove_equal
+from mqa_byoc.compiler.graph.trace import BROADCAST, TILE, Traced, as_int, prove_equal, trace
 
 # fused attention ops: their K/V may have fewer heads than Q (no matmul broadcasting involved)
 FUSED_FORMS = ("R.nn.attention", "R.nn.attention_var_len")
@@ -156,3 +156,28 @@ def expansion_problem(k: Traced, h, hkv) -> str | None:
     if k.expansion == TILE and hkv != 1:
         return "K/V expanded with tile: query head h would use K/V head h % H_kv, FA2 uses h // (H / H_kv)"
     return None
+
+
+def trace_fused_operands(site: AttentionSite, call, bindings, allow_kv_expansion: bool) -> bool:
+    """The part every fused attention op shares (``R.nn.attention``, ``R.nn.attention_var_len``): trace
+    q, k, v (BSNH) back to their sources, read ``scale`` and ``causal_mask``, run :func:`common_checks`
+    and fold a constant multiplied into the query into the scale.
+
+    Returns
+    -------
+    bool
+        False when the checks rejected the site (its ``reason`` says why).
+    """
+    bsnh = ["B", "S", "H", "D"]
+    site.q = trace(call.args[0], bsnh, bindings, allow_expansion=False, fold_scale=True)
+    site.k = trace(call.args[1], bsnh, bindings, allow_expansion=allow_kv_expansion)
+    site.v = trace(call.args[2], bsnh, bindings, allow_expansion=allow_kv_expansion)
+    site.scale = float(call.attrs.scale.value) if call.attrs.scale is not None else None
+    site.causal_attr = call.attrs.causal_mask
+    common_checks(site)
+    if site.reason:
+        return False
+    if site.q.scale != 1.0:  # a constant multiplied into the query scales the logits
+        site.scale = (site.scale if site.scale is not None else 1.0 / site.head_dim ** 0.5) * site.q.scale
+    return True
+

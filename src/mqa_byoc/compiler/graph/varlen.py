@@ -24,8 +24,8 @@ from tvm.ir.expr import Constant
 from mqa_byoc.contract import COMPOSITE_VAR_LEN
 
 from mqa_byoc.compiler.graph.masks import MaskKind
-from mqa_byoc.compiler.graph.site import AttentionSite, common_checks
-from mqa_byoc.compiler.graph.trace import Traced, as_int, shape_of, trace
+from mqa_byoc.compiler.graph.site import AttentionSite, common_checks, trace_fused_operands
+from mqa_byoc.compiler.graph.trace import Traced, as_int, shape_of
 
 VAR_LEN_OP = "relax.nn.attention_var_len"
 FORM = "R.nn.attention_var_len"
@@ -49,19 +49,10 @@ class VarLenSite(AttentionSite):
 def var_len_site(func_name, var, call, bindings, allow_kv_expansion=True) -> VarLenSite:
     """The analysis of one ``R.nn.attention_var_len`` binding (``var = call``)."""
     site = VarLenSite(func_name, var, FORM, out_labels=list(_BSNH))
-    site.q = trace(call.args[0], _BSNH, bindings, allow_expansion=False, fold_scale=True)
-    site.k = trace(call.args[1], _BSNH, bindings, allow_expansion=allow_kv_expansion)
-    site.v = trace(call.args[2], _BSNH, bindings, allow_expansion=allow_kv_expansion)
     site.seqstart_q, site.seqstart_k, site.max_seqlen_q, site.max_seqlen_k = call.args[3:7]
-    attrs = call.attrs
-    site.scale = float(attrs.scale.value) if attrs.scale is not None else None
-    site.causal_attr = attrs.causal_mask
-    common_checks(site)
-    if site.reason:
+    if not trace_fused_operands(site, call, bindings, allow_kv_expansion):
         return site
-    if site.q.scale != 1.0:  # a constant multiplied into the query scales the logits
-        site.scale = (site.scale if site.scale is not None else 1.0 / site.head_dim ** 0.5) * site.q.scale
-    return _var_len_checks(site, attrs)
+    return _var_len_checks(site, call.attrs)
 
 
 def check_var_len_call(call, operand_values) -> VarLenSite:
