@@ -7,11 +7,19 @@
 // libcublasLt.so.13 is opened at the first call (dlopen), so that the exported library loads without it
 // and says what to install when it is missing. Search order: the loader's path (LD_LIBRARY_PATH, rpath,
 // ld.so cache, a libcublasLt already loaded in the process), the directory of this library, and the
-// nvidia-cublas wheel directory seen when this file was compiled (MQA_BYOC_CUBLASLT_HINT). No environment
-// variable of ours is read.
+// nvidia-cublas wheel directory seen when this file was compiled (MQA_BYOC_CUBLASLT_HINT).
 //
-// One handle per device, one descriptor set + heuristic algorithm cached per (device, shape, type,
-// epilogue, alignment); a 32 MiB workspace per device from TVM's workspace pool, used on TVM's stream.
+// One handle per device, one descriptor set + algorithm cached per (device, shape, type, epilogue,
+// alignment); a 32 MiB workspace per device from TVM's workspace pool, used on TVM's stream.
+//
+// Algorithm: cuBLASLt's heuristic ranks its algorithms by a model, and its first choice is what a plan
+// keeps. With MQA_BYOC_CUBLASLT_ALGO=measure (read once, at the first GEMM) a plan of at most
+// kMeasureMaxM rows (decode: the weights are read once, and the heuristic's first choice is often a
+// split-K algorithm with a reduction kernel after it) instead times up to kCandidates of the heuristic's
+// algorithms on the call's own operands, on its stream (CUDA driver events, libcuda.so.1 opened the same
+// way), and keeps the fastest; the measurement costs a few ms per shape, once. Larger M keeps the
+// heuristic's choice (prefill GEMMs run at the library's rate with it, and a new prompt length would
+// measure again).
 #include <cublasLt.h>
 #include <dlfcn.h>
 #include <tvm/runtime/c_backend_api.h>
@@ -32,6 +40,45 @@
 namespace {
 
 constexpr size_t kWorkspaceBytes = 32u << 20;  // what NVIDIA recommends for Hopper
+constexpr int kCandidates = 16;                 // heuristic results timed by MQA_BYOC_CUBLASLT_ALGO=measure
+constexpr int64_t kMeasureMaxM = 64;            // rows up to which a plan is measured
+constexpr int kMeasureReps = 5;                 // timed calls per candidate (after one untimed)
+
+// The CUDA driver's event calls, opened from libcuda.so.1 (already loaded by any CUDA process).
+struct Driver {
+  bool ok = false;
+  int (*event_create)(void**, unsigned) = nullptr;
+  int (*event_record)(void*, void*) = nullptr;
+  int (*event_sync)(void*) = nullptr;
+  int (*event_elapsed)(float*, void*, void*) = nullptr;
+  int (*event_destroy)(void*) = nullptr;
+};
+
+const Driver& driver() {
+  static Driver d;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) return;
+    d.event_create = reinterpret_cast<int (*)(void**, unsigned)>(dlsym(lib, "cuEventCreate"));
+    d.event_record = reinterpret_cast<int (*)(void*, void*)>(dlsym(lib, "cuEventRecord"));
+    d.event_sync = reinterpret_cast<int (*)(void*)>(dlsym(lib, "cuEventSynchronize"));
+    d.event_elapsed = reinterpret_cast<int (*)(float*, void*, void*)>(dlsym(lib, "cuEventElapsedTime"));
+    d.event_destroy = reinterpret_cast<int (*)(void*)>(dlsym(lib, "cuEventDestroy_v2"));
+    d.ok = d.event_create && d.event_record && d.event_sync && d.event_elapsed && d.event_destroy;
+  });
+  return d;
+}
+
+// MQA_BYOC_CUBLASLT_ALGO: "measure" times the heuristic's candidates for small M; unset or "heuristic"
+// keeps its first choice.
+bool measure_requested() {
+  static const bool on = [] {
+    const char* v = std::getenv("MQA_BYOC_CUBLASLT_ALGO");
+    return v != nullptr && std::strcmp(v, "measure") == 0;
+  }();
+  return on;
+}
 
 struct Api {
   void* lib = nullptr;
@@ -152,7 +199,8 @@ cublasLtEpilogue_t epilogue_of(int epilogue) {
   }
 }
 
-int make_plan(const Api& a, cublasLtHandle_t handle, const Key& key, Plan* plan) {
+int make_plan(const Api& a, cublasLtHandle_t handle, const Key& key, Plan* plan,
+              cublasLtMatmulHeuristicResult_t* candidates, int* n_candidates) {
   const int is_bf16 = std::get<1>(key), transposed = std::get<2>(key), epilogue = std::get<3>(key);
   const int residual = std::get<4>(key), align = std::get<8>(key);
   const int64_t m = std::get<5>(key), n = std::get<6>(key), k = std::get<7>(key);
@@ -183,17 +231,51 @@ int make_plan(const Api& a, cublasLtHandle_t handle, const Key& key, Plan* plan)
   a.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al, sizeof(al));
   a.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al, sizeof(al));
   a.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al, sizeof(al));
-  cublasLtMatmulHeuristicResult_t result;
   int found = 0;
-  cublasStatus_t s = a.heuristic(handle, plan->desc, plan->a, plan->b, plan->c, plan->d, pref, 1, &result, &found);
+  const int wanted = (measure_requested() && m <= kMeasureMaxM && driver().ok) ? kCandidates : 1;
+  cublasStatus_t s = a.heuristic(handle, plan->desc, plan->a, plan->b, plan->c, plan->d, pref, wanted,
+                                 candidates, &found);
   a.pref_destroy(pref);
   if (s != CUBLAS_STATUS_SUCCESS || found == 0) {
     return fail("cuBLASLt has no algorithm for M=" + std::to_string(m) + " N=" + std::to_string(n) +
                 " K=" + std::to_string(k) + (is_bf16 ? " bf16" : " fp16") + " epilogue " + std::to_string(epilogue) +
                 (residual ? " + residual" : "") + ": " + status(a, s));
   }
-  plan->algo = result.algo;
+  plan->algo = candidates[0].algo;
+  *n_candidates = found;
   return 0;
+}
+
+// The fastest of `found` candidates on the call's operands (D is written; the call after this writes
+// it again). A candidate that fails to run is skipped; if every one fails the heuristic's first stays.
+void pick_fastest(const Api& a, const Device& dev, Plan* plan, const cublasLtMatmulHeuristicResult_t* candidates,
+                  int found, const void* alpha, const void* beta, const void* x, const void* w, const void* c,
+                  void* out, cudaStream_t stream) {
+  const Driver& d = driver();
+  void *start = nullptr, *stop = nullptr;
+  if (d.event_create(&start, 0) != 0 || d.event_create(&stop, 0) != 0) return;
+  float best = -1.0f;
+  for (int i = 0; i < found; ++i) {
+    if (candidates[i].state != CUBLAS_STATUS_SUCCESS) continue;
+    const cublasLtMatmulAlgo_t* algo = &candidates[i].algo;
+    auto run = [&] {
+      return a.matmul(dev.handle, plan->desc, alpha, w, plan->a, x, plan->b, beta, c, plan->c, out, plan->d, algo,
+                      dev.workspace, kWorkspaceBytes, stream);
+    };
+    if (run() != CUBLAS_STATUS_SUCCESS) continue;
+    d.event_record(start, stream);
+    bool ok = true;
+    for (int r = 0; r < kMeasureReps && ok; ++r) ok = run() == CUBLAS_STATUS_SUCCESS;
+    d.event_record(stop, stream);
+    float ms = 0.0f;
+    if (!ok || d.event_sync(stop) != 0 || d.event_elapsed(&ms, start, stop) != 0) continue;
+    if (best < 0.0f || ms < best) {
+      best = ms;
+      plan->algo = *algo;
+    }
+  }
+  d.event_destroy(start);
+  d.event_destroy(stop);
 }
 
 }  // namespace
@@ -228,18 +310,25 @@ int mqa_byoc_cublaslt_gemm(int device_id, void* stream, int dtype, int transpose
     if (dev.workspace == nullptr) return fail("cannot allocate the cuBLASLt workspace on device " + std::to_string(device_id));
   }
   Key key{device_id, dtype, transposed, epilogue, residual != nullptr, m, n, k, align};
+  const float alpha = 1.0f, beta = residual != nullptr ? 1.0f : 0.0f;
+  const void* c = residual != nullptr ? residual : out;
   auto it = g_plans.find(key);
+  bool fresh = false;
+  cublasLtMatmulHeuristicResult_t candidates[kCandidates];
+  int found = 0;
   if (it == g_plans.end()) {
     Plan plan;
-    if (make_plan(a, dev.handle, key, &plan) != 0) return -1;
+    if (make_plan(a, dev.handle, key, &plan, candidates, &found) != 0) return -1;
     it = g_plans.emplace(key, plan).first;
+    fresh = true;
   }
   Plan& plan = it->second;
   if (bias != nullptr) {
     MQA_BYOC_LT(a.desc_set(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)), "set BIAS_POINTER");
   }
-  const float alpha = 1.0f, beta = residual != nullptr ? 1.0f : 0.0f;
-  const void* c = residual != nullptr ? residual : out;
+  if (fresh && found > 1) {
+    pick_fastest(a, dev, &plan, candidates, found, &alpha, &beta, x, w, c, out, static_cast<cudaStream_t>(stream));
+  }
   MQA_BYOC_LT(a.matmul(dev.handle, plan.desc, &alpha, w, plan.a, x, plan.b, &beta, c, plan.c, out, plan.d,
                        &plan.algo, dev.workspace, kWorkspaceBytes, static_cast<cudaStream_t>(stream)),
               "cublasLtMatmul");
