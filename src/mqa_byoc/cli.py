@@ -95,6 +95,9 @@ def _profile_parser(sub):
     r.add_argument("--setup", action="append", default=None, metavar="MODULE",
                    help="import MODULE first, e.g. the set-up of a runtime-only TVM kit (default: "
                         "$MQA_BYOC_RUNTIME_SETUP, comma-separated)")
+    g = ps.add_parser("gemms", help="the GEMMs of a `profile run` JSON kernel by kernel: TB/s, TFLOP/s and the "
+                                    "fraction of the GPU's limits (no GPU, no TVM)")
+    g.add_argument("json")
     pl = ps.add_parser("plot", help="draw the PNG from a `profile run` JSON (needs matplotlib only)")
     pl.add_argument("json")
     pl.add_argument("--png", required=True)
@@ -274,6 +277,14 @@ def _profile(args, argv) -> int:
         except (ProfileError, FileNotFoundError) as e:
             print(f"mqa-byoc profile run: error: {e}", file=sys.stderr)
             return 1
+        return 0
+    if args.profile_command == "gemms":
+        import json
+
+        from .runtime.profiling import gemm_report
+
+        with open(args.json) as f:
+            print(gemm_report(json.load(f)), end="")
         return 0
     if args.profile_command == "plot":
         from .runtime.kernel_plot import MatplotlibMissing, plot_file

@@ -40,6 +40,7 @@ from ..sidecar import read_sidecar
 from ..testing.cupti import capture_kernels
 from ..testing.header import run_header
 from ..testing.setup import import_setup
+from .gemm_rates import format_gemm_table, gemm_table
 from .paged_driver import PagedDecoderRunner
 from .providers import NVTX_ENV_VAR, nvtx_requested  # also registers the Python FA2 provider
 from .runner import DecoderRunner, format_summary, is_memory_op, stat_row
@@ -103,11 +104,15 @@ def mode_of(meta: dict, lib_path: str) -> str:
     return os.path.basename(lib_path)
 
 
-def phase_record(stats, wall_s: list[float], steps: int) -> dict:
-    """Kernel rows (ns, nsys columns), memory operations and wall times of one phase."""
+def phase_record(stats, wall_s: list[float], steps: int, events=None) -> dict:
+    """Kernel rows (ns, nsys columns), memory operations and wall times of one phase; with ``events``
+    (the capture's ``(name, µs)`` in launch order) also ``launches``: ``[kernel row index, ns]`` per
+    kernel launch, in order (what maps each GEMM kernel onto its GEMM, :mod:`.gemm_rates`)."""
     kernels = sorted((stat_row(s) for s in stats if not is_memory_op(s.name)), key=lambda r: -r["total_ns"])
     memory = sorted((stat_row(s) for s in stats if is_memory_op(s.name)), key=lambda r: -r["total_ns"])
     kernel_ns = sum(r["total_ns"] for r in kernels)
+    index = {r["name"]: i for i, r in enumerate(kernels)}
+    launches = [[index[n], round(t * 1e3)] for n, t in (events or ()) if n in index and t > 0]
     return {
         "steps": steps,
         "wall_ms": [round(t * 1e3, 4) for t in wall_s],
@@ -115,6 +120,7 @@ def phase_record(stats, wall_s: list[float], steps: int) -> dict:
         "kernel_ms_per_step": round(kernel_ns / 1e6 / max(steps, 1), 4),
         "kernels": [{k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()} for r in kernels],
         "memory_ops": [{k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()} for r in memory],
+        **({"launches": launches} if launches else {}),
     }
 
 
@@ -133,7 +139,7 @@ def _profiled_phases(runner: DecoderRunner, prompt_len: int, steps: int, nvtx: b
         for i in range(steps):
             with rng(f"decode[{i}]"):
                 _, caches = runner.decode(caches, ids=tokens[i])
-    return prefill.stats(), decode.stats()
+    return prefill, decode
 
 
 def profile_library(lib_path: str, prompt_len: int, steps: int, *, warmup: int = 2, nvtx: bool = True,
@@ -149,21 +155,37 @@ def profile_library(lib_path: str, prompt_len: int, steps: int, *, warmup: int =
     runner.run(prompt_len, warmup, nvtx=nvtx)
     times, _ = runner.run(prompt_len, steps, nvtx=nvtx)
     loop_ms = runner.decode_loop_ms(prompt_len, steps) if steps else None
-    prefill, decode = _profiled_phases(runner, prompt_len, steps, nvtx) if cupti else ([], [])
+    prefill, decode = _profiled_phases(runner, prompt_len, steps, nvtx) if cupti else (None, None)
     del runner
     gc.collect()
     keys = ("preset", "mqa", "provider", "kv_expand", "kv_cache", "dtype", "num_layers", "num_heads", "num_kv_heads",
             "head_dim", "hidden_size", "intermediate_size", "vocab_size", "logits", "arch", "offloaded",
-            "paged_attention", "page_size", "paged_served")
+            "paged_attention", "page_size", "paged_served", "fused_projections", "gemm")
     rec = {"library": os.path.basename(lib_path), "mode": mode_of(meta, lib_path),
            **{k: meta[k] for k in keys if k in meta},
-           "phases": {"prefill": phase_record(prefill, times["prefill"], 1),
-                      "decode": phase_record(decode, times["decode"], steps)}}
+           "phases": {"prefill": phase_record(prefill.stats() if prefill else [], times["prefill"], 1,
+                                              prefill.events if prefill else None),
+                      "decode": phase_record(decode.stats() if decode else [], times["decode"], steps,
+                                             decode.events if decode else None)}}
+    add_gemm_tables(rec, prompt_len)
     med = rec["phases"]["decode"]["wall_ms_median"]
     rec["decode_tokens_per_s"] = round(1000 / med, 1) if med else None
     if loop_ms:  # back to back, CUDA events: what a serving loop gets (no host sync per step)
         rec["decode_loop_ms_per_token"] = round(loop_ms, 4)
         rec["decode_loop_tokens_per_s"] = round(1000 / loop_ms, 1)
+    return rec
+
+
+def add_gemm_tables(rec: dict, prompt_len: int, batch: int = 1) -> dict:
+    """Each phase's GEMM table (:func:`~mqa_byoc.runtime.gemm_rates.gemm_table`) as its ``gemms``, where
+    the record has kernels and the model's shapes."""
+    for ph in ("prefill", "decode"):
+        try:
+            table = gemm_table(rec, ph, prompt_len, batch)
+        except ValueError:  # a record without the model's shapes
+            table = None
+        if table:
+            rec["phases"][ph]["gemms"] = table
     return rec
 
 
@@ -199,6 +221,8 @@ def format_record(rec: dict, prompt_len: int) -> str:
         return format_summary(rows) if rows else "(no kernels recorded: run without --no-cupti)"
 
     out.append(table(p["kernels"]))
+    if p.get("gemms"):
+        out.append(format_gemm_table(p["gemms"]))
     if d["wall_ms"]:
         out.append("")
         out.append(f"decode, {d['steps']} steps at context {prompt_len + 1}..{prompt_len + d['steps']}: "
@@ -210,6 +234,8 @@ def format_record(rec: dict, prompt_len: int) -> str:
             out.append(f"decode back to back (CUDA events, no sync per step): {rec['decode_loop_ms_per_token']:.3f} "
                        f"ms/token, {rec['decode_loop_tokens_per_s']} tokens/s")
         out.append(table(d["kernels"]))
+        if d.get("gemms"):
+            out.append(format_gemm_table(d["gemms"]))
     for name, ph in (("prefill", p), ("decode", d)):
         if ph["memory_ops"]:
             out.append(f"{name} memory operations (not kernels): "
@@ -264,6 +290,25 @@ def format_comparison(cmp: dict, modes: dict) -> str:
                 lines.append(f"  {ph} kernels only with {label}: "
                              + "; ".join(f"{n[:60]} {t:.1f} us/step ({100 * t / total:.1f}%)" for n, t in top))
     return "\n".join(lines)
+
+
+def gemm_report(data: dict) -> str:
+    """The GEMM tables of every library and phase of a ``profile run`` JSON (``mqa-byoc profile gemms``):
+    those it holds, else computed from its kernels (records written before the tables were)."""
+    out = []
+    for key, rec in data.get("modes", {}).items():
+        out.append(f"== {rec.get('library', key)}: {_describe(rec)} ==")
+        for ph in ("prefill", "decode"):
+            table = rec["phases"][ph].get("gemms")
+            if table is None and rec["phases"][ph].get("kernels"):
+                try:
+                    table = gemm_table(rec, ph, data["prompt_len"])
+                except ValueError as e:
+                    out.append(f"{ph}: {e}")
+                    continue
+            out.append(format_gemm_table(table) if rec["phases"][ph].get("kernels") else f"{ph}: no kernels recorded")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
 
 
 def write_png(data: dict, json_path: str, png_path: str, *, top: int = 15, printer=print) -> bool:
