@@ -77,6 +77,10 @@ def _profile_parser(sub):
     b.add_argument("--out", default=".profile-artifacts", help="directory for the libraries and sidecars")
     b.add_argument("--no-gemm", action="store_true",
                    help="leave the GEMMs on TVM's kernels (default: on cuBLASLt, partition_for_cutlass(gemm=True))")
+    b.add_argument("--cuda-graph", action="store_true",
+                   help="build with TVM's relax.backend.use_cuda_graph: the regions of a step with static shapes are "
+                        "captured once and replayed as CUDA graphs (--kv-cache paged: decode captured per batch "
+                        "size, at most 128 sequences a step)")
     r = ps.add_parser("run", help="run the libraries of DIR on the GPU (runtime-only TVM is enough)")
     r.add_argument("dir", help="directory written by `mqa-byoc profile build`")
     r.add_argument("--prompt-len", type=int, default=2048,
@@ -232,7 +236,8 @@ def _profile_build_paged(args, config) -> int:
     try:
         build_paged_decoder_libraries(config, args.out, dtype=args.dtype, arch=args.arch,
                                       extra={"preset": args.preset, "gemm": not args.no_gemm},
-                                      progress=lambda m: print(m, flush=True), gemm=not args.no_gemm)
+                                      progress=lambda m: print(m, flush=True), gemm=not args.no_gemm,
+                                      cuda_graph=args.cuda_graph)
     except ValueError as e:  # a sliding-window preset
         print(f"mqa-byoc profile build: error: {e}", file=sys.stderr)
         return 2
@@ -252,11 +257,16 @@ def _profile_build(args) -> int:
         config = config.replace(fused_projections=args.projections == "fused")
         print(_describe_build(args, config, f"{args.provider} provider, {args.kv_cache} KV cache, "
                                             f"{args.projections} projections"), flush=True)
-        build_decoder_libraries(config, args.out, functions=("prefill", "decode"), dtype=args.dtype,
-                                kv_expand=args.kv_expand or "repeat", kv_cache=args.kv_cache, provider=args.provider,
-                                arch=args.arch, logits=args.logits or "last",
-                                extra={"preset": args.preset, "gemm": not args.no_gemm},
-                                progress=lambda m: print(m, flush=True), gemm=not args.no_gemm)
+        import tvm
+
+        # TVM's RewriteCUDAGraph: the static regions of a step (those that do not depend on the cache's length)
+        with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": True} if args.cuda_graph else {}):
+            build_decoder_libraries(config, args.out, functions=("prefill", "decode"), dtype=args.dtype,
+                                    kv_expand=args.kv_expand or "repeat", kv_cache=args.kv_cache,
+                                    provider=args.provider, arch=args.arch, logits=args.logits or "last",
+                                    extra={"preset": args.preset, "gemm": not args.no_gemm,
+                                           **({"cuda_graph": True} if args.cuda_graph else {})},
+                                    progress=lambda m: print(m, flush=True), gemm=not args.no_gemm)
         rc = 0
     if rc == 0:
         print(f"next, on the GPU (a runtime-only TVM is enough; --setup MODULE imports its set-up first):\n"

@@ -162,6 +162,23 @@ def paged_config_of(config, dtype: str):
                             vocab=config.vocab_size, dtype=dtype, rope_theta=config.rope_theta)
 
 
+#: the largest decode batch of a ``cuda_graph=True`` paged library (its buffers are planned for it)
+CUDA_GRAPH_MAX_BATCH = 128
+
+
+def _capture_decode_batch(mod):
+    """``mod`` with its ``decode`` function marked to be captured per value of its batch variable."""
+    fn = mod["decode"]
+    name = getattr(fn.params[0].ty.shape[0], "name", None)  # a symbolic batch (a TIR variable)
+    if name is None:
+        return mod
+    fn = fn.with_attr("relax.rewrite_cuda_graph.capture_symbolic_vars", [name])
+    # static memory planning (what a captured region needs) sizes the step's buffers for this many rows
+    fn = fn.with_attr("tir_var_upper_bound", {name: CUDA_GRAPH_MAX_BATCH})
+    mod.update_func(mod.get_global_var("decode"), fn)
+    return mod
+
+
 def build_paged_decoder_libraries(
     config,
     out_dir: str,
@@ -172,6 +189,7 @@ def build_paged_decoder_libraries(
     extra: dict | None = None,
     progress: Callable[[str], None] | None = print,
     gemm: bool = True,
+    cuda_graph: bool = False,
 ) -> list[str]:
     """Build ``config`` as :class:`~mqa_byoc.models.paged_llama.PagedLlama` (``relax.frontend.nn`` on TVM's
     PagedKVCache) once per mode; returns the exported library paths.
@@ -185,7 +203,11 @@ def build_paged_decoder_libraries(
     position's) plus ``paged_attention`` ("fa2" / "tir"), ``page_size``, ``paged_config`` (what
     :class:`mqa_byoc.runtime.paged_driver.PagedModel` needs) and ``paged_served`` (TVM kernels on FA2).
     ``gemm``: both libraries run their GEMMs on cuBLASLt (:func:`mqa_byoc.compiler.build.offload_gemms`;
-    ``gemm_offloaded`` in the sidecar counts the sites); False: on TVM's kernels.
+    ``gemm_offloaded`` in the sidecar counts the sites); False: on TVM's kernels. ``cuda_graph``: TVM's
+    ``relax.backend.use_cuda_graph`` (RewriteCUDAGraph captures the static regions between the cache's
+    calls), with ``decode``'s batch as a symbolic variable captured per value
+    (``relax.rewrite_cuda_graph.capture_symbolic_vars`` and ``tir_var_upper_bound``, as mlc-llm marks its
+    decode: at most :data:`CUDA_GRAPH_MAX_BATCH` sequences per decode step); sidecar ``cuda_graph``.
 
     Raises
     ------
@@ -210,6 +232,8 @@ def build_paged_decoder_libraries(
     pcfg = paged_config_of(config, dtype)
     target = tvm.target.Target({"kind": "cuda", "arch": arch})
     mod, params, _ext = export_paged_llama(pcfg, target)
+    if cuda_graph:
+        mod = _capture_decode_batch(mod)
     fa2_page = page_unit(pcfg.head_dim)
     report = paged_kv_cache_report(mod, fa2_page)
     served = sorted(d.kernel for d in report if d.offloaded)
@@ -239,13 +263,14 @@ def build_paged_decoder_libraries(
                              and str(f.attrs.get("Codegen", "")) == GEMM_CODEGEN)
             with target:
                 lib_mod = relax.transform.RunCodegen()(lib_mod)
-        ex = tvm.compile(lib_mod, target=target, relax_pipeline=cuda_decoder_pipeline(target))
+        with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": True} if cuda_graph else {}):
+            ex = tvm.compile(lib_mod, target=target, relax_pipeline=cuda_decoder_pipeline(target))
         export_library(ex, path, arch=arch)  # links FA2 + fa2_paged for the FA2 library; a plain export for TIR
         write_sidecar(path, config, spec, dtype, {
             "mqa": bool(mqa), "kv_cache": "paged", "paged_attention": PAGED_ATTENTION[bool(mqa)],
             "page_size": fa2_page if mqa else TVM_TIR_PAGE_SIZE, "paged_config": dataclasses.asdict(pcfg),
             "paged_served": served if mqa else [], **({"provider": "native"} if mqa else {}),
-            "gemm_offloaded": gemm_sites,
+            "gemm_offloaded": gemm_sites, **({"cuda_graph": True} if cuda_graph else {}),
             "functions": ["prefill", "decode"], "arch": arch, "logits": "all", "num_heads": config.num_heads,
             "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size, **(extra or {}),
         })

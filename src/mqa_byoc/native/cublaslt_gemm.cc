@@ -19,7 +19,8 @@
 // algorithms on the call's own operands, on its stream (CUDA driver events, libcuda.so.1 opened the same
 // way), and keeps the fastest; the measurement costs a few ms per shape, once. Larger M keeps the
 // heuristic's choice (prefill GEMMs run at the library's rate with it, and a new prompt length would
-// measure again).
+// measure again). A plan made while the stream is being captured into a CUDA graph (TVM's
+// relax.backend.use_cuda_graph) keeps the heuristic's choice: nothing may synchronize there.
 #include <cublasLt.h>
 #include <dlfcn.h>
 #include <tvm/runtime/c_backend_api.h>
@@ -52,6 +53,7 @@ struct Driver {
   int (*event_sync)(void*) = nullptr;
   int (*event_elapsed)(float*, void*, void*) = nullptr;
   int (*event_destroy)(void*) = nullptr;
+  int (*stream_is_capturing)(void*, int*) = nullptr;
 };
 
 const Driver& driver() {
@@ -65,7 +67,9 @@ const Driver& driver() {
     d.event_sync = reinterpret_cast<int (*)(void*)>(dlsym(lib, "cuEventSynchronize"));
     d.event_elapsed = reinterpret_cast<int (*)(float*, void*, void*)>(dlsym(lib, "cuEventElapsedTime"));
     d.event_destroy = reinterpret_cast<int (*)(void*)>(dlsym(lib, "cuEventDestroy_v2"));
-    d.ok = d.event_create && d.event_record && d.event_sync && d.event_elapsed && d.event_destroy;
+    d.stream_is_capturing = reinterpret_cast<int (*)(void*, int*)>(dlsym(lib, "cuStreamIsCapturing"));
+    d.ok = d.event_create && d.event_record && d.event_sync && d.event_elapsed && d.event_destroy &&
+           d.stream_is_capturing;
   });
   return d;
 }
@@ -326,7 +330,8 @@ int mqa_byoc_cublaslt_gemm(int device_id, void* stream, int dtype, int transpose
   if (bias != nullptr) {
     MQA_BYOC_LT(a.desc_set(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)), "set BIAS_POINTER");
   }
-  if (fresh && found > 1) {
+  int capturing = 0;
+  if (fresh && found > 1 && driver().stream_is_capturing(stream, &capturing) == 0 && capturing == 0) {
     pick_fastest(a, dev, &plan, candidates, found, &alpha, &beta, x, w, c, out, static_cast<cudaStream_t>(stream));
   }
   MQA_BYOC_LT(a.matmul(dev.handle, plan.desc, &alpha, w, plan.a, x, plan.b, &beta, c, plan.c, out, plan.d,
