@@ -378,7 +378,7 @@ def _fmt(x, nd=3):
     return "-" if x is None else f"{x:,.{nd}f}"
 
 
-def report(parts_dir: Path, out: Path, commit: str | None, command: str | None) -> dict:
+def report(parts_dir: Path, out: Path, commit: str | None, command: str | None, notes=()) -> dict:
     found = {}
     for f in sorted(parts_dir.glob("*.json")):
         d = json.loads(f.read_text())
@@ -388,7 +388,7 @@ def report(parts_dir: Path, out: Path, commit: str | None, command: str | None) 
     parts = {k: found[k] for k in sorted(found, key=lambda k: order.index(k) if k in order else len(order))}
     meta = next((p for p in parts.values() if "gpu" in p), {})
     result = {"benchmark": "decoders", "date": meta.get("date"), "commit": commit, "gpu": meta.get("gpu"),
-              "torch": meta.get("torch"), "command": command,
+              "torch": meta.get("torch"), "command": command, "notes": list(notes),
               "limits": {"hbm_tbps": HBM_TBPS, "dense_tflops": DENSE_TFLOPS,
                          "weight_bytes": weight_bytes(CODELLAMA)}, "parts": parts}
     cmp = result["comparisons"] = {}
@@ -437,7 +437,7 @@ def report(parts_dir: Path, out: Path, commit: str | None, command: str | None) 
     out.with_suffix(".md").write_text(markdown(result))
     try:
         plot(result, out.with_suffix(".png"))
-    except ImportError as e:
+    except (ImportError, ValueError) as e:
         print(f"no PNG ({e})")
     return result
 
@@ -461,37 +461,46 @@ def markdown(result) -> str:
              f"Limits: decode: every weight the step multiplies by ({result['limits']['weight_bytes'] / 1e9:.2f} GB) and "
              f"the K/V once at {HBM_TBPS} TB/s; prefill: the GEMM and causal attention FLOPs at {DENSE_TFLOPS:.0f} "
              "TFLOP/s. Ours: CUDA events around back-to-back steps (decode) or one step (prefill, median); kernels: "
-             "CUPTI. HF: `generate`, a CUDA event per token.", "",
-             "## Decode", "", "| | batch | context | ms/step | tokens/s | kernels ms/step | limit ms | vs limit (kernels) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, p in parts.items():
-        for d in p.get("decode", []):
-            lines.append(f"| {LABELS.get(name, name)} | {d['batch']} | {d['context']} | {d['ms_per_step']:.3f} | "
-                         f"{d['tokens_per_s']:,.1f} | {_fmt(d.get('kernel_ms_per_step'))} | "
-                         f"{_fmt(d.get('limit_ms'))} | "
-                         + (f"{d['vs_limit']:.2f}x ({d['kernels_vs_limit']:.2f}x)" if "vs_limit" in d else "-") + " |")
-    lines += ["", "## Prefill", "", "| | tokens | ms | kernels ms | limit ms | vs limit |", "|---|---:|---:|---:|---:|---:|"]
-    for name, p in parts.items():
-        for d in p.get("prefill", []):
-            lines.append(f"| {LABELS.get(name, name)} | {d['tokens']} | {d['ms']:.2f} | {_fmt(d.get('kernel_ms'), 2)} | "
-                         f"{_fmt(d.get('limit_ms'), 2)} | " + (f"{d['vs_limit']:.2f}x" if "vs_limit" in d else "-") + " |")
-    lines += ["", "## Prefill GEMMs vs torch.matmul (same shapes, same run)", "",
-              "| build | tokens | GEMM | M x N x K | µs/call | TFLOP/s | torch TFLOP/s | ours / torch |",
-              "|---|---:|---|---|---:|---:|---:|---:|"]
+             "CUPTI. HF: `generate`, a CUDA event per token.", "", *[f"- {n}" for n in result.get("notes", [])],
+             *([""] if result.get("notes") else []),
+             ]
+    rows = [f"| {LABELS.get(name, name)} | {d['batch']} | {d['context']} | {d['ms_per_step']:.3f} | "
+            f"{d['tokens_per_s']:,.1f} | {_fmt(d.get('kernel_ms_per_step'))} | {_fmt(d.get('limit_ms'))} | "
+            + (f"{d['vs_limit']:.2f}x ({d['kernels_vs_limit']:.2f}x)" if "vs_limit" in d else "-") + " |"
+            for name, p in parts.items() for d in p.get("decode", [])]
+    if rows:
+        lines += ["## Decode", "", "| | batch | context | ms/step | tokens/s | kernels ms/step | limit ms | "
+                  "vs limit (kernels) |", "|---|---:|---:|---:|---:|---:|---:|---:|", *rows, ""]
+    rows = [f"| {LABELS.get(name, name)} | {d['tokens']} | {d['ms']:.2f} | {_fmt(d.get('kernel_ms'), 2)} | "
+            f"{_fmt(d.get('limit_ms'), 2)} | " + (f"{d['vs_limit']:.2f}x" if "vs_limit" in d else "-") + " |"
+            for name, p in parts.items() for d in p.get("prefill", [])]
+    if rows:
+        lines += ["## Prefill", "", "| | tokens | ms | kernels ms | limit ms | vs limit |", "|---|---:|---:|---:|---:|---:|",
+                  *rows]
+    rows = []
     for name, p in parts.items():
         for d in p.get("prefill", []):
             for r in (d.get("gemms") or {}).get("rows", []):
-                lines.append(f"| {name} | {d['tokens']} | {r['gemm']} | {r['M']} x {r['N']} x {r['K']} | "
-                             f"{r['us_per_call']:,.1f} | {r['tflops']:.0f} | {_fmt(r.get('torch_tflops'), 0)} | "
-                             f"{_fmt(r.get('vs_torch'), 2)} |")
-    lines += ["", "## Decode GEMMs (TB/s of the bytes each must read)", "",
-              "| build | batch | context | GEMM | µs/call | TB/s | of 4.8 TB/s | kernels |", "|---|---:|---:|---|---:|---:|---:|---|"]
+                rows.append(f"| {name} | {d['tokens']} | {r['gemm']} | {r['M']} x {r['N']} x {r['K']} | "
+                            f"{r['us_per_call']:,.1f} | {r['tflops']:.0f} | {_fmt(r.get('torch_tflops'), 0)} | "
+                            f"{_fmt(r.get('vs_torch'), 2)} |")
+    if rows:
+        lines += ["", "## Prefill GEMMs vs torch.matmul (same shapes, same run)", "",
+                  "| build | tokens | GEMM | M x N x K | µs/call | TFLOP/s | torch TFLOP/s | ours / torch |",
+                  "|---|---:|---|---|---:|---:|---:|---:|", *rows]
+    rows = []
     for name, p in parts.items():
         for d in p.get("decode", []):
             for r in (d.get("gemms") or {}).get("rows", []):
-                lines.append(f"| {name} | {d['batch']} | {d['context']} | {r['gemm']} | {r['us_per_call']:.1f} | "
-                             f"{r['tbps']:.2f} | {100 * r['fraction_of_limit']:.0f}% | {', '.join(k[:40] for k in r['kernels'])} |")
-    lines += ["", "## Ratios (same run)", ""] + [f"- `{k}`: {v}x" for k, v in cmp.items()]
+                rows.append(f"| {name} | {d['batch']} | {d['context']} | {r['gemm']} | {r['us_per_call']:.1f} | "
+                            f"{r['tbps']:.2f} | {100 * r['fraction_of_limit']:.0f}% | "
+                            f"{', '.join(k[:40] for k in r['kernels'])} |")
+    if rows:
+        lines += ["", "## Decode GEMMs (TB/s of the bytes each must read)", "",
+                  "| build | batch | context | GEMM | µs/call | TB/s | of 4.8 TB/s | kernels |",
+                  "|---|---:|---:|---|---:|---:|---:|---|", *rows]
+    if cmp:
+        lines += ["", "## Ratios (same run)", ""] + [f"- `{k}`: {v}x" for k, v in cmp.items()]
     if result.get("logits"):
         lines += ["", "## Logits against TVM's own build (same weights, same tokens)", ""]
         lines += [f"- {k}: max abs diff {v['max_abs']:.4g} (logits up to {v['ref_max_abs']:.3g}), argmax equal "
@@ -506,6 +515,8 @@ def plot(result, png: Path):
     import matplotlib.pyplot as plt
 
     parts = result["parts"]
+    if not any(p.get("decode") for p in parts.values()) or not any(p.get("prefill") for p in parts.values()):
+        raise ValueError("the plot needs decode and prefill rows")
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 6))
     labels, vals, lims = [], [], []
     for name, p in parts.items():
@@ -589,10 +600,11 @@ def main(argv=None):
     r.add_argument("--out", type=Path, required=True, help="path without suffix")
     r.add_argument("--commit", default=None)
     r.add_argument("--command", default=None, help="the command line of the run, for the record")
+    r.add_argument("--note", action="append", default=[], help="a sentence for the markdown (repeatable)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT / "src"))
     if args.cmd == "report":
-        print(markdown(report(args.parts, args.out, args.commit or _commit(), args.command)))
+        print(markdown(report(args.parts, args.out, args.commit or _commit(), args.command, args.note)))
         return 0
     if args.cmd == "logits":
         print(json.dumps(compare_logits(args.parts, args.reference, args.prefix), indent=1))
