@@ -12,15 +12,17 @@
 // One handle per device, one descriptor set + algorithm cached per (device, shape, type, epilogue,
 // alignment); a 32 MiB workspace per device from TVM's workspace pool, used on TVM's stream.
 //
-// Algorithm: cuBLASLt's heuristic ranks its algorithms by a model, and its first choice is what a plan
-// keeps. With MQA_BYOC_CUBLASLT_ALGO=measure (read once, at the first GEMM) a plan of at most
-// kMeasureMaxM rows (decode: the weights are read once, and the heuristic's first choice is often a
-// split-K algorithm with a reduction kernel after it) instead times up to kCandidates of the heuristic's
-// algorithms on the call's own operands, on its stream (CUDA driver events, libcuda.so.1 opened the same
-// way), and keeps the fastest; the measurement costs a few ms per shape, once. Larger M keeps the
-// heuristic's choice (prefill GEMMs run at the library's rate with it, and a new prompt length would
-// measure again). A plan made while the stream is being captured into a CUDA graph (TVM's
-// relax.backend.use_cuda_graph) keeps the heuristic's choice: nothing may synchronize there.
+// Algorithm: cuBLASLt's heuristic ranks its algorithms by a model. A plan of at most kMeasureMaxM rows
+// (decode: the weight is read once, and the heuristic's first choice is often a split-K algorithm with a
+// reduction kernel after it) times up to kCandidates of the heuristic's algorithms on the call's own
+// operands, on its stream (CUDA driver events, libcuda.so.1 opened the same way), and keeps the fastest;
+// the measurement costs a few ms per shape, once. Measured on the H200 (CodeLlama-34B shapes, the paged
+// decoder, benchmarks/results/2026-12-01-decoders.md): 1.5-4% less time per decode step at batch 1-32
+// than the heuristic's first choice. Larger M keeps the heuristic's choice (prefill GEMMs run at or above
+// torch.matmul's rate with it, and a new prompt length would measure again). MQA_BYOC_CUBLASLT_ALGO=heuristic
+// (read once, at the first GEMM) keeps the heuristic's first choice everywhere. A plan made while the
+// stream is being captured into a CUDA graph (TVM's relax.backend.use_cuda_graph) keeps it too: nothing
+// may synchronize there.
 #include <cublasLt.h>
 #include <dlfcn.h>
 #include <tvm/runtime/c_backend_api.h>
@@ -41,7 +43,7 @@
 namespace {
 
 constexpr size_t kWorkspaceBytes = 32u << 20;  // what NVIDIA recommends for Hopper
-constexpr int kCandidates = 16;                 // heuristic results timed by MQA_BYOC_CUBLASLT_ALGO=measure
+constexpr int kCandidates = 16;                 // heuristic results timed for a small-M plan
 constexpr int64_t kMeasureMaxM = 64;            // rows up to which a plan is measured
 constexpr int kMeasureReps = 5;                 // timed calls per candidate (after one untimed)
 
@@ -74,12 +76,12 @@ const Driver& driver() {
   return d;
 }
 
-// MQA_BYOC_CUBLASLT_ALGO: "measure" times the heuristic's candidates for small M; unset or "heuristic"
+// MQA_BYOC_CUBLASLT_ALGO: unset or "measure" times the heuristic's candidates for small M; "heuristic"
 // keeps its first choice.
 bool measure_requested() {
   static const bool on = [] {
     const char* v = std::getenv("MQA_BYOC_CUBLASLT_ALGO");
-    return v != nullptr && std::strcmp(v, "measure") == 0;
+    return v == nullptr || std::strcmp(v, "heuristic") != 0;
   }();
   return on;
 }
