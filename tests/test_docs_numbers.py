@@ -58,6 +58,9 @@ PREFILL_RERUN = "2026-12-01-attention-prefill-idle-2.json"
 PROFILE_RUN = "2026-12-01-profile-codellama34b-4l-loadpath-16k.json"
 EARLIER_RUN = "2026-11-30-attention-presets.json"
 HOPPER_RUN = "2026-11-30-attention-hopper.json"
+DECODERS_RUN = "2026-12-01-decoders.json"
+DECODERS_GEMMS_RUN = "2026-12-01-decoders-prefill-gemms.json"
+GEMM_TABLE_RUN = "2026-12-01-profile-codellama34b-4l-paged-gemm-2k-table.json"
 PAGED_RUN = "2026-12-01-paged-attention-loadpath-16k.json"
 PAGED_EARLIER = "2026-11-30-paged-attention.json"
 PAGED_PROFILE = "2026-11-30-profile-codellama34b-4l-paged-2k.json"
@@ -332,26 +335,20 @@ def test_results_index_records_commit_date_gpu_command():
 
 
 def gemm_claims() -> dict[str, str]:
-    """The README's GEMM numbers, from the GEMM benchmark and the paged decoder's same-run profiles."""
+    """The README's GEMM numbers, from the GEMM benchmark and the decoders' run."""
     rows = _load("2026-12-01-gemm.json")["rows"]
     big = [r for r in rows if r["M"] >= 2048]
     ours = [r["ours"]["tflops"] for r in big]
     tvm = [min(r["tvm_static"]["tflops"], r["tvm_sym"]["tflops"]) for r in big]
     tvm_hi = [max(r["tvm_static"]["tflops"], r["tvm_sym"]["tflops"]) for r in big]
     vs = [r["ours"]["vs_torch"] for r in big]
-    on = _load("2026-12-01-profile-codellama34b-4l-paged-gemm-2k.json")
-    off = _load("2026-12-01-profile-codellama34b-4l-paged-nogemm-2k.json")
-    m_on, m_off = on["modes"]["mqa"], off["modes"]["mqa"]
-    limit_ms = weights_and_kv_bytes(m_on, on["prompt_len"]) / (HBM_TB_S * 1e12) * 1e3
-    d_on, d_off = m_on["decode_loop_ms_per_token"], m_off["decode_loop_ms_per_token"]
-    p_on = m_on["phases"]["prefill"]["wall_ms_median"]
-    p_off = m_off["phases"]["prefill"]["wall_ms_median"]
+    prefill = {p["tokens"]: p["ms"] for p in _load(DECODERS_RUN)["parts"]["paged-gemm"]["prefill"]}
+    prefill_tvm = {p["tokens"]: p["ms"] for p in _load(DECODERS_RUN)["parts"]["paged-tvm"]["prefill"]}
     return {
         "prefill rate": f"at {min(ours):.0f}–{max(ours):.0f} TFLOP/s, {min(vs):.2f}–{max(vs):.2f}x `torch.matmul`",
         "tvm rate": f"(TVM's own kernels: {min(tvm):.0f}–{max(tvm_hi):.0f} TFLOP/s)",
-        "decode": f"decode {d_on:.3f} ms/token vs {d_off:.3f} on TVM's kernels ({d_off / d_on:.2f}x), "
-                  f"{d_on / limit_ms:.2f}x the time it takes to read every weight and the K/V once",
-        "prefill": f"prefill {p_on:.1f} ms vs {p_off:.1f} ms ({p_off / p_on:.2f}x)",
+        "prefill": f"its prefill is {prefill_tvm[2048] / prefill[2048]:.2f}x (2k) and {prefill_tvm[16384] / prefill[16384]:.2f}x "
+                   "(16k) faster than with TVM's GEMM kernels",
     }
 
 
@@ -360,3 +357,132 @@ def test_readme_gemm_claim(name):
     text = " ".join(README.read_text().split())
     assert gemm_claims()[name] in text, f"README lacks {name}: {gemm_claims()[name]!r}"
 
+
+
+# ---------------------------------------------------------------------------------------------
+# whole decoders with GEMMs on cuBLASLt, against the limits and HF transformers (benchmarks/decoders.py)
+
+GEMM_DOC = ROOT / "docs" / "gemm.md"
+DECODE_CASES = ((1, 2048), (1, 16384), (8, 2048), (32, 2048))
+DECODE_ROWS = {  # performance.md's decode table: label -> part
+    "PagedKVCache, GEMMs on cuBLASLt (the default: measured algorithms)": "paged-gemm-measure",
+    "PagedKVCache, cuBLASLt, the heuristic's first algorithm": "paged-gemm",
+    "PagedKVCache, cuBLASLt, CUDA graphs (`--cuda-graph`)": "paged-gemm-graph",
+    "PagedKVCache, GEMMs on TVM's kernels (`--no-gemm`)": "paged-tvm",
+    "in-place cache (dlight's GEMV at M = 1)": "inplace-gemm",
+    "in-place cache, CUDA graphs (`--cuda-graph`)": "inplace-gemm-graph",
+    "in-place cache, GEMMs on TVM's kernels (`--no-gemm`)": "inplace-tvm",
+    "HF transformers, eager (SDPA, dynamic cache)": "hf-eager",
+    "HF transformers, `torch.compile` (static cache)": "hf-compile",
+}
+PREFILL_ROWS = {
+    "PagedKVCache on cuBLASLt": ("paged-gemm", "paged-tvm"),
+    "in-place cache on cuBLASLt": ("inplace-gemm", "inplace-tvm"),
+    "PagedKVCache on TVM's GEMM kernels": ("paged-tvm", None),
+    "in-place cache on TVM's GEMM kernels": ("inplace-tvm", None),
+    "HF transformers eager (SDPA)": ("hf-eager", None),
+    "HF `torch.compile`": ("hf-compile", None),
+}
+
+
+def _decode_rec(parts, name, batch, context):
+    return next((d for d in parts[name]["decode"] if (d["batch"], d["context"]) == (batch, context)), None)
+
+
+def decoders_decode_rows() -> dict[str, list[str]]:
+    parts = _load(DECODERS_RUN)["parts"]
+    out = {}
+    for label, name in DECODE_ROWS.items():
+        cells = []
+        for b, c in DECODE_CASES:
+            d, ref = _decode_rec(parts, name, b, c), _decode_rec(parts, "paged-gemm", b, c)
+            cells.append("–" if d is None else f"{d['ms_per_step']:.3f} ({d['ms_per_step'] / ref['limit_ms']:.2f}x)")
+        out[label] = cells
+    return out
+
+
+def decoders_prefill_rows() -> dict[str, list[str]]:
+    parts = _load(DECODERS_RUN)["parts"]
+    out = {}
+    for label, (name, base) in PREFILL_ROWS.items():
+        cells = []
+        for tokens in (2048, 16384):
+            p = next((x for x in parts[name]["prefill"] if x["tokens"] == tokens), None)
+            q = base and next((x for x in parts[base]["prefill"] if x["tokens"] == tokens), None)
+            cells.append("–" if p is None else f"{p['ms']:.1f}" + (f" ({q['ms'] / p['ms']:.2f}x)" if q else ""))
+        out[label] = cells
+    return out
+
+
+def decoders_claims() -> dict[str, str]:
+    run = _load(DECODERS_RUN)
+    parts = run["parts"]
+    meas = [_decode_rec(parts, "paged-gemm", b, c)["ms_per_step"] / _decode_rec(parts, "paged-gemm-measure", b, c)["ms_per_step"]
+            for b, c in DECODE_CASES]
+    best = _decode_rec(parts, "paged-gemm-measure", 1, 2048)
+    gemms = _load(DECODERS_GEMMS_RUN)["parts"]
+    vs, rates = [], []
+    for name in ("paged-gemm", "inplace-gemm"):
+        for p in gemms[name]["prefill"]:
+            for r in p["gemms"]["rows"]:
+                if r.get("vs_torch"):
+                    vs.append(r["vs_torch"])
+                    rates.append(r["tflops"])
+    table = _load(GEMM_TABLE_RUN)["modes"]["mqa"]["phases"]["decode"]["gemms"]
+    rows = {r["gemm"]: r for r in table["rows"]}
+    hf_b1 = {m: _decode_rec(parts, m, 1, 2048)["ms_per_step"] for m in ("hf-eager", "hf-compile")}
+    hf_b8 = {m: _decode_rec(parts, m, 8, 2048)["ms_per_step"] for m in ("hf-eager", "hf-compile")}
+    b8 = _decode_rec(parts, "paged-gemm-measure", 8, 2048)
+    heur, graph = _decode_rec(parts, "paged-gemm", 1, 2048), _decode_rec(parts, "paged-gemm-graph", 1, 2048)
+    gap_h = heur["ms_per_step"] - heur["kernel_ms_per_step"]
+    gap_g = graph["ms_per_step"] - graph["kernel_ms_per_step"]
+    graph_p = [_decode_rec(parts, "paged-gemm", b, c)["ms_per_step"] / _decode_rec(parts, "paged-gemm-graph", b, c)["ms_per_step"]
+               for b, c in DECODE_CASES]
+    graph_i = [_decode_rec(parts, "inplace-gemm", 1, c)["ms_per_step"] / _decode_rec(parts, "inplace-gemm-graph", 1, c)["ms_per_step"]
+               for c in (2048, 16384)]
+    logits = run["logits"].values()
+    ig16 = _decode_rec(parts, "inplace-gemm-graph", 1, 16384)
+    head = next(r for r in gemms["paged-gemm"]["prefill"][0]["gemms"]["rows"] if r["gemm"] == "lm_head")
+    return {
+        "weights": f"every weight the step multiplies by ({run['limits']['weight_bytes'] / 1e9:.2f} GB)",
+        "transformers": f"transformers {parts['hf-eager']['transformers'].rsplit('.', 1)[0]}",
+        "measure": f"decode steps {_range(meas)} faster than with the heuristic's first choice at batch 1 to 32",
+        "graphs": f"CUDA graphs make a paged step {_range(graph_p)} faster and an in-place one {_range(graph_i)}",
+        "logits": f"differ from it by up to {max(v['max_abs'] for v in logits):.2f} (logits up to "
+                  f"{max(v['ref_max_abs'] for v in logits):.2f})",
+        "kernels vs gaps": f"the measured algorithms take {1e3 * (heur['kernel_ms_per_step'] - best['kernel_ms_per_step']):.0f} µs "
+                           f"off the kernels ({heur['kernel_ms_per_step']:.3f} to {best['kernel_ms_per_step']:.3f} ms per step); "
+                           f"host time between steps is the other {1e3 * (best['ms_per_step'] - best['kernel_ms_per_step']):.0f} µs "
+                           f"(back to back minus kernels), of which CUDA graphs remove {1e3 * (gap_h - gap_g):.0f} µs",
+        "in-place 16k": f"{ig16['vs_limit']:.2f}x with CUDA graphs, its kernels {ig16['kernels_vs_limit']:.2f}x; dlight's GEMVs run at "
+                        + _range([r["tbps"] for r in ig16["gemms"]["rows"]], 2, " TB/s"),
+        "lm_head prefill": f"its `lm_head` at M = {head['M']} takes {head['us_per_call'] / 1e3:.1f} ms",
+        "decode GEMMs": ", ".join(f"{g} {rows[g]['tbps']:.2f}" for g in ("qkv_proj", "o_proj", "gate_up_proj",
+                                                                          "down_proj", "lm_head"))
+                        + f" TB/s ({_range([r['fraction_of_limit'] * 100 for r in rows.values()], 0, '%')} of 4.8 TB/s)",
+        "decode GEMM share": f"{table['gemm_us_per_step']:,.1f} µs of the step's {table['kernel_us_per_step']:,.1f} µs of "
+                             f"kernels against {table['limit_us_per_step']:,.1f} µs at 4.8 TB/s",
+        "prefill GEMMs": f"every GEMM at {_range(vs)} `torch.matmul`'s TFLOP/s ({min(rates):.0f}–{max(rates):.0f} TFLOP/s)",
+        "best batch 1": f"{best['ms_per_step']:.3f} ms/token at 2k context, {best['vs_limit']:.2f}x the bytes limit "
+                        f"(its kernels alone {best['kernels_vs_limit']:.2f}x)",
+        "vs hf": f"{hf_b1['hf-eager'] / best['ms_per_step']:.2f}x HF transformers' eager decode and "
+                 f"{hf_b1['hf-compile'] / best['ms_per_step']:.2f}x its `torch.compile` (static cache) at batch 1, "
+                 f"{hf_b8['hf-eager'] / b8['ms_per_step']:.2f}x and {hf_b8['hf-compile'] / b8['ms_per_step']:.2f}x at batch 8",
+    }
+
+
+def test_performance_decoder_tables():
+    text = PERF.read_text()
+    for label, cells in {**decoders_decode_rows(), **decoders_prefill_rows()}.items():
+        assert _table_row(text, label) == cells, label
+
+
+@pytest.mark.parametrize("name", sorted(decoders_claims()))
+def test_decoders_claim(name):
+    claim = decoders_claims()[name]
+    where = {"measure": [GEMM_DOC, PERF], "decode GEMMs": [GEMM_DOC, PERF], "decode GEMM share": [GEMM_DOC, PERF],
+             "weights": [PERF], "transformers": [PERF], "graphs": [PERF], "logits": [PERF], "kernels vs gaps": [PERF],
+             "in-place 16k": [PERF], "lm_head prefill": [PERF],
+             "prefill GEMMs": [GEMM_DOC, PERF, README], "best batch 1": [PERF, README], "vs hf": [PERF, README]}[name]
+    for doc in where:
+        assert claim in " ".join(doc.read_text().split()), f"{doc.name} lacks {name}: {claim!r}"
