@@ -1,0 +1,61 @@
+"""``benchmarks/decoders.py``'s report half (no GPU): the committed results' markdown is what ``report``
+writes from their JSON, the limits are the model's bytes and FLOPs, and a parts folder merges into the
+same comparisons."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+@pytest.fixture(scope="module")
+def decoders():
+    spec = importlib.util.spec_from_file_location("bench_decoders", ROOT / "benchmarks" / "decoders.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("stem", ["2026-12-01-decoders", "2026-12-01-decoders-prefill-gemms"])
+def test_committed_markdown_is_the_reports(decoders, stem):
+    result = json.loads((RESULTS / f"{stem}.json").read_text())
+    assert decoders.markdown(result) == (RESULTS / f"{stem}.md").read_text()
+
+
+def test_limits(decoders):
+    shapes = decoders.CODELLAMA
+    h, i, L, v = shapes["hidden_size"], shapes["intermediate_size"], shapes["num_layers"], shapes["vocab_size"]
+    q, kv = shapes["num_heads"] * shapes["head_dim"], shapes["num_kv_heads"] * shapes["head_dim"]
+    weights = 2 * (L * (h * (q + 2 * kv) + q * h + 3 * h * i) + v * h)
+    assert decoders.weight_bytes(shapes) == weights
+    kv_2k = 2 * 2 * L * kv * 2048
+    assert decoders.decode_limit_ms(shapes, 1, 2048) == pytest.approx((weights + kv_2k) / 4.8e9)
+    assert decoders.decode_limit_ms(shapes, 8, 2048) == pytest.approx((weights + 8 * kv_2k) / 4.8e9)
+    # prefill: the GEMMs (lm_head on every position or the last one) and causal attention's two products
+    t = 2048
+    gemm = 2 * t * (weights / 2 - v * h)
+    attn = 2 * t * t * q * L
+    assert decoders.prefill_limit_ms(shapes, t, "all") == pytest.approx((gemm + 2 * t * v * h + attn) / 989e9)
+    assert decoders.prefill_limit_ms(shapes, t, "last") == pytest.approx((gemm + 2 * v * h + attn) / 989e9)
+
+
+def test_report_merges_parts(decoders, tmp_path):
+    committed = json.loads((RESULTS / "2026-12-01-decoders.json").read_text())
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for name in ("paged-gemm", "paged-tvm", "hf-eager"):
+        (parts / f"{name}.json").write_text(json.dumps(committed["parts"][name]))
+    result = decoders.report(parts, tmp_path / "out", "abc1234", "cmd")
+    assert list(result["parts"]) == ["paged-gemm", "paged-tvm", "hf-eager"]  # the table's order, not the files'
+    cmp = result["comparisons"]
+    pg, pt, hf = (committed["parts"][n] for n in ("paged-gemm", "paged-tvm", "hf-eager"))
+    assert cmp["paged-gemm_vs_paged-tvm_prefill_2048"] == round(pt["prefill"][0]["ms"] / pg["prefill"][0]["ms"], 3)
+    assert cmp["paged-gemm_vs_hf-eager_decode_b1_2048"] == round(hf["decode"][0]["ms_per_step"] / pg["decode"][0]["ms_per_step"], 3)
+    assert "inplace" not in " ".join(cmp)
+    assert (tmp_path / "out.md").read_text() == decoders.markdown(result)
