@@ -257,7 +257,6 @@ def run_torch_gemm(args) -> dict:
             rows.append({"gemm": g.name, "M": g.m, "N": g.n, "K": g.k, "residual": residual, "us": round(us, 2),
                          "tflops": round(g.flop / us / 1e6, 1)})
             print(json.dumps(rows[-1]), flush=True)
-            del x, w, r
         torch.cuda.empty_cache()
     return {"name": "torch-gemm", "rows": rows}
 

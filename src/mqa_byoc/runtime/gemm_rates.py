@@ -116,7 +116,7 @@ def _row(g: Gemm, kernels: list[str], calls: float, total_us: float, *, shared_w
             "shared_with": list(shared_with), "mapped_by": how}
 
 
-def _from_launches(phase: dict, gemms: list[Gemm]) -> tuple[list[dict], list[str]] | None:
+def _from_launches(phase: dict, gemms: list[Gemm]) -> list[dict] | None:
     names = [k["name"] for k in phase["kernels"]]
     seq = []  # [gemm launch: [kernel names], µs]
     for idx, ns in phase["launches"]:
@@ -126,7 +126,6 @@ def _from_launches(phase: dict, gemms: list[Gemm]) -> tuple[list[dict], list[str
         elif SPLIT_K_REDUCE.search(name) and seq:
             seq[-1][0].append(name)
             seq[-1][1] += ns / 1e3
-    order = gemms
     step = []  # one step's launches: the per-layer GEMMs layer after layer, then those run once
     layers = max(g.count for g in gemms)
     per_layer = [g for g in gemms if g.count == layers]
@@ -136,14 +135,13 @@ def _from_launches(phase: dict, gemms: list[Gemm]) -> tuple[list[dict], list[str
     step += once
     if not seq or len(seq) % len(step):
         return None
-    acc = {g.name: [set(), 0.0, 0] for g in order}
+    acc = {g.name: [set(), 0.0, 0] for g in gemms}
     for i, (kn, us) in enumerate(seq):
         a = acc[step[i % len(step)].name]
         a[0].update(kn)
         a[1] += us
         a[2] += 1
-    rows = [_row(g, sorted(acc[g.name][0]), acc[g.name][2], acc[g.name][1], how="launch order") for g in order]
-    return rows, []
+    return [_row(g, sorted(acc[g.name][0]), acc[g.name][2], acc[g.name][1], how="launch order") for g in gemms]
 
 
 def _assign(groups: list[tuple[str, float, float]], gemms: list[Gemm]):
@@ -179,7 +177,7 @@ def _assign(groups: list[tuple[str, float, float]], gemms: list[Gemm]):
     return None if best is None else {g.name: j for g, j in zip(gemms, best)}
 
 
-def _from_totals(phase: dict, gemms: list[Gemm]) -> tuple[list[dict], list[str]] | None:
+def _from_totals(phase: dict, gemms: list[Gemm]) -> list[dict] | None:
     steps = max(phase.get("steps", 1), 1)
     grouped: dict[str, list] = {}
     for k in phase["kernels"]:
@@ -200,7 +198,7 @@ def _from_totals(phase: dict, gemms: list[Gemm]) -> tuple[list[dict], list[str]]
         kernels = sorted(grouped[groups[j][0]][0])
         rows.append(_row(g, kernels, g.count, groups[j][2] * share, how="kernel totals",
                          shared_with=[o.name for o in mates if o is not g]))
-    return rows, []
+    return rows
 
 
 def gemm_table(rec: dict, phase: str, prompt_len: int, batch: int = 1) -> dict | None:
@@ -211,11 +209,9 @@ def gemm_table(rec: dict, phase: str, prompt_len: int, batch: int = 1) -> dict |
     if not ph.get("kernels"):
         return None
     gemms = model_gemms(rec, phase, prompt_len, batch)
-    got = _from_launches(ph, gemms) if ph.get("launches") else None
-    got = got or _from_totals(ph, gemms)
-    if got is None:
+    rows = (_from_launches(ph, gemms) if ph.get("launches") else None) or _from_totals(ph, gemms)
+    if rows is None:
         return None
-    rows, _ = got
     steps = max(ph.get("steps", 1), 1)
     reduce_us = 0.0
     if rows[0]["mapped_by"] == "kernel totals":
