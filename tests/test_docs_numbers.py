@@ -465,8 +465,8 @@ def decoders_claims() -> dict[str, str]:
         "prefill GEMMs": f"every GEMM at {_range(vs)} `torch.matmul`'s TFLOP/s ({min(rates):.0f}–{max(rates):.0f} TFLOP/s)",
         "best batch 1": f"{best['ms_per_step']:.3f} ms/token at 2k context, {best['vs_limit']:.2f}x the bytes limit "
                         f"(its kernels alone {best['kernels_vs_limit']:.2f}x)",
-        "vs hf": f"{hf_b1['hf-eager'] / best['ms_per_step']:.2f}x HF transformers' eager decode and "
-                 f"{hf_b1['hf-compile'] / best['ms_per_step']:.2f}x its `torch.compile` (static cache) at batch 1, "
+        "vs hf": f"{hf_b1['hf-eager'] / best['ms_per_step']:.2f}x the speed of HF transformers' eager decode and "
+                 f"{hf_b1['hf-compile'] / best['ms_per_step']:.2f}x that of its `torch.compile` (static cache) at batch 1, "
                  f"{hf_b8['hf-eager'] / b8['ms_per_step']:.2f}x and {hf_b8['hf-compile'] / b8['ms_per_step']:.2f}x at batch 8",
     }
 
