@@ -18,8 +18,8 @@ Parts (each writes ``<out>/<name>.json``; ``report`` merges them):
   (the paged cache holds BATCH sequences of CONTEXT tokens; the in-place cache one), then each case
   again under CUPTI for the kernel time per step and the GEMM table (:mod:`mqa_byoc.runtime.gemm_rates`).
   Also the logits of a fixed prompt and of the decode steps after it (``--logits``), to compare builds.
-  ``MQA_BYOC_CUBLASLT_ALGO=measure`` in the environment runs the cuBLASLt dispatcher's measured choice
-  (record it with ``--name``).
+  The library's kernel options (its ``mqa_byoc_kernel_options()``: ``gemm_algorithm`` says whether
+  cuBLASLt's small-M algorithms are measured or the heuristic's first choice) are recorded.
 - ``torch-gemm``: ``torch.matmul(x, W^T)`` (``torch.addmm`` with the residual where our GEMM adds one) on
   the prefill GEMMs' shapes, CUDA events: cuBLAS's TFLOP/s on this GPU in the same run.
 - ``hf``: ``LlamaForCausalLM`` from a config of the same shapes (random weights, fp16, SDPA): prefill
@@ -148,6 +148,14 @@ def _gemm_summary(meta: dict, phase: dict, name: str, context: int, batch: int) 
     return table
 
 
+def library_kernel_options(runner) -> str | None:
+    """The kernel options the library was built with (its ``mqa_byoc_kernel_options()``), or None."""
+    try:
+        return str(runner.lib["mqa_byoc_kernel_options"]())
+    except Exception:  # noqa: BLE001 - a library built without mqa_byoc.build has none
+        return None
+
+
 def run_tvm(args) -> dict:
     from mqa_byoc.deploy import prepare_runtime
 
@@ -165,7 +173,7 @@ def run_tvm(args) -> dict:
     shapes = {k: meta[k] for k in (*CODELLAMA, "logits", "fused_projections") if k in meta}
     out = {"name": args.name, "library": os.path.basename(lib), "kv_cache": meta.get("kv_cache"),
            "gemm": meta.get("gemm", True), "provider": meta.get("provider"), "shapes": shapes,
-           "cublaslt_algo": os.environ.get("MQA_BYOC_CUBLASLT_ALGO", "heuristic"), "prefill": [], "decode": []}
+           "kernel_options": library_kernel_options(runner), "prefill": [], "decode": []}
 
     # prefill: one sequence, one step between CUDA events, median of `reps` (after one warm-up)
     for tokens in args.prefill:

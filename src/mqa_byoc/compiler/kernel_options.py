@@ -37,6 +37,11 @@ CHOICES: dict[str, dict[str, str]] = {
         "always": "FA4 for every call it can compute, batch-1 decode through our split-KV around FA4",
         "never": "FA2 only",
     },
+    "gemm_algorithm": {
+        "measure": "a cuBLASLt GEMM of at most 64 rows times up to 16 of the heuristic's algorithms once per "
+                   "shape and keeps the fastest; larger GEMMs keep the heuristic's first choice",
+        "heuristic": "every cuBLASLt GEMM keeps the heuristic's first choice",
+    },
 }
 
 #: Name of the constant the build defines and the dispatcher reads (weakly).
@@ -53,6 +58,7 @@ class KernelOptions:
     decode_merge: str = "auto"
     split_combine: str = "own"
     hopper_fa4: str = "auto"
+    gemm_algorithm: str = "measure"
 
     def __post_init__(self):
         for f in fields(self):
@@ -94,7 +100,7 @@ class KernelOptions:
         return tuple(list(CHOICES[f.name]).index(getattr(self, f.name)) for f in fields(self))
 
     def describe(self) -> str:
-        """``decode_kernel=auto,decode_merge=auto,split_combine=own,hopper_fa4=auto``."""
+        """``decode_kernel=auto,decode_merge=auto,split_combine=own,hopper_fa4=auto,gemm_algorithm=measure``."""
         return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
 
     def is_default(self) -> bool:
@@ -112,7 +118,7 @@ def c_source(options: KernelOptions) -> str:
 // mqa_byoc/native/fa2_dispatch.h's mqa_byoc_kernel_options: {text}
 extern "C" {{
 struct mqa_byoc_kernel_options_def {{
-  int decode_kernel, decode_merge, split_combine, hopper_fa4;
+  int decode_kernel, decode_merge, split_combine, hopper_fa4, gemm_algorithm;
 }};
 __attribute__((visibility("hidden"))) extern const mqa_byoc_kernel_options_def {SYMBOL};
 __attribute__((visibility("hidden"))) const mqa_byoc_kernel_options_def {SYMBOL} = {{{codes}}};

@@ -19,8 +19,9 @@
 // the measurement costs a few ms per shape, once. Measured on the H200 (CodeLlama-34B shapes, the paged
 // decoder, benchmarks/results/2026-12-01-decoders.md): 1.5-4% less time per decode step at batch 1-32
 // than the heuristic's first choice. Larger M keeps the heuristic's choice (prefill GEMMs run at or above
-// torch.matmul's rate with it, and a new prompt length would measure again). MQA_BYOC_CUBLASLT_ALGO=heuristic
-// (read once, at the first GEMM) keeps the heuristic's first choice everywhere. A plan made while the
+// torch.matmul's rate with it, and a new prompt length would measure again). The build option
+// kernel_options gemm_algorithm=heuristic (compiled into the library, mqa_byoc/compiler/kernel_options.py;
+// no environment variable) keeps the heuristic's first choice everywhere. A plan made while the
 // stream is being captured into a CUDA graph (TVM's relax.backend.use_cuda_graph) keeps it too: nothing
 // may synchronize there.
 #include <cublasLt.h>
@@ -35,6 +36,11 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+
+#include "fa2_dispatch.h"  // mqa_byoc_kernel_options (the struct only; no FA2 code is needed here)
+
+// Defined (hidden) by the library's options module when the build gives one; null otherwise.
+extern "C" __attribute__((weak, visibility("hidden"))) const mqa_byoc_kernel_options mqa_byoc_library_kernel_options;
 
 #ifndef MQA_BYOC_CUBLASLT_HINT
 #define MQA_BYOC_CUBLASLT_HINT ""
@@ -76,14 +82,10 @@ const Driver& driver() {
   return d;
 }
 
-// MQA_BYOC_CUBLASLT_ALGO: unset or "measure" times the heuristic's candidates for small M; "heuristic"
-// keeps its first choice.
+// The library's kernel option gemm_algorithm: 0 (the default, also without an options module) measures
+// the heuristic's candidates for small M; 1 keeps its first choice.
 bool measure_requested() {
-  static const bool on = [] {
-    const char* v = std::getenv("MQA_BYOC_CUBLASLT_ALGO");
-    return v == nullptr || std::strcmp(v, "heuristic") != 0;
-  }();
-  return on;
+  return &mqa_byoc_library_kernel_options == nullptr || mqa_byoc_library_kernel_options.gemm_algorithm == 0;
 }
 
 struct Api {

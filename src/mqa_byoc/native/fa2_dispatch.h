@@ -21,6 +21,7 @@ typedef struct {
   int decode_merge;   // MQA_BYOC_DECODE_MERGE_* (gqa_decode.h): how its splits merge
   int split_combine;  // 0: batch-1 FA2 split-KV through chunks and our combine kernel; 1: FA2's own
   int hopper_fa4;     // hopper provider: 0 FA4 for prefill-sized calls, 1 for every call it can, 2 never
+  int gemm_algorithm; // cuBLASLt GEMMs (cublaslt_gemm.cc): 0 measure small-M candidates once, 1 heuristic
 } mqa_byoc_kernel_options;
 
 // The options of this library (all zero when it defines none).

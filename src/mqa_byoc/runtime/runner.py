@@ -149,6 +149,7 @@ class DecoderRunner(StepRunner):
         self.tvm = tvm
         self.dev = tvm.cuda(device_id)
         lib = tvm.runtime.load_module(lib_path)
+        self.lib = lib
         self.vm = tvm.runtime.vm.VirtualMachine(lib, self.dev)
         gen = torch.Generator(device=f"cuda:{device_id}").manual_seed(seed)
         self.params = []
