@@ -1,10 +1,24 @@
-"""PagedKVCache attention and decoder speed: FA2 (UseFlashAttentionForPagedKVCache) vs TVM's TIR kernels.
+"""PagedKVCache attention: our kernels vs FlashInfer's (kernels alone) and vs TVM's TIR kernels (decoders).
 
-Runs on the GPU machine with the artifacts of ``python tools/gpu/build_paged.py`` (runtime-only TVM):
+Kernels side by side on the same pages (no TVM; FlashInfer is an optional dependency, ``pip install
+"mqa-byoc[bench]"``): build our library here, run on the GPU, write the report here:
+
+    python benchmarks/paged_attention.py build-native --out .bench-artifacts/paged-native
+    python benchmarks/paged_attention.py kernels --native .bench-artifacts/paged-native --out paged-kernels.json
+    python benchmarks/paged_attention.py report paged-kernels.json --out paged-kernels.md --commit C --date D --command CMD
+
+``kernels``: decode, paged prefill (new tokens over the cached keys) and ragged prefill (causal) for GQA
+64/8/128, 32/8/128 and MQA 71/1/64, fp16 and bf16, batch 1, 8, 32, 64, lengths mixed over 1k-16k (and
+all 16k for decode): ours through the C API our cache wrappers call, FlashInfer's batch decode / prefill
+wrappers with pages of 16 and of ours. GPU kernel time per call from CUPTI, the bytes limit of decode, TFLOP/s
+of prefill, every output against fp32.
+
+Decoders (TVM's PagedKVCache, ``tir.so`` page 16 vs ``fa2.so`` page = FA2's tile), with the artifacts of
+``python tools/gpu/build_paged.py`` (runtime-only TVM):
 
     source kit/setup.sh && python3 benchmarks/paged_attention.py --out paged_attention.json   # kit: mqa-byoc runtime-kit
 
-Per case and implementation (``tir.so`` page 16, ``fa2.so`` page = FA2's tile): layer 0's paged
+Per case and implementation: layer 0's paged
 attention call (``attend``: append of the new K/V + attention; the same work in both) at decode with
 16k context and at a 4k prefill, batch 1 and 8; and whole-decoder decode tokens/s (GQA case) at 4k
 context. Times are medians of CUDA-synchronised wall times per call (``--iters``).
@@ -13,7 +27,9 @@ context. Times are medians of CUDA-synchronised wall times per call (``--iters``
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import os
 import re
 import statistics
@@ -130,7 +146,7 @@ def bench_decoder(tvm, torch, model, batch, context, iters):
     return {"seconds_per_step": t, "tokens_per_second": batch / t}
 
 
-def main(argv=None):
+def main_decoders(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results"
                     / "paged_attention.json")
@@ -206,6 +222,725 @@ def main(argv=None):
                     v["fa2_over_tir_tokens_per_second"] = f["tokens_per_second"] / t["tokens_per_second"]
     write()
     print(f"wrote {args.out}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernels side by side: our paged attention and FlashInfer's, on the same pages (no TVM needed)
+#
+# FlashInfer (``flashinfer-python``, what mlc-llm runs TVM's PagedKVCache attention on by default on CUDA)
+# takes pages in TVM's own layout, (num_pages, 2, H_kv, page_size, D) ("HND"), and the same CSR page list
+# (indptr, indices, last_page_len), so both read one tensor. Ours is called through the C API the cache's
+# wrappers call (``native/fa2_paged.h``), linked into one shared library by ``build-native``.
+
+SHAPES = {"gqa64_8_d128": (64, 8, 128), "gqa32_8_d128": (32, 8, 128), "mqa71_1_d64": (71, 1, 64)}
+BATCHES = (1, 8, 32, 64)
+HBM_BYTES_PER_S = 4.8e12  # H200: the bytes limit of decode (every K/V byte read once)
+MIN_LEN, MAX_LEN = 1024, 16384
+KERNEL_KEYS_OF_BENCH = ("split", "causal")  # FA2 families: paged prefill (split, not causal), ragged (causal)
+NATIVE_LIB = "libmqa_paged_bench.so"
+DECODE_LIB = "libgqa_decode.so"
+FLASHINFER_VERSION = "0.7.2"
+DEVICE = "cuda"  # where PagedInputs and the reference live (the CPU tests set "cpu")
+MISSING_FLASHINFER = (
+    "FlashInfer is not installed: it is an optional benchmark dependency, not one of mqa-byoc's. Install it with "
+    f'pip install "mqa-byoc[bench]" (flashinfer-python=={FLASHINFER_VERSION}); it compiles its kernels with nvcc at '
+    "first use. Run with --no-flashinfer to time our kernels alone.")
+
+# exported names of the benchmark library (our wrappers are built with hidden visibility; this shim
+# re-exports the two entries the cache's TVM-FFI wrappers call)
+_SHIM = r"""
+#include <stdint.h>
+extern "C" int mqa_byoc_fa2_paged_forward(const void*, const int32_t*, const void*, const int32_t*, const int32_t*,
+    const int32_t*, void*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t*,
+    const int64_t*, const int64_t*, int, float, int, int, void*);
+extern "C" int mqa_byoc_fa2_ragged_forward(const void*, const void*, const void*, void*, float*, const int32_t*,
+    const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t*, const int64_t*,
+    const int64_t*, const int64_t*, int, float, int, int, void*);
+extern "C" const char* mqa_byoc_fa2_paged_last_error(void);
+#define EXPORT extern "C" __attribute__((visibility("default")))
+EXPORT int bench_paged_forward(const void* q, const int32_t* qo, const void* pages, const int32_t* indptr,
+    const int32_t* values, const int32_t* last, void* out, float* lse, int64_t batch, int64_t total_q,
+    int64_t nnz, int64_t page, int64_t h, int64_t hk, int64_t d, const int64_t* qs, const int64_t* ps,
+    const int64_t* os, int bf16, float scale, int causal, int dev, void* stream) {
+  return mqa_byoc_fa2_paged_forward(q, qo, pages, indptr, values, last, out, lse, batch, total_q, nnz, page, h, hk,
+                                    d, qs, ps, os, bf16, scale, causal, dev, stream);
+}
+EXPORT int bench_ragged_forward(const void* q, const void* k, const void* v, void* out, float* lse,
+    const int32_t* qo, const int32_t* kv, int64_t batch, int64_t total_q, int64_t total_k, int64_t h, int64_t hk,
+    int64_t d, const int64_t* qs, const int64_t* ks, const int64_t* vs, const int64_t* os, int bf16, float scale,
+    int causal, int dev, void* stream) {
+  return mqa_byoc_fa2_ragged_forward(q, k, v, out, lse, qo, kv, batch, total_q, total_k, h, hk, d, qs, ks, vs, os,
+                                     bf16, scale, causal, dev, stream);
+}
+EXPORT const char* bench_last_error(void) { return mqa_byoc_fa2_paged_last_error(); }
+"""
+
+
+def build_native(out_dir: Path, arch: str = "sm_90") -> dict:
+    """Links our paged-attention object (``native/fa2_paged.cu``: our decode kernel, FA2's split-KV and
+    var-len kernels, the bridging kernels) with the FA2 kernel families the benchmark runs into one shared
+    library, and builds our decode kernel alone (``native/gqa_decode.cu``, any page size that is a multiple
+    of 16) as the decode-kernel benchmark does. Needs nvcc and the FA2 objects (prebuilt or buildable)."""
+    import shutil
+    import subprocess
+
+    from mqa_byoc.compiler import link as _link
+    from mqa_byoc.compiler.paged.build import paged_object
+    from mqa_byoc.kernels import KernelKey, static_cudart
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    keys = tuple(KernelKey(hd, dt, causal, split) for hd in (64, 128) for dt in ("fp16", "bf16")
+                 for causal, split in ((False, True), (True, False)))
+    objects = [i.path for i in _link.fa2_inputs(keys, arch, build=True)] + [str(paged_object(arch))]
+    shim = out_dir / "bench_shim.cc"
+    shim.write_text(_SHIM)
+    cxx = shutil.which("g++") or "c++"
+    subprocess.run([cxx, "-shared", "-fPIC", "-O2", "-o", str(out_dir / NATIVE_LIB), str(shim), *objects,
+                    *static_cudart(arch), "-lpthread", "-ldl", "-lrt"], check=True)
+    from mqa_byoc.testing import decode_kernel as dk
+
+    subprocess.run(["nvcc", f"-gencode=arch=compute_{arch[3:]}a,code={arch}a", "-O3", "-std=c++17", "-Xcompiler",
+                    "-fPIC", "-shared", "-o", str(out_dir / DECODE_LIB), str(dk.NATIVE / "gqa_decode.cu")], check=True)
+    shim.unlink()
+    info = {"arch": arch, "fa2_families": [k.stem for k in keys], "libraries": [NATIVE_LIB, DECODE_LIB]}
+    (out_dir / "native.json").write_text(json.dumps(info, indent=1) + "\n")
+    return info
+
+
+def mixed_lengths(batch: int, seed: int = 0) -> list[int]:
+    """Sequence lengths of a batch: 16k for batch 1; else spread over [1k, 16k], both ends included."""
+    if batch == 1:
+        return [MAX_LEN]
+    import random
+
+    rng = random.Random(seed * 1000 + batch)
+    mid = [rng.randint(MIN_LEN, MAX_LEN) for _ in range(batch - 2)]
+    return [MAX_LEN, *mid, MIN_LEN]
+
+
+def decode_bytes(lengths, hkv: int, d: int, elem: int) -> int:
+    """K and V bytes a decode reads once (the bytes limit's numerator)."""
+    return 2 * sum(lengths) * hkv * d * elem
+
+
+def causal_flops(q_lens, k_lens, h: int, d: int) -> float:
+    """FLOPs of causal attention (bottom-right aligned): 4 * H * D per (query, visible key) pair."""
+    pairs = 0
+    for lq, lk in zip(q_lens, k_lens):
+        off = lk - lq
+        pairs += lq * off + lq * (lq + 1) // 2  # row i sees off + i + 1 keys
+    return 4.0 * h * d * pairs
+
+
+def full_flops(q_lens, k_lens, h: int, d: int) -> float:
+    return 4.0 * h * d * sum(lq * lk for lq, lk in zip(q_lens, k_lens))
+
+
+def page_list(lengths, page_size: int, seed: int):
+    """TVM's CSR page list for ``lengths`` over shuffled pages: (indptr, values, last_page_len, num_pages)."""
+    import random
+
+    counts = [-(-n // page_size) for n in lengths]
+    total = sum(counts)
+    order = list(range(total))
+    random.Random(seed).shuffle(order)
+    indptr = [0]
+    for c in counts:
+        indptr.append(indptr[-1] + c)
+    last = [n - (c - 1) * page_size for n, c in zip(lengths, counts)]
+    return indptr, order, last, total
+
+
+class PagedInputs:
+    """K/V of a batch in one dtype: per-sequence contiguous copies (the fp32 reference's), and the same
+    keys in TVM's page layout for each page size asked for."""
+
+    def __init__(self, torch, lengths, hkv, d, dtype, page_sizes, seed):
+        self.torch, self.lengths, self.hkv, self.d, self.dtype = torch, list(lengths), hkv, d, dtype
+        gen = torch.Generator(device=DEVICE).manual_seed(seed)
+        total = sum(lengths)
+        self.k = torch.randn(total, hkv, d, generator=gen, device=DEVICE, dtype=torch.float32).to(dtype)
+        self.v = torch.randn(total, hkv, d, generator=gen, device=DEVICE, dtype=torch.float32).to(dtype)
+        self.kv_indptr = [0]
+        for n in lengths:
+            self.kv_indptr.append(self.kv_indptr[-1] + n)
+        self.paged = {p: self._pages(p, seed) for p in sorted(set(page_sizes))}
+
+    def _pages(self, page_size, seed):
+        torch = self.torch
+        indptr, values, last, num_pages = page_list(self.lengths, page_size, seed + page_size)
+        pages = torch.zeros(num_pages, 2, self.hkv, page_size, self.d, device=DEVICE, dtype=self.dtype)
+        vals = torch.tensor(values, device=DEVICE, dtype=torch.int64)
+        for b, n in enumerate(self.lengths):
+            lo = self.kv_indptr[b]
+            ids = vals[indptr[b]:indptr[b + 1]]
+            pad = len(ids) * page_size - n
+            for slot, src in ((0, self.k), (1, self.v)):
+                x = torch.nn.functional.pad(src[lo:lo + n], (0, 0, 0, 0, 0, pad))  # (pages * page, H_kv, D)
+                pages[ids, slot] = x.view(len(ids), page_size, self.hkv, self.d).transpose(1, 2)
+        i32 = dict(device=DEVICE, dtype=torch.int32)
+        return {"pages": pages, "indptr": torch.tensor(indptr, **i32), "values": torch.tensor(values, **i32),
+                "last": torch.tensor(last, **i32), "page_size": page_size}
+
+
+def reference_rows(torch, q, inputs, b, rows, q_offset, causal, scale, g):
+    """fp32 attention of sequence ``b``'s query rows ``rows`` (absolute positions q_offset + row among
+    its keys when causal): (len(rows), H, D)."""
+    lo, n = inputs.kv_indptr[b], inputs.lengths[b]
+    k = inputs.k[lo:lo + n].float().repeat_interleave(g, dim=1)  # (n, H, D)
+    v = inputs.v[lo:lo + n].float().repeat_interleave(g, dim=1)
+    s = torch.einsum("rhd,nhd->hrn", q.float(), k) * scale
+    if causal:
+        pos = torch.arange(n, device=q.device)
+        limit = torch.tensor(rows, device=q.device) + q_offset  # the last key a row sees
+        s = s.masked_fill(pos[None, None, :] > limit[None, :, None], float("-inf"))
+    return torch.einsum("hrn,nhd->rhd", torch.softmax(s, dim=-1), v)
+
+
+def _profile_calls(torch, calls, iters):
+    """GPU time per call of each callable (CUPTI through torch.profiler): one session, the callables' runs
+    separated by a marker kernel; returns {name: (µs per call, kernel names)}."""
+    import torch.profiler
+
+    for fn in calls.values():  # warm-up (plans, first-launch costs)
+        fn()
+    torch.cuda.synchronize()
+    marker = "spin_kernel"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for fn in calls.values():
+            torch.cuda._sleep(1000)
+            for _ in range(iters):
+                fn()
+        torch.cuda._sleep(1000)
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")),
+                    key=lambda e: e.time_range.start)
+    groups, cur = [], None
+    for e in events:
+        if marker in e.name:
+            if cur is not None:
+                groups.append(cur)
+            cur = []
+        elif cur is not None and not e.name.startswith("Memcpy HtoD"):
+            cur.append((e.name, e.device_time))
+    out = {}
+    for name, group in zip(calls, groups):
+        names = sorted({n for n, _ in group})
+        out[name] = (sum(t for _, t in group) / iters, names)
+    return out
+
+
+class Ours:
+    """Our kernels through the library ``build-native`` links (the C API the cache's wrappers call)."""
+
+    def __init__(self, lib_dir: Path):
+        import ctypes
+
+        self.ct = ctypes
+        self.lib = ctypes.CDLL(str(lib_dir / NATIVE_LIB))
+        self.lib.bench_last_error.restype = ctypes.c_char_p
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self.lib.bench_paged_forward.argtypes = [p] * 8 + [i64] * 7 + [p] * 3 + [i32, ctypes.c_float, i32, i32, p]
+        self.lib.bench_ragged_forward.argtypes = [p] * 7 + [i64] * 6 + [p] * 4 + [i32, ctypes.c_float, i32, i32, p]
+        from mqa_byoc.testing import decode_kernel as dk
+
+        self.dk = dk
+        self.decode_lib = dk.load_library(lib_dir / DECODE_LIB)
+
+    def _strides(self, t):
+        return (self.ct.c_int64 * t.dim())(*t.stride())
+
+    def paged(self, torch, q, paged, out, lse, qo_indptr, hkv, scale, causal):
+        """``mqa_byoc_fa2_paged_forward``: decode (qo_indptr None: our decode kernel) or paged prefill."""
+        pages = paged["pages"]
+        qs, ps, os_ = self._strides(q), self._strides(pages), self._strides(out)
+        args = (q.data_ptr(), qo_indptr.data_ptr() if qo_indptr is not None else None, pages.data_ptr(),
+                paged["indptr"].data_ptr(), paged["values"].data_ptr(), paged["last"].data_ptr(), out.data_ptr(),
+                lse.data_ptr(), paged["indptr"].numel() - 1, q.shape[0], paged["values"].numel(), paged["page_size"],
+                q.shape[1], hkv, q.shape[2], qs, ps, os_, int(q.dtype == torch.bfloat16), scale, int(causal),
+                q.device.index or 0)
+        lib = self.lib
+
+        def call():
+            rc = lib.bench_paged_forward(*args, self.ct.c_void_p(torch.cuda.current_stream().cuda_stream))
+            if rc:
+                raise RuntimeError(lib.bench_last_error().decode())
+        return call
+
+    def ragged(self, torch, q, k, v, out, lse, qo_indptr, kv_indptr, hkv, scale, causal):
+        st = [self._strides(t) for t in (q, k, v, out)]
+        args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), qo_indptr.data_ptr(),
+                kv_indptr.data_ptr(), qo_indptr.numel() - 1, q.shape[0], k.shape[0], q.shape[1], hkv, q.shape[2], *st,
+                int(q.dtype == torch.bfloat16), scale, int(causal), q.device.index or 0)
+        lib = self.lib
+
+        def call():
+            rc = lib.bench_ragged_forward(*args, self.ct.c_void_p(torch.cuda.current_stream().cuda_stream))
+            if rc:
+                raise RuntimeError(lib.bench_last_error().decode())
+        return call
+
+    def decode_any_page(self, torch, q, paged, out, lse, hkv, scale):
+        """Our decode kernel alone (``gqa_decode.cu``) on pages of any multiple of 16."""
+        pages = paged["pages"]
+        k, v = pages[:, 0], pages[:, 1]  # (num_pages, H_kv, page, D)
+        st = (pages.stride(0), pages.stride(3), pages.stride(2))  # (page, row in page, head)
+        dec = _DecodeOn(self.dk, self.decode_lib, q, k, v, out, lse, st, hkv, scale,
+                        (paged["indptr"], paged["values"], paged["last"], paged["page_size"]))
+        return dec
+
+
+def _DecodeOn(dk, lib, q, k, v, out, lse, st, hkv, scale, pages):
+    """A :class:`mqa_byoc.testing.decode_kernel.Decode` on an already loaded library."""
+    orig = dk.library
+    dk.library = lambda *a, **kw: lib
+    try:
+        return dk.Decode(q, k, v, out, lse, k_stride=st, v_stride=st, seqlen_k=0, num_heads_k=hkv, scale=scale,
+                         pages=pages)
+    finally:
+        dk.library = orig
+
+
+def flashinfer_or_none(required: bool):
+    try:
+        import flashinfer
+    except ImportError as e:
+        if required:
+            raise SystemExit(f"{MISSING_FLASHINFER}\n({e})") from None
+        return None
+    return flashinfer
+
+
+def _err(out, ref):
+    return (out.float() - ref).abs().max().item()
+
+
+def _tolerance(dtype_name):
+    return 2e-2 if dtype_name == "float16" else 6e-2
+
+
+def bench_kernels(args) -> dict:
+    import torch
+
+    fi = None if args.no_flashinfer else flashinfer_or_none(True)
+    ours = Ours(args.native)
+    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+               "flashinfer": getattr(fi, "__version__", None), "hbm_bytes_per_s": HBM_BYTES_PER_S,
+               "iters": args.iters, "cases": []}
+    if args.out.is_file():
+        results["cases"] = json.loads(args.out.read_text()).get("cases", [])
+    done = {(c["kind"], c["shape"], c["dtype"], c["batch"], c["lengths_kind"]) for c in results["cases"]}
+    workspace = torch.empty(512 << 20, dtype=torch.uint8, device="cuda") if fi else None
+
+    def write():
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+
+    deadline = time.monotonic() + args.time_budget_s if args.time_budget_s else None
+    for kind in args.kinds:  # every decode case first, then the prefills: the order of the goals
+        for shape in args.shapes:
+            h, hkv, d = SHAPES[shape]
+            g, scale = h // hkv, 1.0 / math.sqrt(d)
+            unit = 256 if d <= 64 else 128
+            for dtype_name in args.dtypes:
+                dtype = getattr(torch, dtype_name)
+                for batch in args.batches:
+                    for lengths_kind in args.lengths:
+                        if batch == 1 and lengths_kind == "uniform16k":
+                            continue  # batch 1 is one 16k sequence in both
+                        if kind == "ragged_prefill" and batch > args.max_prefill_batch:
+                            continue
+                        if kind != "decode" and lengths_kind != "mixed":
+                            continue
+                        key = (kind, shape, dtype_name, batch, lengths_kind)
+                        if key in done:
+                            continue
+                        if deadline is not None and time.monotonic() > deadline:
+                            results["stopped_at_time_budget"] = True
+                            write()
+                            return results
+                        lengths = mixed_lengths(batch) if lengths_kind == "mixed" else [MAX_LEN] * batch
+                        inputs = PagedInputs(torch, lengths, hkv, d, dtype,
+                                             (16, unit) if kind != "ragged_prefill" else (), seed=batch + 7 * h)
+                        fn = {"decode": _case_decode, "paged_prefill": _case_paged_prefill,
+                              "ragged_prefill": _case_ragged}[kind]
+                        rec = fn(torch, fi, ours, inputs, h, hkv, d, g, scale, unit, workspace, args)
+                        rec.update({"kind": kind, "shape": shape, "heads": [h, hkv, d], "dtype": dtype_name,
+                                    "batch": batch, "lengths_kind": lengths_kind, "lengths": lengths})
+                        results["cases"].append(rec)
+                        print(_summary(rec), flush=True)
+                        write()
+                        del inputs, rec
+                        torch.cuda.empty_cache()
+    write()
+    return results
+
+
+def _summary(rec):
+    t = rec["us"]
+    best_fi = min((v for k, v in t.items() if k.startswith("flashinfer")), default=None)
+    parts = [f"{rec['kind']} {rec['shape']} {rec['dtype']} b{rec['batch']} {rec['lengths_kind']}:"]
+    parts += [f"{k} {v:.1f}" for k, v in t.items()]
+    if best_fi:
+        parts.append(f"ours/best-FI {t['ours'] / best_fi:.2f}")
+    if "bytes_us" in rec:
+        parts.append(f"ours/bytes {t['ours'] / rec['bytes_us']:.2f}")
+    bad = [k for k, ok in rec["ok"].items() if not ok]
+    return " ".join(parts) + (f" WRONG: {bad}" if bad else "")
+
+
+def _check(rec, name, out, ref, dtype_name):
+    e = _err(out, ref)
+    rec["max_err"][name] = e
+    rec["ok"][name] = bool(e <= _tolerance(dtype_name))
+
+
+def _case_decode(torch, fi, ours, inputs, h, hkv, d, g, scale, unit, workspace, args):
+    b = len(inputs.lengths)
+    gen = torch.Generator(device=DEVICE).manual_seed(b)
+    q = torch.randn(b, h, d, generator=gen, device=DEVICE, dtype=torch.float32).to(inputs.dtype)
+    ref = torch.stack([reference_rows(torch, q[i:i + 1], inputs, i, [inputs.lengths[i] - 1], 0, False, scale, g)[0]
+                       for i in range(b)])
+    rec = {"us": {}, "kernels": {}, "max_err": {}, "ok": {},
+           "bytes_us": decode_bytes(inputs.lengths, hkv, d, q.element_size()) / HBM_BYTES_PER_S * 1e6}
+    calls, outs = {}, {}
+    lse = torch.empty(b, h, device=DEVICE, dtype=torch.float32)
+    outs["ours"] = torch.empty_like(q)
+    calls["ours"] = ours.paged(torch, q, inputs.paged[unit], outs["ours"], lse, None, hkv, scale, False)
+    outs["ours_page16"] = torch.empty_like(q)
+    lse16 = torch.empty_like(lse)
+    calls["ours_page16"] = ours.decode_any_page(torch, q, inputs.paged[16], outs["ours_page16"], lse16, hkv, scale)
+    if fi is not None:
+        for page in sorted(inputs.paged):
+            p = inputs.paged[page]
+            for tc in (False, True):
+                name = f"flashinfer_p{page}_{'tensor_cores' if tc else 'cuda_cores'}"
+                try:
+                    w = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND", use_tensor_cores=tc, backend="fa2")
+                    w.plan(p["indptr"], p["values"], p["last"], h, hkv, d, page, q_data_type=inputs.dtype,
+                           kv_data_type=inputs.dtype, sm_scale=scale)
+                    o = torch.empty_like(q)
+                    outs[name] = o
+                    calls[name] = (lambda w=w, o=o, pages=p["pages"]: w.run(q, pages, out=o))
+                except Exception as e:  # noqa: BLE001  (a FlashInfer configuration it cannot run: say which)
+                    rec.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:400]
+    _time_and_check(torch, rec, calls, outs, ref, inputs, args.iters)
+    return rec
+
+
+def _time_and_check(torch, rec, calls, outs, ref, inputs, iters, ref_rows=None):
+    dtype_name = str(inputs.dtype).removeprefix("torch.")
+    for name in list(calls):
+        try:
+            calls[name]()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            rec.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:400]
+            del calls[name]
+            continue
+        got = outs[name] if ref_rows is None else outs[name][ref_rows]
+        _check(rec, name, got, ref, dtype_name)
+    for name, (us, names) in _profile_calls(torch, calls, iters).items():
+        rec["us"][name] = us
+        rec["kernels"][name] = names
+
+
+def _prefill_q(torch, inputs, q_lens, h, d, seed):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    return torch.randn(sum(q_lens), h, d, generator=gen, device=DEVICE, dtype=torch.float32).to(inputs.dtype)
+
+
+def _sample_rows(torch, q_lens, k_lens, per_seq=8):
+    """Query rows checked against fp32 (every sequence's first and last rows and some between)."""
+    rows, spec, start = [], [], 0
+    for b, lq in enumerate(q_lens):
+        local = sorted({0, lq - 1, *[(lq - 1) * i // (per_seq - 1) for i in range(per_seq)]})
+        spec.append((b, local))
+        rows += [start + r for r in local]
+        start += lq
+    return torch.tensor(rows, device=DEVICE), spec
+
+
+def _ref_prefill(torch, q, inputs, spec, q_lens, causal, scale, g):
+    start, parts = 0, []
+    for (b, local), lq in zip(spec, q_lens):
+        rows = q[start:start + lq][local]
+        parts.append(reference_rows(torch, rows, inputs, b, local, inputs.lengths[b] - lq, causal, scale, g))
+        start += lq
+    return torch.cat(parts)
+
+
+def _case_paged_prefill(torch, fi, ours, inputs, h, hkv, d, g, scale, unit, workspace, args):
+    """New tokens (a chunk of --chunk per sequence) over the whole cached sequence, not causal: the part
+    TVM runs with its paged prefill entry (the chunk's own keys are the ragged part, merged after)."""
+    q_lens = [args.chunk] * len(inputs.lengths)
+    q = _prefill_q(torch, inputs, q_lens, h, d, seed=11)
+    qo = torch.tensor([0] + list(itertools.accumulate(q_lens)), device=DEVICE, dtype=torch.int32)
+    rows, spec = _sample_rows(torch, q_lens, inputs.lengths)
+    # not causal: every row sees all keys (the reference with q_offset = n)
+    ref = _ref_prefill(torch, q, inputs, spec, q_lens, False, scale, g)
+    rec = {"us": {}, "kernels": {}, "max_err": {}, "ok": {}, "chunk": args.chunk,
+           "flops": full_flops(q_lens, inputs.lengths, h, d)}
+    calls, outs = {}, {}
+    lse = torch.empty(q.shape[0], h, device=DEVICE, dtype=torch.float32)
+    outs["ours"] = torch.empty_like(q)
+    calls["ours"] = ours.paged(torch, q, inputs.paged[unit], outs["ours"], lse, qo, hkv, scale, False)
+    if fi is not None:
+        for page in sorted(inputs.paged):
+            p = inputs.paged[page]
+            for backend in args.prefill_backends:
+                name = f"flashinfer_p{page}_{backend}"
+                try:
+                    w = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND", backend=backend)
+                    w.plan(qo, p["indptr"], p["values"], p["last"], h, hkv, d, page, causal=False,
+                           q_data_type=inputs.dtype, kv_data_type=inputs.dtype, sm_scale=scale)
+                    o = torch.empty_like(q)
+                    outs[name] = o
+                    calls[name] = (lambda w=w, o=o, pages=p["pages"]: w.run(q, pages, out=o))
+                except Exception as e:  # noqa: BLE001
+                    rec.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:400]
+    _time_and_check(torch, rec, calls, outs, ref, inputs, max(2, args.iters // 4), ref_rows=rows)
+    for name, us in rec["us"].items():
+        rec.setdefault("tflops", {})[name] = rec["flops"] / us / 1e6
+    return rec
+
+
+def _case_ragged(torch, fi, ours, inputs, h, hkv, d, g, scale, unit, workspace, args):
+    """Causal self-attention of whole sequences (TVM's ragged prefill entry): q, k, v ragged."""
+    q_lens = list(inputs.lengths)
+    q = _prefill_q(torch, inputs, q_lens, h, d, seed=13)
+    ind = torch.tensor(inputs.kv_indptr, device=DEVICE, dtype=torch.int32)
+    rows, spec = _sample_rows(torch, q_lens, q_lens)
+    ref = _ref_prefill(torch, q, inputs, spec, q_lens, True, scale, g)
+    rec = {"us": {}, "kernels": {}, "max_err": {}, "ok": {}, "flops": causal_flops(q_lens, q_lens, h, d)}
+    calls, outs = {}, {}
+    lse = torch.empty(q.shape[0], h, device=DEVICE, dtype=torch.float32)
+    outs["ours"] = torch.empty_like(q)
+    calls["ours"] = ours.ragged(torch, q, inputs.k, inputs.v, outs["ours"], lse, ind, ind, hkv, scale, True)
+    if fi is not None:
+        for backend in args.prefill_backends:
+            name = f"flashinfer_{backend}"
+            try:
+                w = fi.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=backend)
+                w.plan(ind, ind, h, hkv, d, causal=True, q_data_type=inputs.dtype, kv_data_type=inputs.dtype,
+                       sm_scale=scale)
+                o = torch.empty_like(q)
+                outs[name] = o
+                calls[name] = (lambda w=w, o=o: w.run(q, inputs.k, inputs.v, out=o))
+            except Exception as e:  # noqa: BLE001
+                rec.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:400]
+    _time_and_check(torch, rec, calls, outs, ref, inputs, max(2, args.iters // 4), ref_rows=rows)
+    for name, us in rec["us"].items():
+        rec.setdefault("tflops", {})[name] = rec["flops"] / us / 1e6
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------------------
+# report: the markdown tables (and a plot) of a ``kernels`` run
+
+def _best(us: dict, prefix: str):
+    cands = {k: v for k, v in us.items() if k.startswith(prefix)}
+    return min(cands.items(), key=lambda kv: kv[1]) if cands else (None, None)
+
+
+def goals(results: dict) -> dict:
+    """The comparison's goals, from a ``kernels`` run: decode at every batch no slower than FlashInfer's
+    fastest variant and within 1.25x of the K/V bytes time at 16k; ragged prefill at least FlashInfer's
+    TFLOP/s (its fastest backend, and its FA2 backend, the one TVM's FlashInfer prefill is built on)."""
+    dec = [c for c in results["cases"] if c["kind"] == "decode"]
+    rag = [c for c in results["cases"] if c["kind"] == "ragged_prefill"]
+    out = {"decode_cases": len(dec), "decode_not_slower": 0, "decode_at_16k": 0, "decode_16k_within_1_25x": 0,
+           "ragged_cases": len(rag), "ragged_at_least_best": 0, "ragged_at_least_fa2": 0, "all_outputs_ok": True,
+           "decode_worst_vs_flashinfer": None, "decode_16k_worst_vs_bytes": None}
+    for c in results["cases"]:
+        out["all_outputs_ok"] &= all(c["ok"].values())
+    worst, worst_bytes = 0.0, 0.0
+    for c in dec:
+        _, fi = _best(c["us"], "flashinfer")
+        if fi is not None:
+            r = c["us"]["ours"] / fi
+            worst = max(worst, r)
+            out["decode_not_slower"] += r <= 1.0
+        if all(n == MAX_LEN for n in c["lengths"]):  # batch 1 (one 16k sequence) and uniform16k
+            rb = c["us"]["ours"] / c["bytes_us"]
+            worst_bytes = max(worst_bytes, rb)
+            out["decode_at_16k"] += 1
+            out["decode_16k_within_1_25x"] += rb <= 1.25
+    out["decode_worst_vs_flashinfer"] = worst or None
+    out["decode_16k_worst_vs_bytes"] = worst_bytes or None
+    for c in rag:
+        t = c["tflops"]
+        best = max((v for k, v in t.items() if k.startswith("flashinfer")), default=None)
+        if best is not None:
+            out["ragged_at_least_best"] += t["ours"] >= best
+        if "flashinfer_fa2" in t:
+            out["ragged_at_least_fa2"] += t["ours"] >= t["flashinfer_fa2"]
+    return out
+
+
+def _n(x, digits=1):
+    return "–" if x is None else f"{x:,.{digits}f}"
+
+
+def report(results: dict, meta: dict) -> str:
+    """Markdown of a ``kernels`` run (``meta``: commit, date, command)."""
+    lines = [f"# Paged attention: ours vs FlashInfer {results.get('flashinfer') or '(not run)'}", "",
+             f"- GPU: {results['device']}; torch {results['torch']}; commit {meta.get('commit', '?')}; "
+             f"date {meta.get('date', '?')}",
+             f"- command: `{meta.get('command', '?')}`",
+             "- GPU kernel time per call (µs; CUPTI through torch.profiler, every kernel a call launches, "
+             f"{results['iters']} calls for decode, a quarter of that for prefill, after a warm-up); "
+             "bytes limit: the K and V bytes read once at 4.8 TB/s.",
+             "- ours: the C API our PagedKVCache wrappers call (`native/fa2_paged.h`; decode: our grouped-query "
+             "decode kernel, pages of 128 keys for head dim 128, 256 for 64); `ours p16`: the same decode "
+             "kernel alone on pages of 16; FlashInfer: `BatchDecodeWithPagedKVCacheWrapper` (backend fa2, CUDA "
+             "cores and tensor cores), `BatchPrefillWithPagedKVCacheWrapper` and "
+             "`BatchPrefillWithRaggedKVCacheWrapper` (backends fa2 and fa3), pages of 16 (mlc-llm's) and ours, "
+             "the same pages in TVM's layout (`HND`).",
+             "- every output checked against fp32 (decode: every row; prefill: 8 query rows of every sequence); "
+             "✗ marks an output beyond tolerance.", ""]
+    g = goals(results)
+    lines += ["## Goals", "",
+              f"- decode no slower than FlashInfer's fastest variant: {g['decode_not_slower']} of "
+              f"{g['decode_cases']} cases (worst ours / FlashInfer: {_n(g['decode_worst_vs_flashinfer'], 2)})",
+              f"- decode at 16k within 1.25x of the bytes limit: {g['decode_16k_within_1_25x']} of "
+              f"{g['decode_at_16k']} (worst: {_n(g['decode_16k_worst_vs_bytes'], 2)}x)",
+              f"- ragged prefill at least FlashInfer's TFLOP/s: {g['ragged_at_least_best']} of {g['ragged_cases']} "
+              f"against its fastest backend, {g['ragged_at_least_fa2']} of {g['ragged_cases']} against its fa2 backend",
+              f"- every output within tolerance: {'yes' if g['all_outputs_ok'] else 'NO'}", ""]
+
+    def cell(c, name, fmt=_n):
+        if name not in c["us"]:
+            return "–"
+        return fmt(c["us"][name]) + ("" if c["ok"].get(name, True) else " ✗")
+
+    dec = [c for c in results["cases"] if c["kind"] == "decode"]
+    if dec:
+        lines += ["## Decode (one query row per sequence)", "",
+                  "| shape | dtype | lengths | batch | ours | ours p16 | FlashInfer fastest | ours / FlashInfer | "
+                  "bytes limit | ours / bytes | FlashInfer / bytes |",
+                  "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+        for c in dec:
+            name, fi = _best(c["us"], "flashinfer")
+            lines.append(f"| {c['shape']} | {c['dtype']} | {c['lengths_kind']} | {c['batch']} | {cell(c, 'ours')} | "
+                         f"{cell(c, 'ours_page16')} | {_n(fi)} ({name.removeprefix('flashinfer_') if name else '–'}) | "
+                         f"{_n(c['us']['ours'] / fi if fi else None, 2)} | {_n(c['bytes_us'])} | "
+                         f"{_n(c['us']['ours'] / c['bytes_us'], 2)} | {_n(fi / c['bytes_us'] if fi else None, 2)} |")
+        lines.append("")
+    for kind, title in (("paged_prefill", "Paged prefill (a chunk of new tokens over the cached keys, not causal)"),
+                        ("ragged_prefill", "Ragged prefill (causal self-attention of whole sequences)")):
+        cases = [c for c in results["cases"] if c["kind"] == kind]
+        if not cases:
+            continue
+        names = sorted({k for c in cases for k in c["us"]}, key=lambda k: (k != "ours", k))
+        lines += [f"## {title}", "", "TFLOP/s (µs per call in brackets).", "",
+                  "| shape | dtype | batch | " + " | ".join(names) + " | ours / FlashInfer fastest |",
+                  "|---|---|---:|" + "---:|" * (len(names) + 1)]
+        for c in cases:
+            cells = []
+            for k in names:
+                cells.append(f"{_n(c['tflops'][k])} ({_n(c['us'][k], 0)})" + ("" if c["ok"].get(k, True) else " ✗")
+                             if k in c["tflops"] else "–")
+            best = max((v for k, v in c["tflops"].items() if k.startswith("flashinfer")), default=None)
+            lines.append(f"| {c['shape']} | {c['dtype']} | {c['batch']} | " + " | ".join(cells)
+                         + f" | {_n(c['tflops']['ours'] / best if best else None, 2)} |")
+        lines.append("")
+    errors = [(c["kind"], c["shape"], c["dtype"], c["batch"], n, e) for c in results["cases"]
+              for n, e in c.get("errors", {}).items()]
+    if errors:
+        lines += ["## Variants that did not run", ""]
+        lines += [f"- {k} {s} {d} b{b} {n}: {e}" for k, s, d, b, n, e in errors]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> bool:
+    """Decode: ours and FlashInfer's fastest over the bytes limit, per batch (one panel per shape)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    dec = [c for c in results["cases"] if c["kind"] == "decode" and c["lengths_kind"] == "mixed"]
+    shapes = sorted({c["shape"] for c in dec})
+    if not shapes:
+        return False
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 3.6), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        for dtype, style in (("float16", "-"), ("bfloat16", "--")):
+            cs = sorted((c for c in dec if c["shape"] == shape and c["dtype"] == dtype), key=lambda c: c["batch"])
+            if not cs:
+                continue
+            xs = [c["batch"] for c in cs]
+            ax.plot(xs, [c["us"]["ours"] / c["bytes_us"] for c in cs], "o" + style, color="C0", label=f"ours {dtype}")
+            ax.plot(xs, [_best(c["us"], "flashinfer")[1] / c["bytes_us"] if _best(c["us"], "flashinfer")[1] else None
+                         for c in cs], "s" + style, color="C1", label=f"FlashInfer fastest {dtype}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"decode {shape}, mixed 1k-16k")
+        ax.set_xlabel("batch")
+        ax.set_ylabel("kernel time / bytes limit")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+COMMANDS = ("build-native", "kernels", "report")
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        return main_decoders(argv)
+    ap = argparse.ArgumentParser(prog="paged_attention.py", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build-native", help="link our paged-attention library for the kernels comparison (no GPU)")
+    b.add_argument("--out", type=Path, required=True)
+    b.add_argument("--arch", default="sm_90")
+    k = sub.add_parser("kernels", help="our paged attention kernels vs FlashInfer's, on the same pages (GPU)")
+    k.add_argument("--native", type=Path, required=True, help="the folder build-native wrote")
+    k.add_argument("--out", type=Path, required=True, help="results JSON (cases already in it are kept, not rerun)")
+    k.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    k.add_argument("--dtypes", nargs="*", default=["float16", "bfloat16"], choices=["float16", "bfloat16"])
+    k.add_argument("--batches", nargs="*", type=int, default=list(BATCHES))
+    k.add_argument("--lengths", nargs="*", default=["mixed", "uniform16k"], choices=["mixed", "uniform16k"],
+                   help="mixed: 16k, 1k and random lengths between (batch 1: 16k); uniform16k: every sequence 16k")
+    k.add_argument("--kinds", nargs="*", default=["decode", "paged_prefill", "ragged_prefill"],
+                   choices=["decode", "paged_prefill", "ragged_prefill"])
+    k.add_argument("--chunk", type=int, default=256, help="new tokens per sequence of the paged prefill")
+    k.add_argument("--max-prefill-batch", type=int, default=64, help="ragged prefill only up to this batch")
+    k.add_argument("--prefill-backends", nargs="*", default=["fa2", "fa3"])
+    k.add_argument("--iters", type=int, default=20)
+    k.add_argument("--no-flashinfer", action="store_true", help="time our kernels alone")
+    k.add_argument("--time-budget-s", type=float, default=None,
+                   help="start no new case after this many seconds (the results so far are written)")
+    r = sub.add_parser("report", help="markdown (and PNG) of a kernels run, with commit, date and command")
+    r.add_argument("results", type=Path)
+    r.add_argument("--out", type=Path, required=True, help="the markdown file (the PNG beside it)")
+    r.add_argument("--commit", required=True)
+    r.add_argument("--date", required=True)
+    r.add_argument("--command", dest="run_command", required=True)
+    args = ap.parse_args(argv)
+    if args.command == "build-native":
+        print(json.dumps(build_native(args.out, args.arch), indent=1))
+    elif args.command == "kernels":
+        bench_kernels(args)
+        print(f"wrote {args.out}")
+    else:
+        results = json.loads(args.results.read_text())
+        results["meta"] = {"commit": args.commit, "date": args.date, "command": args.run_command}
+        args.results.write_text(json.dumps(results, indent=1) + "\n")
+        png = args.out.with_suffix(".png")
+        text = report(results, results["meta"])
+        if plot(results, png):
+            text += f"\n![decode / bytes limit]({png.name})\n"
+        args.out.write_text(text)
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
