@@ -486,3 +486,77 @@ def test_decoders_claim(name):
              "prefill GEMMs": [GEMM_DOC, PERF, README], "best batch 1": [PERF, README], "vs hf": [PERF, README]}[name]
     for doc in where:
         assert claim in " ".join(doc.read_text().split()), f"{doc.name} lacks {name}: {claim!r}"
+
+# docs/paged_kv_cache.md: our paged attention against FlashInfer (benchmarks/paged_attention.py kernels)
+
+PAGED_FLASHINFER = "2026-12-01-paged-attention-flashinfer.json"
+PAGED_DOC = ROOT / "docs" / "paged_kv_cache.md"
+_FI_SHAPES = (("gqa64_8_d128", "GQA 64/8/128"), ("gqa32_8_d128", "GQA 32/8/128"), ("mqa71_1_d64", "MQA 71/1/64"))
+_FI_BATCHES = (1, 8, 32, 64)
+
+
+def _fi_fastest(case, prefix="flashinfer"):
+    """FlashInfer's fastest variant whose output passed the fp32 check (None: none did)."""
+    times = [t for k, t in case["us"].items() if k.startswith(prefix) and case["ok"].get(k, True)]
+    return min(times) if times else None
+
+
+def _fi_case(cases, kind, shape, batch, dtype="float16", lengths="mixed"):
+    return next(c for c in cases if (c["kind"], c["shape"], c["batch"], c["dtype"], c["lengths_kind"])
+                == (kind, shape, batch, dtype, lengths))
+
+
+def flashinfer_table_rows() -> dict[str, list[str]]:
+    cases = _load(PAGED_FLASHINFER)["cases"]
+    rows = {}
+    for shape, label in _FI_SHAPES:
+        dec = [_fi_case(cases, "decode", shape, b) for b in _FI_BATCHES]
+        rows[f"decode µs, ours, {label}"] = [_num(c["us"]["ours"]) for c in dec]
+        rows[f"decode µs, FlashInfer fastest, {label}"] = [_num(_fi_fastest(c)) for c in dec]
+    for shape, label in _FI_SHAPES:
+        rag = [_fi_case(cases, "ragged_prefill", shape, b) for b in _FI_BATCHES]
+        rows[f"ragged prefill TFLOP/s, ours, {label}"] = [f"{c['tflops']['ours']:.0f}" for c in rag]
+        rows[f"ragged prefill TFLOP/s, FlashInfer fa2, {label}"] = [
+            f"{c['tflops']['flashinfer_fa2']:.0f}" if c["ok"]["flashinfer_fa2"] else "NaN ✗" for c in rag]
+    return rows
+
+
+def flashinfer_claims() -> dict[str, str]:
+    cases = _load(PAGED_FLASHINFER)["cases"]
+    dec = [c for c in cases if c["kind"] == "decode"]
+    gqa = [c for c in dec if c["shape"].startswith("gqa")]
+    not_slower = sum(c["us"]["ours"] / _fi_fastest(c) <= 1.0 for c in gqa)
+    ratios = [c["us"]["ours"] / _fi_fastest(c) for c in gqa]
+    at16k = [c for c in gqa if all(n == 16384 for n in c["lengths"])]
+    bytes_b1 = [c["us"]["ours"] / c["bytes_us"] for c in at16k if c["batch"] == 1]
+    bytes_many = [c["us"]["ours"] / c["bytes_us"] for c in at16k if c["batch"] > 1]
+    mqa = [c["us"]["ours"] / _fi_fastest(c) for c in dec if c["shape"].startswith("mqa")]
+    rag = [c for c in cases if c["kind"] == "ragged_prefill" and c["ok"]["flashinfer_fa2"]]
+    rag_ratio = [c["tflops"]["ours"] / c["tflops"]["flashinfer_fa2"] for c in rag]
+    bad = [c for c in cases if c["kind"] == "ragged_prefill" and not c["ok"]["flashinfer_fa2"]]
+    paged = [c for c in cases if c["kind"] == "paged_prefill"]
+    paged_ratio = [c["us"]["ours"] / _fi_fastest(c) for c in paged]
+    assert all(v for c in cases for k, v in c["ok"].items() if k.startswith("ours"))
+    return {
+        "decode gqa": f"GQA decode: ours is no slower than FlashInfer's fastest variant in {not_slower} of {len(gqa)} "
+                      f"cases ({min(ratios):.2f}–{max(ratios):.2f}x its time)",
+        "decode bytes": f"{min(bytes_many):.2f}–{max(bytes_many):.2f}x the bytes limit at batch 8 to 64, "
+                        f"{min(bytes_b1):.2f}–{max(bytes_b1):.2f}x at batch 1",
+        "decode mqa": f"MQA 71/1/64 decode: ours takes {min(mqa):.2f}–{max(mqa):.2f}x FlashInfer's time",
+        "ragged": f"ours runs {min(rag_ratio):.2f}–{max(rag_ratio):.2f}x FlashInfer's FA2 TFLOP/s "
+                  f"({sum(r >= 1.0 for r in rag_ratio)} of {len(rag)} cases at least as fast)",
+        "ragged nan": f"FlashInfer's output is NaN in {len(bad)} cases",
+        "paged prefill": f"as TVM runs it): ours takes {min(paged_ratio):.2f}–{max(paged_ratio):.2f}x FlashInfer's time",
+    }
+
+
+def test_paged_doc_flashinfer_table():
+    text = PAGED_DOC.read_text()
+    for label, cells in flashinfer_table_rows().items():
+        assert _table_row(text, label) == cells, label
+
+
+@pytest.mark.parametrize("name", sorted(flashinfer_claims()))
+def test_paged_doc_flashinfer_claim(name):
+    text = " ".join(PAGED_DOC.read_text().split())
+    assert flashinfer_claims()[name] in text, f"docs/paged_kv_cache.md lacks {name}: {flashinfer_claims()[name]!r}"
