@@ -511,6 +511,11 @@ def flashinfer_or_none(required: bool):
     return flashinfer
 
 
+def _error_text(e: BaseException) -> str:
+    """A variant's failure for the results: type and message, file paths cut to their file names."""
+    return re.sub(r"(?:/[^/\s:]+)+/([^/\s:]+)", r"\1", f"{type(e).__name__}: {e}")[:400]
+
+
 def _err(out, ref):
     return (out.float() - ref).abs().max().item()
 
@@ -623,7 +628,7 @@ def _case_decode(torch, fi, ours, inputs, h, hkv, d, g, scale, unit, workspace, 
                     outs[name] = o
                     calls[name] = (lambda w=w, o=o, pages=p["pages"]: w.run(q, pages, out=o))
                 except Exception as e:  # noqa: BLE001  (a FlashInfer configuration it cannot run: say which)
-                    rec.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:400]
+                    rec.setdefault("errors", {})[name] = _error_text(e)
     _time_and_check(torch, rec, calls, outs, ref, inputs, args.iters)
     return rec
 
@@ -635,7 +640,7 @@ def _time_and_check(torch, rec, calls, outs, ref, inputs, iters, ref_rows=None):
             calls[name]()
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001
-            rec.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:400]
+            rec.setdefault("errors", {})[name] = _error_text(e)
             del calls[name]
             continue
         got = outs[name] if ref_rows is None else outs[name][ref_rows]
@@ -698,7 +703,7 @@ def _case_paged_prefill(torch, fi, ours, inputs, h, hkv, d, g, scale, unit, work
                     outs[name] = o
                     calls[name] = (lambda w=w, o=o, pages=p["pages"]: w.run(q, pages, out=o))
                 except Exception as e:  # noqa: BLE001
-                    rec.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:400]
+                    rec.setdefault("errors", {})[name] = _error_text(e)
     _time_and_check(torch, rec, calls, outs, ref, inputs, max(2, args.iters // 4), ref_rows=rows)
     for name, us in rec["us"].items():
         rec.setdefault("tflops", {})[name] = rec["flops"] / us / 1e6
@@ -728,7 +733,7 @@ def _case_ragged(torch, fi, ours, inputs, h, hkv, d, g, scale, unit, workspace, 
                 outs[name] = o
                 calls[name] = (lambda w=w, o=o: w.run(q, inputs.k, inputs.v, out=o))
             except Exception as e:  # noqa: BLE001
-                rec.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:400]
+                rec.setdefault("errors", {})[name] = _error_text(e)
     _time_and_check(torch, rec, calls, outs, ref, inputs, max(2, args.iters // 4), ref_rows=rows)
     for name, us in rec["us"].items():
         rec.setdefault("tflops", {})[name] = rec["flops"] / us / 1e6

@@ -145,3 +145,8 @@ def test_kernels_command_parses_its_options(bench, monkeypatch, tmp_path):
     args = seen["args"]
     assert args.batches == [1, 64] and args.no_flashinfer and args.shapes == list(bench.SHAPES)
     assert math.isclose(bench.HBM_BYTES_PER_S, 4.8e12)
+
+
+def test_error_text_keeps_the_reason_not_the_paths(bench):
+    e = RuntimeError("Error in function 'operator()' at /a/b/c.cache/gen/batch_decode.cu:63: Unsupported group_size: 71")
+    assert bench._error_text(e) == "RuntimeError: Error in function 'operator()' at batch_decode.cu:63: Unsupported group_size: 71"
