@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-for p in (ROOT / "src", ROOT / "tests" / "gpu", ROOT / "tools" / "gpu"):
+for p in (ROOT / "src", ROOT / "tools" / "gpu"):  # this checkout's mqa_byoc; build_hf, bundle beside
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
