@@ -185,8 +185,8 @@ def check_partitioned(spec: HFModel, fname: str, part, mqa: bool) -> dict:
     ops = collections.Counter(main_ops(part, fname))
     calls = []
     for gv, func in part.functions.items():
-        if func.attrs is None or "Codegen" not in func.attrs:
-            continue
+        if func.attrs is None or "Codegen" not in func.attrs or str(func.attrs["Codegen"]) != CODEGEN:
+            continue  # not an attention (the GEMMs are offloaded to cuBLASLt too)
         q, k, v = (_shape(p.ty) for p in func.params[:3])
         calls.append({"function": gv.name_hint, "q": q, "k": k, "v": v})
         for s in (k, v):

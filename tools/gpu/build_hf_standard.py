@@ -170,6 +170,9 @@ def variant_function(spec, mode: str, main, variant: str, provider: str):
     for gv, func in list(mod.functions.items()):
         if func.attrs is None or "Codegen" not in func.attrs:
             continue
+        if str(func.attrs["Codegen"]) != CODEGEN:  # a GEMM on cuBLASLt: a symbol of its own, no K/V
+            mod[gv] = func.with_attr("global_symbol", f"{fname}__{gv.name_hint}")
+            continue
         q, k, v = (bh._shape(p.ty) for p in func.params[:3])
         calls.append({"function": gv.name_hint, "q": q, "k": k, "v": v})
         if any(spec.kv_heads not in s[1:3] or spec.heads in s[1:3] for s in (k, v)):
