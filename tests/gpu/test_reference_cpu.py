@@ -177,3 +177,15 @@ def test_standalone_child_on_cpu(tmp_path):
         want = gc.torch_reference(torch, m, gc.torch_inputs(torch, m, "cpu")).numpy()
         tol = 1e-1 if m["output"]["dtype"] == "bfloat16" else 3e-2
         np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+
+
+def test_stale_case_definitions_are_named():
+    """A manifest records its case's definition; the GPU tests fail on one built from another definition."""
+    case = ac.case("fewer_gqa_f16_causal_chunked")
+    m = {"case": case.as_dict()}
+    assert gc.stale_case_reason(m) is None
+    older = {k: v for k, v in case.as_dict().items() if k != "tolerance"}  # written before the field existed
+    assert gc.stale_case_reason({"case": older}) is None
+    changed = dict(case.as_dict(), kwargs=dict(case.kwargs, s=65))
+    assert "another definition" in gc.stale_case_reason({"case": changed})
+    assert "does not define" in gc.stale_case_reason({"case": dict(case.as_dict(), name="gone")})
