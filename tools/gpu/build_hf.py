@@ -382,12 +382,12 @@ def prepare_model(spec: HFModel, out_dir: Path, args) -> tuple[dict, dict]:
     return entry, imports
 
 
-def check_vm_calls(specs, calls: dict, codegen_symbols: list[str]) -> dict:
+def check_vm_calls(specs, calls: dict, attention_symbols: list[str]) -> dict:
     """Per VM function of the library: what it calls (transitively through other VM functions).
     mqa=True calls one FA2 wrapper per layer and nothing named after a K/V expansion op; mqa=False
     calls the expansion. Catches kernels shared between the variants of one library, too."""
     pattern = re.compile(KV_EXPANSION_KERNELS, re.IGNORECASE)
-    fa2 = set(codegen_symbols)
+    fa2 = set(attention_symbols)
 
     def closure(fn, seen=()):
         out = []
@@ -425,19 +425,20 @@ def build_hf_library(specs, imports, out_dir: Path, args) -> dict:
     from mqa_byoc.compiler.pipeline import cuda_decoder_pipeline
 
     t0 = time.time()
-    funcs, partition_info, symbols = {}, {}, []
+    funcs, partition_info, symbols, attention = {}, {}, [], []
     for spec in specs:
         for mode in MODES:
             for variant in VARIANTS:
                 fname, mod, info = variant_functions(spec, mode, imports[spec.name][mode], variant, args.provider)
                 partition_info[fname] = info
                 symbols += codegen_symbols(mod)
+                attention += codegen_symbols(mod, CODEGEN)
                 add_functions(funcs, mod, LIBRARY)
     t_part = time.time() - t0
     path = out_dir / LIBRARY
     ex, seconds = build_library(funcs, path, args.provider, args, pipeline=cuda_decoder_pipeline)
     (out_dir / "hf.vm.txt").write_text(ex.as_text())  # the VM functions' instructions, for debugging
-    vm = check_vm_calls(specs, vm_calls(ex), symbols)
+    vm = check_vm_calls(specs, vm_calls(ex), attention)
     keys = collect_kernel_keys(ex)
     exports = check_exports(path, symbols, [k.entry_symbol for k in keys] if args.provider == "native" else None)
     kernels = cuda_kernel_names(ex)
