@@ -3,7 +3,8 @@ arguments), the sequence lengths, where ``max_seqlen`` lives, and the inputs mad
 
 ``tools/gpu/build_varlen.py`` builds them, ``tests/gpu/test_gpu_varlen.py`` checks them (tolerances:
 ``attention_cases.TOLERANCES``) and ``tests/gpu/test_varlen_reference_cpu.py`` checks that test's
-reference on them. The graph and input functions need the full TVM.
+reference on them. Importable with a runtime-only TVM (the GPU tests collect the cases there); the
+graph and input functions need the full TVM.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 
 from mqa_byoc.testing.gpu_manifest import float32_to_bfloat16_bits
-from mqa_byoc.testing.varlen_graphs import seqstarts, var_len_attention
 
 SEED = 20261130
 
@@ -35,6 +35,8 @@ CASES = [
 
 
 def case_graph(case):
+    from mqa_byoc.testing.varlen_graphs import var_len_attention
+
     return var_len_attention(**case["graph"])
 
 
@@ -49,6 +51,8 @@ def case_attention(case) -> dict:
 def case_inputs(case, mod) -> tuple[list[dict], dict[str, np.ndarray]]:
     """Parameters of ``main`` in order with their values (shapes made concrete by the lengths)."""
     from tvm import tirx
+
+    from mqa_byoc.testing.varlen_graphs import seqstarts
 
     rng = np.random.default_rng([SEED, len(case["name"]), sum(map(ord, case["name"]))])
     tq, tk = sum(case["lens_q"]), sum(case["lens_k"])
