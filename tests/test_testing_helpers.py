@@ -22,7 +22,9 @@ def test_import_without_relax():
         import mqa_byoc.testing as t
         for name in t.__all__:
             getattr(t, name)
-        import mqa_byoc.testing.attention_cases, mqa_byoc.testing.gpu_manifest  # read by the GPU tests there
+        # the case tables and the manifest format, read by the GPU tests there
+        import mqa_byoc.testing.attention_cases, mqa_byoc.testing.gpu_manifest, mqa_byoc.testing.varlen_cases
+        import mqa_byoc.testing.hf_models
         bad = [m for m in ("tvm.relax", "torch", "mqa_byoc.compiler") if m in sys.modules]
         assert not bad, bad
     """)
