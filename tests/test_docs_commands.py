@@ -118,7 +118,7 @@ sys.exit(3)
 def _parse_script(argv: list[str]) -> None:
     script = ROOT / argv[0]
     assert script.is_file(), f"{argv[0]} does not exist"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")] + sys.path))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src")] + sys.path))
     r = subprocess.run([sys.executable, "-c", _PARSE_ONLY, str(script), *argv[1:]], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "PARSED" in r.stdout, f"{' '.join(argv)}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"

@@ -45,6 +45,6 @@ def test_every_documented_variable_is_read():
 
 def test_scan_finds_the_known_readers():
     read = variables_read()
-    assert "src/mqa_byoc/native/fa2_dispatch.cc" in read["MQA_BYOC_NVTX"]
+    assert "src/mqa_byoc/native/nvtx_switch.h" in read["MQA_BYOC_NVTX"]
     assert "src/mqa_byoc/kernels/toolchain.py" in read["MQA_BYOC_NVCC"]
     assert "MQA_BYOC_CAUSAL" not in read  # a macro the kernel build defines (-DMQA_BYOC_CAUSAL=...)

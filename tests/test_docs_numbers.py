@@ -560,3 +560,18 @@ def test_paged_doc_flashinfer_table():
 def test_paged_doc_flashinfer_claim(name):
     text = " ".join(PAGED_DOC.read_text().split())
     assert flashinfer_claims()[name] in text, f"docs/paged_kv_cache.md lacks {name}: {flashinfer_claims()[name]!r}"
+
+
+def cuda_binary_claim() -> str:
+    """deployment.md's cost of ``cuda_binary``, from its measurement."""
+    d = _load("2026-12-01-cuda-binary-cost.json")["decoder"]
+    share = d["median_nvcc_s"] / (d["median_build_s"] + d["median_export_s"])
+    return (f"compiles its {d['kernels']} TVM kernels, one module, in {d['median_nvcc_s']:.1f} s (median of "
+            f"{len(d['repeats'])}), beside {d['median_build_s']:.1f} s of build and {d['median_export_s']:.1f} s of "
+            f"export: {share:.0%} more.")
+
+
+def test_deployment_page_cuda_binary_claim():
+    assert _load("2026-12-01-cuda-binary-cost.json")["decoder"]["cuda_modules_compiled"] == 1
+    text = " ".join((ROOT / "docs" / "deployment.md").read_text().split())
+    assert cuda_binary_claim() in text, cuda_binary_claim()

@@ -81,7 +81,8 @@ def test_struct_layout_matches_the_dispatcher_header():
 def test_no_kernel_switch_is_read_from_the_environment():
     """The library reads one variable (MQA_BYOC_NVTX, a profiling aid); the hopper wrappers none."""
     dispatcher = (K.NATIVE_DIR / "fa2_dispatch.cc").read_text()
-    assert re.findall(r'getenv\("(\w+)"\)', dispatcher) == ["MQA_BYOC_NVTX"]
+    assert "getenv" not in dispatcher and '#include "nvtx_switch.h"' in dispatcher
+    assert re.findall(r'getenv\("(\w+)"\)', (K.NATIVE_DIR / "nvtx_switch.h").read_text()) == ["MQA_BYOC_NVTX"]
     for name in ("fa2_paged.cu", "gqa_decode.cu", "fa4_decode.cu", "split_kv_combine.cu", "fa4_glue.cc"):
         assert "getenv" not in (K.NATIVE_DIR / name).read_text(), name
     from mqa_byoc.compiler.codegen import hopper as hopper_codegen

@@ -152,7 +152,7 @@ def test_frontend_cannot_import_hf_lazy_cache():
     from tvm.relax.frontend.torch import from_exported_program
 
     model = _model("llama", "eager")
-    wrapper = hf._wrapper(model, "prefill", LAYERS, use_cache=True, seed_cache=False).eval()
+    wrapper = hf.export_wrapper(model, "prefill", LAYERS, use_cache=True, seed_cache=False).eval()
     with torch.no_grad():
         ep = torch.export.export(wrapper, (torch.zeros(1, 4, dtype=torch.long),))
     with pytest.raises(ValueError, match="Concat expects all input tensors to have same ndim"):

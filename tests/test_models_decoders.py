@@ -366,7 +366,7 @@ def test_hf_fp16_native_matmuls(hf):
     from tvm.relax.frontend.torch import from_exported_program
 
     model = _hf_tiny(hf, "eager", num_layers=1).half()
-    ep = torch.export.export(hf._wrapper(model, "prefill", 1, True), (torch.zeros(1, 4).long(),))
+    ep = torch.export.export(hf.export_wrapper(model, "prefill", 1, True), (torch.zeros(1, 4).long(),))
 
     def matmul_dtypes(convert_map):
         mod = from_exported_program(ep, keep_params_as_input=True, custom_convert_map=convert_map)

@@ -208,3 +208,95 @@ def test_no_private_names_of_other_modules():
                     and aliases[node.value.id] != module:
                 bad.append(f"{module}:{node.lineno} uses {aliases[node.value.id]}.{node.attr}")
     assert bad == []
+
+
+# ------------------------------------------------------------------------------------------------
+# the checkout's trees around the package: tests, tools and benchmarks share code only through the
+# package (mqa_byoc.testing: graph builders, GPU cases, manifests), never by importing one another
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+TREES = ("tests", "tools", "benchmarks")
+# A tree may not import the modules of the trees listed for it, nor put their folders on sys.path.
+NO_REACH = {"tests": ("tools", "benchmarks"), "tools": ("tests", "benchmarks"), "benchmarks": ("tests", "tools")}
+# The unit test of a benchmark's own logic imports that benchmark (its subject, not a shared helper).
+BENCHMARK_TESTS = {"tests/test_bench_attention_report.py": {"attention_bench"}}
+
+
+def _tree_files(tree: str) -> list[Path]:
+    return sorted(p for p in (CHECKOUT / tree).rglob("*.py") if "__pycache__" not in p.parts
+                  and not p.relative_to(CHECKOUT / tree).parts[0].startswith("."))
+
+
+def _top_level_names(tree: str) -> set[str]:
+    """The names a tree's files are imported by when their folder is on sys.path: every module file's
+    stem and every package folder (with an ``__init__.py``) of the tree."""
+    names = set()
+    for p in _tree_files(tree):
+        names.add(p.parent.name if p.name == "__init__.py" else p.stem)
+    return names - {"__init__", "__main__", "conftest", "setup"}
+
+
+def _reaches(path: Path, others: dict[str, set[str]], root: Path = CHECKOUT) -> list[str]:
+    """What ``path`` imports of the other trees' modules; and, where it edits ``sys.path``, the other
+    trees' folders it names (a string ``"tools"``, ``"tools/..."``, ``".../tools"``: what a path to
+    them is made of)."""
+    tree = ast.parse(path.read_text(), str(path))
+    where = path.relative_to(root)
+    found, edits_path, strings = [], [], []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module]
+        for name in names:
+            for other, mods in others.items():
+                if name.split(".")[0] in mods:
+                    found.append(f"{where}:{node.lineno} imports {name} ({other}/)")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                node.func.attr in ("insert", "append", "extend") and ast.unparse(node.func.value) == "sys.path":
+            edits_path.append(node.lineno)
+        elif isinstance(node, (ast.Assign, ast.AugAssign)) and any(
+                ast.unparse(t).startswith("sys.path") for t in getattr(node, "targets", [getattr(node, "target", None)])):
+            edits_path.append(node.lineno)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "/" in node.value:
+            strings.append((node.lineno, node.value))
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.right, ast.Constant) \
+                and not isinstance(node.left, (ast.BinOp, ast.Constant)):
+            strings.append((node.lineno, node.right.value))  # ROOT / "tools": a folder of the checkout
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) == "os.path.join":
+            strings += [(node.lineno, a.value) for a in node.args[1:2] if isinstance(a, ast.Constant)
+                        and not isinstance(node.args[0], ast.Constant)]
+    if edits_path:
+        for other in others:
+            for line, text in strings:
+                if text == other or str(text).startswith(other + "/") or str(text).endswith("/" + other):
+                    found.append(f"{where}:{line} names {text!r} and edits sys.path (line {edits_path[0]})")
+    return found
+
+
+def test_the_reach_finder_finds_a_reach(tmp_path):
+    probe = tmp_path / "t.py"
+    probe.write_text("import sys\nTOOLS = ROOT / 'tools' / 'gpu'\nsys.path.insert(0, str(TOOLS))\n"
+                     "import build_forms\nfrom gpu_common import x\n")
+    found = _reaches(probe, {"tools": {"build_forms"}, "tests": {"gpu_common"}}, root=tmp_path)
+    assert [f.split(" ")[1] for f in found] == ["imports", "imports", "names"], found
+    probe.write_text("import sys\nsys.path.insert(0, str(ROOT / 'src'))\nimport mqa_byoc\n")
+    assert _reaches(probe, {"tools": {"build_forms"}}, root=tmp_path) == []
+
+
+def test_trees_do_not_import_each_other():
+    names = {t: _top_level_names(t) for t in TREES}
+    assert {"build_forms", "bundle"} <= names["tools"] and "gpu_common" in names["tests"] \
+        and "attention_bench" in names["benchmarks"]  # the trees are read
+    bad = []
+    for tree in TREES:
+        for path in _tree_files(tree):
+            allowed = BENCHMARK_TESTS.get(str(path.relative_to(CHECKOUT)), set())
+            others = {o: names[o] - names[tree] - allowed for o in NO_REACH[tree]}
+            if allowed:  # its benchmark's folder on sys.path, to import it
+                others.pop("benchmarks")
+                bad += [r for r in _reaches(path, {"benchmarks": names["benchmarks"] - allowed})
+                        if " imports " in r]
+            bad += _reaches(path, others)
+    assert bad == []

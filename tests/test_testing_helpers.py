@@ -1,5 +1,6 @@
 """``mqa_byoc.testing``: importable with a runtime-only TVM, the CUDA-compile hook restores the
-previous one, the kernel capture and the run header (fake torch.cuda where a GPU would be needed)."""
+previous one, the kernel capture and the run header (fake torch.cuda where a GPU would be needed); the
+GPU case tables and the manifest format the GPU tests read on a runtime-only TVM."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ def test_import_without_relax():
         import mqa_byoc.testing as t
         for name in t.__all__:
             getattr(t, name)
+        # the case tables and the manifest format, read by the GPU tests there
+        import mqa_byoc.testing.attention_cases, mqa_byoc.testing.gpu_manifest, mqa_byoc.testing.varlen_cases
+        import mqa_byoc.testing.hf_models
         bad = [m for m in ("tvm.relax", "torch", "mqa_byoc.compiler") if m in sys.modules]
         assert not bad, bad
     """)
@@ -145,3 +149,58 @@ def test_clock_sampler_summary(monkeypatch):
     s.samples = [(1980, 300.0, 0), (1500, 700.0, 0x4), (1560, 690.0, 0x4 | 0x20)]
     assert s.summary() == {"sm_clock_mhz": 1680, "sm_clock_min_mhz": 1500, "power_w": 563.3,
                            "clock_limits": ["sw_power_cap", "sw_thermal"], "clock_samples": 3}
+
+
+def test_attention_cases_table():
+    from mqa_byoc.contract import composite_name
+    from mqa_byoc.testing import attention_cases as ac
+
+    names = [c.name for c in ac.CASES]
+    assert len(names) == len(set(names)) and len(names) >= 40
+    assert all(c.builder in ac.BUILDERS for c in ac.CASES)
+    assert ac.case("repeat_gqa_bf16_decode").dtype == "bfloat16"
+    with pytest.raises(KeyError, match="repeat_gqa_bf16_decode"):
+        ac.case("no_such_case")
+    gqa = ac.case("fewer_gqa_f16_causal_chunked")  # 16 / 4 heads, R.nn.attention without an expansion
+    assert gqa.expected_composite(True) == composite_name(16, 4) and gqa.expected_composite(False) == composite_name(16, 16)
+    assert gqa.nomqa_expands_kv and not gqa.kv_expanded_in_graph
+    sink = ac.case("sink_gptoss_f16_hdim64_causal_prefill")
+    assert sink.expected_composite(True) == composite_name(64, 8, sinks=True)
+    assert gqa.tolerances() == {k: v["float16"] for k, v in ac.TOLERANCES.items()}
+    own = ac.Case("x", "1 repeat", "attention_repeat_bsnh", dict(h=2, hkv=1, d=64, dtype="bfloat16"),
+                  tolerance={"fp32": dict(atol=1.0, rtol=1.0)})
+    assert own.tolerances()["fp32"] == dict(atol=1.0, rtol=1.0)
+    assert own.tolerances()["tvm_reference"] == ac.TOLERANCES["tvm_reference"]["bfloat16"]
+    assert own.as_dict()["tolerance"] == {"fp32": dict(atol=1.0, rtol=1.0)}
+
+
+def test_gpu_manifest_imports_nothing_of_the_package():
+    """The standalone child loads it by path in a process where mqa_byoc cannot be imported."""
+    import ast
+    from pathlib import Path
+
+    from mqa_byoc.testing import gpu_manifest
+
+    tree = ast.parse(Path(gpu_manifest.__file__).read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert imported <= {"__future__", "json", "os", "zlib", "pathlib", "numpy"}, imported
+
+
+def test_replaced_global_func_restores_or_removes():
+    import tvm_ffi
+
+    from mqa_byoc.runtime.ffi_globals import replaced_global_func
+
+    name = "mqa_byoc.testing.replaced_probe"
+    seen = []
+    with replaced_global_func(name, lambda prev: (seen.append(prev), lambda: 1)[1]) as fn:
+        assert tvm_ffi.get_global_func(name)() == 1 and fn() == 1
+    assert seen == [None] and tvm_ffi.get_global_func(name, allow_missing=True) is None
+    tvm_ffi.register_global_func(name, lambda: 2, override=True)
+    try:
+        with replaced_global_func(name, lambda prev: (lambda: prev() + 10)):
+            assert tvm_ffi.get_global_func(name)() == 12
+        assert tvm_ffi.get_global_func(name)() == 2
+    finally:
+        tvm_ffi.remove_global_func(name)

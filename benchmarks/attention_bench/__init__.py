@@ -4,12 +4,12 @@
 - :mod:`.paged_kv`: TVM's paged-KV TIR kernels (``relax.frontend.nn.llm``): page tables, arguments,
   the CPU check of their calling convention;
 - :mod:`.build`: the libraries (here, full TVM), through ``mqa_byoc.build``;
-- :mod:`.cuda_cache`: TVM's CUDA compiled to fatbins here, served at load time there;
 - :mod:`.run`: the measurement (GPU machine, runtime-only TVM, torch);
 - :mod:`.report`: markdown and plots from a run's JSON;
 - :mod:`.cli`: ``build | run | report | check-llm``.
 
-Timing, the run header and the CUDA-compile hook come from :mod:`mqa_byoc.testing`.
+Timing, the run header, the CUDA-compile hook and the fatbin cache (TVM's CUDA compiled to fatbins here,
+served at load time there: :mod:`mqa_byoc.testing.fatbin_cache`) come from :mod:`mqa_byoc.testing`.
 """
 
 import os

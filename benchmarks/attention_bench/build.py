@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from .cuda_cache import precompile_cuda
+from mqa_byoc.testing.fatbin_cache import precompile_cuda
 from .paged_kv import check_llm_cpu, decode_head_coverage, llm_gpu_kernels
 from .suites import (DT_SHORT, GROUPED_SUITES, PAGE_SIZE, STOCK_MAX_WORK, SUITES, case_variants, expand_suite,
                      function_name, llm_kernel_name)

@@ -14,12 +14,12 @@ import time
 import traceback
 from contextlib import ExitStack, nullcontext
 
+from mqa_byoc.testing.fatbin_cache import serve_fatbins
 from mqa_byoc.testing.header import run_header
 from mqa_byoc.testing.setup import import_setup
 from mqa_byoc.testing.gpu_clock import ClockSampler
 from mqa_byoc.testing.timing import cuda_time_us, time_call_us
 
-from .cuda_cache import serve_fatbins
 from .paged_kv import llm_kernel_args
 from .suites import HBM_PEAK_TB_S, PAGE_SIZE, REL_TOL
 

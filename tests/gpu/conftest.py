@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # gpu_inputs, gpu_common
+sys.path.insert(0, os.path.dirname(__file__))  # gpu_common, the GPU tests' own helpers
 
 import gpu_common  # noqa: E402
 

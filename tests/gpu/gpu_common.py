@@ -3,6 +3,7 @@ the fp32 PyTorch reference. torch is imported lazily (the module is importable w
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -14,14 +15,16 @@ from pathlib import Path
 
 import numpy as np
 
-import gpu_inputs as gi
-
-ROOT = gi.ROOT
-ARTIFACTS = gi.ARTIFACTS
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = Path(os.environ.get("MQA_BYOC_GPU_ARTIFACTS", ROOT / ".gpu-artifacts" / "tests"))
+# The GPU machine runs the tests from a checkout with a runtime-only TVM, where the package need not be
+# installed: this checkout's src/ on the path (only the package, nothing of tools/ or benchmarks/).
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
-MANIFESTS = gi.load_manifests()
+from mqa_byoc.testing import gpu_manifest as gi  # noqa: E402
+
+MANIFESTS = gi.load_manifests(ARTIFACTS)
 TIMING_ITERS = 10
 
 
@@ -50,6 +53,27 @@ def skip_reason() -> str | None:
 def no_artifacts_reason() -> str:
     return (f"no artifacts in {ARTIFACTS}: run `python tools/gpu/build_forms.py [--native]` on the build "
             "machine and copy .gpu-artifacts/tests")
+
+
+def stale_case_reason(m: dict) -> str | None:
+    """Why a graph-form case's artifacts were not built from its definition in
+    ``mqa_byoc.testing.attention_cases`` (None: they were)."""
+    from mqa_byoc.testing import attention_cases
+
+    name = m["case"]["name"]
+    try:
+        case = attention_cases.case(name)
+    except KeyError:
+        return (f"{name}: built from a case that mqa_byoc.testing.attention_cases does not define: rebuild "
+                "with tools/gpu/build_forms.py")
+    defined = json.loads(json.dumps(case.as_dict()))
+    # fields added to Case later, with their defaults, are what a manifest written before them means
+    added = {f.name: f.default for f in dataclasses.fields(attention_cases.Case) if f.default is not dataclasses.MISSING}
+    recorded = {**{k: v for k, v in added.items() if k not in m["case"]}, **m["case"]}
+    if recorded != defined:
+        return (f"{name}: built from another definition of the case ({m['case']}, now {defined}): rebuild with "
+                "tools/gpu/build_forms.py")
+    return None
 
 
 def providers_of(m: dict) -> tuple[list[str], dict[str, str]]:

@@ -54,22 +54,28 @@ def _to_float32(np, out, dtype):
     return arr.astype(np.float32)
 
 
+def load_by_path(name, *parts):
+    """The checkout's ``src/mqa_byoc/<parts>`` file imported as the top-level module ``name``, without the
+    mqa_byoc package (blocked here): for the package's files that import nothing of it."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src", "mqa_byoc", *parts)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def prepare_runtime() -> str:
     """The runtime kit's set-up module (CUDA backend, nvcc hook), imported without the mqa_byoc package:
     the kit's own ``tvm_runtime_kit`` when on the path, else the checkout's copy of that file."""
-    import importlib.util
-
     try:
         import tvm_runtime_kit
     except ModuleNotFoundError as err:
         if err.name != "tvm_runtime_kit":
             raise
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src", "mqa_byoc", "deploy",
-                            "tvm_runtime_kit.py")
-        spec = importlib.util.spec_from_file_location("tvm_runtime_kit", path)
-        tvm_runtime_kit = importlib.util.module_from_spec(spec)
-        sys.modules["tvm_runtime_kit"] = tvm_runtime_kit
-        spec.loader.exec_module(tvm_runtime_kit)
+        tvm_runtime_kit = load_by_path("tvm_runtime_kit", "deploy", "tvm_runtime_kit.py")
     return tvm_runtime_kit.__file__
 
 
@@ -86,8 +92,7 @@ def main(job_path):
         import tvm
         import tvm.runtime.vm
 
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import gpu_inputs
+        gpu_inputs = load_by_path("gpu_manifest", "testing", "gpu_manifest.py")
 
         dev = tvm.cuda(0) if job.get("device", "cuda") == "cuda" else tvm.cpu(0)  # cpu: self-test only
         if not dev.exist:

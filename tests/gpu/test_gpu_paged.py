@@ -29,7 +29,7 @@ import gpu_common
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / ".gpu-artifacts" / "paged"
-sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "src"))  # the package from this checkout (a runtime-only GPU machine need not install it)
 MANIFEST = json.loads((ARTIFACTS / "manifest.json").read_text()) if (ARTIFACTS / "manifest.json").is_file() else {}
 TOL = 2e-2  # max |err| / max |reference|: fp16 inputs and outputs
 # decoder logits FA2 vs TIR (max |err| / max |reference|) after the layers of random weights: each side's

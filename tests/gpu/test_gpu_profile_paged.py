@@ -24,7 +24,7 @@ from mqa_byoc.testing.cupti import is_attention_kernel  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / ".gpu-artifacts" / "profile-paged"
-sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "src"))  # the package from this checkout (a runtime-only GPU machine need not install it)
 TOL = 2e-2  # max |err| / max |logits|, fp16 decoder of two layers (the paged decoder test measured 0.006)
 PROMPT, STEPS = 300, 3  # 300: not a multiple of either page size (16, 128)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -35,8 +34,7 @@ def _record(rt, key, value):
 def sess(rt):
     if MANIFEST is None:
         pytest.skip(f"no artifacts in {ARTIFACTS}: run `python tools/gpu/build_tp.py` on the build machine")
-    sys.path.insert(0, str(gpu_common.ROOT / "benchmarks" / "attention_bench"))
-    from cuda_cache import serve_fatbins
+    from mqa_byoc.testing.fatbin_cache import serve_fatbins
 
     from mqa_byoc import tp
 

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 HERE = Path(__file__).resolve().parent
-TOOLS = HERE.parents[1] / "tools" / "gpu"  # the artifact builders
 ROOT = HERE.parents[1]
 HF_ARTIFACTS = Path(os.environ.get("MQA_BYOC_GPU_HF_ARTIFACTS", ROOT / ".gpu-artifacts" / "hf"))
 COPY_BUDGET = 44 * 2**20  # with the ~20 MiB runtime kit, at most 64 MiB go to the GPU machine
@@ -64,21 +62,19 @@ def test_hf_manifest_matches_files():
 def test_hf_reference_reproduces(name):
     pytest.importorskip("torch", reason="needs torch (CPU is enough)")
     pytest.importorskip("transformers", reason="needs transformers (the build machine)")
-    if str(TOOLS) not in sys.path:
-        sys.path.insert(0, str(TOOLS))
-    import build_hf as bh
+    from mqa_byoc.testing import hf_models as hm
 
     m = MANIFEST["models"][name]
-    spec = bh.HFModel(**m["spec"])
-    m16, m32, _ = bh.build_models(spec, m["seed"])
+    spec = hm.HFModel(**m["spec"])
+    m16, m32, _ = hm.build_models(spec, m["seed"])
     weights, inputs, ref = _npz(m, "weights"), _npz(m, "inputs"), _npz(m, "reference")
     for hf_name, p in m16.named_parameters():
         stored = weights[f"p_model_{hf_name.replace('.', '_')}"]
         assert np.array_equal(p.detach().numpy(), stored), hf_name
     assert len(list(m16.parameters())) == len(m["params"])
 
-    prefill = bh.eager(m32, "prefill", [inputs[k] for k in m["input_keys"]["prefill"]])
-    decode = bh.eager(m32, "decode", [inputs[k] for k in m["input_keys"]["decode"]])
+    prefill = hm.eager(m32, "prefill", [inputs[k] for k in m["input_keys"]["prefill"]])
+    decode = hm.eager(m32, "decode", [inputs[k] for k in m["input_keys"]["decode"]])
     # bitwise with the build's thread count; allow float32 reduction-order noise otherwise
     tol = dict(rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(prefill[0], ref["prefill_logits"], **tol)

@@ -23,20 +23,19 @@ import numpy as np
 import pytest
 
 import gpu_common as gc
-import gpu_inputs as gi
+from mqa_byoc.testing import attention_cases
+from mqa_byoc.testing import gpu_manifest as gi
 
 pytestmark = pytest.mark.gpu
 
-# Both sides run FA2 (ours, compiled from flash-attn 2.8.3, vs the python provider's backend): only
-# accumulation order / split-KV choices may differ.
-SAME_KERNEL = {"float16": dict(atol=5e-3, rtol=5e-3), "bfloat16": dict(atol=2e-2, rtol=2e-2)}
-TIGHT = {"float16": dict(atol=1e-2, rtol=1e-2), "bfloat16": dict(atol=3e-2, rtol=3e-2)}
+# Tolerances: the case's (mqa_byoc.testing.attention_cases); "same_kernel" where both sides run FA2
+# (ours, compiled from flash-attn 2.8.3, vs the python provider's backend).
 LIBRARIES = gc.native_libraries()
 
 
 def _params():
     if LIBRARIES:
-        root = str(gi.ARTIFACTS)
+        root = str(gc.ARTIFACTS)
         return [pytest.param(path, id=os.path.relpath(path, root)) for path in sorted(LIBRARIES)]
     if not gc.MANIFESTS:
         reason = gc.no_artifacts_reason()
@@ -57,7 +56,7 @@ def test_native_library_runs_without_torch_or_mqa_byoc(rt, library):
     assert rc == 0, log[-4000:]
     assert not result["imported_blocked"], f"child imported {result['imported_blocked']}"
     assert "torch" not in result["modules"] and "mqa_byoc" not in result["modules"]
-    record = rt.results.setdefault(f"standalone:{os.path.relpath(library, gi.ARTIFACTS)}", {})
+    record = rt.results.setdefault(f"standalone:{os.path.relpath(library, gc.ARTIFACTS)}", {})
     record.update(seconds=seconds, load_seconds=result.get("load_seconds"),
                   blocked_import_attempts=sorted(set(result["blocked_import_attempts"])), max_abs_err={})
 
@@ -65,15 +64,15 @@ def test_native_library_runs_without_torch_or_mqa_byoc(rt, library):
     failures = []
     for m, key in LIBRARIES[library]:
         fn = gi.function_name(m, key)
-        dtype = m["output"]["dtype"]
+        tols = attention_cases.case(m["case"]["name"]).tolerances()
         native = torch.from_numpy(np.load(result["outputs"][fn]["out"]))
         python = rt.run(m, re.sub(r"_(native|hopper)$", "_python", key)).float().cpu()
         fp32 = gc.torch_reference(torch, m, rt.case_inputs(m)).cpu()
         errs = {"vs_python_provider": gc.max_err(native, python), "vs_fp32": gc.max_err(native, fp32)}
         record["max_abs_err"][fn] = errs
         # the python provider runs FA2: the native provider's kernel, not FA4's (hopper)
-        same = SAME_KERNEL[dtype] if key.endswith("_native") else TIGHT[dtype]
-        for name, want, tol in (("python provider", python, same), ("fp32 torch", fp32, TIGHT[dtype])):
+        same = tols["same_kernel"] if key.endswith("_native") else tols["fp32"]
+        for name, want, tol in (("python provider", python, same), ("fp32 torch", fp32, tols["fp32"])):
             if native.shape != want.shape:
                 failures.append(f"{fn}: shape {tuple(native.shape)} vs {name} {tuple(want.shape)}")
             elif not torch.allclose(native, want, **tol):

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 import gpu_common as gc
-import gpu_inputs as gi
+from mqa_byoc.testing import attention_cases as ac
+from mqa_byoc.testing import gpu_manifest as gi
 
 HERE = Path(__file__).resolve().parent
-TOOLS = HERE.parents[1] / "tools" / "gpu"  # the artifact builders
 CPU_CASES = [
     "bnsh_gqa_bf16_noncausal",  # BNSH in and out
     "hf_gqa_f16_causal",  # BNSH in, (B, S, H*D) out
@@ -33,27 +33,22 @@ CPU_CASES = [
 ]
 
 
-def _build_tools():
+def _full_tvm_and_torch():
     if not gc.full_tvm():
         pytest.skip("needs the full TVM (tvm.relax): this is a runtime-only TVM")
-    torch = pytest.importorskip("torch", reason="needs torch (CPU is enough)")
-    if str(TOOLS) not in sys.path:
-        sys.path.insert(0, str(TOOLS))
-    import build_forms as ba
-
-    return torch, ba
+    return pytest.importorskip("torch", reason="needs torch (CPU is enough)")
 
 
 @pytest.mark.parametrize("name", CPU_CASES)
 def test_torch_reference_matches_tvm_on_cpu(name):
-    torch, ba = _build_tools()
+    torch = _full_tvm_and_torch()
     import tvm
 
     from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
 
-    case = next(c for c in ba.CASES if c.name == name)
-    mod = ba.build_graph(case)
-    inputs, output = ba.describe_io(case, mod)
+    case = ac.case(name)
+    mod = ac.build_graph(case)
+    inputs, output = ac.describe_io(case, mod)
     m = {"case": {"name": case.name}, "seed": 0, "inputs": inputs, "output": output, "attention": case.attention()}
     arrays = gi.make_inputs(m)
     ex = tvm.compile(LegalizeGroupedAttention()(mod), target="llvm")
@@ -109,6 +104,9 @@ def test_manifests_are_consistent():
         if m.get("format") != gi.MANIFEST_FORMAT:
             problems.append(f"{name}: manifest format {m.get('format')}, expected {gi.MANIFEST_FORMAT}: rebuild")
             continue
+        stale = gc.stale_case_reason(m)
+        if stale:
+            problems.append(stale)
         att, out = m["attention"], m["output"]
         for spec in m["inputs"]:
             if spec["layout"] == "H":  # attention sinks: one logit per query head
@@ -147,7 +145,7 @@ def test_standalone_child_on_cpu(tmp_path):
     import json
     import subprocess
 
-    torch, ba = _build_tools()
+    torch = _full_tvm_and_torch()
     import tvm
     from tvm import relax
 
@@ -155,9 +153,9 @@ def test_standalone_child_on_cpu(tmp_path):
 
     funcs, calls, manifests = {}, [], {}
     for name in ("fewer_mqa_f16_decode_sym", "mlc4d_gqa_bf16_add_chunked"):
-        case = next(c for c in ba.CASES if c.name == name)
-        mod = LegalizeGroupedAttention()(ba.build_graph(case))
-        inputs, output = ba.describe_io(case, mod)
+        case = ac.case(name)
+        mod = LegalizeGroupedAttention()(ac.build_graph(case))
+        inputs, output = ac.describe_io(case, mod)
         m = {"case": {"name": name}, "seed": 3, "inputs": inputs, "output": output, "attention": case.attention()}
         (tmp_path / f"{name}.json").write_text(json.dumps(m))
         manifests[name] = m
@@ -179,3 +177,15 @@ def test_standalone_child_on_cpu(tmp_path):
         want = gc.torch_reference(torch, m, gc.torch_inputs(torch, m, "cpu")).numpy()
         tol = 1e-1 if m["output"]["dtype"] == "bfloat16" else 3e-2
         np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+
+
+def test_stale_case_definitions_are_named():
+    """A manifest records its case's definition; the GPU tests fail on one built from another definition."""
+    case = ac.case("fewer_gqa_f16_causal_chunked")
+    m = {"case": case.as_dict()}
+    assert gc.stale_case_reason(m) is None
+    older = {k: v for k, v in case.as_dict().items() if k != "tolerance"}  # written before the field existed
+    assert gc.stale_case_reason({"case": older}) is None
+    changed = dict(case.as_dict(), kwargs=dict(case.kwargs, s=65))
+    assert "another definition" in gc.stale_case_reason({"case": changed})
+    assert "does not define" in gc.stale_case_reason({"case": dict(case.as_dict(), name="gone")})

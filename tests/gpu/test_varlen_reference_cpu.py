@@ -1,34 +1,29 @@
 """CPU check of the GPU var-len test's fp32 reference (``test_gpu_varlen.reference``) against the NumPy
 reference of mqa_byoc.testing.varlen_graphs (itself checked against PyTorch's SDPA in tests/test_graph_varlen.py), on
-manifest-shaped cases of tools/gpu/build_varlen.py; and of the built manifest where it exists."""
+the cases of mqa_byoc.testing.varlen_cases (what tools/gpu/build_varlen.py builds); and of the built manifest
+where it exists."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1] / "tools" / "gpu"))
-
-import gpu_common as gc  # noqa: E402
-import test_gpu_varlen as tgv  # noqa: E402
+import gpu_common as gc
+import test_gpu_varlen as tgv
+from mqa_byoc.testing import varlen_cases as vc
 
 
-@pytest.mark.parametrize("index", range(6))
+@pytest.mark.parametrize("index", range(len(vc.CASES)))
 def test_gpu_reference_equals_numpy_reference(index):
     torch = pytest.importorskip("torch")
     if not gc.full_tvm():
         pytest.skip("needs the full TVM (tvm.relax): this is a runtime-only TVM")
-    import build_varlen as bv
     from mqa_byoc.testing.varlen_graphs import var_len_reference
 
-    case = bv.CASES[index]
-    specs, values = bv._inputs(case, bv._graph(case))
+    case = vc.CASES[index]
+    specs, values = vc.case_inputs(case, vc.case_graph(case))
     entry = {"inputs": specs, "lens_q": case["lens_q"], "lens_k": case["lens_k"],
-             "attention": bv._attention(case), "merged": bool(case["graph"].get("merged"))}
+             "attention": vc.case_attention(case), "merged": bool(case["graph"].get("merged"))}
     tensors = []
     for spec in specs:
         arr = values[f"{case['name']}/{spec['name']}"]

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import copy
 import datetime
 import json
 import math
@@ -68,16 +67,19 @@ import re
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from builder_paths import ROOT  # noqa: E402 - sys.path for mqa_byoc, the graphs and the manifest format
+from builder_paths import ROOT  # noqa: E402 - this checkout's mqa_byoc
 from bundle import (TARGET, add_functions, build_library, check_exports, codegen_symbols,  # noqa: E402
                     cuda_kernel_names, main_ops, unique_symbols, vm_calls)
 from mqa_byoc.contract import CODEGEN, COMPOSITE_MHA, COMPOSITE_MQA  # noqa: E402
+from mqa_byoc.testing.hf_models import (INIT_STD, MODELS, SCORE_STD, HFModel, build_models,  # noqa: E402
+                                        eager_deterministic)
+
 DEFAULT_OUT = ROOT / ".gpu-artifacts" / "hf"
 FORMAT = 1
 LIBRARY = "hf.so"
@@ -88,93 +90,10 @@ MODES = ("prefill", "decode")
 KV_EXPANSION_OPS = ("relax.broadcast_to", "relax.repeat", "relax.tile")
 # CUDA kernels of a K/V expansion (TVM names kernels after the fused ops); the GPU test uses this pattern
 KV_EXPANSION_KERNELS = r"repeat|broadcast|tile|expand"
-SCORE_STD = 2.5  # std of q.k / sqrt(D) for unit-RMS inputs: q/k projection std = sqrt(SCORE_STD / hidden)
-INIT_STD = 0.02  # build_hf_model's default
-
 # Tolerances of the GPU test against the float32 eager reference, as multiples of the error of fp16
 # PyTorch eager (same weights, CPU) against it; see tolerances() and the GPU test.
 TVM_FP16_FACTOR = 16.0
 SAME_FA2_FACTOR = 4.0
-
-
-@dataclass(frozen=True)
-class HFModel:
-    name: str
-    kind: str  # "llama" | "mistral"
-    heads: int
-    kv_heads: int
-    head_dim: int
-    hidden: int
-    intermediate: int
-    vocab: int
-    layers: int
-    window: int | None
-    rope_theta: float
-    batch: int
-    seq_len: int
-    note: str
-
-    def config(self):
-        from mqa_byoc.models import hf
-
-        return hf.make_hf_config(self.kind, hidden_size=self.hidden, num_heads=self.heads,
-                                 num_kv_heads=self.kv_heads, head_dim=self.head_dim,
-                                 intermediate_size=self.intermediate, vocab_size=self.vocab,
-                                 num_layers=self.layers, rope_theta=self.rope_theta, sliding_window=self.window,
-                                 attn_implementation="eager")
-
-
-MODELS = [
-    HFModel("llama3_gqa", "llama", heads=32, kv_heads=8, head_dim=128, hidden=256, intermediate=512, vocab=1024,
-            layers=2, window=None, rope_theta=500000.0, batch=2, seq_len=256,
-            note="Llama-3-8B attention (32 query heads, 8 K/V heads, head dim 128), small hidden/MLP/vocab"),
-    HFModel("mistral_mqa_window", "mistral", heads=32, kv_heads=1, head_dim=128, hidden=128, intermediate=256,
-            vocab=1024, layers=2, window=64, rope_theta=10000.0, batch=2, seq_len=256,
-            note="Mistral architecture with MQA (1 K/V head) and a 64-token sliding window"),
-]
-
-
-# ---------------------------------------------------------------------------------------------
-# models and the eager reference
-
-
-def build_models(spec: HFModel, seed: int):
-    """(fp16 model, float32 copy with the same fp16-rounded weights, q/k projection std)."""
-    import torch
-
-    from mqa_byoc.models import hf
-
-    m16 = hf.build_hf_model(spec.config(), dtype="float16", seed=seed, std=INIT_STD)
-    qk_std = math.sqrt(SCORE_STD / spec.hidden)
-    with torch.no_grad():
-        for name, p in m16.named_parameters():
-            if name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
-                p.copy_((p.float() * (qk_std / INIT_STD)).to(p.dtype))
-    m32 = copy.deepcopy(m16).float()
-    return m16, m32, qk_std
-
-
-def eager(model, mode: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
-    """``model`` run by import_hf's own export wrapper (so exactly the exported function), float32
-    numpy outputs: ``[logits, k_0, v_0, ...]``."""
-    import torch
-
-    from mqa_byoc.models import hf
-
-    wrapper = hf._wrapper(model, mode, model.config.num_hidden_layers, True).eval()
-    dt = next(model.parameters()).dtype
-    args = [torch.from_numpy(np.ascontiguousarray(inputs[0]))]
-    args += [torch.from_numpy(np.ascontiguousarray(a)).to(dt) for a in inputs[1:]]
-    with torch.no_grad():
-        out = wrapper(*args)
-    return [o.float().numpy() for o in out]
-
-
-def eager_deterministic(model, mode, inputs) -> list[np.ndarray]:
-    a, b = eager(model, mode, inputs), eager(model, mode, inputs)
-    if not all(np.array_equal(x, y) for x, y in zip(a, b)):
-        raise SystemExit(f"{mode}: two eager runs of the same model on the same inputs differ")
-    return a
 
 
 def error_stats(got: np.ndarray, want: np.ndarray, logits: bool = False) -> dict:
@@ -266,8 +185,8 @@ def check_partitioned(spec: HFModel, fname: str, part, mqa: bool) -> dict:
     ops = collections.Counter(main_ops(part, fname))
     calls = []
     for gv, func in part.functions.items():
-        if func.attrs is None or "Codegen" not in func.attrs:
-            continue
+        if func.attrs is None or "Codegen" not in func.attrs or str(func.attrs["Codegen"]) != CODEGEN:
+            continue  # not an attention (the GEMMs are offloaded to cuBLASLt too)
         q, k, v = (_shape(p.ty) for p in func.params[:3])
         calls.append({"function": gv.name_hint, "q": q, "k": k, "v": v})
         for s in (k, v):
@@ -463,12 +382,12 @@ def prepare_model(spec: HFModel, out_dir: Path, args) -> tuple[dict, dict]:
     return entry, imports
 
 
-def check_vm_calls(specs, calls: dict, codegen_symbols: list[str]) -> dict:
+def check_vm_calls(specs, calls: dict, attention_symbols: list[str]) -> dict:
     """Per VM function of the library: what it calls (transitively through other VM functions).
     mqa=True calls one FA2 wrapper per layer and nothing named after a K/V expansion op; mqa=False
     calls the expansion. Catches kernels shared between the variants of one library, too."""
     pattern = re.compile(KV_EXPANSION_KERNELS, re.IGNORECASE)
-    fa2 = set(codegen_symbols)
+    fa2 = set(attention_symbols)
 
     def closure(fn, seen=()):
         out = []
@@ -506,19 +425,20 @@ def build_hf_library(specs, imports, out_dir: Path, args) -> dict:
     from mqa_byoc.compiler.pipeline import cuda_decoder_pipeline
 
     t0 = time.time()
-    funcs, partition_info, symbols = {}, {}, []
+    funcs, partition_info, symbols, attention = {}, {}, [], []
     for spec in specs:
         for mode in MODES:
             for variant in VARIANTS:
                 fname, mod, info = variant_functions(spec, mode, imports[spec.name][mode], variant, args.provider)
                 partition_info[fname] = info
                 symbols += codegen_symbols(mod)
+                attention += codegen_symbols(mod, CODEGEN)
                 add_functions(funcs, mod, LIBRARY)
     t_part = time.time() - t0
     path = out_dir / LIBRARY
     ex, seconds = build_library(funcs, path, args.provider, args, pipeline=cuda_decoder_pipeline)
     (out_dir / "hf.vm.txt").write_text(ex.as_text())  # the VM functions' instructions, for debugging
-    vm = check_vm_calls(specs, vm_calls(ex), symbols)
+    vm = check_vm_calls(specs, vm_calls(ex), attention)
     keys = collect_kernel_keys(ex)
     exports = check_exports(path, symbols, [k.entry_symbol for k in keys] if args.provider == "native" else None)
     kernels = cuda_kernel_names(ex)

@@ -84,8 +84,7 @@ def main(argv=None):
     import numpy as np
     import tvm
 
-    sys.path.insert(0, str(ROOT / "benchmarks" / "attention_bench"))
-    from cuda_cache import precompile_cuda
+    from mqa_byoc.testing.fatbin_cache import precompile_cuda
 
     from mqa_byoc.compiler.build import build
     from mqa_byoc.compiler.export import export_library

@@ -33,75 +33,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
-from mqa_byoc.testing.varlen_graphs import seqstarts, var_len_attention  # noqa: E402
 from mqa_byoc.contract import COMPOSITE_VAR_LEN  # noqa: E402
+from mqa_byoc.testing.varlen_cases import CASES, SEED, case_attention, case_graph, case_inputs  # noqa: E402
 
 TARGET = {"kind": "cuda", "arch": "sm_90"}
-SEED = 20261130
 EXPANSION_OPS = ("relax.repeat", "relax.broadcast_to", "relax.expand_dims", "relax.tile")
-
-CASES = [
-    dict(name="gqa82_repeat_fp16_d128_causal_chunked", graph=dict(h=8, hkv=2, d=128, expand="repeat"),
-         lens_q=[37, 128, 5], lens_k=[64, 130, 9], max_on="cpu"),
-    dict(name="gqa82_native_bf16_d128_full", graph=dict(h=8, hkv=2, d=128, expand="none", causal=None,
-                                                        dtype="bfloat16"),
-         lens_q=[17, 200, 3], lens_k=[40, 7, 3], max_on="cuda"),
-    dict(name="mqa_broadcast_fp16_d64_window16", graph=dict(h=8, hkv=1, d=64, expand="broadcast", window=16),
-         lens_q=[70, 1, 33], lens_k=[70, 20, 40], max_on="cpu"),
-    dict(name="gqa82_hfrepeat_bf16_d128_topleft", graph=dict(h=8, hkv=2, d=128, expand="hf", causal="TopLeft",
-                                                             dtype="bfloat16", same_seqstart=True),
-         lens_q=[50, 129, 2], lens_k=[50, 129, 2], max_on="cuda"),
-    dict(name="mqa_repeat_fp16_d64_upstream_merged", graph=dict(h=8, hkv=1, d=64, expand="repeat", merged=True,
-                                                               same_seqstart=True, scale=0.1),
-         lens_q=[5, 3, 8], lens_k=[5, 3, 8], max_on="cpu"),
-    dict(name="gqa82_repeat_fp16_d64_causal_more_queries", graph=dict(h=8, hkv=2, d=64, expand="repeat"),
-         lens_q=[20, 4, 9], lens_k=[8, 4, 9], max_on="cpu"),
-]
-
-
-def _graph(case):
-    return var_len_attention(**case["graph"])
-
-
-def _attention(case) -> dict:
-    g = case["graph"]
-    d = g.get("d", 64)
-    return {"num_q_heads": g["h"], "num_kv_heads": g["hkv"], "head_dim": d, "dtype": g.get("dtype", "float16"),
-            "causal": g.get("causal", "BottomRight"), "window": g.get("window"),
-            "scale": g.get("scale") if g.get("scale") is not None else 1.0 / d ** 0.5}
-
-
-def _inputs(case, mod) -> tuple[list[dict], dict[str, np.ndarray]]:
-    """Parameters of ``main`` in order with their values (shapes made concrete by the lengths)."""
-    from tvm import tirx
-
-    rng = np.random.default_rng([SEED, len(case["name"]), sum(map(ord, case["name"]))])
-    tq, tk = sum(case["lens_q"]), sum(case["lens_k"])
-    sizes = {"tq": tq, "tk": tk, "nseq": len(case["lens_q"]) + 1}
-    specs, values = [], {}
-    for p in mod["main"].params:
-        ty = p.ty
-        shape = [int(x) if isinstance(x, tirx.IntImm) else sizes[str(x)] for x in ty.shape.values]
-        name, dtype = p.name, str(ty.dtype)
-        if name.startswith("seqstart"):
-            arr = seqstarts(case["lens_q"] if name == "seqstart_q" else case["lens_k"])
-            device = "cuda"
-        elif name.startswith("max_seqlen"):
-            arr = np.array(max(case["lens_q"] if name == "max_seqlen_q" else case["lens_k"]), dtype="int32")
-            device = case["max_on"]
-        else:
-            x = rng.standard_normal(shape, dtype=np.float32)
-            if dtype == "bfloat16":
-                bits = x.view(np.uint32).astype(np.uint64)
-                arr = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-            else:
-                arr = x.astype(dtype)
-            device = "cuda"
-        assert list(arr.shape) == shape, (name, arr.shape, shape)
-        specs.append({"name": name, "shape": shape, "dtype": dtype, "device": device})
-        values[f"{case['name']}/{name}"] = arr
-    return specs, values
-
 
 def _ops(func) -> list[str]:
     import tvm
@@ -119,9 +55,9 @@ def _partition(case, variant: str, mqa: bool, provider: str):
     import mqa_byoc
 
     fname = f"{case['name']}__{variant}"
-    mod = _graph(case)
+    mod = case_graph(case)
     (site,) = mqa_byoc.offload_report(mod, mqa=mqa)
-    att = _attention(case)
+    att = case_attention(case)
     got = {"num_q_heads": site.num_q_heads, "num_kv_heads": site.num_kv_heads if mqa else att["num_kv_heads"],
            "head_dim": site.head_dim, "dtype": site.dtype, "causal": site.causal, "window": site.window}
     want = {k: att[k] for k in got}
@@ -180,10 +116,10 @@ def main(argv=None) -> int:
     manifest = {"format": 1, "seed": SEED, "target": TARGET, "libraries": {}, "cases": {}}
     values = {}
     for case in CASES:
-        specs, vals = _inputs(case, _graph(case))
+        specs, vals = case_inputs(case, case_graph(case))
         values.update(vals)
         manifest["cases"][case["name"]] = {
-            "inputs": specs, "lens_q": case["lens_q"], "lens_k": case["lens_k"], "attention": _attention(case),
+            "inputs": specs, "lens_q": case["lens_q"], "lens_k": case["lens_k"], "attention": case_attention(case),
             "expands_kv": case["graph"]["expand"] != "none", "merged": bool(case["graph"].get("merged")),
             "functions": {}, "reports": {}, "ops_after_partition": {},
         }

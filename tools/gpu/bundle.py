@@ -31,9 +31,12 @@ def main_ops(mod, function="main") -> list[str]:
     return names
 
 
-def codegen_symbols(mod) -> list[str]:
+def codegen_symbols(mod, codegen: str | None = None) -> list[str]:
+    """Global symbols of the offloaded functions (of one ``codegen`` only, e.g. the attention's, where given:
+    the GEMMs are offloaded to cuBLASLt too)."""
     return sorted(str(f.attrs["global_symbol"]) for f in mod.functions.values()
-                  if f.attrs is not None and "Codegen" in f.attrs)
+                  if f.attrs is not None and "Codegen" in f.attrs
+                  and (codegen is None or str(f.attrs["Codegen"]) == codegen))
 
 
 def _defined_symbols(path: Path, dynamic: bool) -> set[str]:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from mqa_byoc import kernels as _kernels
 from mqa_byoc.compiler import link as _link
+from mqa_byoc.compiler.cuda_binary import compile_cuda_modules, cuda_source_modules
 from mqa_byoc.compiler.paged.build import paged_object
 from mqa_byoc.kernels import KernelKey, NativeKernelsUnavailable  # noqa: F401 (re-export)
 from mqa_byoc.kernels import hopper as _hopper
@@ -61,6 +62,7 @@ def export_library(
     *,
     jobs: int | None = None,
     allow_missing: bool = False,
+    cuda_binary: bool = False,
     progress: Callable[[str], None] | None = print,
     **kwargs,
 ):
@@ -73,9 +75,17 @@ def export_library(
         :class:`NativeKernelsUnavailable` naming the ``mqa-byoc build-kernels`` command instead.
     allow_missing: link whatever kernels exist; a call needing a missing one fails at run time
         with the same hint (the dispatcher references kernels weakly).
+    cuda_binary: compile TVM's own CUDA kernels still kept as source to fatbins for ``arch`` first
+        (:func:`mqa_byoc.compiler.cuda_binary.compile_cuda_modules`, as ``mqa_byoc.build(cuda_binary=True)``
+        does), so the library loads with TVM's C++ runtime alone: no nvcc and no Python compile hook
+        where it runs, no compile at each load. Needs nvcc; the fatbins are for ``arch``, which must be
+        the arch the executable was built for (an executable does not record it). Off by default
+        (docs/deployment.md says why).
     kwargs: passed to ``executable.export_library`` (``fcompile``, ``addons``, ``options``, ...).
     """
     path = os.fspath(path)
+    if cuda_binary and cuda_source_modules(executable):
+        compile_cuda_modules(executable, _kernels.normalize_arch(arch or _kernels.detect_arch()), progress=progress)
     needs = _link.Needs.of(executable)
     if not needs:
         return executable.export_library(path, **kwargs)

@@ -123,7 +123,7 @@ def dispatcher_name() -> str:
         ``fa2_dispatch-<12 hex>.o``.
     """
     h = hashlib.sha256()
-    for source in (paths.DISPATCH_SOURCE, paths.DISPATCH_HEADER, paths.GQA_DECODE_HEADER):
+    for source in (paths.DISPATCH_SOURCE, paths.DISPATCH_HEADER, paths.GQA_DECODE_HEADER, paths.NVTX_HEADER):
         h.update(source.read_bytes())
     h.update(_tree_hash([paths.SHIM_DIR]).encode())
     h.update(json.dumps(dispatcher_flags()).encode())

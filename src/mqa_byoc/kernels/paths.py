@@ -10,6 +10,8 @@ NATIVE_DIR = Path(__file__).resolve().parent.parent / "native"
 ENTRY_SOURCE = NATIVE_DIR / "fa2_kernel_entry.cu"
 DISPATCH_SOURCE = NATIVE_DIR / "fa2_dispatch.cc"
 DISPATCH_HEADER = NATIVE_DIR / "fa2_dispatch.h"
+#: the MQA_BYOC_NVTX switch, shared by the dispatcher and the disco NCCL library
+NVTX_HEADER = NATIVE_DIR / "nvtx_switch.h"
 LINK_CHECK_SOURCE = NATIVE_DIR / "fa2_link_check.cc"
 #: our decode kernels, device code compiled per arch into one support object (SUPPORT_SOURCE includes
 #: both): the grouped-query decode kernel, and the chunk lengths + combine of the FA2 chunked decode

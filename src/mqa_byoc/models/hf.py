@@ -386,7 +386,7 @@ def _seed_cache(cache):
         layer.update = first_update
 
 
-def _wrapper(model, mode: str, num_layers: int, use_cache: bool, seed_cache: bool = False):
+def export_wrapper(model, mode: str, num_layers: int, use_cache: bool, seed_cache: bool = False):
     """The exported function (see :func:`import_hf`); ``seed_cache``: :func:`_seed_cache` first."""
     torch = _torch()
     from transformers import DynamicCache
@@ -520,7 +520,7 @@ def import_hf(
     hkv, d = cache_heads_and_dim(cfg)
     if cache not in ("dynamic", "static"):
         raise ValueError(f"cache must be 'dynamic' or 'static', got {cache!r}")
-    wrapper = _wrapper(model, mode, n_layers, use_cache, seed_cache=convert == "standard").eval()
+    wrapper = export_wrapper(model, mode, n_layers, use_cache, seed_cache=convert == "standard").eval()
     if dynamic:  # an example size of 1 would be specialized
         batch, seq_len, past_len = max(batch, 2), max(seq_len, 2), max(past_len, 2)
     gen = torch.Generator().manual_seed(seed)

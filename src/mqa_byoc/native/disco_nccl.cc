@@ -23,9 +23,11 @@
 // ours created with cudaStreamCreate (a blocking stream: ordered with the legacy default stream that
 // TVM's kernels use when no stream is set). Errors throw tvm::ffi::Error naming the call.
 //
-// NVTX: with MQA_BYOC_NVTX=1 (read once; the rule of fa2_dispatch.cc) every collective's host call is an
+// NVTX: with MQA_BYOC_NVTX=1 (read once; the rule of nvtx_switch.h) every collective's host call is an
 // NVTX range "nccl.<name>[<bytes> B]" (NVTX3, header-only), so a profile can attribute a step's time to its
 // collectives; unset, one check of a static flag.
+
+#include "nvtx_switch.h"
 
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -130,23 +132,10 @@ int64_t ElemBytes(DLDataType t) { return (static_cast<int64_t>(t.bits) * t.lanes
 
 // ---- NVTX ranges -----------------------------------------------------------------------------------
 
-bool NvtxEnabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("MQA_BYOC_NVTX");
-    if (v == nullptr) return false;
-    std::string s(v);
-    s.erase(0, s.find_first_not_of(" \t"));
-    s.erase(s.find_last_not_of(" \t") + 1);
-    for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    return !(s.empty() || s == "0" || s == "false" || s == "off" || s == "no");
-  }();
-  return enabled;
-}
-
 // "nccl.<what>[<bytes> B]" around one collective's host call, when MQA_BYOC_NVTX is on.
 class CollectiveRange {
  public:
-  CollectiveRange(const char* what, const Tensor& t) : on_(NvtxEnabled()) {
+  CollectiveRange(const char* what, const Tensor& t) : on_(mqa_byoc::nvtx_enabled()) {
     if (!on_) return;
     char name[96];
     std::snprintf(name, sizeof(name), "nccl.%s[%lld B]", what, static_cast<long long>(Numel(t) * ElemBytes(t->dtype)));

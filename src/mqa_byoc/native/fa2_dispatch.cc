@@ -13,6 +13,7 @@
 
 #include "fa2_dispatch.h"
 #include "gqa_decode.h"
+#include "nvtx_switch.h"
 
 #include <cuda_runtime.h>
 #include <nvtx3/nvToolsExt.h>
@@ -212,24 +213,10 @@ const mqa_byoc_kernel_options& library_options() {
   return &mqa_byoc_library_kernel_options != nullptr ? mqa_byoc_library_kernel_options : kDefaultOptions;
 }
 
-// $MQA_BYOC_NVTX: set, non-empty and not 0/false/off/no (the rule of mqa_byoc.runtime.providers).
-bool nvtx_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("MQA_BYOC_NVTX");
-    if (v == nullptr) return false;
-    std::string s(v);
-    s.erase(0, s.find_first_not_of(" \t"));
-    s.erase(s.find_last_not_of(" \t") + 1);
-    for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    return !(s.empty() || s == "0" || s == "false" || s == "off" || s == "no");
-  }();
-  return enabled;
-}
-
 }  // namespace
 
 extern "C" int mqa_byoc_fa2_nvtx_push(const char* format, int64_t num_heads, int64_t num_heads_k, int64_t head_dim) {
-  if (!nvtx_enabled()) return 0;
+  if (!mqa_byoc::nvtx_enabled()) return 0;
   char name[96];
   std::snprintf(name, sizeof(name), format, static_cast<long long>(num_heads), static_cast<long long>(num_heads_k),
                 static_cast<long long>(head_dim));

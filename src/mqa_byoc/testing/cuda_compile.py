@@ -4,9 +4,10 @@ the one registered before (e.g. the runtime-only kit's nvcc hook) and puts that 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from collections.abc import Callable
+
+from mqa_byoc.runtime.ffi_globals import replaced_global_func
 
 HOOK = "tvm_callback_cuda_compile"
 
@@ -16,7 +17,6 @@ def fatbin_cache_key(code: str, arch: str) -> str:
     return f"{hashlib.sha256(code.encode()).hexdigest()[:32]}-{arch}"
 
 
-@contextlib.contextmanager
 def cuda_compile_hook(make: Callable):
     """Register ``make(previous)`` as ``tvm_callback_cuda_compile`` for the block.
 
@@ -29,18 +29,7 @@ def cuda_compile_hook(make: Callable):
     Callable
         As the ``with`` target: the registered function.
     """
-    import tvm_ffi
-
-    previous = tvm_ffi.get_global_func(HOOK, allow_missing=True)
-    fn = make(previous)
-    tvm_ffi.register_global_func(HOOK, fn, override=True)
-    try:
-        yield fn
-    finally:
-        if previous is not None:
-            tvm_ffi.register_global_func(HOOK, previous, override=True)
-        else:
-            tvm_ffi.remove_global_func(HOOK)
+    return replaced_global_func(HOOK, make)
 
 
 def memoized_cuda_compile(previous: Callable | None):

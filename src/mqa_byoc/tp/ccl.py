@@ -25,7 +25,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from ..kernels.paths import NATIVE_DIR, cache_root
+from ..kernels.paths import NATIVE_DIR, NVTX_HEADER, cache_root
 
 #: our source, and the stand-ins for the two TVM headers the wheel's ``tvm/runtime/tensor.h`` includes
 #: without shipping them
@@ -133,7 +133,7 @@ def _tag(cmd: list[str]) -> str:
     import tvm
 
     h = hashlib.sha256()
-    for f in (SOURCE, *sorted(TVM_SHIM_DIR.rglob("*.h"))):
+    for f in (SOURCE, NVTX_HEADER, *sorted(TVM_SHIM_DIR.rglob("*.h"))):
         h.update(f.name.encode())
         h.update(f.read_bytes())
     nccl_inc, _ = nccl_dirs()

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from contextlib import contextmanager
 
 import numpy as np
+
+from mqa_byoc.runtime.ffi_globals import replaced_global_func
 
 ALLREDUCE = "runtime.disco.allreduce"
 _REDUCE = {0: np.sum, 1: np.prod, 2: np.min, 3: np.max, 4: np.mean}
@@ -70,19 +71,7 @@ class LockstepAllReduce:
         return results
 
 
-@contextmanager
 def lockstep_allreduce(shards: int, timeout: float = 600.0):
-    """Replace ``runtime.disco.allreduce`` by a :class:`LockstepAllReduce` of ``shards`` for the block;
-    the previous function (disco's) is put back after it."""
-    import tvm_ffi
-
-    previous = tvm_ffi.get_global_func(ALLREDUCE, allow_missing=True)
-    ar = LockstepAllReduce(shards, timeout)
-    tvm_ffi.register_global_func(ALLREDUCE, ar, override=True)
-    try:
-        yield ar
-    finally:
-        if previous is not None:
-            tvm_ffi.register_global_func(ALLREDUCE, previous, override=True)
-        else:
-            tvm_ffi.remove_global_func(ALLREDUCE)
+    """Replace ``runtime.disco.allreduce`` by a :class:`LockstepAllReduce` of ``shards`` for the block
+    (``with ... as ar``); the previous function (disco's) is put back after it."""
+    return replaced_global_func(ALLREDUCE, lambda _previous: LockstepAllReduce(shards, timeout))

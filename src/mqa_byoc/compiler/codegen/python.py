@@ -88,26 +88,30 @@ tvm::ffi::Tensor MqaByocSwap12(const tvm::ffi::Tensor& t) {
 }  // namespace
 """.replace("@LOOKUP@", py_function_lookup("MqaByocPyForward", PY_FORWARD_FUNC)).replace("@FORWARD@", PY_FORWARD_FUNC)
 
-_DLTYPE = {"float16": "DLDataType{kDLFloat, 16, 1}", "bfloat16": "DLDataType{kDLBfloat, 16, 1}",
+DL_DATA_TYPES = {"float16": "DLDataType{kDLFloat, 16, 1}", "bfloat16": "DLDataType{kDLBfloat, 16, 1}",
            "float32": "DLDataType{kDLFloat, 32, 1}"}
 
 
-def emit_python_forwarder(symbol: str, spec: AttentionSpec, arg_map=(0, 1, 2), num_inputs: int | None = None,
-                          prelude: bool = True, shape_params: tuple[int, ...] = ()) -> str:
-    """C++ exporting ``symbol(inputs..., out)`` that calls ``mqa_byoc.flash_attn_forward``.
+def spec_constants(spec: AttentionSpec, *, head_dim_v: bool = True) -> str:
+    """The wrapper's compile-time constants of ``spec`` (heads, head dims, scale, mask, dtype) as C++
+    ``constexpr`` lines, shared by the python provider's wrappers (this one and the sink attention's)."""
+    lines = [f"constexpr int64_t kNumQHeads = {spec.num_q_heads};",
+             f"constexpr int64_t kNumKVHeads = {spec.num_kv_heads};",
+             f"constexpr int64_t kHeadDim = {spec.head_dim};"]
+    if head_dim_v:
+        lines.append(f"constexpr int64_t kHeadDimV = {spec.head_dim_v};")
+    lines += [f"constexpr double kScale = {float(spec.scale)!r};",
+              f"constexpr bool kCausal = {'true' if spec.causal else 'false'};",
+              f"constexpr int64_t kWindowLeft = {int(spec.window_left)};",
+              f"constexpr int64_t kWindowRight = {int(spec.window_right)};",
+              f"const DLDataType kDType = {DL_DATA_TYPES[spec.dtype]};"]
+    return "\n".join(lines)
 
-    ``arg_map[i]`` is the input position of composite operand i (q, k, v); ``num_inputs`` the
-    number of inputs the exported function takes (default ``max(arg_map) + 1``).
-    """
-    if spec.dtype not in _DLTYPE:
-        raise CodegenError(f"flash_attn codegen ({symbol}): unsupported dtype {spec.dtype}")
-    n = max(arg_map) + 1 if num_inputs is None else int(num_inputs)
-    ins = ", ".join(f"tvm::ffi::{'Shape' if i in shape_params else 'Tensor'} in{i}" for i in range(n))
-    bnsh = {"q": spec.q_layout == "BNSH", "k": spec.k_layout == "BNSH", "v": spec.v_layout == "BNSH",
-            "out": spec.out_layout == "BNSH"}
-    operand = {"q": f"in{arg_map[0]}", "k": f"in{arg_map[1]}", "v": f"in{arg_map[2]}", "out": "out"}
+
+def operand_checks(symbol: str, spec: AttentionSpec, operand: dict, bnsh: dict, dims: dict) -> tuple[str, str]:
+    """C++ lines checking q, k, v, out (``MqaByocCheck``: rank, heads, head dim ``dims[x]``, dtype) and
+    making their BSNH views (``MqaByocSwap12`` of the BNSH ones): ``(checks, views)``."""
     heads = {"q": "kNumQHeads", "k": "kNumKVHeads", "v": "kNumKVHeads", "out": "kNumQHeads"}
-    dims = {"q": "kHeadDim", "k": "kHeadDim", "v": "kHeadDimV", "out": "kHeadDimV"}
     checks = "\n".join(
         f'  MqaByocCheck({operand[x]}, "{symbol}", "{x}", {1 if bnsh[x] else 2}, {heads[x]}, {dims[x]}, '
         f'kDType, "{spec.dtype}");'
@@ -117,20 +121,31 @@ def emit_python_forwarder(symbol: str, spec: AttentionSpec, arg_map=(0, 1, 2), n
         f"  tvm::ffi::Tensor {x}_bsnh = {'MqaByocSwap12(' + operand[x] + ')' if bnsh[x] else operand[x]};"
         for x in ("q", "k", "v", "out")
     )
+    return checks, views
+
+
+def emit_python_forwarder(symbol: str, spec: AttentionSpec, arg_map=(0, 1, 2), num_inputs: int | None = None,
+                          prelude: bool = True, shape_params: tuple[int, ...] = ()) -> str:
+    """C++ exporting ``symbol(inputs..., out)`` that calls ``mqa_byoc.flash_attn_forward``.
+
+    ``arg_map[i]`` is the input position of composite operand i (q, k, v); ``num_inputs`` the
+    number of inputs the exported function takes (default ``max(arg_map) + 1``).
+    """
+    if spec.dtype not in DL_DATA_TYPES:
+        raise CodegenError(f"flash_attn codegen ({symbol}): unsupported dtype {spec.dtype}")
+    n = max(arg_map) + 1 if num_inputs is None else int(num_inputs)
+    ins = ", ".join(f"tvm::ffi::{'Shape' if i in shape_params else 'Tensor'} in{i}" for i in range(n))
+    bnsh = {"q": spec.q_layout == "BNSH", "k": spec.k_layout == "BNSH", "v": spec.v_layout == "BNSH",
+            "out": spec.out_layout == "BNSH"}
+    operand = {"q": f"in{arg_map[0]}", "k": f"in{arg_map[1]}", "v": f"in{arg_map[2]}", "out": "out"}
+    dims = {"q": "kHeadDim", "k": "kHeadDim", "v": "kHeadDimV", "out": "kHeadDimV"}
+    checks, views = operand_checks(symbol, spec, operand, bnsh, dims)
     body = f"""
 // ---- {symbol}: {spec.num_q_heads} query heads over {spec.num_kv_heads} K/V heads (group {spec.group_size}), head dim {spec.head_dim}, {spec.dtype}
 // layouts q={spec.q_layout} k={spec.k_layout} v={spec.v_layout} out={spec.out_layout}
 namespace {{
 namespace mqa_byoc_{symbol} {{
-constexpr int64_t kNumQHeads = {spec.num_q_heads};
-constexpr int64_t kNumKVHeads = {spec.num_kv_heads};
-constexpr int64_t kHeadDim = {spec.head_dim};
-constexpr int64_t kHeadDimV = {spec.head_dim_v};
-constexpr double kScale = {float(spec.scale)!r};
-constexpr bool kCausal = {"true" if spec.causal else "false"};
-constexpr int64_t kWindowLeft = {int(spec.window_left)};
-constexpr int64_t kWindowRight = {int(spec.window_right)};
-const DLDataType kDType = {_DLTYPE[spec.dtype]};
+{spec_constants(spec)}
 
 void Run({ins}, tvm::ffi::Tensor out) {{
 {checks}

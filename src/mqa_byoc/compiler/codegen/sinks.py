@@ -16,11 +16,9 @@ from __future__ import annotations
 
 from mqa_byoc.contract import PY_SINK_FORWARD_FUNC
 
-from mqa_byoc.compiler.codegen.python import py_function_lookup
+from mqa_byoc.compiler.codegen.python import DL_DATA_TYPES, operand_checks, py_function_lookup, spec_constants
 from mqa_byoc.compiler.graph.spec import AttentionSpec
 
-_DLTYPE = {"float16": "DLDataType{kDLFloat, 16, 1}", "bfloat16": "DLDataType{kDLBfloat, 16, 1}",
-           "float32": "DLDataType{kDLFloat, 32, 1}"}
 
 
 def emit_python_forwarder(symbol: str, spec: AttentionSpec, arg_map, num_inputs: int, shape_params=()) -> str:
@@ -29,26 +27,15 @@ def emit_python_forwarder(symbol: str, spec: AttentionSpec, arg_map, num_inputs:
     ins = ", ".join(f"tvm::ffi::{'Shape' if i in shape_params else 'Tensor'} in{i}" for i in range(num_inputs))
     bnsh = {"q": spec.q_layout == "BNSH", "k": spec.k_layout == "BNSH", "v": spec.v_layout == "BNSH", "out": False}
     operand = {"q": f"in{arg_map[0]}", "k": f"in{arg_map[1]}", "v": f"in{arg_map[2]}", "out": "out"}
-    heads = {"q": "kNumQHeads", "k": "kNumKVHeads", "v": "kNumKVHeads", "out": "kNumQHeads"}
-    checks = "\n".join(f'  MqaByocCheck({operand[x]}, "{symbol}", "{x}", {1 if bnsh[x] else 2}, {heads[x]}, kHeadDim, '
-                       f'kDType, "{spec.dtype}");' for x in ("q", "k", "v", "out"))
-    views = "\n".join(f"  tvm::ffi::Tensor {x}_bsnh = {'MqaByocSwap12(' + operand[x] + ')' if bnsh[x] else operand[x]};"
-                      for x in ("q", "k", "v", "out"))
+    checks, views = operand_checks(symbol, spec, operand, bnsh, dict.fromkeys(("q", "k", "v", "out"), "kHeadDim"))
     sinks = f"in{arg_map[3]}"
     lookup = py_function_lookup("MqaByocPySinkForward", PY_SINK_FORWARD_FUNC)
     return f"""
 // ---- {symbol}: attention with sinks, {spec.num_q_heads} query heads over {spec.num_kv_heads} K/V heads, head dim {spec.head_dim}, {spec.dtype}, sinks {spec.sinks_dtype}
 namespace {{
 namespace mqa_byoc_{symbol} {{
-constexpr int64_t kNumQHeads = {spec.num_q_heads};
-constexpr int64_t kNumKVHeads = {spec.num_kv_heads};
-constexpr int64_t kHeadDim = {spec.head_dim};
-constexpr double kScale = {float(spec.scale)!r};
-constexpr bool kCausal = {"true" if spec.causal else "false"};
-constexpr int64_t kWindowLeft = {int(spec.window_left)};
-constexpr int64_t kWindowRight = {int(spec.window_right)};
-const DLDataType kDType = {_DLTYPE[spec.dtype]};
-const DLDataType kSinkDType = {_DLTYPE[spec.sinks_dtype]};
+{spec_constants(spec, head_dim_v=False)}
+const DLDataType kSinkDType = {DL_DATA_TYPES[spec.sinks_dtype]};
 
 @LOOKUP@
 void Run({ins}, tvm::ffi::Tensor out) {{

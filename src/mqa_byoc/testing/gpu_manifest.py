@@ -1,7 +1,9 @@
-"""Artifact manifests and their random inputs: numpy and the standard library only.
+"""GPU test artifact manifests and their random inputs: numpy and the standard library only.
 
-Shared by the GPU tests (which also have torch) and by ``native_standalone_child.py``, which runs in a
-process where torch and mqa_byoc cannot be imported, so this module must not import either.
+Written by the artifact builders (``tools/gpu/build_forms.py``), read by the GPU tests (which also have
+torch) and by ``tests/gpu/native_standalone_child.py``, which runs in a process where torch and
+mqa_byoc cannot be imported and loads this file by its path: so it imports neither (nor anything of
+the package), and must stay that way.
 
 Inputs: input ``i`` of a case is ``numpy.random.default_rng([seed, crc32(case name), i])
 .standard_normal(shape, float32)`` rounded to the case dtype (round to nearest even). float16 inputs
@@ -18,12 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
-ARTIFACTS = Path(os.environ.get("MQA_BYOC_GPU_ARTIFACTS", ROOT / ".gpu-artifacts" / "tests"))
 MANIFEST_FORMAT = 2
 
 
-def load_manifests(root: Path = ARTIFACTS) -> list[dict]:
+def load_manifests(root: Path) -> list[dict]:
     """Every ``<root>/<case>/manifest.json`` (case manifests only: other folders, e.g. prebuilt FA2
     kernels, may hold a manifest.json too), with ``dir`` set to the case folder."""
     out = []
