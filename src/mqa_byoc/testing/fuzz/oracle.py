@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .build import allowed_np, lowest, rounded
+from .build import allowed_np, lowest, rounded, softcap_before_mask
 from .gen import GraphSpec, KVGroup, Site
 
 # keyword alternatives a rejection reason must contain one of, per cause
@@ -111,6 +111,9 @@ def expect(spec: GraphSpec, i: int) -> Expect:
     # tanh: the mask after it, as in Gemma 2
     if site.score_mod == "softcap" and site.mask_op != "none" and not (site.softcap_first and not site.mask_first):
         e.causes.append(("a mask inside the soft-capping tanh", SOFTCAP))
+    if site.score_mod == "softcap" and site.row_guard != "none" and not softcap_before_mask(site):
+        # the generator's guard then compares the scores before the tanh, not the softmax's input: not provable
+        e.causes.append(("a row guard on the scores before the soft-cap", ROW_GUARD))
     elif site.score_mod == "unknown":
         e.causes.append(("unknown score modification", UNKNOWN_MOD))
     e.offload = not e.causes
