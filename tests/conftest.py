@@ -15,8 +15,10 @@ def pytest_unconfigure(config):
         return
     import tvm_ffi
 
-    from mqa_byoc.contract import CODEGEN, PY_FORWARD_FUNC, PY_SINK_FORWARD_FUNC, PY_VAR_LEN_FORWARD_FUNC
+    from mqa_byoc.contract import (CODEGEN, PY_FORWARD_FUNC, PY_SINK_FORWARD_FUNC, PY_SOFTCAP_FORWARD_FUNC,
+                                   PY_VAR_LEN_FORWARD_FUNC)
 
-    for name in ("relax.ext." + CODEGEN, PY_FORWARD_FUNC, PY_VAR_LEN_FORWARD_FUNC, PY_SINK_FORWARD_FUNC):
+    for name in ("relax.ext." + CODEGEN, PY_FORWARD_FUNC, PY_VAR_LEN_FORWARD_FUNC, PY_SINK_FORWARD_FUNC,
+                 PY_SOFTCAP_FORWARD_FUNC):
         if tvm_ffi.get_global_func(name, allow_missing=True) is not None:
             tvm_ffi.remove_global_func(name)

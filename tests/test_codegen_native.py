@@ -346,9 +346,11 @@ def test_dispatcher_compiles_and_links(clean_env):
     obj = K.build_dispatcher(progress=None)
     assert obj.is_file() and obj.is_relative_to(clean_env / "cache")
     syms = subprocess.run(["nm", str(obj)], capture_output=True, text=True).stdout
-    assert re.search(r"T mqa_byoc_fa2_forward\b", syms)
+    assert re.search(r"T mqa_byoc_fa2_forward\b", syms) and re.search(r"T mqa_byoc_fa2_forward_softcap\b", syms)
     weak = re.findall(r" w (mqa_byoc_fa2_fwd\w+)", syms)
-    assert len(weak) == 6 * 2 * 2 * 2 and "mqa_byoc_fa2_fwd_split_hdim128_fp16_causal" in weak
+    # head dims x dtypes x causal x split, plain and soft-capping families
+    assert len(weak) == 6 * 2 * 2 * 2 * 2 and "mqa_byoc_fa2_fwd_split_hdim128_fp16_causal" in weak
+    assert "mqa_byoc_fa2_fwd_split_hdim256_bf16_causal_softcap" in weak
     # the same object again comes from the cache
     assert K.build_dispatcher(build=False, progress=None) == obj
     # its split-KV decode kernels (split_kv_combine.cu) are the one strong reference it needs besides cudart

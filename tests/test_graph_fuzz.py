@@ -77,6 +77,13 @@ KNOWN = (
     # soft-capping and an op no form explains on the scores: reported, rejected with their reasons
     GraphSpec(sites=(Site(form="chain4d", scale=0.125, score_mod="softcap"),
                      Site(form="chain3d", scale=0.125, score_mod="unknown"))),
+    # soft-capping in Gemma 2's order (scale, tanh, then the causal mask): offloaded with its cap; the
+    # soft-cap of the masked scores (the mask inside the tanh): rejected naming it
+    GraphSpec(groups=(KVGroup(k_layout="BNSH", v_layout="BNSH", s_kv=8),),
+              sites=(Site(form="chain4d", expand="hf", causal="BottomRight", mask_op="add", scale=0.125,
+                          score_mod="softcap"),
+                     Site(form="chain4d", expand="hf", causal="BottomRight", mask_op="where", scale=0.125,
+                          score_mod="softcap", softcap_first=False))),
 )
 
 

@@ -3,7 +3,7 @@
 GPT-OSS's eager chain (scores, mask, the per-head sink logits concatenated on the key axis, the row
 maximum subtracted, softmax, the sink column dropped, @ V) is offloaded with native K/V heads as
 ``flash_attn.attention_mqa_sink``; the rewritten graph (the composite's reference body, on llvm) gives the
-original's results. Every matmul-softmax-matmul chain appears in the report: soft-capping, ALiBi and
+original's results. Every matmul-softmax-matmul chain appears in the report: ALiBi and
 score modifications the analysis cannot prove are rejected saying so, never absent."""
 
 import re
@@ -118,13 +118,19 @@ def test_sink_wrappers_compile(tmp_path):
 
 # ----------------------------------------------------------------------------- nothing unseen
 @pytest.mark.parametrize("score_mod, words", [
-    ("softcap", "soft-capping"),
     ("alibi", "ALiBi"),
     ("square", "non-constant"),
 ])
 def test_score_modifications_are_reported_not_absent(score_mod, words):
     (site,) = offload_report(G.sink_chain(score_mod=score_mod))
     assert not site.offloaded and words in site.reason, site.reason
+
+
+def test_soft_capped_chain_is_offloaded_as_soft_capping():
+    """The sink chain with Gemma 2's soft-cap instead of the sinks: offloaded as soft-capped attention
+    (tests/test_graph_softcap.py covers the form)."""
+    (site,) = offload_report(G.sink_chain(score_mod="softcap"))
+    assert site.offloaded and site.composite == "flash_attn.attention_mqa_softcap" and site.softcap == 50.0
 
 
 def test_unknown_op_on_the_scores_is_reported():

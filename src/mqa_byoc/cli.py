@@ -146,6 +146,9 @@ def _build_kernels_parser(sub):
                    help="comma separated: fp16,bf16 (default both)")
     p.add_argument("--causal", type=_both_yes_no("causal"), default=(False, True), help="both|yes|no")
     p.add_argument("--split", type=_both_yes_no("split"), default=(False, True), help="split-KV kernels: both|yes|no")
+    p.add_argument("--softcap", action="store_true",
+                   help="the families with logit soft-capping (Gemma 2) instead of the plain ones: compiled "
+                        "without FLASHATTENTION_DISABLE_SOFTCAP, needed only by models that soft-cap")
     p.add_argument("--jobs", "-j", type=int, default=None, help="parallel nvcc processes")
     p.add_argument("--nice", type=int, nargs="?", const=10, default=0,
                    help="run nvcc under `nice -n N` (N defaults to 10 when omitted)")
@@ -188,7 +191,7 @@ def build_kernels_request(args: argparse.Namespace):
     from .kernels import BuildRequest  # TVM-free
 
     return BuildRequest(arch=args.arch, head_dims=args.head_dims, dtypes=args.dtypes, causal=args.causal,
-                        split=args.split, jobs=args.jobs, nice=args.nice, flash_attn_src=args.flash_attn_src,
+                        split=args.split, softcap=(True,) if args.softcap else (False,), jobs=args.jobs, nice=args.nice, flash_attn_src=args.flash_attn_src,
                         out=args.out, link_check=args.link_check, print_dir=args.print_dir, dry_run=args.dry_run)
 
 

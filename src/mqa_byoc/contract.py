@@ -21,11 +21,21 @@ COMPOSITE_VAR_LEN = "flash_attn.attention_var_len"
 COMPOSITE_MQA_SINK = "flash_attn.attention_mqa_sink"
 COMPOSITE_MHA_SINK = "flash_attn.attention_sink"
 SINK_COMPOSITES = (COMPOSITE_MQA_SINK, COMPOSITE_MHA_SINK)
+#: Attention with logit soft-capping (Gemma 2: scores = c * tanh(scores / c) before the mask and softmax):
+#: operands (q, k, v), the cap c in :data:`SOFTCAP_ATTR`; fewer K/V heads than query heads, and as many.
+COMPOSITE_MQA_SOFTCAP = "flash_attn.attention_mqa_softcap"
+COMPOSITE_MHA_SOFTCAP = "flash_attn.attention_softcap"
+SOFTCAP_COMPOSITES = (COMPOSITE_MQA_SOFTCAP, COMPOSITE_MHA_SOFTCAP)
+#: The composites whose attention is a function of its own (its body the reference computation).
+FUNCTION_COMPOSITES = SINK_COMPOSITES + SOFTCAP_COMPOSITES
 #: Every composite name the codegen accepts; a new composite is added here and in the pattern table.
-COMPOSITES = ATTENTION_COMPOSITES + (COMPOSITE_VAR_LEN,) + SINK_COMPOSITES
-#: Function attribute of a sink attention's function (its value: the composite name) before and after the
-#: partition; its mask and scale are the attributes below (the body is the reference computation).
+COMPOSITES = ATTENTION_COMPOSITES + (COMPOSITE_VAR_LEN,) + FUNCTION_COMPOSITES
+#: Function attribute of an attention that is a function of its own (sinks or soft-capping; its value: the
+#: composite name) before and after the partition; its mask and scale are the attributes below (the body is
+#: the reference computation).
 SINK_ATTR = "mqa_byoc.attention_sinks"
+#: The soft-cap c of a soft-capped attention's function (float64; absent: no soft-capping).
+SOFTCAP_ATTR = "mqa_byoc.softcap"
 SINK_SCALE_ATTR = "mqa_byoc.scale"
 SINK_CAUSAL_ATTR = "mqa_byoc.causal"
 SINK_WINDOW_ATTR = "mqa_byoc.window"  # keys a row sees including its own, 0: no window
@@ -44,17 +54,29 @@ PY_FORWARD_FUNC = "mqa_byoc.flash_attn_forward"
 PY_VAR_LEN_FORWARD_FUNC = "mqa_byoc.flash_attn_varlen_forward"
 #: Global function the python provider's sink-attention forwarders call (``mqa_byoc.runtime.providers``).
 PY_SINK_FORWARD_FUNC = "mqa_byoc.flash_attn_sink_forward"
+#: Global function the python provider's soft-capped attention forwarders call (``mqa_byoc.runtime.providers``).
+PY_SOFTCAP_FORWARD_FUNC = "mqa_byoc.flash_attn_softcap_forward"
 
 
-def composite_name(num_q_heads: int, num_kv_heads: int, sinks: bool = False) -> str:
+def composite_name(num_q_heads: int, num_kv_heads: int, sinks: bool = False, softcap: bool = False) -> str:
     """The composite an attention with these head counts is offloaded as.
 
     Returns
     -------
     str
         :data:`COMPOSITE_MQA` when K/V have fewer heads than the query, else :data:`COMPOSITE_MHA`;
-        with ``sinks`` :data:`COMPOSITE_MQA_SINK` / :data:`COMPOSITE_MHA_SINK`.
+        with ``sinks`` :data:`COMPOSITE_MQA_SINK` / :data:`COMPOSITE_MHA_SINK`; with ``softcap``
+        :data:`COMPOSITE_MQA_SOFTCAP` / :data:`COMPOSITE_MHA_SOFTCAP`.
+
+    Raises
+    ------
+    ValueError
+        For sinks together with soft-capping (no composite computes both).
     """
+    if sinks and softcap:
+        raise ValueError("no composite computes attention sinks together with soft-capping")
+    if softcap:
+        return COMPOSITE_MQA_SOFTCAP if num_kv_heads != num_q_heads else COMPOSITE_MHA_SOFTCAP
     if sinks:
         return COMPOSITE_MQA_SINK if num_kv_heads != num_q_heads else COMPOSITE_MHA_SINK
     return COMPOSITE_MQA if num_kv_heads != num_q_heads else COMPOSITE_MHA

@@ -40,6 +40,8 @@ def format_report(sites) -> str:
         mask = s.causal or "none"
         if s.window:
             mask += f" w={s.window}"
+        if getattr(s, "softcap", None):
+            mask += f" softcap={s.softcap:g}"
         what = s.composite if s.offloaded else f"REJECTED: {s.reason}"
         if s.note:
             what += f" ({s.note})"

@@ -125,7 +125,8 @@ def torch_reference(torch, m: dict, tensors):
     """fp32 attention of case ``m`` on its inputs ``tensors`` (in the manifest's order and layouts).
 
     Inputs are turned to BSNH by their layout; query head h uses K/V head h // (H / H_kv) (R.repeat,
-    FA2, HF repeat_kv); the mask is :func:`attention_mask`; with ``sinks`` each row's softmax has the
+    FA2, HF repeat_kv); soft-capped (``softcap`` c) scores are ``c * tanh(s / c)`` before the mask; the mask
+    is :func:`attention_mask`; with ``sinks`` each row's softmax has the
     head's sink logit (input ``sinks``) besides the keys; the result is put back into the output's
     layout (BSNH or BNSH) and shape ((B, S, H*D) when heads are merged)."""
     att, out = m["attention"], m["output"]
@@ -136,6 +137,8 @@ def torch_reference(torch, m: dict, tensors):
     r = h // hkv
     k, v = k.repeat_interleave(r, dim=2), v.repeat_interleave(r, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * float(att["scale"])
+    if att.get("softcap"):  # logit soft-capping (Gemma 2), before the mask
+        s = torch.tanh(s / float(att["softcap"])) * float(att["softcap"])
     keep = attention_mask(torch, s.shape[-2], s.shape[-1], att["causal"], att["window"], device=s.device)
     s = s.masked_fill(~keep, float("-inf"))
     if att.get("sinks"):  # one more logit per query head in every row, of value zero, dropped after softmax

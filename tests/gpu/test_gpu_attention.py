@@ -113,6 +113,9 @@ def test_mqa_launches_no_kv_expansion(rt, m, provider):
     record["kernels"] = {"mqa": mqa, "nomqa": nomqa}
     record["time_us"] = {"mqa": rt.time_us(m, f"mqa_{provider}"), "nomqa": rt.time_us(m, f"nomqa_{provider}")}
     backend = rt.providers.active_backend().name if provider == "python" else "native"
+    if backend == "torch" and m["attention"].get("softcap"):
+        pytest.skip("python provider, torch backend: soft-capped attention runs as plain PyTorch ops (PyTorch's FA2 "
+                    "has no soft-capping), not an attention kernel of ours; its numerics are checked above")
     for variant, kernels in (("mqa", mqa), ("nomqa", nomqa)):
         # hopper: FA4's sm90 kernel runs every call it can (built with kernel_options hopper_fa4="always", tools/gpu/bundle.py)
         if m.get("fa4_expected", {}).get(f"{variant}_{provider}"):

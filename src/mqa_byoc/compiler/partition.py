@@ -68,6 +68,7 @@ class OffloadSite:
     provider: str | None = None  # the kernel provider the build will use (offloaded sites)
     kernel: str | None = None  # what the site runs on with that provider
     kernel_options: str | None = None  # the library's kernel choices (linked providers), see kernel_options.py
+    softcap: float | None = None  # logit soft-cap c (scores = c * tanh(scores / c)); None: none
 
     def as_dict(self) -> dict:
         """Returns
@@ -133,7 +134,7 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
             composite = None
             if ok:
                 composite = composite_name(s.num_q_heads, s.num_kv_heads if mqa else s.num_q_heads,
-                                           sinks=s.sinks is not None)
+                                           sinks=s.sinks is not None, softcap=s.softcap is not None)
                 composite = varlen.COMPOSITE if s.form == varlen.FORM else composite
             report.append(OffloadSite(
                 function=s.function, output=s.root.name, form=s.form, offloaded=ok,
@@ -147,8 +148,9 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
                     chosen, dtype=s.dtype, head_dim=s.head_dim, num_q_heads=s.num_q_heads,
                     num_kv_heads=s.num_kv_heads if mqa else s.num_q_heads, causal=bool(s.mask.causal),
                     window=s.mask.window, var_len=s.form == varlen.FORM, options=options,
-                    sinks=s.sinks is not None) if ok else None,
+                    sinks=s.sinks is not None, softcap=s.softcap is not None) if ok else None,
                 kernel_options=options.describe() if ok and chosen != "python" else None,
+                softcap=s.softcap,
             ))
     report = varlen.explain_unlowerable(report)
     if gemm:

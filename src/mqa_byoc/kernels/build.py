@@ -33,9 +33,9 @@ from .cache import (
     update_manifest,
 )
 from .errors import NativeKernelsUnavailable
-from .keys import DTYPES, KernelKey, build_command_hint, normalize_arch, plan_kernels
+from .keys import DTYPES, SOFTCAP_NAMESPACE, KernelKey, build_command_hint, normalize_arch, plan_kernels
 from .sources import FLASH_ATTN_VERSION, flash_attn_source
-from .toolchain import cuda_lib_dir, detect_arch, dispatcher_flags, find_nvcc, kernel_flags
+from .toolchain import FLASH_NAMESPACE, cuda_lib_dir, detect_arch, dispatcher_flags, find_nvcc, kernel_flags
 
 
 class _Killed(RuntimeError):
@@ -65,6 +65,22 @@ def _compile(cmd: list[str], out: Path, log: Path, niceness: int = 0) -> float:
     return dt
 
 
+def key_flags(arch: str, key: KernelKey) -> list[str]:
+    """:func:`~.toolchain.kernel_flags` for ``key``: a soft-capping family drops
+    ``FLASHATTENTION_DISABLE_SOFTCAP`` and compiles into :data:`~.keys.SOFTCAP_NAMESPACE` (the same
+    template names as the other families', kept apart at link time).
+
+    Returns
+    -------
+    list of str
+    """
+    flags = kernel_flags(arch)
+    if not key.softcap:
+        return flags
+    return [f"-DFLASH_NAMESPACE={SOFTCAP_NAMESPACE}" if f == f"-DFLASH_NAMESPACE={FLASH_NAMESPACE}" else f
+            for f in flags if f != "-DFLASHATTENTION_DISABLE_SOFTCAP"]
+
+
 def kernel_command(cfg: BuildConfig, key: KernelKey) -> list[str]:
     """The nvcc command (without ``-o``) that compiles ``key``'s object under ``cfg``.
 
@@ -74,7 +90,7 @@ def kernel_command(cfg: BuildConfig, key: KernelKey) -> list[str]:
     """
     return (
         [cfg.nvcc, "-c"]
-        + kernel_flags(cfg.arch)
+        + key_flags(cfg.arch, key)
         + cfg.include_flags
         + [
             f'-DMQA_BYOC_FA_FILE="{key.flash_attn_file}"',

@@ -23,7 +23,7 @@ from .toolchain import detect_arch
 
 @dataclasses.dataclass(frozen=True)
 class BuildRequest:
-    """What ``build-kernels`` builds: the cross product of head dims, dtypes, causal and split flags.
+    """What ``build-kernels`` builds: the cross product of head dims, dtypes, causal, split and softcap flags.
 
     ``arch`` None means :func:`~mqa_byoc.kernels.toolchain.detect_arch`; ``out`` also copies the
     objects to ``out/<arch>-<tag>/`` for ``MQA_BYOC_KERNEL_DIR``; ``dry_run`` prints the plan only.
@@ -34,6 +34,7 @@ class BuildRequest:
     dtypes: tuple[str, ...] = ("fp16", "bf16")
     causal: tuple[bool, ...] = (False, True)
     split: tuple[bool, ...] = (False, True)
+    softcap: tuple[bool, ...] = (False,)  # (True,): the soft-capping families (``--softcap``)
     jobs: int | None = None
     nice: int = 0
     flash_attn_src: str | None = None
@@ -49,7 +50,7 @@ class BuildRequest:
         -------
         tuple of KernelKey
         """
-        return keys_for(self.head_dims, self.dtypes, self.causal, self.split)
+        return keys_for(self.head_dims, self.dtypes, self.causal, self.split, self.softcap)
 
 
 def plan_lines(req: BuildRequest, arch: str) -> list[str]:

@@ -1,6 +1,6 @@
 """Kernel keys: which FA2 forward kernel families exist, which ones an attention needs, and their names.
 
-A :class:`KernelKey` names one compiled kernel family (head dim, dtype, causal, split-KV); the arch
+A :class:`KernelKey` names one compiled kernel family (head dim, dtype, causal, split-KV, soft-capping); the arch
 (``sm_90``) is chosen at build or export time. The codegen writes the keys a wrapper needs into a
 :data:`MARKER` line of its source; export reads them back with :func:`parse_markers`.
 """
@@ -22,16 +22,25 @@ _DTYPE_ALIASES = {
 DEFAULT_ARCH = "sm_90"
 #: marker line the codegen puts into each emitted wrapper; export reads it back
 MARKER = "// mqa_byoc-kernels:"
+#: the namespace flash-attn's templates of the soft-capping families are compiled into: the same
+#: templates as the other families' (same names) with soft-capping compiled in, kept apart at link time
+SOFTCAP_NAMESPACE = "mqa_byoc_flash_softcap"
 
 
 @dataclasses.dataclass(frozen=True, order=True)
 class KernelKey:
-    """One FA2 forward kernel family: ``run_mha_fwd_`` (split=False) or the split-KV dispatch."""
+    """One FA2 forward kernel family: ``run_mha_fwd_`` (split=False) or the split-KV dispatch.
+
+    ``softcap``: the family compiled with FA2's logit soft-capping (without
+    ``FLASHATTENTION_DISABLE_SOFTCAP``, into a namespace of its own, :data:`SOFTCAP_NAMESPACE`); built
+    only for models that soft-cap their scores (Gemma 2), the other families stay as they are.
+    """
 
     head_dim: int  # a member of KERNEL_HEAD_DIMS
     dtype: str  # "fp16" | "bf16"
     causal: bool
     split: bool
+    softcap: bool = False
 
     def __post_init__(self):
         if self.head_dim not in KERNEL_HEAD_DIMS:
@@ -41,10 +50,11 @@ class KernelKey:
 
     @property
     def stem(self) -> str:
-        """``fwd[_split]_hdim128_fp16[_causal]``: object file stem."""
+        """``fwd[_split]_hdim128_fp16[_causal][_softcap]``: object file stem."""
         split = "_split" if self.split else ""
         causal = "_causal" if self.causal else ""
-        return f"fwd{split}_hdim{self.head_dim}_{self.dtype}{causal}"
+        softcap = "_softcap" if self.softcap else ""
+        return f"fwd{split}_hdim{self.head_dim}_{self.dtype}{causal}{softcap}"
 
     @property
     def entry_symbol(self) -> str:
@@ -53,17 +63,22 @@ class KernelKey:
 
     @property
     def flash_attn_file(self) -> str:
-        """flash-attn's own translation unit instantiating this kernel family (named like :attr:`stem`)."""
-        return f"flash_{self.stem}_sm80.cu"
+        """flash-attn's own translation unit instantiating this kernel family (the soft-capping family
+        compiles the same unit with soft-capping on)."""
+        split = "_split" if self.split else ""
+        causal = "_causal" if self.causal else ""
+        return f"flash_fwd{split}_hdim{self.head_dim}_{self.dtype}{causal}_sm80.cu"
 
     @property
     def label(self) -> str:
-        """``hdim128 fp16 causal split`` (the form used in markers and messages)."""
+        """``hdim128 fp16 causal split [softcap]`` (the form used in markers and messages)."""
         words = [f"hdim{self.head_dim}", self.dtype]
         if self.causal:
             words.append("causal")
         if self.split:
             words.append("split")
+        if self.softcap:
+            words.append("softcap")
         return " ".join(words)
 
     @classmethod
@@ -71,7 +86,7 @@ class KernelKey:
         """Inverse of :attr:`label`; an ``sm_XX`` word, if present, is ignored."""
         words = label.split()
         hdim = dtype = None
-        causal = split = False
+        causal = split = softcap = False
         for w in words:
             if w.startswith("hdim"):
                 hdim = int(w[4:])
@@ -81,13 +96,15 @@ class KernelKey:
                 causal = True
             elif w == "split":
                 split = True
+            elif w == "softcap":
+                softcap = True
             elif re.fullmatch(r"sm_?\d+a?", w):
                 continue
             else:
                 raise ValueError(f"bad kernel label {label!r}: unknown word {w!r}")
         if hdim is None or dtype is None:
             raise ValueError(f"bad kernel label {label!r}")
-        return cls(hdim, dtype, causal, split)
+        return cls(hdim, dtype, causal, split, softcap)
 
 
 def kernel_head_dim(head_dim: int) -> int:
@@ -160,6 +177,7 @@ def plan_kernels(spec) -> tuple[KernelKey, ...]:
     Non-causal kernels are always planned: FA2 switches causal off for S_q == 1 (decode) and uses
     its local (non-causal) instantiation for sliding windows. Causal kernels are planned when the
     spec is causal, or has window_right == 0 (a window wider than S_kv degenerates to causal).
+    A spec with ``softcap > 0`` needs the soft-capping families (:attr:`KernelKey.softcap`).
 
     Returns
     -------
@@ -174,8 +192,9 @@ def plan_kernels(spec) -> tuple[KernelKey, ...]:
     causal_flags = [False]
     if spec.causal or int(getattr(spec, "window_right", -1)) == 0:
         causal_flags.append(True)
+    softcap = float(getattr(spec, "softcap", 0.0) or 0.0) > 0
     return tuple(
-        sorted(KernelKey(hdim, dtype, c, s) for c in causal_flags for s in (False, True))
+        sorted(KernelKey(hdim, dtype, c, s, softcap) for c in causal_flags for s in (False, True))
     )
 
 
@@ -184,6 +203,7 @@ def keys_for(
     dtypes: Iterable[str],
     causal: Sequence[bool] = (False, True),
     split: Sequence[bool] = (False, True),
+    softcap: Sequence[bool] = (False,),
 ) -> tuple[KernelKey, ...]:
     """Keys of the cross product of the arguments, head dims rounded up to kernel head dims.
 
@@ -193,11 +213,12 @@ def keys_for(
         Sorted, without duplicates.
     """
     out = {
-        KernelKey(kernel_head_dim(int(d)), normalize_dtype(t), bool(c), bool(s))
+        KernelKey(kernel_head_dim(int(d)), normalize_dtype(t), bool(c), bool(s), bool(f))
         for d in head_dims
         for t in dtypes
         for c in causal
         for s in split
+        for f in softcap
     }
     return tuple(sorted(out))
 
@@ -237,10 +258,12 @@ def build_command_hint(keys: Iterable[KernelKey], arch: str | None = None) -> st
     Returns
     -------
     str
-        e.g. ``mqa-byoc build-kernels --arch sm_90 --head-dims 128 --dtypes bf16``.
+        e.g. ``mqa-byoc build-kernels --arch sm_90 --head-dims 128 --dtypes bf16`` (``--softcap`` when
+        the keys are soft-capping families).
     """
     keys = list(keys)
     hdims = ",".join(str(d) for d in sorted({k.head_dim for k in keys}))
     dtypes = ",".join(sorted({k.dtype for k in keys}))
     arch_opt = f" --arch {arch}" if arch else ""
-    return f"mqa-byoc build-kernels{arch_opt} --head-dims {hdims} --dtypes {dtypes}"
+    softcap = " --softcap" if any(k.softcap for k in keys) else ""
+    return f"mqa-byoc build-kernels{arch_opt} --head-dims {hdims} --dtypes {dtypes}{softcap}"

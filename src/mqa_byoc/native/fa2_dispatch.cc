@@ -58,6 +58,15 @@ using EntryFn = void (*)(Params*, cudaStream_t);
       mqa_byoc_fa2_fwd_split_hdim##hd##_##dt##c(Params*, cudaStream_t);
 MQA_BYOC_ALL(MQA_BYOC_DECL)
 
+// the soft-capping families (kernels/keys.py KernelKey.softcap): flash-attn's templates with soft-capping
+// compiled in, in a namespace of their own; entries named like the others with a _softcap suffix
+#define MQA_BYOC_DECL_SOFTCAP(hd, dt, c)                                                     \
+  extern "C" __attribute__((weak, visibility("hidden"))) void                               \
+      mqa_byoc_fa2_fwd_hdim##hd##_##dt##c##_softcap(Params*, cudaStream_t);                  \
+  extern "C" __attribute__((weak, visibility("hidden"))) void                               \
+      mqa_byoc_fa2_fwd_split_hdim##hd##_##dt##c##_softcap(Params*, cudaStream_t);
+MQA_BYOC_ALL(MQA_BYOC_DECL_SOFTCAP)
+
 namespace {
 
 struct Entry {
@@ -74,9 +83,13 @@ struct Entry {
   {hd, MQA_BYOC_IS_BF16_##dt, sizeof(#c) > 1, &mqa_byoc_fa2_fwd_hdim##hd##_##dt##c,          \
    &mqa_byoc_fa2_fwd_split_hdim##hd##_##dt##c},
 const Entry kEntries[] = {MQA_BYOC_ALL(MQA_BYOC_ROW)};
+#define MQA_BYOC_ROW_SOFTCAP(hd, dt, c)                                                     \
+  {hd, MQA_BYOC_IS_BF16_##dt, sizeof(#c) > 1, &mqa_byoc_fa2_fwd_hdim##hd##_##dt##c##_softcap,  \
+   &mqa_byoc_fa2_fwd_split_hdim##hd##_##dt##c##_softcap},
+const Entry kSoftcapEntries[] = {MQA_BYOC_ALL(MQA_BYOC_ROW_SOFTCAP)};
 
-const Entry* find_entry(int hdim, int is_bf16, int causal) {
-  for (const Entry& e : kEntries) {
+const Entry* find_entry(int hdim, int is_bf16, int causal, bool softcap = false) {
+  for (const Entry& e : softcap ? kSoftcapEntries : kEntries) {
     if (e.hdim == hdim && e.is_bf16 == (is_bf16 != 0) && e.causal == (causal != 0)) return &e;
   }
   return nullptr;
@@ -188,9 +201,9 @@ struct DeviceGuard {
   }
 };
 
-std::string kernel_name(int hdim, int is_bf16, int causal) {
+std::string kernel_name(int hdim, int is_bf16, int causal, bool softcap = false) {
   std::ostringstream os;
-  os << "hdim" << hdim << (is_bf16 ? " bf16" : " fp16") << (causal ? " causal" : "");
+  os << "hdim" << hdim << (is_bf16 ? " bf16" : " fp16") << (causal ? " causal" : "") << (softcap ? " softcap" : "");
   return os.str();
 }
 
@@ -306,12 +319,12 @@ void fill_shared_params(Params& p, const void* q, const void* k, const void* v, 
 }
 
 // The failure for a kernel family this library was linked without, with the command that builds it.
-int fail_not_built(int hdim, int is_bf16, bool causal, int device_id) {
+int fail_not_built(int hdim, int is_bf16, bool causal, int device_id, bool softcap = false) {
   std::string arch = arch_of(device_id);
-  return fail("FA2 kernel " + kernel_name(hdim, is_bf16, causal) +
+  return fail("FA2 kernel " + kernel_name(hdim, is_bf16, causal, softcap) +
               " not built: run `mqa-byoc build-kernels" + (arch.empty() ? "" : " --arch " + arch) +
               " --head-dims " + std::to_string(hdim) + " --dtypes " + (is_bf16 ? "bf16" : "fp16") +
-              "` and export again");
+              (softcap ? " --softcap" : "") + "` and export again");
 }
 
 // Allocates `bytes` of workspace on `stream`, from the device's pool when it has one. 0 on success.
@@ -507,7 +520,7 @@ int forward(const void* q, const void* k, const void* v, void* out, int64_t batc
             int64_t seqlen_k, int64_t num_heads, int64_t num_heads_k, int64_t head_dim, const int64_t* q_stride,
             const int64_t* k_stride, const int64_t* v_stride, const int64_t* o_stride, int is_bf16,
             float softmax_scale, int causal, int window_left, int window_right, int device_id, void* stream_handle,
-            const Sinks* sinks) {
+            const Sinks* sinks, float softcap = 0.f) {
   g_last_error.clear();
   // ---- checks (the wrapper checks shapes against the compiled spec; these guard the C API) ----
   if (!fits_int(batch) || !fits_int(seqlen_q) || !fits_int(seqlen_k) || num_heads <= 0 ||
@@ -523,6 +536,8 @@ int forward(const void* q, const void* k, const void* v, void* out, int64_t batc
   if (batch == 0 || seqlen_q == 0) return 0;
   if (q == nullptr || k == nullptr || v == nullptr || out == nullptr) return fail("null data pointer");
   if (!std::isfinite(softmax_scale)) return fail("softmax scale is not finite");
+  if (!(softcap >= 0.f) || !std::isfinite(softcap)) return fail("soft-cap is not a finite value >= 0");
+  const bool softcapped = softcap > 0.f;
 
   cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
   DeviceGuard guard;
@@ -542,7 +557,8 @@ int forward(const void* q, const void* k, const void* v, void* out, int64_t batc
   bool is_causal = causal != 0;
   if (seqlen_q == 1) is_causal = false;  // one query row: causal == full
   if (is_causal) wr = 0;
-  if (seqlen_q == 1 && own_decode_fits(head_dim, num_heads, num_heads_k, batch)) {
+  // our decode kernel does not soft-cap: soft-capped decode runs FA2's split-KV (soft-capping family)
+  if (seqlen_q == 1 && !softcapped && own_decode_fits(head_dim, num_heads, num_heads_k, batch)) {
     mqa_byoc_decode_args a{};
     a.q = q, a.k = k, a.v = v, a.out = out, a.lse = nullptr;
     a.q_stride[0] = q_stride[0], a.q_stride[1] = q_stride[2];
@@ -584,6 +600,13 @@ int forward(const void* q, const void* k, const void* v, void* out, int64_t batc
   Params p{};
   fill_shared_params(p, q, k, v, out, is_bf16, batch, h, num_heads_k, sq, seqlen_k, head_dim,
                      softmax_scale, wl, wr);
+  if (softcapped) {
+    // flash-attn's mha_fwd: scores become softcap * tanh(qk * scale / softcap), softmax over them
+    p.softcap = softmax_scale / softcap;
+    p.scale_softmax = softcap;
+    p.scale_softmax_log2 = float(double(softcap) * 1.4426950408889634);  // log2(e)
+    p.scale_softmax_rp_dropout = softcap;
+  }
   p.q_batch_stride = q_b;
   p.q_row_stride = q_r;
   p.q_head_stride = q_h;
@@ -611,7 +634,7 @@ int forward(const void* q, const void* k, const void* v, void* out, int64_t batc
     splits = num_splits_heuristic(int(std::min<int64_t>(work, INT_MAX)), sms * 2, n_blocks, 128);
   }
 
-  const Entry* e = find_entry(hdim, is_bf16, p.is_causal);
+  const Entry* e = find_entry(hdim, is_bf16, p.is_causal, softcapped);
   EntryFn fn = nullptr;
   if (e != nullptr) {
     if (splits > 1 && e->split != nullptr) {
@@ -624,10 +647,10 @@ int forward(const void* q, const void* k, const void* v, void* out, int64_t batc
       splits = 1;
     }
   }
-  if (fn == nullptr) return fail_not_built(hdim, is_bf16, p.is_causal, device_id);
+  if (fn == nullptr) return fail_not_built(hdim, is_bf16, p.is_causal, device_id, softcapped);
   if (splits > 1 && swap && batch == 1 && own_combine_enabled() && sinks == nullptr) {
     return chunked_decode(p, fn, splits, block_n, seqlen_k, num_heads, num_heads_k, head_dim, o_stride[2], is_bf16,
-                          device_id, stream, out, std::string("FA2 ") + kernel_name(hdim, is_bf16, p.is_causal) +
+                          device_id, stream, out, std::string("FA2 ") + kernel_name(hdim, is_bf16, p.is_causal, softcapped) +
                                                       " split (chunked)");
   }
   p.num_splits = splits;
@@ -658,7 +681,7 @@ int forward(const void* q, const void* k, const void* v, void* out, int64_t batc
     };
   }
   return launch_and_free(fn, &p, stream, ws, "flash_attn[h=%lld,kv=%lld,d=%lld]", num_heads, num_heads_k, head_dim,
-                         std::string("FA2 ") + kernel_name(hdim, is_bf16, p.is_causal) +
+                         std::string("FA2 ") + kernel_name(hdim, is_bf16, p.is_causal, softcapped) +
                              (splits > 1 ? " split" : ""), epilogue);
 }
 
@@ -690,6 +713,21 @@ extern "C" int mqa_byoc_fa2_forward_sink(const void* q, const void* k, const voi
   return forward(q, k, v, out, batch, seqlen_q, seqlen_k, num_heads, num_heads_k, head_dim, q_stride, k_stride,
                  v_stride, o_stride, is_bf16, softmax_scale, causal, window_left, window_right, device_id,
                  stream_handle, &s);
+}
+
+extern "C" int mqa_byoc_fa2_forward_softcap(const void* q, const void* k, const void* v, float softcap, void* out,
+                                            int64_t batch, int64_t seqlen_q, int64_t seqlen_k, int64_t num_heads,
+                                            int64_t num_heads_k, int64_t head_dim, const int64_t* q_stride,
+                                            const int64_t* k_stride, const int64_t* v_stride,
+                                            const int64_t* o_stride, int is_bf16, float softmax_scale, int causal,
+                                            int window_left, int window_right, int device_id, void* stream_handle) {
+  if (!(softcap > 0.f)) {
+    g_last_error.clear();
+    return fail("soft-capped attention needs a soft-cap > 0, got " + std::to_string(softcap));
+  }
+  return forward(q, k, v, out, batch, seqlen_q, seqlen_k, num_heads, num_heads_k, head_dim, q_stride, k_stride,
+                 v_stride, o_stride, is_bf16, softmax_scale, causal, window_left, window_right, device_id,
+                 stream_handle, nullptr, softcap);
 }
 
 // ---- var-len forward (R.nn.attention_var_len) ------------------------------------------------

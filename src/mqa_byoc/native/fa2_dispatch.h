@@ -51,6 +51,16 @@ int mqa_byoc_fa2_forward_sink(const void* q, const void* k, const void* v, const
                               int is_bf16, float softmax_scale, int causal, int window_left,
                               int window_right, int device_id, void* stream);
 
+// Soft-capped attention (Gemma 2): mqa_byoc_fa2_forward with the scores softcap * tanh(qk * scale / softcap)
+// before the mask and the softmax; softcap > 0. Runs the soft-capping kernel families (built with
+// `mqa-byoc build-kernels --softcap`); decode runs FA2's split-KV (our decode kernel does not soft-cap).
+int mqa_byoc_fa2_forward_softcap(const void* q, const void* k, const void* v, float softcap, void* out,
+                                 int64_t batch, int64_t seqlen_q, int64_t seqlen_k, int64_t num_heads,
+                                 int64_t num_heads_k, int64_t head_dim, const int64_t* q_stride,
+                                 const int64_t* k_stride, const int64_t* v_stride, const int64_t* o_stride,
+                                 int is_bf16, float softmax_scale, int causal, int window_left,
+                                 int window_right, int device_id, void* stream);
+
 // Flash Attention 2 var-len forward (R.nn.attention_var_len): sequences concatenated along the rows.
 //   q (total_q, H, D), k and v (total_k, H_kv, D), out (total_q, H, D), all fp16 or all bf16;
 //   *_stride: 3 strides each (row, head, dim), in elements; the dim stride must be 1.

@@ -105,6 +105,31 @@ class _Backend:
     def run(self, q, k, v, out, scale, causal, window_left, window_right):  # pragma: no cover
         raise NotImplementedError
 
+    def run_softcap(self, q, k, v, out, scale, softcap, causal, window_left, window_right):
+        """Soft-capped attention into ``out`` with plain PyTorch ops in float32 (the contract of
+        ``mqa_byoc.flash_attn_softcap_forward``): aten's FA2 has no soft-capping."""
+        torch = self.torch
+        group = q.shape[2] // k.shape[2]
+        qh, kh, vh = (x.float().transpose(1, 2) for x in (q, k, v))  # (B, H, S, D)
+        kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
+        scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        s_q, s_kv = q.shape[1], k.shape[1]
+        if causal or window_left >= 0 or window_right >= 0:
+            # bottom-right aligned: query row i sits at key position i + S_kv - S_q
+            rows = torch.arange(s_q, device=q.device)[:, None] + (s_kv - s_q)
+            cols = torch.arange(s_kv, device=q.device)[None, :]
+            allowed = torch.ones(s_q, s_kv, dtype=torch.bool, device=q.device)
+            if causal:
+                allowed &= cols <= rows
+            if window_left >= 0:
+                allowed &= cols >= rows - window_left
+            if window_right >= 0:
+                allowed &= cols <= rows + window_right
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row without keys is zero, as in FA2
+        out.copy_(torch.matmul(probs, vh).transpose(1, 2).to(out.dtype))
+
 
 class _FlashAttnBackend(_Backend):
     name = "flash_attn"
@@ -127,6 +152,12 @@ class _FlashAttnBackend(_Backend):
         if result.data_ptr() != out.data_ptr():  # it writes into `out`; keep this as a safety net
             out.copy_(result)
         return res[1]  # the row log-sum-exp (B, H, S_q), float32
+
+    def run_softcap(self, q, k, v, out, scale, softcap, causal, window_left, window_right):
+        res = self.ext.fwd(q, k, v, out, None, 0.0, scale, causal, window_left, window_right, float(softcap),
+                           False, None)
+        if res[0].data_ptr() != out.data_ptr():
+            out.copy_(res[0])
 
 
 class _TorchBackend(_Backend):

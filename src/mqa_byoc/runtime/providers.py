@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import tvm_ffi
 
-from mqa_byoc.contract import PY_FORWARD_FUNC, PY_SINK_FORWARD_FUNC
+from mqa_byoc.contract import PY_FORWARD_FUNC, PY_SINK_FORWARD_FUNC, PY_SOFTCAP_FORWARD_FUNC
 
 from .backends import (BACKENDS, ENV_VAR, INSTALL_HINT, NVTX_ENV_VAR, ProviderUnavailableError, active_backend,
                        as_torch, nvtx_enabled, nvtx_range_name, nvtx_requested, requested_backend, reset,
@@ -152,5 +152,30 @@ def flash_attn_sink_forward(q, k, v, sinks, out, scale: float, causal: bool, win
 
 
 tvm_ffi.register_global_func(PY_SINK_FORWARD_FUNC, flash_attn_sink_forward, override=True)
+
+
+def flash_attn_softcap_forward(q, k, v, out, scale: float, softcap: float, causal: bool, window_left: int,
+                               window_right: int) -> None:
+    """Soft-capped attention into ``out``; the function behind the global ``mqa_byoc.flash_attn_softcap_forward``.
+
+    Contract: as :func:`flash_attn_forward`, the scores ``softcap * tanh(q k^T * scale / softcap)`` before the
+    mask and the softmax (``softcap > 0``). The flash_attn backend runs flash-attn's FA2 with its ``softcap``;
+    the torch backend computes it with plain PyTorch ops in float32 (PyTorch's FA2 has no soft-capping;
+    memory B * H * S_q * S_kv floats).
+    """
+    if not float(softcap) > 0:
+        raise ValueError(f"mqa_byoc.flash_attn_softcap_forward: softcap must be > 0, got {softcap}")
+    backend = active_backend()
+    torch = backend.torch
+    qt, kt, vt, ot = (as_torch(torch, x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out")))
+    _check(torch, qt, kt, vt, ot)
+    device_index = qt.device.index if qt.device.index is not None else torch.cuda.current_device()
+    stream = backend.stream_for(device_index)
+    with torch.cuda.stream(stream):
+        backend.run_softcap(qt, kt, vt, ot, float(scale), float(softcap), bool(causal), int(window_left),
+                            int(window_right))
+
+
+tvm_ffi.register_global_func(PY_SOFTCAP_FORWARD_FUNC, flash_attn_softcap_forward, override=True)
 
 from . import varlen_provider  # noqa: E402,F401 - registers mqa_byoc.flash_attn_varlen_forward (R.nn.attention_var_len)

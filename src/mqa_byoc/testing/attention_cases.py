@@ -49,6 +49,8 @@ BUILDERS = {
     # GPT-OSS's eager attention with sinks (HF repeat_kv, BNSH in, (B, S, H*D) out); input "sinks" (H,)
     "sink_chain": {"inputs": "BNSH", "output": "BSNH", "merged": True, "reference_matmul_rule": False,
                    "sinks": "H"},
+    # Gemma 2's eager attention with logit soft-capping (HF repeat_kv, BNSH in, (B, S, H*D) out)
+    "softcap_chain": {"inputs": "BNSH", "output": "BSNH", "merged": True, "reference_matmul_rule": False},
 }
 # TVM 0.27's dlight gpu.Matmul rule on the explicit chains' fp16 score matmuls: with apache-tvm-ffi
 # 0.1.15 it segfaulted at build time; with 0.1.14 it builds a kernel that faults at run time
@@ -120,6 +122,11 @@ class Case:
             assert kw.get("score_mod") is None
             window = kw.get("window")
             causal = "BottomRight" if kw.get("causal", True) or window else None
+        elif self.builder == "softcap_chain":
+            assert kw.get("form", "gemma") in ("gemma", "reciprocal")
+            window = kw.get("window")
+            causal = "BottomRight" if kw.get("causal", True) or window else None
+            scale = default_scale if kw.get("scale") is None else kw["scale"]
         elif self.builder == "bsh_chain":
             assert kw.get("mask", "none") != "runtime"
             causal = None if kw.get("mask", "none") == "none" else "BottomRight"
@@ -127,7 +134,8 @@ class Case:
         else:
             raise ValueError(self.builder)
         return {"num_q_heads": self.h, "num_kv_heads": self.hkv, "head_dim": self.d, "causal": causal,
-                "window": window, "scale": scale, "sinks": self.builder == "sink_chain"}
+                "window": window, "scale": scale, "sinks": self.builder == "sink_chain",
+                "softcap": kw.get("cap", 50.0) if self.builder == "softcap_chain" else None}
 
 
     def tolerances(self) -> dict:
@@ -139,7 +147,8 @@ class Case:
     def expected_composite(self, mqa: bool) -> str:
         """The composite every attention site of the graph is offloaded as (``mqa=False``: the K/V
         expansion is kept, FA2 runs with as many K/V heads as query heads)."""
-        return composite_name(self.h, self.hkv if mqa else self.h, sinks=self.attention()["sinks"])
+        att = self.attention()
+        return composite_name(self.h, self.hkv if mqa else self.h, sinks=att["sinks"], softcap=bool(att["softcap"]))
 
     @property
     def kv_expanded_in_graph(self) -> bool:
@@ -252,6 +261,18 @@ CASES = [
          dict(h=64, hkv=8, d=64, b=3, s=1, s_kv=300, window=128, sinks_dtype="float16")),
     Case("sink_gqa_bf16_causal_prefill_sinks_bf16", "13 sinks", "sink_chain",
          dict(h=H, hkv=HKV, d=64, b=2, s=96, dtype="bfloat16", sinks_dtype="bfloat16")),
+    # logit soft-capping (Gemma 2-2b: 8 query heads, 4 K/V heads, head dim 256, cap 50 with its
+    # query_pre_attn_scalar 256 scale, 4096-key sliding layers; smaller caps where the cap must bend the
+    # scores of these inputs): FA2's soft-capping families, decode on FA2 split-KV (batch 1: our chunked
+    # split-KV and combine)
+    Case("softcap_gemma2_bf16_hdim256_causal_prefill", "14 soft-capping", "softcap_chain",
+         dict(h=8, hkv=4, d=256, b=1, s=192, dtype="bfloat16", cap=50.0, scale=256 ** -0.5)),
+    Case("softcap_gemma2_bf16_hdim256_window_chunked_cap2", "14 soft-capping", "softcap_chain",
+         dict(h=8, hkv=4, d=256, b=2, s=64, s_kv=320, window=128, dtype="bfloat16", cap=2.0)),
+    Case("softcap_gemma2_bf16_hdim256_decode_b1_cap1", "14 soft-capping", "softcap_chain",
+         dict(h=8, hkv=4, d=256, b=1, s=1, s_kv=1000, causal=False, dtype="bfloat16", cap=1.0)),
+    Case("softcap_gemma2_bf16_hdim256_window_decode_cap2", "14 soft-capping", "softcap_chain",
+         dict(h=8, hkv=4, d=256, b=3, s=1, s_kv=300, window=128, dtype="bfloat16", cap=2.0, form="reciprocal")),
 ]
 
 def case(name: str) -> Case:

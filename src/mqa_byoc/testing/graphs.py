@@ -742,3 +742,74 @@ def reference_sink_attention(q, k, v, sinks, window=None, causal=True):
     p = (p / p.sum(-1, keepdims=True))[..., :-1]
     o = np.einsum("bhqk,bkhd->bqhd", p, v)
     return o.reshape(o.shape[0], o.shape[1], h * d)
+
+
+def softcap_chain(h=8, hkv=4, d=64, s=16, s_kv=None, b=1, dtype=F16, window=None, causal=True, cap=50.0,
+                  scale=None, form="gemma"):
+    """Gemma 2's eager attention with logit soft-capping as TVM's PyTorch frontend emits it after
+    ToMixedPrecision: BNSH, HF ``repeat_kv``, ``Q@K^T * scale`` (Gemma's ``query_pre_attn_scalar ** -0.5``;
+    default ``1/sqrt(d)``) cast to float32, ``/ cap``, ``tanh``, ``* cap``, an additive mask from positions
+    (bottom-right causal, or a window of ``window`` keys), softmax, cast, @ V. Inputs q, k, v; output
+    (B, S, H*D).
+
+    ``form`` spells the soft-cap: "gemma" (as above), "reciprocal" (``tanh(x * (1/cap)) * cap``, the cap
+    constant on the left), and, not what the kernels compute: "mask-inside" (the mask added before the tanh),
+    "negative" (``tanh(x / cap) * -cap``), "two-caps" (a second tanh)."""
+    syms = {}
+    s_, skv_ = _dim(s, syms), _dim(s_kv if s_kv is not None else s, syms)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", _tensor([b, h, s_, d], dtype))
+    k = relax.Var("k", _tensor([b, hkv, skv_, d], dtype))
+    v = relax.Var("v", _tensor([b, hkv, skv_, d], dtype))
+    r = h // hkv
+    f32 = "float32"
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            kk, vv = hf_repeat_kv(bb, k, b, hkv, r, skv_, d), hf_repeat_kv(bb, v, b, hkv, r, skv_, d)
+            sc = bb.emit(R.matmul(q, bb.emit(R.permute_dims(kk, [0, 1, 3, 2]))))
+            sc = bb.emit(R.astype(R.multiply(sc, relax.const(scale, dtype)), f32))
+            cols = bb.emit(R.reshape(R.arange(0, skv_, 1, "int64"), [1, skv_]))
+            rows = bb.emit(R.reshape(R.arange(skv_ - s_, skv_, 1, "int64"), [s_, 1]))
+            mask = None
+            if causal or window:
+                hidden = bb.emit(R.greater(cols, rows))
+                if window:
+                    hidden = bb.emit(R.logical_or(hidden, R.less_equal(cols, R.subtract(rows, relax.const(window, "int64")))))
+                fmin = float(np.finfo(np.float32).min)
+                mask = bb.emit(R.reshape(R.where(hidden, relax.const(fmin, f32), relax.const(0.0, f32)),
+                                         [1, 1, s_, skv_]))
+            if form == "mask-inside" and mask is not None:
+                sc = bb.emit(R.add(sc, mask))
+            c = relax.const(cap, f32)
+            if form == "reciprocal":
+                sc = bb.emit(R.multiply(c, R.tanh(bb.emit(R.multiply(sc, relax.const(1.0 / cap, f32))))))
+            else:
+                sc = bb.emit(R.multiply(R.tanh(bb.emit(R.divide(sc, c))),
+                                        relax.const(-cap, f32) if form == "negative" else c))
+            if form == "two-caps":
+                sc = bb.emit(R.multiply(R.tanh(bb.emit(R.divide(sc, c))), c))
+            if mask is not None and form != "mask-inside":
+                sc = bb.emit(R.add(sc, mask))
+            p = bb.emit(R.astype(R.nn.softmax(sc, axis=-1), dtype))
+            o = bb.emit(R.matmul(p, vv))
+            o = bb.emit(R.permute_dims(o, [0, 2, 1, 3]))
+            o = bb.emit_output(R.reshape(o, [b, s_, h * d]))
+        bb.emit_func_output(o)
+    return _finish(bb)
+
+
+def reference_softcap_attention(q, k, v, cap=50.0, scale=None, window=None, causal=True):
+    """float32 NumPy soft-capped attention: ``softcap_chain``'s inputs (BNSH) and output (B, S, H*D)."""
+    q, k, v = (to_bsnh(x.astype("float32"), "BNSH") for x in (q, k, v))
+    h, hkv, d = q.shape[2], k.shape[2], q.shape[3]
+    heads = np.arange(h) // (h // hkv)
+    k, v = k[:, :, heads], v[:, :, heads]
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) * (1.0 / math.sqrt(d) if scale is None else scale)
+    s = np.tanh(s / cap) * cap
+    allowed = mask_allowed(s.shape[2], s.shape[3], "BottomRight" if (causal or window) else None, window)
+    s = np.where(allowed, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p = p / p.sum(-1, keepdims=True)
+    o = np.einsum("bhqk,bkhd->bqhd", p, v)
+    return o.reshape(o.shape[0], o.shape[1], h * d)

@@ -104,7 +104,7 @@ def flash_attn_codegen(funcs, options=None, constant_names=None) -> list:
         logger.debug("flash_attn codegen: %s -> %s provider (%s)", site.symbol, provider, spec)
         if provider in LINKED_PROVIDERS:
             modules.append(_native_module(site, hopper=provider == "hopper"))
-        elif spec.sinks_dtype is not None:
+        elif spec.sinks_dtype is not None or spec.softcap:
             python_parts.append(sink_codegen.emit_python_forwarder(site.symbol, spec, site.arg_map, site.num_inputs,
                                                                    site.shape_params))
             python_symbols.append(site.symbol)

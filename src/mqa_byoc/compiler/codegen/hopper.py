@@ -26,19 +26,27 @@ FA4_TILE_M = 128
 
 
 def describe_kernel(provider: str, *, dtype, head_dim, num_q_heads, num_kv_heads, causal, window,
-                    var_len: bool = False, options=None, sinks: bool = False) -> str:
+                    var_len: bool = False, options=None, sinks: bool = False, softcap: bool = False) -> str:
     """What an offloaded site runs on with ``provider`` (the ``kernel`` of ``offload_report``) and the
     kernel options the library is built with (:class:`~.kernel_options.KernelOptions`, None: defaults);
-    ``sinks``: attention with sinks (FA2 and our sink epilogue)."""
+    ``sinks``: attention with sinks (FA2 and our sink epilogue); ``softcap``: logit soft-capping (FA2's
+    soft-capping kernel families)."""
     from mqa_byoc.compiler.kernel_options import KernelOptions
 
     options = KernelOptions.of(options)
     if provider == "python":
+        if softcap:
+            return ("soft-capped attention through the python provider: flash-attn's FA2 with its softcap, or "
+                    "with the torch backend plain PyTorch ops in float32 (PyTorch's FA2 has no soft-capping)")
         return "FA2 through the python provider (flash-attn or PyTorch at run time)" + (
             "; the sinks applied to its output by its log-sum-exp" if sinks else "")
     fa2_split = "FA2 split-KV" + (" with FA2's combine" if options.split_combine == "fa2" else "")
     own = options.decode_kernel == "auto" and decode_kernel_serves(head_dim, num_q_heads, num_kv_heads)
     decode = "our grouped-query decode kernel" if own else fa2_split
+    if softcap:
+        out = (f"FA2's soft-capping kernel families (decode: {fa2_split}; our decode kernel does not soft-cap), "
+               "linked")
+        return out + (" (hopper provider: " + SOFTCAP_ON_FA2 + ")" if provider == "hopper" else "")
     if sinks:
         out = f"FA2 with its log-sum-exp (decode: {decode}) and our sink epilogue kernel, linked"
         return out + (" (hopper provider: FA4's sink path is not compiled ahead of time; FA2 for sinks)"
@@ -71,8 +79,15 @@ def _rejection(dtype, head_dim, head_dim_v) -> str | None:
     return None
 
 
+#: why the hopper provider runs soft-capped attention on FA2
+SOFTCAP_ON_FA2 = ("soft-capping on FA2: flash-attn-4 compiles the cap into its kernel as a score modification, "
+                  "one object per cap value, not built ahead of time; Gemma 2's head dim 256 has no FA4 object either")
+
+
 def fa4_rejection(spec: AttentionSpec) -> str | None:
     """Why the hopper provider runs this attention on FA2 only; None when FA4 can take its prefill."""
+    if spec.softcap > 0:
+        return SOFTCAP_ON_FA2
     if spec.sinks_dtype is not None:
         return "attention sinks (FA4's sink path is not compiled ahead of time: FA2 and our sink epilogue)"
     return _rejection(spec.dtype, spec.head_dim, spec.head_dim_v)

@@ -144,6 +144,10 @@ def emit_native_source(symbol: str, spec: AttentionSpec, shape_args: int = 0, *,
     fa4 = hopper_codegen.kernel_key(spec) if hopper else None
     if sinks:
         spec_line += f" sinks={spec.sinks_dtype}"
+    if spec.softcap:
+        if sinks or not (0 < float(spec.softcap) < float("inf")):
+            raise ValueError(f"{symbol}: soft-cap {spec.softcap} (needs a finite cap > 0, without sinks)")
+        spec_line += f" softcap={float(spec.softcap)!r}"
     code = fill_template(_TEMPLATE, {
         **hopper_codegen.fragments(fa4, hopper_codegen.decode_key(spec) if fa4 is not None else None),
         **_sink_fields(spec),
@@ -166,7 +170,11 @@ _SINK_DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 def _sink_fields(spec: AttentionSpec) -> dict[str, str]:
     """Template fields of the sinks operand: empty without sinks; else the parameter, its check and the
-    dispatcher's sink entry (FA2's output scaled by sigmoid(lse - sink), fa2_dispatch.h)."""
+    dispatcher's sink entry (FA2's output scaled by sigmoid(lse - sink), fa2_dispatch.h). A soft-capped spec
+    calls the dispatcher's soft-capping entry with the cap baked in."""
+    if spec.softcap:
+        return {"@SINK_PARAM@": "", "@SINK_CHECK@": "", "@FORWARD@": "mqa_byoc_fa2_forward_softcap",
+                "@SINK_ARGS@": f"static_cast<float>({float(spec.softcap)!r}), ", "@SINK_DECL_ARGS@": "float softcap, "}
     if spec.sinks_dtype is None:
         return {"@SINK_PARAM@": "", "@SINK_CHECK@": "", "@FORWARD@": "mqa_byoc_fa2_forward", "@SINK_ARGS@": "",
                 "@SINK_DECL_ARGS@": ""}

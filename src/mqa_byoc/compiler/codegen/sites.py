@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from tvm import relax
 
-from mqa_byoc.contract import COMPOSITES, SINK_COMPOSITES, composite_name
+from mqa_byoc.contract import COMPOSITES, FUNCTION_COMPOSITES, composite_name
 
 from mqa_byoc.compiler.graph.exprs import get_attr
 from mqa_byoc.compiler.graph.sink_attention import read_sink_composite
@@ -91,14 +91,15 @@ def find_site(func: relax.Function) -> CodegenSite:
         name, composite, outer = composite_call(func, symbol)
     if name not in COMPOSITES:
         raise CodegenError(f"flash_attn codegen ({symbol}): unknown composite {name!r}; expected one of {COMPOSITES}")
-    if name in SINK_COMPOSITES:
+    if name in FUNCTION_COMPOSITES:
         try:
             spec, operand_params = read_sink_composite(composite)
         except (ValueError, TypeError, AttributeError) as err:
             raise CodegenError(f"flash_attn codegen ({symbol}): cannot read the attention parameters: {err}") from err
     else:
         spec, operand_params = read_spec(composite, symbol)
-    want = composite_name(spec.num_q_heads, spec.num_kv_heads, sinks=spec.sinks_dtype is not None)
+    want = composite_name(spec.num_q_heads, spec.num_kv_heads, sinks=spec.sinks_dtype is not None,
+                          softcap=spec.softcap > 0)
     if name != want:
         raise CodegenError(
             f"flash_attn codegen ({symbol}): composite {name} but the heads are "

@@ -21,7 +21,7 @@ from mqa_byoc.compiler.graph.varlen import var_len_site
 
 _ELEMENTWISE_BETWEEN = (
     "relax.astype", "relax.multiply", "relax.divide", "relax.add", "relax.maximum", "relax.minimum",
-    "relax.where", "relax.reshape", "relax.broadcast_to",
+    "relax.where", "relax.reshape", "relax.broadcast_to", "relax.tanh",
 )
 
 
@@ -317,11 +317,18 @@ def _chain_site(func_name, var, value, bindings, evaluator, allow_kv_expansion=T
     mask_ops = []
     problem = None
     qk = None
-    for _ in range(16):
+    # logit soft-capping: softmax(mask(c * tanh(B * Q K^T))); c is the scale met between the tanh and the
+    # softmax, B the one inside (no mask or bias may be inside: tanh would turn its -inf into -c)
+    softcap = None
+    for _ in range(24):
         xv = bindings.get(x)
         name = op_name(xv)
         if name == "relax.matmul":
             qk = xv
+            break
+        if softcap is not None and not (_is_batch_view(xv) or name in ("relax.multiply", "relax.divide")):
+            problem = (f"'{name or type(xv).__name__}' inside the soft-capping tanh (only constant scales of the "
+                       "scores: the kernels soft-cap before the mask)")
             break
         if _is_batch_view(xv):
             x = xv.args[0]
@@ -367,17 +374,22 @@ def _chain_site(func_name, var, value, bindings, evaluator, allow_kv_expansion=T
             mask_ops.append((kind, cond, post_scale))
             x = scores
         elif name == "relax.tanh":
-            problem = ("scores pass through tanh (logit soft-capping, as in Gemma 2): the kernels are built "
-                       "without soft-capping")
-            break
+            if not post_scale > 0:
+                problem = (f"soft-capping tanh scaled by {post_scale!r} (the kernels soft-cap as c * tanh(s / c) "
+                           "with c > 0)")
+                break
+            softcap = post_scale
+            x = xv.args[0]
         else:
             problem = f"unsupported op '{name or type(xv).__name__}' between Q@K^T and softmax"
             break
     if qk is None and problem is None:
         return None
-    site = AttentionSite(func_name, var, "matmul-softmax chain", sinks=sink)
+    site = AttentionSite(func_name, var, "matmul-softmax chain", sinks=sink, softcap=softcap)
     if problem:
         return site.reject(problem)
+    if softcap is not None and sink is not None:
+        return site.reject("attention sinks together with logit soft-capping (no kernel computes both)")
     scores = _strip_views(softmax.args[0], bindings)
     if any(not _is_dead_row_condition(c, scores, bindings) for c in dead_row_conds):
         return site.reject("softmax probabilities zeroed where a condition holds that is not \"every score of the "

@@ -67,7 +67,7 @@ class _Canonicalize(PyExprMutator):
             return super().visit_var_binding_(binding)
         if site.form == varlen.FORM:
             return varlen.emit_canonical(self, binding.var, site, self.mqa)
-        if site.sinks is not None:
+        if site.sinks is not None or site.softcap is not None:
             return sink_attention.emit_canonical(self, binding.var, site, self.mqa)
         self._emit_site(binding.var, site)
 

@@ -45,6 +45,8 @@ class AttentionSite:
     mask_ops: list = field(default_factory=list)
     # a sink logit per query head appended to the scores (GPT-OSS), see graph.sinks
     sinks: SinkLogits | None = None
+    # logit soft-capping (Gemma 2): the scores become softcap * tanh(scores / softcap); None: none
+    softcap: float | None = None
 
     @property
     def expansion_ops(self):

@@ -31,6 +31,8 @@ class AttentionSpec:
     out_layout: str = "BSNH"
     # attention with sinks: the dtype of the 4th operand, one logit per query head (H,); None: no sinks
     sinks_dtype: str | None = None
+    # logit soft-capping: scores = softcap * tanh(qk * scale / softcap) before mask and softmax; 0: none
+    softcap: float = 0.0
 
     @property
     def group_size(self) -> int:

@@ -286,10 +286,17 @@ class _SiteEmitter:
                 x = bb.emit(R.reshape(x, [b * h, sq, skv]))
             return x
 
-        sc = scale(mask(sc)) if site.mask_first else mask(scale(sc))
+        capped_first = site.score_mod == "softcap" and softcap_before_mask(site)
+        if site.mask_first:
+            sc = scale(mask(sc))
+        elif capped_first:  # Gemma 2: scale, soft-cap, then the mask
+            sc = mask(self._score_mod(i, site, scale(sc), sq))
+        else:
+            sc = mask(scale(sc))
         f32 = site.softmax_f32 and dt != "float32"
         x = bb.emit(R.astype(sc, "float32")) if f32 else sc
-        x = self._score_mod(i, site, x, sq)
+        if not capped_first:
+            x = self._score_mod(i, site, x, sq)
         p = bb.emit(R.nn.softmax(x, axis=-1))
         if site.score_mod == "sinks":  # drop the sink column
             p = bb.emit(R.strided_slice(p, axes=[3], begin=[0], end=[-1]))
@@ -515,12 +522,17 @@ def reference(built: Built, inputs: dict, values: dict) -> list:
             c = rounded(site.scale, g.dtype)
             if site.scale_op == "divide":
                 c = 1.0 / rounded(1.0 / site.scale, g.dtype)
-            logits = (qk + add) * c if site.mask_first else qk * c + add
+            if site.mask_first:
+                logits = (qk + add) * c
+            elif site.score_mod == "softcap" and softcap_before_mask(site):
+                logits = np.tanh(qk * c / 30.0) * 30.0 + add
+            else:
+                logits = qk * c + add
         if site.form == "fused" and site.causal == "BottomRight" and sq > skv:
             outs.append(None)  # TVM's own lowering aligns with |S_q - S_kv|: undefined, rejected
             continue
         logits = np.where(allowed, logits, -np.inf)
-        if site.score_mod == "softcap":
+        if site.score_mod == "softcap" and not (site.form != "fused" and softcap_before_mask(site)):
             logits = np.tanh(logits / 30.0) * 30.0
         elif site.score_mod == "unknown":
             logits = np.sin(logits)
@@ -555,3 +567,8 @@ def run_llvm(mod, built: Built, inputs: dict) -> list:
     if len(built.spec.sites) == 1:
         res = [res]
     return [np.asarray(r.numpy()).astype(np.float64) for r in res]
+
+
+def softcap_before_mask(site) -> bool:
+    """Whether a chain's soft-cap is applied to the scaled scores before its mask (Gemma 2's order)."""
+    return site.softcap_first and not site.mask_first

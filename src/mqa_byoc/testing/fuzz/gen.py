@@ -87,6 +87,9 @@ class Site:
     # after softmax), "softcap" (tanh(x / 30) * 30, Gemma 2), "unknown" (sin(x): nothing the kernels compute)
     score_mod: str = "none"
     sinks_dtype: str = "float32"
+    # "softcap": applied to the scaled scores before the mask (Gemma 2's order, what the kernels compute),
+    # else to the masked scores (tanh turns a masked score into -30: not what the kernels compute)
+    softcap_first: bool = True
 
     __repr__ = _compact_repr
 
@@ -219,6 +222,7 @@ def _draw_site(c, gi, g: KVGroup, varlen: bool) -> Site:
     site["softmax_f32"] = c.chance(0.7)
     site["row_guard"] = "none" if c.chance(0.7) else c.choice(("safe", "safe", "any"))
     site["score_mod"] = "none" if c.chance(0.6) else c.choice(("sinks", "sinks", "sinks", "softcap", "unknown"))
+    site["softcap_first"] = c.chance(0.7)
     if site["score_mod"] == "sinks":
         if form == "chain3d":  # GPT-OSS's sinks are 4-D
             site["score_mod"] = c.choice(("none", "softcap"))

@@ -274,6 +274,9 @@ def _check_partition(res, spec, expects, reported_off, part):
             if got != want:
                 res.add("truth", f"composite parameters ({spec.sites[i].form})",
                         f"site {i}: composite (h, kv, d, dtype, causal, window_left)={got}, generator {want}", i)
+            if not math.isclose(s.softcap, e.softcap or 0.0, rel_tol=1e-6):
+                res.add("truth", "composite softcap", f"site {i}: composite softcap {s.softcap!r}, generator "
+                        f"{e.softcap!r}", i)
             if (s.sinks_dtype is not None) != e.sinks:
                 res.add("truth", "composite sinks", f"site {i}: composite sinks {s.sinks_dtype!r}, generator "
                         f"{'sinks' if e.sinks else 'none'}", i)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .build import allowed_np, lowest, rounded
+from .build import allowed_np, lowest, rounded, softcap_before_mask
 from .gen import GraphSpec, KVGroup, Site
 
 # keyword alternatives a rejection reason must contain one of, per cause
@@ -37,6 +37,7 @@ class Expect:
     composite_kv_heads: int | None = None  # as the composite passes them to FA2
     head_dim: int | None = None
     dtype: str | None = None
+    softcap: float | None = None  # the soft-cap an offloaded site reports (the generator's 30)
     causal: str | None = None  # report's causal
     window: int | None = None
     scale: float | None = None
@@ -106,8 +107,13 @@ def expect(spec: GraphSpec, i: int) -> Expect:
             e.causes.append(("causal where S_q <= S_kv is not provable", SQ_LE_SKV))
     if site.row_guard == "any":
         e.causes.append(("rows zeroed where any score is -inf", ROW_GUARD))
-    if site.score_mod == "softcap":
-        e.causes.append(("soft-capping", SOFTCAP))
+    # soft-capping is offloaded (FA2's soft-capping families) when nothing but constant scales is inside the
+    # tanh: the mask after it, as in Gemma 2
+    if site.score_mod == "softcap" and site.mask_op != "none" and not (site.softcap_first and not site.mask_first):
+        e.causes.append(("a mask inside the soft-capping tanh", SOFTCAP))
+    if site.score_mod == "softcap" and site.row_guard != "none" and not softcap_before_mask(site):
+        # the generator's guard then compares the scores before the tanh, not the softmax's input: not provable
+        e.causes.append(("a row guard on the scores before the soft-cap", ROW_GUARD))
     elif site.score_mod == "unknown":
         e.causes.append(("unknown score modification", UNKNOWN_MOD))
     e.offload = not e.causes
@@ -127,6 +133,7 @@ def expect(spec: GraphSpec, i: int) -> Expect:
     e.composite_kv_heads = e.num_kv_heads if mqa else site.h
     e.note_tile = mqa and tile_kept
     e.sinks = site.score_mod == "sinks"
+    e.softcap = 30.0 if site.score_mod == "softcap" else None
     if fused:
         e.causal = site.causal if site.causal is not None else ("BottomRight" if site.window else None)
         e.window = site.window
