@@ -65,25 +65,14 @@ def _emit_softcap_forwarder(symbol: str, spec: AttentionSpec, arg_map, num_input
     ins = ", ".join(f"tvm::ffi::{'Shape' if i in shape_params else 'Tensor'} in{i}" for i in range(num_inputs))
     bnsh = {"q": spec.q_layout == "BNSH", "k": spec.k_layout == "BNSH", "v": spec.v_layout == "BNSH", "out": False}
     operand = {"q": f"in{arg_map[0]}", "k": f"in{arg_map[1]}", "v": f"in{arg_map[2]}", "out": "out"}
-    heads = {"q": "kNumQHeads", "k": "kNumKVHeads", "v": "kNumKVHeads", "out": "kNumQHeads"}
-    checks = "\n".join(f'  MqaByocCheck({operand[x]}, "{symbol}", "{x}", {1 if bnsh[x] else 2}, {heads[x]}, kHeadDim, '
-                       f'kDType, "{spec.dtype}");' for x in ("q", "k", "v", "out"))
-    views = "\n".join(f"  tvm::ffi::Tensor {x}_bsnh = {'MqaByocSwap12(' + operand[x] + ')' if bnsh[x] else operand[x]};"
-                      for x in ("q", "k", "v", "out"))
+    checks, views = operand_checks(symbol, spec, operand, bnsh, dict.fromkeys(("q", "k", "v", "out"), "kHeadDim"))
     lookup = py_function_lookup("MqaByocPySoftcapForward", PY_SOFTCAP_FORWARD_FUNC)
     return f"""
 // ---- {symbol}: soft-capped attention, {spec.num_q_heads} query heads over {spec.num_kv_heads} K/V heads, head dim {spec.head_dim}, {spec.dtype}, softcap {float(spec.softcap)!r}
 namespace {{
 namespace mqa_byoc_{symbol} {{
-constexpr int64_t kNumQHeads = {spec.num_q_heads};
-constexpr int64_t kNumKVHeads = {spec.num_kv_heads};
-constexpr int64_t kHeadDim = {spec.head_dim};
-constexpr double kScale = {float(spec.scale)!r};
+{spec_constants(spec, head_dim_v=False)}
 constexpr double kSoftcap = {float(spec.softcap)!r};
-constexpr bool kCausal = {"true" if spec.causal else "false"};
-constexpr int64_t kWindowLeft = {int(spec.window_left)};
-constexpr int64_t kWindowRight = {int(spec.window_right)};
-const DLDataType kDType = {_DLTYPE[spec.dtype]};
 
 @LOOKUP@
 void Run({ins}, tvm::ffi::Tensor out) {{
