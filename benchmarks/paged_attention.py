@@ -450,6 +450,16 @@ class Ours:
     def _strides(self, t):
         return (self.ct.c_int64 * t.dim())(*t.stride())
 
+    def _launcher(self, torch, entry, args):
+        """A call of the C entry ``entry(*args, stream)`` on torch's current stream; a non-zero return
+        raises with the library's last error."""
+        lib, c_void_p = self.lib, self.ct.c_void_p
+
+        def call():
+            if entry(*args, c_void_p(torch.cuda.current_stream().cuda_stream)):
+                raise RuntimeError(lib.bench_last_error().decode())
+        return call
+
     def paged(self, torch, q, paged, out, lse, qo_indptr, hkv, scale, causal):
         """``mqa_byoc_fa2_paged_forward``: decode (qo_indptr None: our decode kernel) or paged prefill."""
         pages = paged["pages"]
@@ -459,26 +469,14 @@ class Ours:
                 lse.data_ptr(), paged["indptr"].numel() - 1, q.shape[0], paged["values"].numel(), paged["page_size"],
                 q.shape[1], hkv, q.shape[2], qs, ps, os_, int(q.dtype == torch.bfloat16), scale, int(causal),
                 q.device.index or 0)
-        lib = self.lib
-
-        def call():
-            rc = lib.bench_paged_forward(*args, self.ct.c_void_p(torch.cuda.current_stream().cuda_stream))
-            if rc:
-                raise RuntimeError(lib.bench_last_error().decode())
-        return call
+        return self._launcher(torch, self.lib.bench_paged_forward, args)
 
     def ragged(self, torch, q, k, v, out, lse, qo_indptr, kv_indptr, hkv, scale, causal):
         st = [self._strides(t) for t in (q, k, v, out)]
         args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), qo_indptr.data_ptr(),
                 kv_indptr.data_ptr(), qo_indptr.numel() - 1, q.shape[0], k.shape[0], q.shape[1], hkv, q.shape[2], *st,
                 int(q.dtype == torch.bfloat16), scale, int(causal), q.device.index or 0)
-        lib = self.lib
-
-        def call():
-            rc = lib.bench_ragged_forward(*args, self.ct.c_void_p(torch.cuda.current_stream().cuda_stream))
-            if rc:
-                raise RuntimeError(lib.bench_last_error().decode())
-        return call
+        return self._launcher(torch, self.lib.bench_ragged_forward, args)
 
     def decode_any_page(self, torch, q, paged, out, lse, hkv, scale):
         """Our decode kernel alone (``gqa_decode.cu``) on pages of any multiple of 16."""

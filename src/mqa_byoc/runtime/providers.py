@@ -88,6 +88,17 @@ def _check(torch, q, k, v, out):
         raise ValueError(f"mqa_byoc.flash_attn_forward: out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
 
 
+def _operands(q, k, v, out):
+    """The active backend, its torch, q/k/v/out as checked torch tensors, the device index and TVM's
+    stream for it: what every forward below starts with."""
+    backend = active_backend()
+    torch = backend.torch
+    qt, kt, vt, ot = (as_torch(torch, x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out")))
+    _check(torch, qt, kt, vt, ot)
+    device_index = qt.device.index if qt.device.index is not None else torch.cuda.current_device()
+    return backend, torch, (qt, kt, vt, ot), device_index, backend.stream_for(device_index)
+
+
 def flash_attn_forward(q, k, v, out, scale: float, causal: bool, window_left: int, window_right: int) -> None:
     """FA2 forward into ``out``; the function behind the global ``mqa_byoc.flash_attn_forward``.
 
@@ -102,12 +113,7 @@ def flash_attn_forward(q, k, v, out, scale: float, causal: bool, window_left: in
     - ``window_left`` / ``window_right``: FA2 sliding window, ``-1`` for unbounded.
     - Runs on TVM's current stream for the device; returns nothing, writes ``out``.
     """
-    backend = active_backend()
-    torch = backend.torch
-    qt, kt, vt, ot = (as_torch(torch, x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out")))
-    _check(torch, qt, kt, vt, ot)
-    device_index = qt.device.index if qt.device.index is not None else torch.cuda.current_device()
-    stream = backend.stream_for(device_index)
+    backend, torch, (qt, kt, vt, ot), device_index, stream = _operands(q, k, v, out)
     args = (qt, kt, vt, ot, float(scale), bool(causal), int(window_left), int(window_right))
     nvtx = nvtx_enabled()
     if nvtx:
@@ -134,16 +140,11 @@ def flash_attn_sink_forward(q, k, v, sinks, out, scale: float, causal: bool, win
     device): one logit per query head in every row's softmax, with a value of zero. Computed exactly
     from FA2's output and its row log-sum-exp: ``out = o * sigmoid(lse - sinks[h])``.
     """
-    backend = active_backend()
-    torch = backend.torch
-    qt, kt, vt, ot = (as_torch(torch, x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out")))
+    backend, torch, (qt, kt, vt, ot), _, stream = _operands(q, k, v, out)
     st = as_torch(torch, sinks, "sinks")
-    _check(torch, qt, kt, vt, ot)
     if tuple(st.shape) != (qt.shape[2],) or st.device != qt.device:
         raise ValueError(f"mqa_byoc.flash_attn_sink_forward: sinks has shape {tuple(st.shape)} on {st.device}, "
                          f"expected ({qt.shape[2]},) on {qt.device}")
-    device_index = qt.device.index if qt.device.index is not None else torch.cuda.current_device()
-    stream = backend.stream_for(device_index)
     args = (qt, kt, vt, ot, float(scale), bool(causal), int(window_left), int(window_right))
     with torch.cuda.stream(stream):
         lse = backend.run(*args)
@@ -165,12 +166,7 @@ def flash_attn_softcap_forward(q, k, v, out, scale: float, softcap: float, causa
     """
     if not float(softcap) > 0:
         raise ValueError(f"mqa_byoc.flash_attn_softcap_forward: softcap must be > 0, got {softcap}")
-    backend = active_backend()
-    torch = backend.torch
-    qt, kt, vt, ot = (as_torch(torch, x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out")))
-    _check(torch, qt, kt, vt, ot)
-    device_index = qt.device.index if qt.device.index is not None else torch.cuda.current_device()
-    stream = backend.stream_for(device_index)
+    backend, torch, (qt, kt, vt, ot), _, stream = _operands(q, k, v, out)
     with torch.cuda.stream(stream):
         backend.run_softcap(qt, kt, vt, ot, float(scale), float(softcap), bool(causal), int(window_left),
                             int(window_right))
