@@ -11,7 +11,7 @@ import pytest
 import tvm
 
 from mqa_byoc.models.paged_llama import PagedLlamaConfig, export_paged_llama
-from mqa_byoc.runtime.paged_driver import DecoderReference, PagedModel, Reference
+from mqa_byoc.runtime.paged_driver import DecoderReference, PagedModel, Reference, last_positions
 
 torch = pytest.importorskip("torch")
 
@@ -60,6 +60,30 @@ def test_decoder_calls(model):
     model.end(cache)
     assert prefill.shape == (1, 8, 32) and decode.shape == (2, 1, 32)
     assert torch.isfinite(prefill).all() and torch.isfinite(decode).all() and prefill.abs().max() > 0
+
+
+def test_batch_prefill_gives_each_sequences_last_position(model):
+    """batch_prefill over three sequences of a step: the rows of prefill's logits at their last tokens."""
+    model.set_params(seed=2)
+    lengths = [4, 1, 6]
+    ids = torch.randint(0, 32, (1, sum(lengths)), dtype=torch.int32, generator=torch.Generator().manual_seed(5))
+    got = {}
+    for fn in ("prefill", "batch_prefill"):
+        cache = model.new_cache(3, 64, 32)
+        model.add(cache, [0, 1, 2])
+        model.begin(cache, [0, 1, 2], lengths)
+        pos = torch.tensor(last_positions(lengths), dtype=torch.int32)
+        got[fn] = model.logits(fn, cache, ids, pos if fn == "batch_prefill" else None)
+        model.end(cache)
+    assert last_positions(lengths) == [3, 4, 10]
+    assert got["batch_prefill"].shape == (1, 3, 32)
+    want = got["prefill"][:, [3, 4, 10]]
+    assert float((got["batch_prefill"] - want).abs().max()) < 1e-5 * float(want.abs().max())
+    assert float((got["prefill"][:, [0, 1, 2]] - want).abs().max()) > 1e-3  # other rows differ: it can fail
+    with pytest.raises(ValueError, match="needs logit_positions"):
+        model.call("batch_prefill", None, None)
+    with pytest.raises(ValueError, match="every sequence of a prefill step needs a token"):
+        last_positions([3, 0])
 
 
 def _rope_model():

@@ -58,7 +58,7 @@ def test_cli_parses_the_paged_choice():
 
 @pytest.mark.parametrize("extra, named", [(["--provider", "python"], "--provider python"),
                                           (["--kv-expand", "repeat"], "--kv-expand repeat"),
-                                          (["--logits", "last"], "--logits last")])
+                                          (["--projections", "separate"], "--projections separate")])
 def test_paged_build_rejects_options_that_do_not_apply(tmp_path, capsys, extra, named):
     rc = cli.main(["profile", "build", "--kv-cache", "paged", "--out", str(tmp_path / "o"), *extra])
     err = capsys.readouterr().err
@@ -255,6 +255,31 @@ def test_paged_runner_steps_keep_the_sequence(cpu_paged_lib):
     assert float((torch.from_dlpack(other)[0, -1] - steps[0][0, 0]).abs().max()) > 1e-3
 
 
+def test_paged_runner_serves_a_prompt_with_batch_prefill_when_the_build_says_last(cpu_paged_lib, tmp_path):
+    """A library whose sidecar says logits "last" (the default build): the runner's prefill calls
+    batch_prefill and returns the last position's logits, equal to that row of every position's."""
+    import shutil
+
+    import torch
+
+    from mqa_byoc.runtime.paged_driver import PagedDecoderRunner
+
+    last_lib = tmp_path / "tiny-last.paged-tir.so"
+    shutil.copy(cpu_paged_lib, last_lib)
+    meta = json.loads(Path(cpu_paged_lib + ".json").read_text())
+    Path(str(last_lib) + ".json").write_text(json.dumps({**meta, "logits": "last"}))
+    every, last = PagedDecoderRunner(cpu_paged_lib, device="cpu"), PagedDecoderRunner(str(last_lib), device="cpu")
+    ids = torch.randint(0, 32, (1, 11), dtype=torch.int32)
+    for n in (11, 5):  # a second length: the positions follow the prompt
+        want, _ = every.prefill(1, n, ids=every.tvm.runtime.from_dlpack(ids[:, :n].clone()))
+        got, caches = last.prefill(1, n, ids=last.tvm.runtime.from_dlpack(ids[:, :n].clone()))
+        assert tuple(got.shape) == (1, 1, 32) and caches.length == n
+        ref = torch.from_dlpack(want)[0, -1]
+        assert float((torch.from_dlpack(got)[0, 0] - ref).abs().max()) < 1e-5 * max(float(ref.abs().max()), 1.0)
+        # not the first position's: the check above can fail
+        assert float((torch.from_dlpack(want)[0, 0] - ref).abs().max()) > 1e-3
+
+
 def test_paged_runner_refuses_what_it_cannot_do(cpu_paged_lib, tmp_path):
     from mqa_byoc.runtime.paged_driver import PagedDecoderRunner
 
@@ -289,10 +314,11 @@ def test_profile_build_paged_writes_the_pair(tmp_path, capsys):
     assert [os.path.basename(p) for p in libs] == ["llama3-8b-scaled.paged-fa2.so", "llama3-8b-scaled.paged-tir.so"]
     metas = [json.loads(open(p + ".json").read()) for p in libs]
     for meta, mqa in zip(metas, (True, False)):
-        assert meta["mqa"] is mqa and meta["kv_cache"] == "paged" and meta["functions"] == ["prefill", "decode"]
+        assert meta["mqa"] is mqa and meta["kv_cache"] == "paged"
+        assert meta["functions"] == ["prefill", "batch_prefill", "decode"]
         assert meta["paged_attention"] == ("fa2" if mqa else "tir") and meta["page_size"] == (128 if mqa else 16)
         assert (meta["num_heads"], meta["num_kv_heads"], meta["head_dim"], meta["num_layers"]) == (32, 8, 128, 1)
-        assert meta["preset"] == "llama3-8b" and meta["vocab_size"] == 256 and meta["logits"] == "all"
+        assert meta["preset"] == "llama3-8b" and meta["vocab_size"] == 256 and meta["logits"] == "last"
         pc = meta["paged_config"]
         assert (pc["num_q_heads"], pc["num_kv_heads"], pc["head_dim"], pc["vocab"], pc["rope_mode"]) == \
             (32, 8, 128, 256, 1)

@@ -73,7 +73,7 @@ def _profile_parser(sub):
     b.add_argument("--arch", default="sm_90")
     b.add_argument("--logits", default=None, choices=["last", "all"],
                    help="prefill returns the last position's logits (serving; the default) or all of them "
-                        "(--kv-cache paged: all, the paged model's prefill)")
+                        "(--kv-cache paged: the runner calls batch_prefill or prefill)")
     b.add_argument("--out", default=".profile-artifacts", help="directory for the libraries and sidecars")
     b.add_argument("--no-gemm", action="store_true",
                    help="leave the GEMMs on TVM's kernels (default: on cuBLASLt, partition_for_cutlass(gemm=True))")
@@ -216,7 +216,7 @@ def _paged_build_conflicts(args) -> list[str]:
     bad = [f"--provider {args.provider}"] if args.provider != "native" else []
     bad += [f"--kv-expand {args.kv_expand}"] if args.kv_expand is not None else []
     bad += [f"--projections {args.projections}"] if args.projections != "fused" else []
-    return bad + ([f"--logits {args.logits}"] if args.logits not in (None, "all") else [])
+    return bad
 
 
 def _describe_build(args, config, what: str) -> str:
@@ -231,8 +231,8 @@ def _profile_build_paged(args, config) -> int:
     bad = _paged_build_conflicts(args)
     if bad:
         print(f"mqa-byoc profile build: error: {', '.join(bad)} does not apply to --kv-cache paged (its FA2 "
-              "entries are native code, its attention takes the cache's K/V heads, its prefill returns every "
-              "position's logits)", file=sys.stderr)
+              "entries are native code, its attention takes the cache's K/V heads, its projections are "
+              "fused)", file=sys.stderr)
         return 2
     print(_describe_build(args, config, "paged KV cache (TVM's PagedKVCache): attention on FA2 (mqa=True) and "
                                         "on TVM's TIR kernels (mqa=False)"), flush=True)
@@ -240,7 +240,7 @@ def _profile_build_paged(args, config) -> int:
         build_paged_decoder_libraries(config, args.out, dtype=args.dtype, arch=args.arch,
                                       extra={"preset": args.preset, "gemm": not args.no_gemm},
                                       progress=lambda m: print(m, flush=True), gemm=not args.no_gemm,
-                                      cuda_graph=args.cuda_graph)
+                                      cuda_graph=args.cuda_graph, logits=args.logits or "last")
     except ValueError as e:  # a sliding-window preset
         print(f"mqa-byoc profile build: error: {e}", file=sys.stderr)
         return 2

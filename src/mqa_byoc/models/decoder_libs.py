@@ -190,6 +190,7 @@ def build_paged_decoder_libraries(
     progress: Callable[[str], None] | None = print,
     gemm: bool = True,
     cuda_graph: bool = False,
+    logits: str = "last",
 ) -> list[str]:
     """Build ``config`` as :class:`~mqa_byoc.models.paged_llama.PagedLlama` (``relax.frontend.nn`` on TVM's
     PagedKVCache) once per mode; returns the exported library paths.
@@ -199,8 +200,10 @@ def build_paged_decoder_libraries(
     of the head dim), exported with :func:`mqa_byoc.export_library`; ``mqa=False``: TVM's TIR kernels as
     TVM builds them (page size 16). Both use the decoder pipeline (FuseTransposeMatmul). Each library
     ``out_dir/<config.name>.paged-{fa2,tir}.so`` gets a sidecar with the fields of
-    :func:`build_decoder_libraries` (``kv_cache="paged"``, ``logits="all"``: the paged prefill returns every
-    position's) plus ``paged_attention`` ("fa2" / "tir"), ``page_size``, ``paged_config`` (what
+    :func:`build_decoder_libraries` (``kv_cache="paged"``; ``functions``: ``prefill`` (every position's
+    logits), ``batch_prefill`` (each sequence's last position's) and ``decode``; ``logits``: which prefill
+    :class:`~mqa_byoc.runtime.paged_driver.PagedDecoderRunner` serves a prompt with, "last" (the default,
+    as a server does) or "all") plus ``paged_attention`` ("fa2" / "tir"), ``page_size``, ``paged_config`` (what
     :class:`mqa_byoc.runtime.paged_driver.PagedModel` needs) and ``paged_served`` (TVM kernels on FA2).
     ``gemm``: both libraries run their GEMMs on cuBLASLt (:func:`mqa_byoc.compiler.build.offload_gemms`;
     ``gemm_offloaded`` in the sidecar counts the sites); False: on TVM's kernels. ``cuda_graph``: TVM's
@@ -212,7 +215,7 @@ def build_paged_decoder_libraries(
     Raises
     ------
     ValueError
-        A sliding-window config (:func:`paged_config_of`).
+        A sliding-window config (:func:`paged_config_of`), or ``logits`` neither "last" nor "all".
     RuntimeError
         The pass does not serve every attention entry of the cache (its report in the message).
     """
@@ -229,6 +232,8 @@ def build_paged_decoder_libraries(
     from .paged_llama import export_paged_llama
 
     progress = progress or (lambda _msg: None)
+    if logits not in ("last", "all"):
+        raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
     pcfg = paged_config_of(config, dtype)
     target = tvm.target.Target({"kind": "cuda", "arch": arch})
     mod, params, _ext = export_paged_llama(pcfg, target)
@@ -271,7 +276,8 @@ def build_paged_decoder_libraries(
             "page_size": fa2_page if mqa else TVM_TIR_PAGE_SIZE, "paged_config": dataclasses.asdict(pcfg),
             "paged_served": served if mqa else [], **({"provider": "native"} if mqa else {}),
             "gemm_offloaded": gemm_sites, **({"cuda_graph": True} if cuda_graph else {}),
-            "functions": ["prefill", "decode"], "arch": arch, "logits": "all", "num_heads": config.num_heads,
+            "functions": ["prefill", "batch_prefill", "decode"], "arch": arch, "logits": logits,
+            "num_heads": config.num_heads,
             "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size, **(extra or {}),
         })
         progress(f"built {path} (mqa={mqa}, paged KV cache, page size "

@@ -8,7 +8,9 @@ MLP), final RMSNorm, LM head. The K/V live in TVM's pages; the cache is made by
 with TVM's TIR attention kernels, which the pass may swap for FA2).
 
 Exported functions (:func:`export_paged_llama`): ``create_paged_kv_cache``, ``prefill`` (tokens of all
-sequences as (1, total_len)), ``decode`` ((batch, 1)), ``attend`` (layer 0's attention on a given
+sequences as (1, total_len); logits of every position), ``batch_prefill`` (the same tokens and each
+sequence's last position: the logits of those positions only, as mlc-llm's ``batch_prefill`` serves a
+prompt), ``decode`` ((batch, 1)), ``attend`` (layer 0's attention on a given
 fused QKV: what the numerics tests compare) — driven like mlc-llm does, with
 ``vm.builtin.kv_state_add_sequence`` / ``kv_state_begin_forward`` / ``kv_state_end_forward``.
 """
@@ -92,15 +94,25 @@ class PagedLlama(nn.Module):
         self.norm = nn.RMSNorm(c.hidden, -1, 1e-5, bias=False)
         self.lm_head = nn.Linear(c.hidden, c.vocab, bias=False)
 
-    def _run(self, ids: nn.Tensor, cache: PagedKVCache):
+    def _hidden(self, ids: nn.Tensor, cache: PagedKVCache):
         x = self.embed(ids)
         for i, layer in enumerate(self.layers):
             x = layer(x, cache, i)
-        return self.lm_head(self.norm(x))
+        return x
+
+    def _run(self, ids: nn.Tensor, cache: PagedKVCache):
+        return self.lm_head(self.norm(self._hidden(ids, cache)))
 
     def prefill(self, ids: nn.Tensor, cache: PagedKVCache):
         """Logits of every token; ``ids`` (1, total_len): the new tokens of all sequences, concatenated."""
         return self._run(ids, cache), cache
+
+    def batch_prefill(self, ids: nn.Tensor, logit_positions: nn.Tensor, cache: PagedKVCache):
+        """Logits of the positions ``logit_positions`` ((batch,) int32 indices into the total_len tokens,
+        each sequence's last) only: (1, batch, vocab). The LM head and the final norm run on those rows
+        alone, so a prompt of n tokens costs one GEMV of the LM head instead of an n-row GEMM."""
+        x = op.take(self._hidden(ids, cache), logit_positions, axis=1)
+        return self.lm_head(self.norm(x)), cache
 
     def decode(self, ids: nn.Tensor, cache: PagedKVCache):
         """Logits of one new token per sequence; ``ids`` (batch, 1)."""
@@ -147,6 +159,8 @@ def export_paged_llama(c: PagedLlamaConfig, target=None, *, tensor_parallel_shar
     qkv_heads = c.num_q_heads + 2 * c.num_kv_heads
     spec = {
         "prefill": {"ids": nn.spec.Tensor([1, "total_len"], "int32"), "cache": cache},
+        "batch_prefill": {"ids": nn.spec.Tensor([1, "total_len"], "int32"),
+                          "logit_positions": nn.spec.Tensor(["batch"], "int32"), "cache": cache},
         "decode": {"ids": nn.spec.Tensor(["batch", 1], "int32"), "cache": cache},
         "attend": {"qkv": nn.spec.Tensor(["b", "s", qkv_heads, c.head_dim], c.dtype), "cache": cache},
         "create_paged_kv_cache": {
@@ -154,7 +168,7 @@ def export_paged_llama(c: PagedLlamaConfig, target=None, *, tensor_parallel_shar
             "support_sliding_window": int, "$": {"param_mode": "none", "effect_mode": "none"},
         },
     }
-    for name in ("prefill", "decode"):
+    for name in ("prefill", "batch_prefill", "decode"):
         spec[name]["$"] = {"param_mode": "packed", "effect_mode": "none"}
     spec["attend"]["$"] = {"param_mode": "none", "effect_mode": "none"}
     model = PagedLlama(c, shards)

@@ -80,14 +80,33 @@ class PagedModel:
             tensors.append(self.tvm.runtime.from_dlpack(t))
         self.params = tensors
 
-    def logits(self, fn: str, cache, ids):
-        """``prefill`` ((1, total) ids) or ``decode`` ((batch, 1) ids): float32 logits (torch)."""
-        return self.torch.from_dlpack(self.call(fn, cache, self.tvm.runtime.from_dlpack(ids))).float()
+    def logits(self, fn: str, cache, ids, logit_positions=None):
+        """``prefill`` ((1, total) ids), ``batch_prefill`` (the same and ``logit_positions``, (batch,)
+        int32: each sequence's last position) or ``decode`` ((batch, 1) ids): float32 logits (torch)."""
+        pos = None if logit_positions is None else self.tvm.runtime.from_dlpack(logit_positions)
+        return self.torch.from_dlpack(self.call(fn, cache, self.tvm.runtime.from_dlpack(ids), pos)).float()
 
-    def call(self, fn: str, cache, ids):
+    def call(self, fn: str, cache, ids, logit_positions=None):
         """``fn``'s logits as the library returns them (a TVM tensor of the model's dtype; launches
-        nothing but the model's kernels); ``ids`` a TVM tensor, between :meth:`begin` and :meth:`end`."""
+        nothing but the model's kernels); ``ids`` (and ``batch_prefill``'s ``logit_positions``) TVM
+        tensors, between :meth:`begin` and :meth:`end`."""
+        if fn == "batch_prefill":
+            if logit_positions is None:
+                raise ValueError("batch_prefill needs logit_positions (each sequence's last position)")
+            return self.vm[fn](ids, logit_positions, cache, self.params)[0]
         return self.vm[fn](ids, cache, self.params)[0]
+
+
+def last_positions(lengths) -> list[int]:
+    """The index of each sequence's last token among a prefill step's concatenated tokens: what
+    ``batch_prefill`` takes as ``logit_positions``."""
+    out, end = [], 0
+    for n in lengths:
+        if int(n) < 1:
+            raise ValueError(f"every sequence of a prefill step needs a token, got lengths {list(lengths)}")
+        end += int(n)
+        out.append(end - 1)
+    return out
 
 
 def qkv_parts(cfg: dict, qkv):
@@ -217,6 +236,7 @@ class PagedDecoderRunner(StepRunner):
         self.model.set_params(seed)
         self.model.params = self.model.ffi.convert(self.model.params)  # one Array, not a list per call
         self._keep = []
+        self._last = None  # (length, TVM tensor, its torch owner): batch_prefill's logit_positions
 
     def new_caches(self, capacity: int) -> PagedCaches:
         """An empty cache with the sequence added, room for ``capacity`` tokens (make it before a
@@ -226,23 +246,29 @@ class PagedDecoderRunner(StepRunner):
         self.model.add(cache, [self.SEQ])
         return PagedCaches(cache, 0)
 
-    def _step(self, fn, caches: PagedCaches, ids, length: int):
+    def _step(self, fn, caches: PagedCaches, ids, length: int, logit_positions=None):
         m = self.model
         m.begin(caches.cache, [self.SEQ], [length])
-        logits = m.call(fn, caches.cache, ids)
+        logits = m.call(fn, caches.cache, ids, logit_positions)
         m.end(caches.cache)
         return logits, PagedCaches(caches.cache, caches.length + length)
 
     def prefill(self, batch, length, ids=None, *, caches=None, max_new_tokens: int = 0):
-        """Logits of every position (the paged model's prefill) and the cache, holding ``length`` tokens:
-        into ``caches`` (empty, from :meth:`new_caches`) or a new one with room for ``length +
-        max_new_tokens``."""
+        """Logits and the cache, holding ``length`` tokens: into ``caches`` (empty, from
+        :meth:`new_caches`) or a new one with room for ``length + max_new_tokens``. The logits are the
+        last position's ((1, 1, vocab), ``batch_prefill``) when the sidecar's ``logits`` is "last" (the
+        default build), else every position's ((1, length, vocab), ``prefill``)."""
         if batch != 1:
             raise ValueError(f"the paged profile runs one sequence: batch must be 1, got {batch}")
         ids = self.make_ids(batch, length) if ids is None else ids
         caches = self.new_caches(length + max_new_tokens) if caches is None else caches
         if caches.length:
             raise ValueError(f"prefill needs an empty cache; this one holds {caches.length} tokens")
+        if self.meta.get("logits", "all") == "last":
+            if self._last is None or self._last[0] != length:
+                pos = self.torch.tensor(last_positions([length]), dtype=self.torch.int32, device=self.ids_device)
+                self._last = (length, self.tvm.runtime.from_dlpack(pos), pos)
+            return self._step("batch_prefill", caches, ids, length, self._last[1])
         return self._step("prefill", caches, ids, length)
 
     def decode(self, caches: PagedCaches, batch=1, ids=None):
