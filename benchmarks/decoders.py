@@ -424,7 +424,7 @@ def report(parts_dir: Path, out: Path, commit: str | None, command: str | None, 
                     cmp[f"{name}_vs_{base}_decode_b{da['batch']}_{da['context']}"] = round(db["ms_per_step"] /
                                                                                           da["ms_per_step"], 3)
     for hf in ("hf-eager", "hf-compile"):
-        for ours in ("paged-gemm", "inplace-gemm"):
+        for ours in ("paged-gemm", "paged-gemm-graph", "inplace-gemm", "inplace-gemm-graph"):
             if hf in parts and ours in parts:
                 for dh in parts[hf]["decode"]:
                     do = next((x for x in parts[ours]["decode"] if (x["batch"], x["context"]) ==
@@ -450,11 +450,11 @@ def report(parts_dir: Path, out: Path, commit: str | None, command: str | None, 
 
 
 LABELS = {"paged-gemm": "ours, PagedKVCache, GEMMs on cuBLASLt",
-          "paged-gemm-measure": "same, cuBLASLt algorithm measured (MQA_BYOC_CUBLASLT_ALGO=measure)",
-          "paged-gemm-graph": "same, CUDA graphs (--cuda-graph)",
+          "paged-gemm-measure": "same, cuBLASLt algorithm measured",
+          "paged-gemm-graph": "ours, PagedKVCache, GEMMs on cuBLASLt, CUDA graphs (--cuda-graph)",
           "paged-tvm": "ours, PagedKVCache, GEMMs on TVM's kernels (--no-gemm)",
           "inplace-gemm": "ours, in-place cache, GEMMs on cuBLASLt (static M = 1: dlight's GEMV)",
-          "inplace-gemm-graph": "same, CUDA graphs (--cuda-graph)",
+          "inplace-gemm-graph": "ours, in-place cache, GEMMs on cuBLASLt, CUDA graphs (--cuda-graph)",
           "inplace-tvm": "ours, in-place cache, GEMMs on TVM's kernels (--no-gemm)",
           "hf-eager": "HF transformers, eager (SDPA, dynamic cache)",
           "hf-compile": "HF transformers, torch.compile (static cache)"}
@@ -509,7 +509,7 @@ def markdown(result) -> str:
     if cmp:
         lines += ["", "## Ratios (same run)", ""] + [f"- `{k}`: {v}x" for k, v in cmp.items()]
     if result.get("logits"):
-        lines += ["", "## Logits against TVM's own build (same weights, same tokens)", ""]
+        lines += ["", "## Logits between builds (same weights, same tokens)", ""]
         lines += [f"- {k}: max abs diff {v['max_abs']:.4g} (logits up to {v['ref_max_abs']:.3g}), argmax equal "
                   f"{v['argmax_equal']}" for k, v in result["logits"].items()]
     return "\n".join(lines) + "\n"

@@ -22,8 +22,9 @@
 // torch.matmul's rate with it, and a new prompt length would measure again). The build option
 // kernel_options gemm_algorithm=heuristic (compiled into the library, mqa_byoc/compiler/kernel_options.py;
 // no environment variable) keeps the heuristic's first choice everywhere. A plan made while the
-// stream is being captured into a CUDA graph (TVM's relax.backend.use_cuda_graph) keeps it too: nothing
-// may synchronize there.
+// stream is being captured into a CUDA graph keeps it too: nothing may synchronize there. TVM's
+// relax.backend.use_cuda_graph runs each captured region once outside the capture first, so its GEMMs are
+// measured in that call and the graph replays the measured algorithm.
 #include <cublasLt.h>
 #include <dlfcn.h>
 #include <tvm/runtime/c_backend_api.h>
