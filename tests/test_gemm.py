@@ -221,6 +221,8 @@ def test_the_decoders_gemm_sites():
         by_fn.setdefault(s.function, []).append(s)
     assert by_fn["decode"] and all(s.offloaded for s in by_fn["decode"]), gemm.format_gemm_report(psites)
     assert by_fn["prefill"] and all(s.offloaded for s in by_fn["prefill"])
+    # batch_prefill: the same layers, and lm_head on the gathered last positions (M = the batch, symbolic)
+    assert len(by_fn["batch_prefill"]) == len(by_fn["prefill"]) and all(s.offloaded for s in by_fn["batch_prefill"])
 
 
 def test_a_module_after_fuse_transpose_matmul_says_to_partition_first():
