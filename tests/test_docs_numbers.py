@@ -389,16 +389,18 @@ def _decode_rec(parts, name, batch, context):
     return next((d for d in parts[name]["decode"] if (d["batch"], d["context"]) == (batch, context)), None)
 
 
+def _decode_cells(parts, name) -> list[str]:
+    """A decode table row: ms per step and, in brackets, over the bytes limit, per DECODE_CASES."""
+    cells = []
+    for b, c in DECODE_CASES:
+        d, ref = _decode_rec(parts, name, b, c), _decode_rec(parts, "paged-gemm", b, c)
+        cells.append("–" if d is None else f"{d['ms_per_step']:.3f} ({d['ms_per_step'] / ref['limit_ms']:.2f}x)")
+    return cells
+
+
 def decoders_decode_rows() -> dict[str, list[str]]:
     parts = _load(DECODERS_RUN)["parts"]
-    out = {}
-    for label, name in DECODE_ROWS.items():
-        cells = []
-        for b, c in DECODE_CASES:
-            d, ref = _decode_rec(parts, name, b, c), _decode_rec(parts, "paged-gemm", b, c)
-            cells.append("–" if d is None else f"{d['ms_per_step']:.3f} ({d['ms_per_step'] / ref['limit_ms']:.2f}x)")
-        out[label] = cells
-    return out
+    return {label: _decode_cells(parts, name) for label, name in DECODE_ROWS.items()}
 
 
 def decoders_prefill_rows() -> dict[str, list[str]]:
@@ -500,10 +502,7 @@ def decoders2_rows() -> dict[str, tuple[list[str], list[str]]]:
     parts = _load(DECODERS_RUN2)["parts"]
     out = {}
     for label, name in DECODE_ROWS2.items():
-        dec = []
-        for b, c in DECODE_CASES:
-            d, ref = _decode_rec(parts, name, b, c), _decode_rec(parts, "paged-gemm", b, c)
-            dec.append("–" if d is None else f"{d['ms_per_step']:.3f} ({d['ms_per_step'] / ref['limit_ms']:.2f}x)")
+        dec = _decode_cells(parts, name)
         pre = []
         for tokens in (2048, 16384):
             p = next((x for x in parts[name]["prefill"] if x["tokens"] == tokens), None)
