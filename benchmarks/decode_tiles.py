@@ -207,38 +207,49 @@ def capacities(lib_dk) -> dict:
 
 
 def markdown(header, rows, sweeps, recorded) -> str:
+    """The run as tables: per case the baseline, each row-tiles option, ratios to the baseline, the bytes
+    limit and FlashInfer's recorded time; then the split sweeps."""
     lines = [f"# Decode kernel by M tiles a warp, {header['gpu']} ({header['date']})", "",
-             f"`{header['command']}`; GPU kernel time per call (CUPTI, µs). `before`: the kernel before this "
-             "change (one 16-row M tile a warp, CTAs of 16 query rows), built in the same run; `tiles N`: the "
-             "kernel now with N tiles a warp (CTAs of 16 N query rows); `after`: the plan's choice (bold in "
-             "`tiles`). Bytes limit: the K and V bytes read once at 4.8 TB/s. FlashInfer: its fastest decode "
-             "variant as recorded on 2026-12-01 (`2026-12-01-paged-attention-flashinfer`, the same shapes, "
-             "lengths and pages; not run here).", "",
-             "| layout | shape | dtype | batch | lengths | before | tiles 1 | tiles 2 | tiles 3 | after / before | "
-             "after / bytes | FlashInfer (recorded) | after / FlashInfer | row groups x splits (before → after) |",
-             "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             f"`{header['command']}`; GPU kernel time per call (CUPTI, µs), every output checked against fp32. "
+             "`before`: the baseline build (one 16-row M tile a warp, CTAs of 16 query rows of a K/V head); "
+             "`N tiles`: the kernel with N tiles a warp (CTAs of 16 N query rows), each with make_plan's split "
+             "rule for its CTAs; `now`: the plan's default, one tile. Bytes limit: the K and V bytes read once "
+             "at 4.8 TB/s. FlashInfer: its fastest decode variant as recorded on 2026-12-01 "
+             "(`2026-12-01-paged-attention-flashinfer`: the same shapes, lengths and pages; not run here).", "",
+             "| layout | shape | dtype | batch | lengths | before | 1 tile (now) | 2 tiles | 3 tiles | now / before | "
+             "fastest of 2, 3 tiles / before | now / bytes | FlashInfer (recorded) | now / FlashInfer | "
+             "row groups x splits: before; 3 tiles |",
+             "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         u, plans = r["us"], r["plans"]
-        tiles = ["–" if f"tiles{t}" not in u else
-                 (f"**{u[f'tiles{t}']:.1f}**" if t == r["rule_tiles"] else f"{u[f'tiles{t}']:.1f}") for t in (1, 2, 3)]
-        before = u.get("before")
+        now, before = u["tiles1"], u.get("before")
+        more = [u[k] for k in ("tiles2", "tiles3") if k in u]
         fi = recorded.get((r["shape"], r["dtype"], r["batch"], r["lengths_kind"])) if "pages" in r["layout"] else None
-        grid = [f"{p['row_groups']} x {p['splits']}" for p in (plans.get("before"), plans[f"tiles{r['rule_tiles']}"]) if p]
+        grid = "; ".join(f"{p['row_groups']} x {p['splits']}" for p in (plans.get("before"), plans.get("tiles3")) if p)
         cells = [r["layout"], r["shape"], r["dtype"], str(r["batch"]), r["lengths_kind"],
-                 f"{before:.1f}" if before else "–", *tiles,
-                 f"{u['after'] / before:.2f}" if before else "–", f"{u['after'] / r['bytes_us']:.2f}",
-                 f"{fi:.1f}" if fi else "–", f"{u['after'] / fi:.2f}" if fi else "–", " → ".join(grid)]
+                 f"{before:.1f}" if before else "–", f"{now:.1f}",
+                 *(f"{u[k]:.1f}" if k in u else "–" for k in ("tiles2", "tiles3")),
+                 f"{now / before:.2f}" if before else "–", f"{min(more) / before:.2f}" if more and before else "–",
+                 f"{now / r['bytes_us']:.2f}", f"{fi:.1f}" if fi else "–", f"{now / fi:.2f}" if fi else "–", grid]
         lines.append("| " + " | ".join(cells) + " |")
+    extra = sorted({k for r in rows for k in r["us"]} - {"before", "after", "tiles1", "tiles2", "tiles3"})
+    if extra:
+        lines += ["", "## Other builds", "", "The plan of the run's rule (3 tiles where a shape has them) on other "
+                  "builds of the source, µs (3 tiles on this build in brackets):", ""]
+        for name in extra:
+            pairs = [f"{r['shape']} b{r['batch']} {r['lengths_kind']}: {r['us'][name]:.1f} ({r['us']['tiles3']:.1f})"
+                     for r in rows if name in r["us"] and "tiles3" in r["us"]]
+            lines.append(f"- `{name}`: " + "; ".join(pairs))
     if sweeps:
+        sizes = list(sweeps[0]["auto"])
         lines += ["", "## Split sizes (batch 1, contiguous)", "",
                   "µs at fixed keys per split; `auto`: merged in a cluster where the splits fit one, else through "
-                  "the workspace; `global`: through the workspace. `plan`: the plan's split size.", "",
-                  "| shape | keys | tiles | plan | " + " | ".join(f"{k} auto / global" for k in sweeps[0]["auto"]) + " |",
-                  "|---|---:|---:|---:|" + "---:|" * len(sweeps[0]["auto"])]
-        for s in sweeps:
-            lines.append(f"| {s['shape']} | {s['keys']} | {s['tiles']} | {s['plan_kps']} | " + " | ".join(
-                f"{s['auto'].get(k, float('nan')):.1f} / {s['global'].get(k, float('nan')):.1f}"
-                for k in sweeps[0]["auto"]) + " |")
+                  "the workspace; `global`: through the workspace. `plan`: make_plan's split size.", "",
+                  "| shape | keys | tiles | plan | " + " | ".join(f"{k}: auto / global" for k in sizes) + " |",
+                  "|---|---:|---:|---:|" + "---:|" * len(sizes)]
+        for sw in sweeps:
+            cells = [f"{sw['auto'][k]:.1f} / {sw['global'][k]:.1f}" if k in sw["auto"] else "–" for k in sizes]
+            lines.append(f"| {sw['shape']} | {sw['keys']} | {sw['tiles']} | {sw['plan_kps']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
