@@ -43,8 +43,9 @@ template <int D, int MT>
 constexpr int kWarpsPerSm = D <= 64 && MT == 1 ? 16 : 8;
 // Pipeline stages: each warp keeps 8 KB of K/V loads in flight beyond the tile it computes on (one tile of
 // head dim 128, two of 64), 16 KB where head dim 64 has 8 warps an SM (MT > 1: the SM's 128 KB of one
-// tile a warp). On the H200, a third stage at head dim 128 (16 KB) was 2-10% slower at 1k-8k keys (no
-// faster at 16k-32k); two stages at head dim 64 slowed Falcon (71/1) by 5-17% from 2k keys on.
+// tile a warp; 8 KB there was within 1.5%). On the H200, a third stage at head dim 128 (16 KB) was 2-10%
+// slower at 1k-8k keys (no faster at 16k-32k); two stages at head dim 64 slowed Falcon (71/1) by 5-17%
+// from 2k keys on.
 template <int D, int MT = 1>
 constexpr int kStages = 1 + (D <= 64 ? 16 * 8192 / kWarpsPerSm<D, MT> : 8192) / (kTileKeys * D * 2 * 2);
 constexpr int kMaxSplits = 128;  // splits per (sequence, K/V head): the merging CTA keeps their weights
