@@ -67,6 +67,7 @@ PAGED_PROFILE = "2026-11-30-profile-codellama34b-4l-paged-2k.json"
 KERNEL_RUN = "2026-12-01-decode-kernel-loadpath.json"
 FLOOR_RUN = "2026-12-01-decode-kernel-read-floor.json"
 FUZZ_RUN = "2026-12-01-fuzz-1000-seed8.json"
+TILES_RUN = "2026-12-02-mqa-decode-tiles.json"
 PARTITION_RUN = "2026-11-29-partition-speed.json"
 
 TABLE_ROWS = {  # README / performance.md kernel table: row label -> variant
@@ -143,6 +144,18 @@ def kernel_alone_claims() -> dict[str, str]:
                                               if c["shape"] == "71/1/64"]),
         "read floor Falcon 32k warm": _range([c["read_floor_warm_us"] / c["hbm_us"] for c in f32
                                               if c["shape"] == "71/1/64"]),
+    }
+
+
+def row_tiles_claims() -> dict[str, str]:
+    """Warps of 2 or 3 M tiles against the kernel before them (the faster of the two per case)."""
+    cases = _load(TILES_RUN)["cases"]
+    more = lambda c: min(c["us"]["tiles2"], c["us"]["tiles3"]) / c["us"]["before"]  # noqa: E731
+    falcon = [c for c in cases if c["shape"] == "mqa71_1_d64"]
+    return {
+        "tiles Falcon pages b8-64": _range([more(c) for c in falcon if "pages" in c["layout"] and c["batch"] > 1]),
+        "tiles Falcon b1": _range([more(c) for c in falcon if c["batch"] == 1]),
+        "one tile vs before": _range([c["us"]["tiles1"] / c["us"]["before"] for c in cases]),
     }
 
 
@@ -240,7 +253,8 @@ def partition_claim() -> str:
 
 
 def all_claims() -> dict[str, str]:
-    out = {**prefill_claims(), **decode_claims(), **kernel_alone_claims(), **decoder_claims(), **paged_claims()}
+    out = {**prefill_claims(), **decode_claims(), **kernel_alone_claims(), **decoder_claims(), **paged_claims(),
+           **row_tiles_claims()}
     out["FA4 decode / ours"] = fa4_decode_claim()
     out["partition"] = partition_claim()
     return out

@@ -11,15 +11,18 @@ import subprocess
 import pytest
 
 from mqa_byoc import kernels as K
-from mqa_byoc.kernels.decode_rule import decode_kernel_serves
-from mqa_byoc.testing.decode_kernel import DecodeArgs, DecodePlan
+from mqa_byoc.kernels.decode_rule import decode_kernel_serves, rows_per_cta
+from mqa_byoc.testing.decode_kernel import DecodeArgs, DecodePlan, set_plan_argtypes
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None or not K.nvcc_available(), reason="needs g++ and nvcc")
 SMS = 132  # the H200's
-#: co-resident clusters of n = 1..16 blocks of the cluster kernel on the H200 (head dim 128: one CTA per SM;
-#: 64: two), as mqa_byoc_decode_cluster_capacity reported it there
-H200_CAPACITY = {128: [132, 66, 39, 30, 22, 17, 15, 15, 9, 7, 7, 7, 7, 7, 7, 7],
-                 64: [264, 132, 79, 62, 47, 39, 32, 30, 23, 21, 16, 16, 14, 14, 14, 14]}
+#: co-resident clusters of n = 1..16 blocks of the cluster kernel on the H200 per (head dim, M tiles a warp)
+#: (head dim 128, and 64 with two or three tiles: one CTA per SM; 64 with one: two), as
+#: mqa_byoc_decode_cluster_capacity reported it there (fp16, contiguous and paged alike)
+H200_CAPACITY = {(128, 1): [132, 66, 39, 30, 22, 17, 15, 15, 9, 7, 7, 7, 7, 7, 7, 7],
+                 (64, 1): [264, 132, 79, 62, 47, 39, 32, 30, 23, 21, 16, 16, 14, 14, 14, 14],
+                 (64, 2): [132, 66, 39, 30, 22, 17, 15, 15, 9, 7, 7, 7, 7, 7, 7, 7],
+                 (64, 3): [132, 66, 39, 30, 22, 17, 15, 15, 9, 7, 7, 7, 7, 7, 7, 7]}
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +33,7 @@ def lib(tmp_path_factory):
     subprocess.run(["g++", "-shared", "-o", str(out), str(support_object("sm_90", None)), *static_cudart("sm_90")],
                    check=True)
     lib = ctypes.CDLL(str(out))
-    lib.mqa_byoc_decode_make_plan.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int, ctypes.POINTER(ctypes.c_int),
-                                              ctypes.POINTER(DecodePlan)]
-    lib.mqa_byoc_decode_supported.argtypes = [ctypes.c_int64] * 3
-    lib.mqa_byoc_decode_plan_split.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int64, ctypes.POINTER(DecodePlan)]
+    set_plan_argtypes(lib)
     return lib
 
 
@@ -44,8 +44,9 @@ def _plan(lib, *, heads=64, heads_k=8, dim=128, batch=1, seqlen=4096, window_lef
     if pages is not None:  # (nnz_pages, page_size): only the counts matter to the plan
         a.page_values, a.nnz_pages, a.page_size = 1, *pages
     p = DecodePlan()
-    cap = (ctypes.c_int * 16)(*H200_CAPACITY[dim]) if clusters and dim in H200_CAPACITY else None
-    return lib.mqa_byoc_decode_make_plan(ctypes.byref(a), SMS, cap, ctypes.byref(p)), p
+    key = (dim, rows_per_cta(dim) // 16)
+    cap = (ctypes.c_int * 16)(*H200_CAPACITY[key]) if clusters and key in H200_CAPACITY else None
+    return lib.mqa_byoc_decode_make_plan(ctypes.byref(a), 0, SMS, cap, ctypes.byref(p)), p
 
 
 @pytest.mark.parametrize("heads,heads_k,dim", [(64, 8, 128), (32, 8, 128), (16, 16, 128), (71, 1, 64), (40, 2, 64),
@@ -55,7 +56,8 @@ def _plan(lib, *, heads=64, heads_k=8, dim=128, batch=1, seqlen=4096, window_lef
 def test_contiguous_plan_covers_every_key_in_one_wave(lib, heads, heads_k, dim, seqlen, clusters):
     rc, p = _plan(lib, heads=heads, heads_k=heads_k, dim=dim, seqlen=seqlen, clusters=clusters)
     assert rc == 0
-    rows = 16
+    rows = rows_per_cta(dim)
+    assert p.row_tiles * 16 == rows == lib.mqa_byoc_decode_rows_per_cta(dim) == 16  # the measured rule
     assert p.row_groups == -(-(heads // heads_k) // rows)
     # 4 warps a CTA for splits of at most two tiles a warp of 8, each warp at least one tile
     assert p.warps == (4 if p.keys_per_split <= 256 else 8)
@@ -64,7 +66,7 @@ def test_contiguous_plan_covers_every_key_in_one_wave(lib, heads, heads_k, dim, 
     slots = heads_k * p.row_groups
     assert p.splits <= 32 and slots * p.splits <= max(SMS, slots)  # one wave (one CTA per SM)
     if clusters and 1 < p.splits <= 16:  # a cluster's worth: every slot's cluster co-resident
-        assert H200_CAPACITY[dim][p.splits - 1] >= slots
+        assert H200_CAPACITY[dim, p.row_tiles][p.splits - 1] >= slots
     per_split = slots * p.splits * rows
     assert p.workspace_bytes == ((per_split * dim + per_split) * 4 if p.splits > 1 else 0)
     assert p.counters == (slots if p.splits > 1 else 0)
@@ -128,11 +130,31 @@ def test_plan_for_a_given_split_size(lib):
     a = DecodeArgs()
     a.batch, a.num_heads, a.num_heads_k, a.head_dim, a.seqlen_k, a.window_left = 1, 64, 8, 128, 32768, -1
     made, again = DecodePlan(), DecodePlan()
-    cap = (ctypes.c_int * 16)(*H200_CAPACITY[128])
-    assert lib.mqa_byoc_decode_make_plan(ctypes.byref(a), SMS, cap, ctypes.byref(made)) == 0
-    assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), made.keys_per_split, ctypes.byref(again)) == 0
+    cap = (ctypes.c_int * 16)(*H200_CAPACITY[128, 1])
+    assert lib.mqa_byoc_decode_make_plan(ctypes.byref(a), 0, SMS, cap, ctypes.byref(made)) == 0
+    assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), made.keys_per_split, 0, ctypes.byref(again)) == 0
     fields = [f for f, _ in DecodePlan._fields_]
     assert [getattr(again, f) for f in fields] == [getattr(made, f) for f in fields]
-    assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), 512, ctypes.byref(again)) == 0 and again.splits == 64
-    assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), 100, ctypes.byref(again)) == 2  # not 16-key tiles
-    assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), 128, ctypes.byref(again)) == 2  # 256 splits
+    assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), 512, 0, ctypes.byref(again)) == 0 and again.splits == 64
+    assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), 100, 0, ctypes.byref(again)) == 2  # not 16-key tiles
+    assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), 128, 0, ctypes.byref(again)) == 2  # 256 splits
+
+
+@pytest.mark.parametrize("heads,heads_k,dim,tiles,ok", [
+    (71, 1, 64, 1, True), (71, 1, 64, 2, True), (71, 1, 64, 3, True), (71, 1, 64, 4, False),
+    (16, 1, 64, 2, True), (8, 1, 64, 2, False),  # RowsAsN (at most 8 rows) has one tile
+    (71, 1, 128, 1, True), (71, 1, 128, 2, False)])  # head dim 128: one tile
+def test_plan_for_given_row_tiles(lib, heads, heads_k, dim, tiles, ok):
+    """make_plan and plan_split for a given number of M tiles a warp (a benchmark's sweep): CTAs of 16 x tiles
+    query rows and the scratch for them, refused where no kernel carries that many."""
+    a = DecodeArgs()
+    a.batch, a.num_heads, a.num_heads_k, a.head_dim, a.seqlen_k, a.window_left = 2, heads, heads_k, dim, 4096, -1
+    p, q = DecodePlan(), DecodePlan()
+    rc = lib.mqa_byoc_decode_make_plan(ctypes.byref(a), tiles, SMS, None, ctypes.byref(p))
+    assert rc == (0 if ok else 2)
+    assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), 512, tiles, ctypes.byref(q)) == rc
+    if ok:
+        for plan in (p, q):
+            assert plan.row_tiles == tiles and plan.row_groups == -(-(heads // heads_k) // (16 * tiles))
+            rows = 2 * plan.row_groups * plan.splits * 16 * tiles  # batch x row groups x splits x rows a CTA
+            assert plan.workspace_bytes == (rows * (dim + 1) * 4 if plan.splits > 1 else 0)

@@ -1,8 +1,8 @@
 """The grouped-query decode kernel (native/gqa_decode.cu) alone, against fp32 attention, on the GPU:
 contiguous and paged K/V, fp16/bf16, head dims 64/128, GQA and MQA groupings, one split and many (the
-fused combine: through a thread-block cluster's shared memory and through the workspace), strided
-query/output rows, sliding window, empty and ragged sequences, repeated calls (the arrival counters
-reset). Needs torch with CUDA and nvcc; no TVM."""
+fused combine: through a thread-block cluster's shared memory and through the workspace), warps of 1-3
+16-row M tiles (groups of more than 16), strided query/output rows, sliding window, empty and ragged
+sequences, repeated calls (the arrival counters reset). Needs torch with CUDA and nvcc; no TVM."""
 from __future__ import annotations
 
 import math
@@ -24,7 +24,7 @@ TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 def _contiguous_case(batch, heads, heads_k, dim, seqlen, dtype, window_left=-1, strided=False, seed=0,
-                     merge="auto"):
+                     merge="auto", row_tiles=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     if strided:  # q and out as row slices of wider buffers (a fused qkv output, an (B, H*D + pad) output)
         qbuf = torch.randn(batch, heads + 2 * heads_k, dim, generator=gen, device="cuda").to(dtype)
@@ -40,7 +40,7 @@ def _contiguous_case(batch, heads, heads_k, dim, seqlen, dtype, window_left=-1, 
     v = torch.randn(batch, cap, heads_k, dim, generator=gen, device="cuda").to(dtype)
     lse = torch.zeros(batch, heads, dtype=torch.float32, device="cuda")
     call = dk.Decode(q, k, v, out, lse, k_stride=k.stride()[:3], v_stride=v.stride()[:3], seqlen_k=seqlen,
-                     num_heads_k=heads_k, window_left=window_left, merge=merge)
+                     num_heads_k=heads_k, window_left=window_left, merge=merge, row_tiles=row_tiles)
     ref_o, ref_lse = dk.reference(q, k, v, [seqlen] * batch, heads_k, window_left=window_left)
     return call, out, lse, ref_o, ref_lse
 
@@ -75,6 +75,26 @@ def test_each_merge(merge, heads, heads_k, dim, seqlen):
         call()
     torch.cuda.synchronize()
     _check(out, lse, ref_o, ref_lse, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("row_tiles", [1, 2, 3])
+@pytest.mark.parametrize("heads,heads_k", [(71, 1), (40, 1), (48, 2)])
+@pytest.mark.parametrize("seqlen,merge", [(100, "auto"), (2000, "global"), (2000, "cluster"), (16411, "auto")])
+def test_row_tiles(dtype, row_tiles, heads, heads_k, seqlen, merge):
+    """Warps of 1-3 M tiles of 16 query rows (head dim 64): CTAs of 16-48 rows, where the group's last CTA
+    has tiles past it (71 rows in 48 + 23, 40 in 32 + 8, 24 in 32); one split (100 keys), a few merged in a
+    cluster or through the workspace, many (16k keys); two sequences."""
+    call, out, lse, ref_o, ref_lse = _contiguous_case(2, heads, heads_k, 64, seqlen, dtype, merge=merge,
+                                                      row_tiles=row_tiles)
+    group = heads // heads_k
+    assert call.plan.row_tiles == row_tiles and call.plan.row_groups == -(-group // (16 * row_tiles))
+    assert (call.plan.splits == 1) == (seqlen == 100), call.plan.splits
+    for _ in range(2):
+        out.zero_()
+        call()
+    torch.cuda.synchronize()
+    _check(out, lse, ref_o, ref_lse, dtype)
 
 
 @pytest.mark.parametrize("merge", ["global", "auto"])
@@ -120,7 +140,7 @@ def test_batch_window_strided_repeat(window_left, strided, merge):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("page_size", [16, 128, 256])
-@pytest.mark.parametrize("heads,heads_k,dim", [(64, 8, 128), (71, 1, 64)])
+@pytest.mark.parametrize("heads,heads_k,dim", [(64, 8, 128), (71, 1, 64), (40, 1, 64)])
 @pytest.mark.parametrize("merge", ["auto", "global"])
 def test_paged(dtype, page_size, heads, heads_k, dim, merge):
     _paged_case(dtype, page_size, heads, heads_k, dim, merge, [0, 1, page_size, 5000, 777, 2 * page_size + 3, 12000, 31])
@@ -134,7 +154,15 @@ def test_paged_one_sequence(page_size, length, merge):
     _paged_case(torch.float16, page_size, 64, 8, 128, merge, [length])
 
 
-def _paged_case(dtype, page_size, heads, heads_k, dim, merge, lengths):
+@pytest.mark.parametrize("row_tiles", [1, 2, 3])
+@pytest.mark.parametrize("merge", ["cluster", "global"])
+def test_paged_row_tiles(row_tiles, merge):
+    """Falcon's 71 query heads on pages in CTAs of 16, 32 or 48 rows; one sequence of a few splits
+    (merged in a cluster or through the workspace)."""
+    _paged_case(torch.bfloat16, 256, 71, 1, 64, merge, [3000], row_tiles=row_tiles)
+
+
+def _paged_case(dtype, page_size, heads, heads_k, dim, merge, lengths, row_tiles=0):
     gen = torch.Generator(device="cuda").manual_seed(1)
     batch = len(lengths)
     n_pages = [math.ceil(n / page_size) for n in lengths]
@@ -152,7 +180,7 @@ def _paged_case(dtype, page_size, heads, heads_k, dim, merge, lengths):
     kview, vview = pages[:, 0], pages[:, 1]  # (page, H_kv, P, D)
     stride = (kview.stride(0), kview.stride(2), kview.stride(1))  # (page, row in page, head)
     call = dk.Decode(q, kview, vview, out, lse, k_stride=stride, v_stride=stride, seqlen_k=0, num_heads_k=heads_k,
-                     pages=(indptr, values, last, page_size), merge=merge)
+                     pages=(indptr, values, last, page_size), merge=merge, row_tiles=row_tiles)
     call()
     call()
     torch.cuda.synchronize()

@@ -436,9 +436,9 @@ int own_decode_merge() {
 int own_decode(const mqa_byoc_decode_args& a, int device_id, cudaStream_t stream) {
   mqa_byoc_decode_plan plan{};
   int capacity[16];
-  const bool clusters = mqa_byoc_decode_cluster_capacity(&a, device_id, capacity) == 0;
+  const bool clusters = mqa_byoc_decode_cluster_capacity(&a, 0, device_id, capacity) == 0;
   if (!clusters) cudaGetLastError();
-  if (mqa_byoc_decode_make_plan(&a, num_sms(device_id), clusters ? capacity : nullptr, &plan) != 0) {
+  if (mqa_byoc_decode_make_plan(&a, 0, num_sms(device_id), clusters ? capacity : nullptr, &plan) != 0) {
     return fail("the grouped-query decode kernel does not serve head dim " + std::to_string(a.head_dim) + " with " +
                 std::to_string(a.num_heads) + " / " + std::to_string(a.num_heads_k) + " heads");
   }

@@ -5,7 +5,10 @@
 // for 8 real rows, a 2-stage load) and needs a second kernel for the combine; cuDNN's decode is faster.
 // Here each warp streams 16-key tiles of K and V through a cp.async pipeline in its own shared memory (no
 // block barrier in the main loop), the G query rows of a K/V head are the M rows (or, G <= 8, the N) of
-// m16n8k16 tensor-core MMAs, and the block's 8 (or 4) warps' states merge in shared memory. The splits of a
+// m16n8k16 tensor-core MMAs, and the block's 8 (or 4) warps' states merge in shared memory. A warp carries
+// one M tile of 16 query rows, or where a plan asks (row_tiles, head dim 64) two or three: each K and V
+// fragment it loads from shared memory then serves every tile, and the K/V head is streamed once per 16 x
+// row_tiles query rows; on the H200 that was no faster for Falcon's 71 heads (rule_row_tiles). The splits of a
 // (sequence, K/V head) merge in a thread-block cluster through distributed shared memory when they fit
 // one (at most 16, co-resident), else the last block to finish merges them from a workspace (an arrival
 // counter, reset by that block).
@@ -34,11 +37,17 @@ namespace {
 constexpr int kMaxWarps = 8;
 constexpr int kFewWarps = 4;
 constexpr int kTileKeys = 16;  // keys per warp step (one m16n8k16 K step of P @ V)
+constexpr int kMaxRowTiles = 3;  // M tiles of 16 query rows a warp carries (head dim 64, RowsAsM)
+// Warps an SM holds: 16 at head dim 64 with one M tile a warp (registers: 128 a thread), else 8.
+template <int D, int MT>
+constexpr int kWarpsPerSm = D <= 64 && MT == 1 ? 16 : 8;
 // Pipeline stages: each warp keeps 8 KB of K/V loads in flight beyond the tile it computes on (one tile of
-// head dim 128, two of 64). On the H200, a third stage at head dim 128 (16 KB) was 2-10% slower at 1k-8k
-// keys (no faster at 16k-32k); two stages at head dim 64 slowed Falcon (71/1) by 5-17% from 2k keys on.
-template <int D>
-constexpr int kStages = 1 + 8192 / (kTileKeys * D * 2 * 2);
+// head dim 128, two of 64), 16 KB where head dim 64 has 8 warps an SM (MT > 1: the SM's 128 KB of one
+// tile a warp; 8 KB there was within 1.5%). On the H200, a third stage at head dim 128 (16 KB) was 2-10%
+// slower at 1k-8k keys (no faster at 16k-32k); two stages at head dim 64 slowed Falcon (71/1) by 5-17%
+// from 2k keys on.
+template <int D, int MT = 1>
+constexpr int kStages = 1 + (D <= 64 ? 16 * 8192 / kWarpsPerSm<D, MT> : 8192) / (kTileKeys * D * 2 * 2);
 constexpr int kMaxSplits = 128;  // splits per (sequence, K/V head): the merging CTA keeps their weights
 constexpr int kMaxCluster = 16;  // splits merged through distributed shared memory (non-portable size 16)
 
@@ -161,13 +170,13 @@ __device__ __forceinline__ int64_t row_offset(const mqa_byoc_decode_args& a, con
   return int64_t(b) * stride[0] + int64_t(row) * stride[1] + int64_t(h) * stride[2];
 }
 
-// Shared memory of one block of W warps: the pipeline (per warp: kStages x (K tile, V tile)), reused after
-// the loop for the warps' outputs (fp32), plus the per-row statistics.
-template <int D, bool SWAP, int W>
+// Shared memory of one block of W warps of MT M tiles: the pipeline (per warp: kStages x (K tile, V
+// tile)), reused after the loop for the warps' outputs (fp32), plus the per-row statistics.
+template <int D, bool SWAP, int W, int MT>
 struct Smem {
-  static constexpr int kRows = 16;  // query rows of a block (8 used when SWAP)
+  static constexpr int kRows = 16 * MT;  // query rows of a block (8 used when SWAP)
   static constexpr int kTileBytes = kTileKeys * D * 2;
-  static constexpr int kPipeBytes = W * kStages<D> * 2 * kTileBytes;
+  static constexpr int kPipeBytes = W * kStages<D, MT> * 2 * kTileBytes;
   // the warps' outputs [warp][row][kOStride] (fp32): rows padded so that a warp's stores hit 32 different
   // banks (unpadded: 8-way conflicts, 1 us per call measured): float2s of 8 rows x 4 column pairs (RowsAsM),
   // floats of 8 dims x 4 row pairs (RowsAsN)
@@ -178,6 +187,7 @@ struct Smem {
   // the cluster merge's receive buffers: every peer's share of this block's slice (float4s), their LSEs
   static constexpr int kRecvBytes = (kRows * D / 4 + kMaxCluster) * 16 + kMaxCluster * kRows * 4;
   static constexpr int kBytes = kMainBytes + kStatsBytes + kRecvBytes;
+  static_assert(kBytes <= 227 * 1024, "a block's shared memory (the H200's opt-in limit)");
 };
 
 __device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory"); }
@@ -249,13 +259,20 @@ __device__ __forceinline__ void merge_in_cluster(const mqa_byoc_decode_args& a, 
 // One warp's attention over its key tiles, for the block's query rows (those past the group are zero):
 // the Q fragments, the running max and sum, the output accumulators. Two orientations of m16n8k16:
 //
-// RowsAsM: the 16 query rows are the M of S = Q K^T and O = P V (any group size, in 16-row groups).
-template <typename T, int D>
+// RowsAsM: MT tiles of 16 query rows are the M of S = Q K^T and O = P V (any group size, in 16-row tiles).
+// Each K and V fragment a lane loads from shared memory serves the MT tiles; tiles past the group's rows
+// (`live`, warp-uniform) compute nothing.
+template <typename T, int D, int MT>
 struct RowsAsM {
   using M = Mma<T>;
-  uint32_t qf[D / 16][4];
-  float acc[D / 8][4];       // O: (row g, dims 8j + 2t, +1), (row g + 8, same)
-  float m_run[2], l_run[2];  // rows g, g + 8; l_run: this thread's keys (summed over t at the end)
+  // S's MMA chains per tile over the dims: two for one tile (half the dependent MMA latency); with more,
+  // the tiles' chains are independent already
+  static constexpr int kChains = MT == 1 ? 2 : 1;
+  uint32_t qf[MT][D / 16][4];
+  float acc[MT][D / 8][4];       // O: (row g, dims 8j + 2t, +1), (row g + 8, same) of each tile
+  float m_run[MT][2], l_run[MT][2];  // rows g, g + 8; l_run: this thread's keys (summed over t at the end)
+  int live;                          // tiles with a row of the group
+  __device__ __forceinline__ bool on(int mt) const { return MT == 1 || mt < live; }
   // ldmatrix rows of K: (keys 0-7, dims 16k..+7), (keys 0-7, +8..+15), (keys 8-15, ...), (keys 8-15, +8..);
   // of V (transposed): (keys 0-7, dims 16jj..+7), (keys 8-15, same), (keys 0-7, +8..+15), (keys 8-15, +8..)
   TileOffsets<D> k_off, v_off;
@@ -264,70 +281,92 @@ struct RowsAsM {
     const int lane = g * 4 + t, mi = lane / 8;
     k_off.init((mi / 2) * 8 + lane % 8, mi % 2);
     v_off.init((mi % 2) * 8 + lane % 8, mi / 2);
+    live = min(MT, (rows + 15) / 16);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = g + half * 8;
-      const bool ok = r < rows;
-      const T* qrow = q0 + int64_t(ok ? r : 0) * q_head_stride;
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks) {
-        qf[ks][half] = ok ? *reinterpret_cast<const uint32_t*>(qrow + ks * 16 + 2 * t) : 0u;
-        qf[ks][2 + half] = ok ? *reinterpret_cast<const uint32_t*>(qrow + ks * 16 + 8 + 2 * t) : 0u;
+      for (int half = 0; half < 2; ++half) {
+        const int r = mt * 16 + g + half * 8;
+        const bool ok = r < rows;
+        const T* qrow = q0 + int64_t(ok ? r : 0) * q_head_stride;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+          qf[mt][ks][half] = ok ? *reinterpret_cast<const uint32_t*>(qrow + ks * 16 + 2 * t) : 0u;
+          qf[mt][ks][2 + half] = ok ? *reinterpret_cast<const uint32_t*>(qrow + ks * 16 + 8 + 2 * t) : 0u;
+        }
+        m_run[mt][half] = -INFINITY;
+        l_run[mt][half] = 0.f;
       }
-      m_run[half] = -INFINITY;
-      l_run[half] = 0.f;
-    }
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+      for (int j = 0; j < D / 8; ++j) acc[mt][j][0] = acc[mt][j][1] = acc[mt][j][2] = acc[mt][j][3] = 0.f;
+    }
   }
 
   // keys key0 .. key0 + 15 (those from k_end on are masked) from the tiles at shared addresses ks / vs
   __device__ __forceinline__ void step(uint32_t ks, uint32_t vs, int key0, int k_end, float scale, int lane) {
     const int t = lane % 4;
-    // S = Q K^T, 16 rows x 16 keys (two n-tiles of 8 keys), in two chains over the dims (half the
-    // dependent MMA latency)
-    float s[2][2][4] = {};
+    // S = Q K^T, 16 rows x 16 keys (two n-tiles of 8 keys) per tile
+    float s[MT][kChains][2][4] = {};
 #pragma unroll
     for (int kstep = 0; kstep < D / 16; ++kstep) {
       uint32_t kb[4];
       ldmatrix_x4(kb, ks + k_off.at(kstep));
-      M::run(s[kstep % 2][0], qf[kstep], kb[0], kb[1]);
-      M::run(s[kstep % 2][1], qf[kstep], kb[2], kb[3]);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if (on(mt)) {
+          M::run(s[mt][kstep % kChains][0], qf[mt][kstep], kb[0], kb[1]);
+          M::run(s[mt][kstep % kChains][1], qf[mt][kstep], kb[2], kb[3]);
+        }
+      }
     }
     const bool full_tile = key0 + kTileKeys <= k_end;
-    uint32_t pf[4];
-    float corr[2];
+    uint32_t pf[MT][4];
+    float corr[MT][2];
+    bool moved = false;  // some row's running max
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float x[4];
+    for (int mt = 0; mt < MT; ++mt) {
+      if (!on(mt)) continue;  // past the group
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+      for (int half = 0; half < 2; ++half) {
+        float x[4];
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          x[nt * 2 + e] = (s[0][nt][half * 2 + e] + s[1][nt][half * 2 + e]) * scale;
-          if (!full_tile && key0 + nt * 8 + 2 * t + e >= k_end) x[nt * 2 + e] = -INFINITY;  // warp-uniform test first
-        }
-      float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_run[half], mx);
-      const float base = m_new == -INFINITY ? 0.f : m_new;
-      corr[half] = exp2f(m_run[half] - base);
-      m_run[half] = m_new;
-      float p[4];
+        for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) p[e] = exp2f(x[e] - base);
-      l_run[half] = l_run[half] * corr[half] + (p[0] + p[1]) + (p[2] + p[3]);
-      // A fragment of P (row x key): a0 (row g, keys 2t..), a1 (row g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)
-      pf[half] = M::pack(p[0], p[1]);
-      pf[2 + half] = M::pack(p[2], p[3]);
+          for (int e = 0; e < 2; ++e) {
+            float sum = 0.f;
+#pragma unroll
+            for (int c = 0; c < kChains; ++c) sum += s[mt][c][nt][half * 2 + e];
+            x[nt * 2 + e] = sum * scale;
+            if (!full_tile && key0 + nt * 8 + 2 * t + e >= k_end) x[nt * 2 + e] = -INFINITY;  // warp-uniform test first
+          }
+        float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_run[mt][half], mx);
+        const float base = m_new == -INFINITY ? 0.f : m_new;
+        corr[mt][half] = exp2f(m_run[mt][half] - base);
+        m_run[mt][half] = m_new;
+        moved |= corr[mt][half] != 1.f;
+        float p[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p[e] = exp2f(x[e] - base);
+        l_run[mt][half] = l_run[mt][half] * corr[mt][half] + (p[0] + p[1]) + (p[2] + p[3]);
+        // A fragment of P (row x key): a0 (row g, keys 2t..), a1 (row g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)
+        pf[mt][half] = M::pack(p[0], p[1]);
+        pf[mt][2 + half] = M::pack(p[2], p[3]);
+      }
     }
     // rescale O only when some row's running max moved (after the first tiles it rarely does)
-    if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
+    if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        acc[j][0] *= corr[0], acc[j][1] *= corr[0];
-        acc[j][2] *= corr[1], acc[j][3] *= corr[1];
+      for (int mt = 0; mt < MT; ++mt) {
+        if (on(mt)) {
+#pragma unroll
+          for (int j = 0; j < D / 8; ++j) {
+            acc[mt][j][0] *= corr[mt][0], acc[mt][j][1] *= corr[mt][0];
+            acc[mt][j][2] *= corr[mt][1], acc[mt][j][3] *= corr[mt][1];
+          }
+        }
       }
     }
     // O += P V: the V tile (16 keys x D) as the B operand, transposed by ldmatrix
@@ -335,21 +374,29 @@ struct RowsAsM {
     for (int jj = 0; jj < D / 16; ++jj) {
       uint32_t vb[4];
       ldmatrix_x4_trans(vb, vs + v_off.at(jj));
-      M::run(acc[2 * jj], pf, vb[0], vb[1]);
-      M::run(acc[2 * jj + 1], pf, vb[2], vb[3]);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if (on(mt)) {
+          M::run(acc[mt][2 * jj], pf[mt], vb[0], vb[1]);
+          M::run(acc[mt][2 * jj + 1], pf[mt], vb[2], vb[3]);
+        }
+      }
     }
   }
 
-  // the warp's row statistics into s_m / s_l ([warp][row])
+  // the warp's row statistics into s_m / s_l ([warp][row], 16 MT rows a warp)
   __device__ __forceinline__ void stats(float* s_m, float* s_l, int warp, int lane) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float l = l_run[half];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      if (lane % 4 == 0) {
-        s_m[warp * 16 + lane / 4 + half * 8] = m_run[half];
-        s_l[warp * 16 + lane / 4 + half * 8] = l;
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float l = l_run[mt][half];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        if (lane % 4 == 0) {
+          s_m[warp * 16 * MT + mt * 16 + lane / 4 + half * 8] = m_run[mt][half];
+          s_l[warp * 16 * MT + mt * 16 + lane / 4 + half * 8] = l;
+        }
       }
     }
   }
@@ -359,13 +406,16 @@ struct RowsAsM {
   __device__ __forceinline__ void output(float* s_o, int warp, int lane, F factor) {
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = g + half * 8;
-      const float f = factor(r, m_run[half]);
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        *reinterpret_cast<float2*>(s_o + (warp * 16 + r) * kOStride + j * 8 + 2 * t) =
-            make_float2(acc[j][half * 2] * f, acc[j][half * 2 + 1] * f);
+      for (int half = 0; half < 2; ++half) {
+        const int r = mt * 16 + g + half * 8;
+        const float f = factor(r, m_run[mt][half]);
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+          *reinterpret_cast<float2*>(s_o + (warp * 16 * MT + r) * kOStride + j * 8 + 2 * t) =
+              make_float2(acc[mt][j][half * 2] * f, acc[mt][j][half * 2 + 1] * f);
+        }
       }
     }
   }
@@ -486,17 +536,20 @@ struct RowsAsN {
 // CLUSTER: the grid's splits of a slot are one thread-block cluster and merge through distributed shared
 // memory (merge_in_cluster): no workspace round trip, no arrival atomic. Otherwise the last block of a
 // slot to arrive merges the partials in `o_part`.
-// SWAP: the group's (at most 8) query rows as the N of the MMAs (RowsAsN), else 16-row groups as the M.
-// W: warps of the block (kMaxWarps or kFewWarps); 16 warps an SM at head dim 64, 8 at 128 (shared memory).
-template <typename T, int D, bool SWAP, bool PAGED, bool CLUSTER, int W>
-__global__ void __launch_bounds__(W * 32, (D <= 64 ? 2 : 1) * kMaxWarps / W)
+// SWAP: the group's (at most 8) query rows as the N of the MMAs (RowsAsN), else MT 16-row tiles a warp
+// as the M (RowsAsM; a block holds 16 MT query rows).
+// W: warps of the block (kMaxWarps or kFewWarps); kWarpsPerSm of them an SM: 16 at head dim 64 with one
+// tile a warp (shared memory), else 8 (shared memory at 128; registers for more tiles).
+template <typename T, int D, bool SWAP, bool PAGED, bool CLUSTER, int W, int MT>
+__global__ void __launch_bounds__(W * 32, kWarpsPerSm<D, MT> / W)
     gqa_decode_kernel(const mqa_byoc_decode_args a, int keys_per_split, int row_groups, float* o_part, float* lse_part,
                       int* counters) {
   using M = Mma<T>;
-  using S = Smem<D, SWAP, W>;
-  using Warp = std::conditional_t<SWAP, RowsAsN<T, D>, RowsAsM<T, D>>;
+  using S = Smem<D, SWAP, W, MT>;
+  using Warp = std::conditional_t<SWAP, RowsAsN<T, D>, RowsAsM<T, D, MT>>;
+  static_assert(!SWAP || MT == 1, "RowsAsN holds at most 8 rows");
   constexpr int kRows = S::kRows;
-  constexpr int kStg = kStages<D>;
+  constexpr int kStg = kStages<D, MT>;
   constexpr int kThreads = W * 32;
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   extern __shared__ __align__(128) unsigned char smem[];
@@ -809,19 +862,51 @@ int64_t longest_keys(const mqa_byoc_decode_args& a) {
   return std::max<int64_t>(longest, 1);
 }
 
-// Calls fn(Tag<T>, integral_constant D, bool_constant SWAP) with the kernel's types for a call: its dtype,
-// head dim (64 or 128; else 2) and orientation (RowsAsN for groups of at most 8 query heads).
 // Whether a call's group (query heads per K/V head) runs as the MMAs' N (RowsAsN): at most 8.
 bool rows_as_n(const mqa_byoc_decode_args& a) { return a.num_heads / a.num_heads_k <= 8; }
+
+// The M tiles of 16 query rows a warp carries unless a plan asks for more: one. More at head dim 64 (71
+// query rows in CTAs of 48 + 23 or 32 + 32 + 7, 40 in one of 48 or 32 + 8: each K/V head streamed by
+// 1.5-3x fewer CTAs) were no faster on the H200: at most 4% faster (71 heads, 8 and 32 sequences of 16k
+// keys), up to 1.4x slower at 8-64 sequences of mixed lengths 1k-16k, 1.3-2.1x slower for one sequence
+// (fewer CTAs, each warp doing the MMAs and exponentials of two or three tiles per key tile;
+// benchmarks/results/2026-12-02-mqa-decode-tiles.md). At head dim 128 a warp's O of one tile already takes
+// 64 registers.
+int rule_row_tiles(int64_t head_dim, int64_t group) {
+  (void)head_dim;
+  (void)group;
+  return 1;
+}
+
+// The M tiles of a call: `asked` (1..kMaxRowTiles where a kernel carries them: head dim 64, RowsAsM) or,
+// 0, the rule's; 0 if none.
+int row_tiles_of(const mqa_byoc_decode_args& a, int asked) {
+  if (asked == 0) return rule_row_tiles(a.head_dim, a.num_heads / a.num_heads_k);
+  if (asked == 1) return 1;
+  return asked > 1 && asked <= kMaxRowTiles && a.head_dim == 64 && !rows_as_n(a) ? asked : 0;
+}
 
 template <typename T>
 struct Tag {
   using type = T;
 };
+// Calls fn(Tag<T>, integral_constant D, bool_constant SWAP, integral_constant MT) with the kernel's types
+// for a call of `tiles` M tiles a warp: its dtype, head dim (64 or 128; else 2), orientation (RowsAsN for
+// groups of at most 8 query heads) and tiles (more than one only at head dim 64 with RowsAsM; else 2).
 template <typename F>
-int with_kernel_types(const mqa_byoc_decode_args& a, F&& fn) {
+int with_kernel_types(const mqa_byoc_decode_args& a, int tiles, F&& fn) {
   const bool swap = rows_as_n(a);
-  auto by_swap = [&](auto tag, auto d) { return swap ? fn(tag, d, std::true_type{}) : fn(tag, d, std::false_type{}); };
+  auto by_tiles = [&](auto tag, auto d, auto sw) -> int {
+    if constexpr (decltype(d)::value == 64 && !decltype(sw)::value) {
+      if (tiles == 2) return fn(tag, d, sw, std::integral_constant<int, 2>{});
+      if (tiles == 3) return fn(tag, d, sw, std::integral_constant<int, 3>{});
+    }
+    return tiles == 1 ? fn(tag, d, sw, std::integral_constant<int, 1>{}) : 2;
+  };
+  static_assert(kMaxRowTiles == 3, "with_kernel_types instantiates 1..kMaxRowTiles");
+  auto by_swap = [&](auto tag, auto d) {
+    return swap ? by_tiles(tag, d, std::true_type{}) : by_tiles(tag, d, std::false_type{});
+  };
   auto by_dim = [&](auto tag) {
     if (a.head_dim == 64) return by_swap(tag, std::integral_constant<int, 64>{});
     if (a.head_dim == 128) return by_swap(tag, std::integral_constant<int, 128>{});
@@ -864,11 +949,12 @@ int max_clusters(K kernel, int warps, int device, int n, size_t smem) {
 
 // capacity[n - 1]: the co-resident clusters of n blocks (n = 1..kMaxCluster) of the cluster-merging kernel
 // of 8 warps (the 4-warp blocks' capacity is at least as large).
-template <typename T, int D, bool SWAP>
+template <typename T, int D, bool SWAP, int MT>
 int cluster_capacity(bool paged, int device, int* capacity) {
   constexpr int W = kMaxWarps;
-  using S = Smem<D, SWAP, W>;
-  auto kernel = paged ? gqa_decode_kernel<T, D, SWAP, true, true, W> : gqa_decode_kernel<T, D, SWAP, false, true, W>;
+  using S = Smem<D, SWAP, W, MT>;
+  auto kernel =
+      paged ? gqa_decode_kernel<T, D, SWAP, true, true, W, MT> : gqa_decode_kernel<T, D, SWAP, false, true, W, MT>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes) != cudaSuccess ||
       cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
     cudaGetLastError();
@@ -878,10 +964,10 @@ int cluster_capacity(bool paged, int device, int* capacity) {
   return 0;
 }
 
-template <typename T, int D, bool SWAP, int W>
+template <typename T, int D, bool SWAP, int W, int MT>
 int launch_typed(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, void* ws, int* counters,
                  cudaStream_t stream) {
-  using S = Smem<D, SWAP, W>;
+  using S = Smem<D, SWAP, W, MT>;
   static bool configured[2][2][64] = {};  // per kernel and device: the shared-memory (and cluster) opt-ins
   const bool paged = a.page_values != nullptr;
   dim3 grid(p.splits, unsigned(a.num_heads_k * p.row_groups), unsigned(a.batch));
@@ -898,7 +984,8 @@ int launch_typed(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, v
   };
   // The cluster merge when a slot's splits fit one cluster and every cluster of the grid is co-resident
   // (one wave, as the plan intends); else the workspace and the arrival counters.
-  auto ckernel = paged ? gqa_decode_kernel<T, D, SWAP, true, true, W> : gqa_decode_kernel<T, D, SWAP, false, true, W>;
+  auto ckernel =
+      paged ? gqa_decode_kernel<T, D, SWAP, true, true, W, MT> : gqa_decode_kernel<T, D, SWAP, false, true, W, MT>;
   bool cluster = false;
   if (p.merge != MQA_BYOC_DECODE_MERGE_GLOBAL && p.splits > 1 && p.splits <= kMaxCluster) {
     if (!configure(ckernel, true)) return 1;
@@ -915,7 +1002,8 @@ int launch_typed(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, v
                ? 0
                : 1;
   }
-  auto kernel = paged ? gqa_decode_kernel<T, D, SWAP, true, false, W> : gqa_decode_kernel<T, D, SWAP, false, false, W>;
+  auto kernel =
+      paged ? gqa_decode_kernel<T, D, SWAP, true, false, W, MT> : gqa_decode_kernel<T, D, SWAP, false, false, W, MT>;
   if (!configure(kernel, false)) return 1;
   kernel<<<grid, W * 32, S::kBytes, stream>>>(a, p.keys_per_split, p.row_groups, o_part, lse_part, counters);
   return cudaGetLastError() == cudaSuccess ? 0 : 1;
@@ -931,8 +1019,7 @@ int warps_for(int64_t kps) { return kps <= 2 * kMaxWarps * kTileKeys ? kFewWarps
 extern "C" {
 
 __attribute__((visibility("default"))) int mqa_byoc_decode_rows_per_cta(int64_t head_dim) {
-  (void)head_dim;
-  return 16;
+  return 16 * rule_row_tiles(head_dim, 0);
 }
 
 __attribute__((visibility("default"))) int mqa_byoc_decode_supported(int64_t head_dim, int64_t num_heads,
@@ -941,15 +1028,18 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_supported(int64_t hea
 }
 
 __attribute__((visibility("default"))) int mqa_byoc_decode_plan_split(const mqa_byoc_decode_args* a,
-                                                                      int64_t keys_per_split,
+                                                                      int64_t keys_per_split, int row_tiles,
                                                                       mqa_byoc_decode_plan* p) {
   if (!mqa_byoc_decode_supported(a->head_dim, a->num_heads, a->num_heads_k) || a->batch <= 0) return 2;
   if (keys_per_split <= 0 || keys_per_split % kTileKeys != 0) return 2;
+  const int tiles = row_tiles_of(*a, row_tiles);
+  if (tiles == 0) return 2;
   const int64_t splits = (longest_keys(*a) + keys_per_split - 1) / keys_per_split;
   if (splits > kMaxSplits) return 2;  // the merging CTA's weights live in shared memory
-  const int64_t rows = mqa_byoc_decode_rows_per_cta(a->head_dim);
+  const int64_t rows = 16 * tiles;
   const int64_t row_groups = (a->num_heads / a->num_heads_k + rows - 1) / rows;
   if (a->batch > 65535 || a->num_heads_k * row_groups > 65535) return 2;  // grid z and y
+  p->row_tiles = tiles;
   p->row_groups = int(row_groups);
   p->keys_per_split = int(keys_per_split);
   p->splits = int(splits);
@@ -964,14 +1054,17 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_plan_split(const mqa_
 }
 
 __attribute__((visibility("default"))) int mqa_byoc_decode_cluster_capacity(const mqa_byoc_decode_args* a,
-                                                                            int device_id, int* capacity) {
+                                                                            int row_tiles, int device_id,
+                                                                            int* capacity) {
   if (!mqa_byoc_decode_supported(a->head_dim, a->num_heads, a->num_heads_k)) return 2;
+  const int tiles = row_tiles_of(*a, row_tiles);
+  if (tiles == 0) return 2;
   // asked on every decode call (the dispatcher plans each): the device's answers are kept per kernel
-  using Key = std::tuple<int, int64_t, int, bool, bool>;  // device, head dim, bf16, swap, pages
+  using Key = std::tuple<int, int64_t, int, bool, bool, int>;  // device, head dim, bf16, swap, pages, tiles
   static std::mutex mutex;
   static std::map<Key, std::array<int, kMaxCluster>> known;
   const bool paged = a->page_values != nullptr;
-  const Key key{device_id, a->head_dim, a->is_bf16, rows_as_n(*a), paged};
+  const Key key{device_id, a->head_dim, a->is_bf16, rows_as_n(*a), paged, tiles};
   std::lock_guard<std::mutex> lock(mutex);
   auto it = known.find(key);
   if (it == known.end()) {
@@ -981,9 +1074,9 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_cluster_capacity(cons
       return 1;
     }
     std::array<int, kMaxCluster> found{};
-    const int rc = with_kernel_types(*a, [&](auto tag, auto d, auto swap) {
-      return cluster_capacity<typename decltype(tag)::type, decltype(d)::value, decltype(swap)::value>(
-          paged, device_id, found.data());
+    const int rc = with_kernel_types(*a, tiles, [&](auto tag, auto d, auto swap, auto mt) {
+      return cluster_capacity<typename decltype(tag)::type, decltype(d)::value, decltype(swap)::value,
+                              decltype(mt)::value>(paged, device_id, found.data());
     });
     cudaSetDevice(previous);
     if (rc != 0) return rc;
@@ -993,10 +1086,13 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_cluster_capacity(cons
   return 0;
 }
 
-__attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_byoc_decode_args* a, int num_sms,
-                                                                     const int* capacity, mqa_byoc_decode_plan* p) {
+__attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_byoc_decode_args* a, int row_tiles,
+                                                                     int num_sms, const int* capacity,
+                                                                     mqa_byoc_decode_plan* p) {
   if (!mqa_byoc_decode_supported(a->head_dim, a->num_heads, a->num_heads_k) || a->batch <= 0) return 2;
-  const int64_t rows = mqa_byoc_decode_rows_per_cta(a->head_dim);
+  const int tiles = row_tiles_of(*a, row_tiles);
+  if (tiles == 0) return 2;
+  const int64_t rows = 16 * tiles;
   const int64_t row_groups = (a->num_heads / a->num_heads_k + rows - 1) / rows;
   const int64_t longest = longest_keys(*a);
   // pages: a typical sequence holds an even share of the pages
@@ -1038,7 +1134,7 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_b
   };
   int64_t kps = split_keys(kMaxWarps);
   if (warps_for(kps) == kFewWarps && kps < longest) kps = split_keys(kFewWarps);
-  return mqa_byoc_decode_plan_split(a, kps, p);
+  return mqa_byoc_decode_plan_split(a, kps, tiles, p);
 }
 
 __attribute__((visibility("default"))) int mqa_byoc_decode_launch(const mqa_byoc_decode_args* a,
@@ -1051,12 +1147,14 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_launch(const mqa_byoc
     if (counters == nullptr) return 3;
   }
   if (p->warps != kMaxWarps && p->warps != kFewWarps) return 2;
-  return with_kernel_types(*a, [&](auto tag, auto d, auto swap) {
+  if (p->row_tiles < 1 || row_tiles_of(*a, p->row_tiles) != p->row_tiles) return 2;
+  return with_kernel_types(*a, p->row_tiles, [&](auto tag, auto d, auto swap, auto mt) {
     using T = typename decltype(tag)::type;
     constexpr int D = decltype(d)::value;
     constexpr bool SWAP = decltype(swap)::value;
-    return p->warps == kFewWarps ? launch_typed<T, D, SWAP, kFewWarps>(*a, *p, workspace, counters, stream)
-                                 : launch_typed<T, D, SWAP, kMaxWarps>(*a, *p, workspace, counters, stream);
+    constexpr int MT = decltype(mt)::value;
+    return p->warps == kFewWarps ? launch_typed<T, D, SWAP, kFewWarps, MT>(*a, *p, workspace, counters, stream)
+                                 : launch_typed<T, D, SWAP, kMaxWarps, MT>(*a, *p, workspace, counters, stream);
   });
 }
 

@@ -39,24 +39,29 @@ typedef struct {
   size_t workspace_bytes;  // device scratch for mqa_byoc_decode_launch (0: none needed)
   int merge;               // MQA_BYOC_DECODE_MERGE_*: the plan functions set AUTO
   int warps;               // of a CTA: 8, or 4 for splits of at most 256 keys (the plan functions set it)
+  int row_tiles;           // M tiles of 16 query rows a warp carries: a CTA holds 16 x row_tiles query rows
 } mqa_byoc_decode_plan;
 
-// Query rows (query heads of one K/V head) one CTA holds: 16. A larger group makes several row groups,
-// each reading the K/V head (from L2 after the first).
+// Query rows (query heads of one K/V head) one CTA holds by the plan functions' rule (row_tiles 0): 16. A
+// larger group makes several row groups, each reading the K/V head (from L2 after the first).
 int mqa_byoc_decode_rows_per_cta(int64_t head_dim);
 // 1 when the kernel serves this head dim and head grouping (head dim 64 or 128, H a multiple of H_kv).
 int mqa_byoc_decode_supported(int64_t head_dim, int64_t num_heads, int64_t num_heads_k);
+// row_tiles below: 0 for the rule (mqa_byoc_decode_rows_per_cta / 16), else the M tiles of 16 query rows a
+// warp carries (1; 2 or 3 at head dim 64 for groups of more than 8; else the functions return 2): a
+// benchmark's sweep (CTAs of 16 x row_tiles query rows).
 // capacity[n - 1] (n = 1..16): how many thread-block clusters of n blocks of the kernel that serves `args`
-// (head dim, dtype, pages or not) device_id holds at once; what make_plan sizes cluster merges by. 0 on
-// success (answers are cached per device and kernel); 1 CUDA error; 2 unsupported.
-int mqa_byoc_decode_cluster_capacity(const mqa_byoc_decode_args* args, int device_id, int* capacity);
+// (head dim, dtype, pages or not, row tiles) device_id holds at once; what make_plan sizes cluster merges
+// by. 0 on success (answers are cached per device and kernel); 1 CUDA error; 2 unsupported.
+int mqa_byoc_decode_cluster_capacity(const mqa_byoc_decode_args* args, int row_tiles, int device_id, int* capacity);
 // The grid and scratch of a call on a device with num_sms SMs and the given cluster capacity (NULL: plan
 // for the workspace merge only). 0 on success.
-int mqa_byoc_decode_make_plan(const mqa_byoc_decode_args* args, int num_sms, const int* capacity,
+int mqa_byoc_decode_make_plan(const mqa_byoc_decode_args* args, int row_tiles, int num_sms, const int* capacity,
                               mqa_byoc_decode_plan* plan);
 // The plan with a given split size (a multiple of 16 keys, at most 128 splits; else 2): what make_plan
 // ends with, for a benchmark's sweep of split sizes.
-int mqa_byoc_decode_plan_split(const mqa_byoc_decode_args* args, int64_t keys_per_split, mqa_byoc_decode_plan* plan);
+int mqa_byoc_decode_plan_split(const mqa_byoc_decode_args* args, int64_t keys_per_split, int row_tiles,
+                               mqa_byoc_decode_plan* plan);
 // Launches on `stream` (a cudaStream_t of device_id, current); workspace: plan->workspace_bytes (also when
 // the splits merge in a cluster: the fallback needs it). 0 on success; 1 CUDA error; 2 unsupported;
 // 3 no counters; 4 MQA_BYOC_DECODE_MERGE_CLUSTER asked for a grid whose clusters are not co-resident.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
 import pathlib
 import subprocess
 import tempfile
@@ -30,7 +31,7 @@ class DecodePlan(ctypes.Structure):
     _fields_ = [
         ("splits", ctypes.c_int), ("keys_per_split", ctypes.c_int), ("row_groups", ctypes.c_int),
         ("o_part_floats", ctypes.c_int64), ("counters", ctypes.c_int64), ("workspace_bytes", ctypes.c_size_t),
-        ("merge", ctypes.c_int), ("warps", ctypes.c_int),
+        ("merge", ctypes.c_int), ("warps", ctypes.c_int), ("row_tiles", ctypes.c_int),
     ]
 
 
@@ -39,7 +40,11 @@ MERGES = {"auto": 0, "global": 1, "cluster": 2}  # gqa_decode.h's MQA_BYOC_DECOD
 
 @functools.lru_cache(maxsize=None)
 def library(arch: str = "sm_90a", lineinfo: bool = False) -> ctypes.CDLL:
-    """The kernel built for ``arch`` (once per process); ``lineinfo`` for ncu's source view."""
+    """The kernel built for ``arch`` (once per process); ``lineinfo`` for ncu's source view. A library built
+    ahead of time from this source (the same nvcc command) is taken from ``MQA_BYOC_DECODE_LIB`` instead."""
+    prebuilt = os.environ.get("MQA_BYOC_DECODE_LIB")
+    if prebuilt and not lineinfo:
+        return load_library(prebuilt)
     out = pathlib.Path(tempfile.mkdtemp(prefix="gqa_decode_")) / "libgqa_decode.so"
     subprocess.run(
         ["nvcc", f"-gencode=arch=compute_{arch[3:]},code={arch}", "-O3", "-std=c++17", "-Xcompiler", "-fPIC",
@@ -49,15 +54,22 @@ def library(arch: str = "sm_90a", lineinfo: bool = False) -> ctypes.CDLL:
     return load_library(out)
 
 
+def set_plan_argtypes(lib: ctypes.CDLL) -> None:
+    """The argument types of the kernel's host-side plan functions (``gqa_decode.h``) on ``lib``."""
+    lib.mqa_byoc_decode_make_plan.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int, ctypes.c_int,
+                                              ctypes.POINTER(ctypes.c_int), ctypes.POINTER(DecodePlan)]
+    lib.mqa_byoc_decode_plan_split.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int64, ctypes.c_int,
+                                               ctypes.POINTER(DecodePlan)]
+    lib.mqa_byoc_decode_rows_per_cta.argtypes = [ctypes.c_int64]
+    lib.mqa_byoc_decode_supported.argtypes = [ctypes.c_int64] * 3
+
+
 def load_library(path) -> ctypes.CDLL:
     """A built decode-kernel library with its C API's argument types set."""
     lib = ctypes.CDLL(str(path))
-    lib.mqa_byoc_decode_make_plan.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int, ctypes.POINTER(ctypes.c_int),
-                                              ctypes.POINTER(DecodePlan)]
-    lib.mqa_byoc_decode_cluster_capacity.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int,
+    set_plan_argtypes(lib)
+    lib.mqa_byoc_decode_cluster_capacity.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int, ctypes.c_int,
                                                      ctypes.POINTER(ctypes.c_int)]
-    lib.mqa_byoc_decode_plan_split.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int64,
-                                                ctypes.POINTER(DecodePlan)]
     lib.mqa_byoc_decode_launch.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.POINTER(DecodePlan), ctypes.c_void_p,
                                            ctypes.c_int, ctypes.c_void_p]
     return lib
@@ -90,13 +102,15 @@ class Decode:
     """One prepared call: ``plan`` holds the grid; ``__call__`` launches on torch's current stream."""
 
     def __init__(self, q, k, v, out, lse=None, *, k_stride, v_stride, seqlen_k, num_heads_k, scale=None,
-                 window_left=-1, pages=None, merge: str = "auto"):
+                 window_left=-1, pages=None, merge: str = "auto", row_tiles: int = 0, lib=None):
         """``merge``: how the splits merge (:data:`MERGES`; "cluster" fails the launch with rc 4 where the
-        grid's clusters are not co-resident)."""
+        grid's clusters are not co-resident); ``row_tiles``: the M tiles of 16 query rows a warp carries
+        (0: the kernel's rule); ``lib``: a library of :func:`load_library` (default: :func:`library`)."""
         import torch
 
-        self.lib = library()
+        self.lib = lib if lib is not None else library()
         self.merge = MERGES[merge]
+        self.row_tiles = row_tiles
         self.keep = (q, k, v, out, lse, pages)
         self.args = _args(q, k, v, out, lse, k_stride=k_stride, v_stride=v_stride, seqlen_k=seqlen_k,
                           num_heads_k=num_heads_k, scale=scale, window_left=window_left, pages=pages)
@@ -104,9 +118,10 @@ class Decode:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         self.capacity = (ctypes.c_int * 16)()
         device = q.device.index if q.device.index is not None else torch.cuda.current_device()
-        rc = self.lib.mqa_byoc_decode_cluster_capacity(ctypes.byref(self.args), device, self.capacity)
+        rc = self.lib.mqa_byoc_decode_cluster_capacity(ctypes.byref(self.args), row_tiles, device, self.capacity)
         assert rc == 0, f"cluster_capacity rc={rc}"
-        rc = self.lib.mqa_byoc_decode_make_plan(ctypes.byref(self.args), sms, self.capacity, ctypes.byref(self.plan))
+        rc = self.lib.mqa_byoc_decode_make_plan(ctypes.byref(self.args), row_tiles, sms, self.capacity,
+                                                ctypes.byref(self.plan))
         assert rc == 0, f"make_plan rc={rc}"
         self.plan.merge = self.merge
         self.ws = torch.empty(max(1, self.plan.workspace_bytes), dtype=torch.uint8, device=q.device)
@@ -115,7 +130,7 @@ class Decode:
         """Replaces the plan's split size (the benchmark's sweep; the kernel's own rule for the rest)."""
         import torch
 
-        rc = self.lib.mqa_byoc_decode_plan_split(ctypes.byref(self.args), kps, ctypes.byref(self.plan))
+        rc = self.lib.mqa_byoc_decode_plan_split(ctypes.byref(self.args), kps, self.row_tiles, ctypes.byref(self.plan))
         assert rc == 0, f"plan_split({kps}) rc={rc}"
         self.plan.merge = self.merge
         self.ws = torch.empty(max(1, self.plan.workspace_bytes), dtype=torch.uint8, device=self.ws.device)
