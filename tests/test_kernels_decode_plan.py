@@ -146,7 +146,11 @@ def test_plan_for_a_given_split_size(lib):
     (71, 1, 128, 1, True), (71, 1, 128, 2, False)])  # head dim 128: one tile
 def test_plan_for_given_row_tiles(lib, heads, heads_k, dim, tiles, ok):
     """make_plan and plan_split for a given number of M tiles a warp (a benchmark's sweep): CTAs of 16 x tiles
-    query rows and the scratch for them, refused where no kernel carries that many."""
+    query rows and the scratch for them, refused where no kernel carries that many. The packaged object
+    compiles one tile a warp (more were measured no faster), so it refuses 2 and 3 too; the kernel's own
+    build for its tests and benchmarks (-DMQA_BYOC_DECODE_ROW_TILES=3) serves them on the GPU."""
+    assert lib.mqa_byoc_decode_max_row_tiles() == 1
+    ok = ok and tiles <= 1
     a = DecodeArgs()
     a.batch, a.num_heads, a.num_heads_k, a.head_dim, a.seqlen_k, a.window_left = 2, heads, heads_k, dim, 4096, -1
     p, q = DecodePlan(), DecodePlan()

@@ -215,3 +215,8 @@ def test_read_floor_reads_every_vector(vectors, blocks, threads):
     call()
     torch.cuda.synchronize()
     assert call.keep[1].item() == 0
+
+
+def test_the_kernels_own_build_carries_three_row_tiles():
+    """The build these tests use compiles 1-3 M tiles a warp (the packaged libraries one)."""
+    assert dk.library().mqa_byoc_decode_max_row_tiles() == dk.ROW_TILES == 3

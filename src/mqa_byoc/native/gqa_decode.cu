@@ -37,7 +37,15 @@ namespace {
 constexpr int kMaxWarps = 8;
 constexpr int kFewWarps = 4;
 constexpr int kTileKeys = 16;  // keys per warp step (one m16n8k16 K step of P @ V)
-constexpr int kMaxRowTiles = 3;  // M tiles of 16 query rows a warp carries (head dim 64, RowsAsM)
+// M tiles of 16 query rows a warp may carry (head dim 64, RowsAsM): 1 in the libraries the package builds
+// (the plan's rule keeps one: two and three were measured no faster, 2026-12-02-mqa-decode-tiles), 3 where
+// the decode kernel's tests and benchmarks compile this file with -DMQA_BYOC_DECODE_ROW_TILES=3 to measure
+// them (src/mqa_byoc/testing/decode_kernel.py): their kernels would cost exports compile time and size.
+#ifndef MQA_BYOC_DECODE_ROW_TILES
+#define MQA_BYOC_DECODE_ROW_TILES 1
+#endif
+constexpr int kMaxRowTiles = MQA_BYOC_DECODE_ROW_TILES;
+static_assert(kMaxRowTiles == 1 || kMaxRowTiles == 3, "MQA_BYOC_DECODE_ROW_TILES: 1 or 3");
 // Warps an SM holds: 16 at head dim 64 with one M tile a warp (registers: 128 a thread), else 8.
 template <int D, int MT>
 constexpr int kWarpsPerSm = D <= 64 && MT == 1 ? 16 : 8;
@@ -897,13 +905,12 @@ template <typename F>
 int with_kernel_types(const mqa_byoc_decode_args& a, int tiles, F&& fn) {
   const bool swap = rows_as_n(a);
   auto by_tiles = [&](auto tag, auto d, auto sw) -> int {
-    if constexpr (decltype(d)::value == 64 && !decltype(sw)::value) {
+    if constexpr (kMaxRowTiles > 1 && decltype(d)::value == 64 && !decltype(sw)::value) {
       if (tiles == 2) return fn(tag, d, sw, std::integral_constant<int, 2>{});
       if (tiles == 3) return fn(tag, d, sw, std::integral_constant<int, 3>{});
     }
     return tiles == 1 ? fn(tag, d, sw, std::integral_constant<int, 1>{}) : 2;
   };
-  static_assert(kMaxRowTiles == 3, "with_kernel_types instantiates 1..kMaxRowTiles");
   auto by_swap = [&](auto tag, auto d) {
     return swap ? by_tiles(tag, d, std::true_type{}) : by_tiles(tag, d, std::false_type{});
   };
@@ -1021,6 +1028,8 @@ extern "C" {
 __attribute__((visibility("default"))) int mqa_byoc_decode_rows_per_cta(int64_t head_dim) {
   return 16 * rule_row_tiles(head_dim, 0);
 }
+
+__attribute__((visibility("default"))) int mqa_byoc_decode_max_row_tiles(void) { return kMaxRowTiles; }
 
 __attribute__((visibility("default"))) int mqa_byoc_decode_supported(int64_t head_dim, int64_t num_heads,
                                                                      int64_t num_heads_k) {

@@ -47,9 +47,12 @@ typedef struct {
 int mqa_byoc_decode_rows_per_cta(int64_t head_dim);
 // 1 when the kernel serves this head dim and head grouping (head dim 64 or 128, H a multiple of H_kv).
 int mqa_byoc_decode_supported(int64_t head_dim, int64_t num_heads, int64_t num_heads_k);
+// The most M tiles a warp carries in this build: 1, or 3 where gqa_decode.cu was compiled with
+// -DMQA_BYOC_DECODE_ROW_TILES=3 (the decode kernel's tests and benchmarks).
+int mqa_byoc_decode_max_row_tiles(void);
 // row_tiles below: 0 for the rule (mqa_byoc_decode_rows_per_cta / 16), else the M tiles of 16 query rows a
-// warp carries (1; 2 or 3 at head dim 64 for groups of more than 8; else the functions return 2): a
-// benchmark's sweep (CTAs of 16 x row_tiles query rows).
+// warp carries (1; 2 or 3 at head dim 64 for groups of more than 8 in a build with them; else the functions
+// return 2): a benchmark's sweep (CTAs of 16 x row_tiles query rows).
 // capacity[n - 1] (n = 1..16): how many thread-block clusters of n blocks of the kernel that serves `args`
 // (head dim, dtype, pages or not, row tiles) device_id holds at once; what make_plan sizes cluster merges
 // by. 0 on success (answers are cached per device and kernel); 1 CUDA error; 2 unsupported.

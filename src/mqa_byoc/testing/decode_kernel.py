@@ -38,6 +38,11 @@ class DecodePlan(ctypes.Structure):
 MERGES = {"auto": 0, "global": 1, "cluster": 2}  # gqa_decode.h's MQA_BYOC_DECODE_MERGE_*
 
 
+#: M tiles a warp may carry in this build (the packaged libraries compile one): the tests and benchmarks of
+#: the kernel measure up to three
+ROW_TILES = 3
+
+
 @functools.lru_cache(maxsize=None)
 def library(arch: str = "sm_90a", lineinfo: bool = False) -> ctypes.CDLL:
     """The kernel built for ``arch`` (once per process); ``lineinfo`` for ncu's source view. A library built
@@ -48,7 +53,8 @@ def library(arch: str = "sm_90a", lineinfo: bool = False) -> ctypes.CDLL:
     out = pathlib.Path(tempfile.mkdtemp(prefix="gqa_decode_")) / "libgqa_decode.so"
     subprocess.run(
         ["nvcc", f"-gencode=arch=compute_{arch[3:]},code={arch}", "-O3", "-std=c++17", "-Xcompiler", "-fPIC",
-         *(["-lineinfo"] if lineinfo else []), "-shared", "-o", str(out), str(NATIVE / "gqa_decode.cu")],
+         f"-DMQA_BYOC_DECODE_ROW_TILES={ROW_TILES}", *(["-lineinfo"] if lineinfo else []), "-shared", "-o", str(out),
+         str(NATIVE / "gqa_decode.cu")],
         check=True,
     )
     return load_library(out)
