@@ -66,6 +66,27 @@ def test_paged_build_rejects_options_that_do_not_apply(tmp_path, capsys, extra, 
     assert not (tmp_path / "o").exists()  # nothing built
 
 
+@pytest.mark.parametrize("extra, want", [([], "last"), (["--logits", "all"], "all"), (["--logits", "last"], "last")])
+def test_paged_build_passes_the_logits_choice(tmp_path, monkeypatch, extra, want):
+    """--logits picks the prefill the paged libraries' runner serves a prompt with (batch_prefill: last)."""
+    from mqa_byoc.models import decoder_libs
+
+    seen = {}
+    monkeypatch.setattr(decoder_libs, "build_paged_decoder_libraries", lambda *a, **kw: seen.update(kw))
+    assert cli.main(["profile", "build", "--kv-cache", "paged", "--out", str(tmp_path / "o"), *extra]) == 0
+    assert seen["logits"] == want
+
+
+def test_paged_build_refuses_an_unknown_logits_choice(tmp_path):
+    pytest.importorskip("tvm.relax")
+    from mqa_byoc.models.decoder_libs import build_paged_decoder_libraries
+    from mqa_byoc.models.presets import get_preset, scaled
+
+    with pytest.raises(ValueError, match="logits must be 'last' or 'all'"):
+        build_paged_decoder_libraries(scaled(get_preset("llama3-8b"), num_layers=1), str(tmp_path), logits="first",
+                                      progress=None)
+
+
 def test_paged_build_rejects_a_sliding_window_preset(tmp_path, capsys):
     pytest.importorskip("tvm.relax")
     rc = cli.main(["profile", "build", "--kv-cache", "paged", "--preset", "mistral-7b", "--layers", "1",
