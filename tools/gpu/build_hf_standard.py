@@ -10,28 +10,37 @@ a float32 ``LlamaForCausalLM`` / ``MistralForCausalLM`` (random weights from a c
     partition_for_cutlass(mod, mqa=True, provider="native")       # and not partitioned at all ("tvm")
     mqa_byoc.build(target sm_90, cuda_decoder_pipeline) + mqa_byoc.export_library (tools/gpu/bundle.py)
 
-Models (``MODELS``), 2 layers, hidden 256, vocab 512, head dim 64 (the FA2 kernels of
-``MQA_BYOC_KERNEL_DIR`` cover 32/64/128):
+Models (``MODELS``), 2 layers, hidden 256, vocab 512:
 
-- ``llama_gqa``: Llama, 8 query heads, 2 K/V heads, ``attn_implementation="eager"``;
-- ``mistral_mqa``: Mistral, 8 query heads, ONE K/V head, a sliding window of 16 (shorter than the
-  48-token prompt, so it matters), ``attn_implementation="sdpa"``.
+- ``llama_gqa``: Llama, 8 query heads, 2 K/V heads, head dim 64, ``attn_implementation="eager"``;
+- ``mistral_mqa``: Mistral, 8 query heads, ONE K/V head, head dim 64, a sliding window of 16 (shorter
+  than the 48-token prompt, so it matters), ``attn_implementation="sdpa"``;
+- ``gpt_oss_sinks``: GPT-OSS, 8 / 2 heads, head dim 64, learned sinks (drawn large enough to matter), a
+  16-key sliding layer and a full one, 2 experts both taken per token (top-k routing of random weights
+  flips between fp16 and fp32 at near-ties); offloaded as ``flash_attn.attention_mqa_sink``;
+- ``gemma2_softcap``: Gemma 2, 8 / 4 heads, head dim 256 (FA2's soft-capping kernels: hdim 256 fp16),
+  attention soft-cap 50, final soft-cap 30, ``query_pre_attn_scalar`` 144, a 16-key sliding layer and a
+  full one, scores large enough that the cap bends them; ``flash_attn.attention_mqa_softcap``.
 
 Each: prefill (B=2, S=48, returns logits and K/V caches) and one decode step whose past is the
-float32 eager prefill's caches (float32: the exported function takes the fp32 model's dtypes) and
-whose token is the greedy next token. The q/k projections are scaled as in ``build_hf``
-(peaked attention).
+float32 eager prefill's caches (float32: the exported function takes the fp32 model's dtypes; per
+layer: a sliding layer keeps the last w - 1 positions) and whose token is the greedy next token. The
+q/k projections are scaled as in ``build_hf`` (peaked attention).
 
 Written into ``--out`` (default ``.gpu-artifacts/hf-standard``): ``hf_standard.so`` (VM functions
-``<model>__<prefill|decode>__<mqa|tvm>``), per model ``weights.npz`` (float32; ToMixedPrecision casts
+``<model>__<prefill|decode>__<mqa|tvm>``), per model ``weights.npz`` (the functions take float32; ToMixedPrecision casts
 them in the graph), ``inputs.npz``, ``reference.npz`` (float32 eager logits; fp16 eager top-1), and
-``manifest.json`` (shapes, reports, tolerances derived like build_hf.tolerances(), provenance).
+``manifest.json`` (shapes, reports, tolerances derived like build_hf.tolerances(), feature effects,
+provenance). Weights are stored fp16 where that is exact (all of them: fp16-rounded).
 
-Checks here (the build fails otherwise): every site of every function is offloaded as
-``flash_attn.attention_mqa`` with the model's heads / causal / window / scale; no K/V expansion op is
-left and each FA2 call gets H_kv heads; the library exports its FA2 functions.
+Checks here (the build fails otherwise): every site of every function is offloaded as the model's
+composite (``HFModel.composite``) with its heads / causal / per-layer window / scale / soft-cap; no K/V
+expansion op is left and each attention call gets H_kv heads; the decode step's float32 logits equal a
+one-token-longer prefill's last ones (unless every layer is sliding: its positions restart); without
+its window, sinks or soft-cap a model's float32 logits move by more than twice the GPU test's max-abs
+tolerance (so the test can tell); the library exports its attention functions.
 
-    MQA_BYOC_KERNEL_DIR=.gpu-artifacts/fa2 nice python tools/gpu/build_hf_standard.py
+    MQA_BYOC_KERNEL_DIR=<fa2 objects>:<fa2 soft-capping objects> nice python tools/gpu/build_hf_standard.py
 """
 
 from __future__ import annotations
