@@ -229,3 +229,33 @@ def test_sink_composite_without_codegen_annotation():
     funcs = [f for f in part.functions.values() if f.attrs is not None and "Composite" in f.attrs]
     assert [str(f.attrs["Composite"]) for f in funcs] == [COMPOSITE_MQA_SINK]
     assert not any("Codegen" in f.attrs for f in part.functions.values() if f.attrs is not None)
+
+
+def test_gpt_oss_decode_after_a_prompt_longer_than_the_window():
+    """GPT-OSS's hybrid cache after a 12-token prompt: the sliding layer keeps the last w - 1 = 7 positions,
+    the full one all 12. The decode step takes those per-layer pasts, numbers the new token 12 and gives the
+    logits of a 13-token prefill's last position; every site is offloaded over all its keys."""
+    from mqa_byoc.models import hf
+
+    model = _gpt_oss()
+    seen = 12
+    lens = hf.decode_past_lengths(model.config, seen)
+    assert lens == [WINDOW - 1, seen]
+    ids = torch.randint(0, 128, (1, seen + 1), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = hf.export_wrapper(model, "prefill", LAYERS, True)(ids[:, :seen])
+        past = out[1:]
+        assert [p.shape[2] for p in past[::2]] == lens
+        step = hf.export_wrapper(model, "decode", LAYERS, True)(ids[:, seen:], *past)[0]
+        longer = hf.export_wrapper(model, "prefill", LAYERS, True)(ids)[0][:, -1:]
+    np.testing.assert_allclose(step.numpy(), longer.numpy(), rtol=1e-5, atol=1e-5)
+
+    imp = hf.import_hf(model, mode="decode", batch=1, past_len=lens, convert="standard", mixed_precision=True)
+    report = offload_report(imp.mod)
+    assert [(s.offloaded, s.composite, s.window, s.causal) for s in report] == \
+           [(True, COMPOSITE_MQA_SINK, None, None)] * LAYERS, [s.reason for s in report]
+    inputs = [ids[:, seen:].numpy(), *[p.numpy() for p in past]]
+    got = G.rewritten_on_cpu(imp.mod, [*inputs, *imp.params])
+    np.testing.assert_allclose(got, imp.reference(*inputs), rtol=5e-2, atol=5e-2)
+    with pytest.raises(ValueError, match="2 layers"):
+        hf.import_hf(model, mode="decode", past_len=[7], convert="standard")

@@ -76,7 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from builder_paths import ROOT  # noqa: E402 - this checkout's mqa_byoc
 from bundle import (TARGET, add_functions, build_library, check_exports, codegen_symbols,  # noqa: E402
                     cuda_kernel_names, main_ops, unique_symbols, vm_calls)
-from mqa_byoc.contract import CODEGEN, COMPOSITE_MHA, COMPOSITE_MQA  # noqa: E402
+from mqa_byoc.contract import CODEGEN  # noqa: E402
 from mqa_byoc.testing.hf_models import (INIT_STD, MODELS, SCORE_STD, HFModel, build_models,  # noqa: E402
                                         eager_deterministic)
 
@@ -164,17 +164,18 @@ def check_reports(spec: HFModel, fname: str, mode: str, mod) -> dict:
     out = {}
     for variant, mqa in (("mqa", True), ("nomqa", False)):
         report = [s.as_dict() for s in mqa_byoc.offload_report(mod, mqa=mqa)]
-        want = COMPOSITE_MQA if mqa else COMPOSITE_MHA
+        want = spec.composite(mqa)  # plain attention, or with sinks / soft-capping
         causal = "BottomRight" if mode == "prefill" else None  # one decode query sees every cached key
-        window = spec.window if mode == "prefill" else None  # decode: the sliding cache holds <= w keys
+        windows = spec.site_windows(mode)  # decode: the sliding cache holds <= w keys
         kv_heads = spec.kv_heads if mqa else spec.heads  # mqa=False: FA2 sees the expanded K/V
-        bad = [s for s in report if not (
+        bad = [s for s, window in zip(report, windows) if not (
             s["offloaded"] and s["composite"] == want and s["causal"] == causal and s["window"] == window
             and (s["num_q_heads"], s["num_kv_heads"], s["head_dim"]) == (spec.heads, kv_heads, spec.head_dim)
-            and math.isclose(s["scale"], spec.head_dim ** -0.5, rel_tol=2e-3))]
+            and math.isclose(s["scale"], spec.scale, rel_tol=2e-3) and s["softcap"] == spec.softcap)]
         if len(report) != spec.layers or bad:
             raise SystemExit(f"{fname} mqa={mqa}: expected {spec.layers} sites offloaded as {want} "
-                             f"(causal={causal}, window={window}), report: {report}")
+                             f"(causal={causal}, windows={windows}, scale={spec.scale:.4g}, softcap={spec.softcap}), "
+                             f"report: {report}")
         out[variant] = report
     return out
 

@@ -10,28 +10,37 @@ a float32 ``LlamaForCausalLM`` / ``MistralForCausalLM`` (random weights from a c
     partition_for_cutlass(mod, mqa=True, provider="native")       # and not partitioned at all ("tvm")
     mqa_byoc.build(target sm_90, cuda_decoder_pipeline) + mqa_byoc.export_library (tools/gpu/bundle.py)
 
-Models (``MODELS``), 2 layers, hidden 256, vocab 512, head dim 64 (the FA2 kernels of
-``MQA_BYOC_KERNEL_DIR`` cover 32/64/128):
+Models (``MODELS``), 2 layers, hidden 256, vocab 512:
 
-- ``llama_gqa``: Llama, 8 query heads, 2 K/V heads, ``attn_implementation="eager"``;
-- ``mistral_mqa``: Mistral, 8 query heads, ONE K/V head, a sliding window of 16 (shorter than the
-  48-token prompt, so it matters), ``attn_implementation="sdpa"``.
+- ``llama_gqa``: Llama, 8 query heads, 2 K/V heads, head dim 64, ``attn_implementation="eager"``;
+- ``mistral_mqa``: Mistral, 8 query heads, ONE K/V head, head dim 64, a sliding window of 16 (shorter
+  than the 48-token prompt, so it matters), ``attn_implementation="sdpa"``;
+- ``gpt_oss_sinks``: GPT-OSS, 8 / 2 heads, head dim 64, learned sinks (drawn large enough to matter), a
+  16-key sliding layer and a full one, 2 experts both taken per token (top-k routing of random weights
+  flips between fp16 and fp32 at near-ties); offloaded as ``flash_attn.attention_mqa_sink``;
+- ``gemma2_softcap``: Gemma 2, 8 / 4 heads, head dim 256 (FA2's soft-capping kernels: hdim 256 fp16),
+  attention soft-cap 50, final soft-cap 30, ``query_pre_attn_scalar`` 144, a 16-key sliding layer and a
+  full one, scores large enough that the cap bends them; ``flash_attn.attention_mqa_softcap``.
 
 Each: prefill (B=2, S=48, returns logits and K/V caches) and one decode step whose past is the
-float32 eager prefill's caches (float32: the exported function takes the fp32 model's dtypes) and
-whose token is the greedy next token. The q/k projections are scaled as in ``build_hf``
-(peaked attention).
+float32 eager prefill's caches (float32: the exported function takes the fp32 model's dtypes; per
+layer: a sliding layer keeps the last w - 1 positions) and whose token is the greedy next token. The
+q/k projections are scaled as in ``build_hf`` (peaked attention).
 
 Written into ``--out`` (default ``.gpu-artifacts/hf-standard``): ``hf_standard.so`` (VM functions
-``<model>__<prefill|decode>__<mqa|tvm>``), per model ``weights.npz`` (float32; ToMixedPrecision casts
+``<model>__<prefill|decode>__<mqa|tvm>``), per model ``weights.npz`` (the functions take float32; ToMixedPrecision casts
 them in the graph), ``inputs.npz``, ``reference.npz`` (float32 eager logits; fp16 eager top-1), and
-``manifest.json`` (shapes, reports, tolerances derived like build_hf.tolerances(), provenance).
+``manifest.json`` (shapes, reports, tolerances derived like build_hf.tolerances(), feature effects,
+provenance). Weights are stored fp16 where that is exact (all of them: fp16-rounded).
 
-Checks here (the build fails otherwise): every site of every function is offloaded as
-``flash_attn.attention_mqa`` with the model's heads / causal / window / scale; no K/V expansion op is
-left and each FA2 call gets H_kv heads; the library exports its FA2 functions.
+Checks here (the build fails otherwise): every site of every function is offloaded as the model's
+composite (``HFModel.composite``) with its heads / causal / per-layer window / scale / soft-cap; no K/V
+expansion op is left and each attention call gets H_kv heads; the decode step's float32 logits equal a
+one-token-longer prefill's last ones (unless every layer is sliding: its positions restart); without
+its window, sinks or soft-cap a model's float32 logits move by more than twice the GPU test's max-abs
+tolerance (so the test can tell); the library exports its attention functions.
 
-    MQA_BYOC_KERNEL_DIR=.gpu-artifacts/fa2 nice python tools/gpu/build_hf_standard.py
+    MQA_BYOC_KERNEL_DIR=<fa2 objects>:<fa2 soft-capping objects> nice python tools/gpu/build_hf_standard.py
 """
 
 from __future__ import annotations
@@ -58,6 +67,7 @@ for p in (ROOT / "src", ROOT / "tools" / "gpu"):  # this checkout's mqa_byoc; bu
 import build_hf as bh  # noqa: E402
 import bundle as ba  # noqa: E402
 from mqa_byoc.contract import CODEGEN  # noqa: E402
+from mqa_byoc.testing import hf_models as hm  # noqa: E402
 
 DEFAULT_OUT = ROOT / ".gpu-artifacts" / "hf-standard"
 LIBRARY = "hf_standard.so"
@@ -76,6 +86,8 @@ class StandardModel(bh.HFModel):
         return cfg
 
 
+HYBRID = ("sliding_attention", "full_attention")  # GPT-OSS's and Gemma 2's alternation, layer 0 sliding
+
 MODELS = [
     StandardModel("llama_gqa", "llama", heads=8, kv_heads=2, head_dim=64, hidden=256, intermediate=256, vocab=512,
                   layers=2, window=None, rope_theta=10000.0, batch=2, seq_len=48, impl="eager",
@@ -83,6 +95,17 @@ MODELS = [
     StandardModel("mistral_mqa", "mistral", heads=8, kv_heads=1, head_dim=64, hidden=256, intermediate=256,
                   vocab=512, layers=2, window=16, rope_theta=10000.0, batch=2, seq_len=48, impl="sdpa",
                   note="Mistral, MQA (1 K/V head), head dim 64, window 16, sdpa attention"),
+    StandardModel("gpt_oss_sinks", "gpt_oss", heads=8, kv_heads=2, head_dim=64, hidden=256, intermediate=128,
+                  vocab=512, layers=2, window=16, rope_theta=150000.0, batch=2, seq_len=48, impl="eager",
+                  layer_types=HYBRID, sinks=True, experts=2, experts_per_tok=2,
+                  note="GPT-OSS, GQA 8/2, head dim 64, learned sinks, a 16-key sliding layer and a full one, "
+                       "2 experts (both taken), eager attention"),
+    StandardModel("gemma2_softcap", "gemma2", heads=8, kv_heads=4, head_dim=256, hidden=256, intermediate=256,
+                  vocab=512, layers=2, window=16, rope_theta=10000.0, batch=2, seq_len=48, impl="eager",
+                  layer_types=HYBRID, softcap=50.0, final_softcap=30.0, query_pre_attn_scalar=144, score_std=80.0,
+                  note="Gemma 2, GQA 8/4, head dim 256, attention soft-cap 50, final soft-cap 30, scale "
+                       "144 ** -0.5, a 16-key sliding layer and a full one, eager attention; scores of std ~100 "
+                       "(q/k projections scaled) so that the cap of 50 bends them"),
 ]
 
 
@@ -91,6 +114,67 @@ def standard_import(model, mode: str, spec, past_len: int):
 
     return hf.import_hf(model, mode=mode, batch=spec.batch, seq_len=spec.seq_len, past_len=past_len,
                         convert="standard", mixed_precision=True)
+
+
+def _stored(a: np.ndarray) -> np.ndarray:
+    """fp16 where that is exact (the weights are fp16-rounded; the test casts back to the parameter's dtype)."""
+    h = a.astype(np.float16)
+    return h if a.dtype == np.float32 and np.array_equal(h.astype(np.float32), a) else a
+
+
+def decode_matches_longer_prefill(spec, m32, ids, next_ids, d32) -> dict | None:
+    """The decode step against the last position of a prefill of the prompt plus the new token: equal where
+    the step's position and keys are the real ones (no cache cropped, or a hybrid cache); None for a model
+    whose every layer is sliding (its cache keeps w - 1 positions: the step's RoPE positions restart)."""
+    from mqa_byoc.models import hf
+
+    if spec.window is not None and hf.hybrid_full_layer(m32.config) is None:
+        return None
+    longer = bh.eager_deterministic(m32, "prefill", [np.concatenate([ids, next_ids], axis=1)])[0][:, -1:]
+    st = bh.error_stats(d32[0], longer)
+    if not st["max_abs"] <= 1e-4 * max(1.0, st["ref_max_abs"]):
+        raise SystemExit(f"{spec.name}: the decode step's logits differ from a {ids.shape[1] + 1}-token prefill's "
+                         f"last ones: {st} (the decode step's past or position is wrong)")
+    return st
+
+
+def feature_effects(spec, m32, ids, next_ids, past, refs, tol) -> dict:
+    """How far float32 eager logits move when the model loses its window / sinks / soft-cap: each must move
+    them beyond the GPU test's max_abs tolerance (else offloading without it would pass unnoticed)."""
+    import copy
+
+    import torch
+
+    variants = {}
+    if spec.window is not None:  # prefill only: in decode the sliding cache holds no key outside the window
+        m = copy.deepcopy(m32)
+        m.config.sliding_window = 1 << 20
+        for layer in m.model.layers:
+            if getattr(layer.self_attn, "sliding_window", None):
+                layer.self_attn.sliding_window = 1 << 20
+        variants["window"] = (m, ("prefill",))
+    if spec.sinks:
+        m = copy.deepcopy(m32)
+        with torch.no_grad():
+            for layer in m.model.layers:
+                layer.self_attn.sinks.fill_(-float("inf"))
+        variants["sinks"] = (m, MODES)
+    if spec.softcap:
+        m = copy.deepcopy(m32)
+        for layer in m.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        variants["softcap"] = (m, MODES)
+    out = {}
+    for feature, (m, modes) in variants.items():
+        for mode in modes:
+            got = hm.eager(m, mode, [ids] if mode == "prefill" else [next_ids, *past])[0]
+            effect = float(np.abs(got - refs[mode]).max())
+            bound = tol[mode]["vs_fp32"]["logits"]["max_abs"]
+            out.setdefault(feature, {})[mode] = {"max_abs": effect, "tolerance_max_abs": bound}
+            if not (np.isfinite(got).all() and effect > 2 * bound):
+                raise SystemExit(f"{spec.name}/{mode}: without its {feature} the float32 logits move by {effect:.3g}, "
+                                 f"not beyond 2x the GPU test's tolerance {bound:.3g}: the test could not tell")
+    return out
 
 
 def prepare_model(spec, out_dir: Path, seed: int):
@@ -107,7 +191,7 @@ def prepare_model(spec, out_dir: Path, seed: int):
     past = [c.astype(np.float32) for c in p32[1:]]
     d32 = bh.eager_deterministic(m32, "decode", [next_ids, *past])
     d16 = bh.eager_deterministic(m16, "decode", [next_ids, *past])
-    past_len = past[0].shape[2]
+    past_len = [past[2 * i].shape[2] for i in range(spec.layers)]  # a hybrid cache: w - 1 in sliding layers
     e16 = {"prefill": {"logits": bh.error_stats(p16[0], p32[0], logits=True)},
            "decode": {"logits": bh.error_stats(d16[0], d32[0], logits=True)}}
 
@@ -130,8 +214,11 @@ def prepare_model(spec, out_dir: Path, seed: int):
             "tolerances": bh.tolerances(e16[mode], ["logits"]),
             "vm": {v: f"{spec.name}__{mode}__{v}" for v in VARIANTS},
         }
+    decode_check = decode_matches_longer_prefill(spec, m32, ids, next_ids, d32)
+    effects = feature_effects(spec, m32, ids, next_ids, past, {"prefill": p32[0], "decode": d32[0]},
+                              {mode: funcs[mode]["tolerances"] for mode in MODES})
     wspec, warrays = params
-    np.savez(model_dir / "weights.npz", **{n: a for (n, _s, _d), a in zip(wspec, warrays)})
+    np.savez(model_dir / "weights.npz", **{n: _stored(a) for (n, _s, _d), a in zip(wspec, warrays)})
     np.savez(model_dir / "inputs.npz", prefill_input_ids=ids, decode_input_ids=next_ids,
              **{f"decode_past_{i}": a for i, a in enumerate(past)})
     np.savez(model_dir / "reference.npz", prefill_logits=p32[0], decode_logits=d32[0],
@@ -142,11 +229,17 @@ def prepare_model(spec, out_dir: Path, seed: int):
         "weights_init": f"build_hf.build_models (q/k projection std {qk_std:.4f}), fp16-rounded, "
                         "stored float32",
         "weights": f"{spec.name}/weights.npz", "params": wspec,
+        "weights_stored": "fp16 where exact (all fp16-rounded weights), else as the parameter; cast to the "
+                          "parameter's dtype at load",
         "inputs": f"{spec.name}/inputs.npz", "reference": f"{spec.name}/reference.npz",
         "input_keys": {"prefill": ["prefill_input_ids"],
                        "decode": ["decode_input_ids"] + [f"decode_past_{i}" for i in range(len(past))]},
         "reference_kind": f"PyTorch eager ({spec.impl}) on CPU in float32, same weights; fp16 eager for its error",
         "functions": funcs, "past_len": past_len,
+        "past_note": "the decode step's past: the float32 eager prefill's caches, per layer (a sliding layer keeps "
+                     "the last w - 1 positions); the new token's position is the prompt length",
+        "decode_vs_longer_prefill": decode_check,
+        "feature_effects": effects,
     }
     print(f"{spec.name}: references and standard imports in {time.time() - t0:.0f}s", flush=True)
     return entry, mains
@@ -166,23 +259,32 @@ def variant_function(spec, mode: str, main, variant: str, provider: str):
     if variant == "tvm":
         return fname, mod, {}
     mod = mqa_byoc.partition_for_cutlass(mod, mqa=True, provider=provider)
-    calls = []
+    attention = set()
     for gv, func in list(mod.functions.items()):
         if func.attrs is None or "Codegen" not in func.attrs:
             continue
-        if str(func.attrs["Codegen"]) != CODEGEN:  # a GEMM on cuBLASLt: a symbol of its own, no K/V
-            mod[gv] = func.with_attr("global_symbol", f"{fname}__{gv.name_hint}")
-            continue
-        q, k, v = (bh._shape(p.ty) for p in func.params[:3])
-        calls.append({"function": gv.name_hint, "q": q, "k": k, "v": v})
-        if any(spec.kv_heads not in s[1:3] or spec.heads in s[1:3] for s in (k, v)):
-            raise SystemExit(f"{fname}: FA2 call {gv.name_hint} gets K {k}, V {v}; want {spec.kv_heads} heads")
-        mod[gv] = func.with_attr("global_symbol", f"{fname}__{gv.name_hint}")
+        if str(func.attrs["Codegen"]) == CODEGEN:
+            attention.add(gv.name_hint)
+        mod[gv] = func.with_attr("global_symbol", f"{fname}__{gv.name_hint}")  # GEMMs on cuBLASLt too
+    # the K/V each attention gets, at its call (a sink / soft-cap function has symbolic parameters)
+    calls = []
+
+    def visit(e):
+        if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.GlobalVar) and e.op.name_hint in attention:
+            calls.append(dict(zip(("function", "q", "k", "v"),
+                                  [e.op.name_hint] + [bh._shape(a.ty) for a in e.args[:3]])))
+
+    relax.analysis.post_order_visit(mod[fname].body, visit)
+    for c in calls:
+        if any(spec.kv_heads not in s[1:3] or spec.heads in s[1:3] for s in (c["k"], c["v"])):
+            raise SystemExit(f"{fname}: FA2 call {c['function']} gets K {c['k']}, V {c['v']}; "
+                             f"want {spec.kv_heads} heads")
     ops = collections.Counter(ba.main_ops(mod, fname))
-    n_fa2 = sum(c for name, c in ops.items() if name.startswith("call:") and name.endswith(CODEGEN))
+    n_fa2 = sum(c for name, c in ops.items() if name.startswith("call:") and name[len("call:"):] in attention)
     left = hf.kv_expansions_left(mod, fname)
-    if n_fa2 != spec.layers or left:
-        raise SystemExit(f"{fname}: {n_fa2} FA2 calls (want {spec.layers}); K/V expansions left: {left}")
+    if n_fa2 != spec.layers or len(calls) != spec.layers or left:
+        raise SystemExit(f"{fname}: {n_fa2} FA2 calls (want {spec.layers}), at {len(calls)} call sites; "
+                         f"K/V expansions left: {left}")
     mod = relax.transform.NormalizeGlobalVar()(mod)
     return fname, mod, {"fa2_calls": calls, "op_counts": dict(sorted(ops.items()))}
 
@@ -229,7 +331,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--models", nargs="*", help="build only these models (default: all of MODELS)")
     args = ap.parse_args(argv)
+    unknown = set(args.models or ()) - {m.name for m in MODELS}
+    if unknown:
+        ap.error(f"unknown models {sorted(unknown)}")
+    specs = [m for m in MODELS if not args.models or m.name in args.models]
     if not os.environ.get("MQA_BYOC_KERNEL_DIR"):
         print("note: MQA_BYOC_KERNEL_DIR is not set; FA2 kernel objects must be in the default cache")
 
@@ -258,11 +365,11 @@ def main(argv=None) -> int:
         "models": {},
     }
     mains = {}
-    for spec in MODELS:
+    for spec in specs:
         manifest["models"][spec.name], mains[spec.name] = prepare_model(spec, args.out, args.seed)
-    lib = build_library(MODELS, mains, args.out, "native")
+    lib = build_library(specs, mains, args.out, "native")
     manifest["library"] = {k: v for k, v in lib.items() if k not in ("partition", "not_kv_expansion_kernels")}
-    for spec in MODELS:
+    for spec in specs:
         for mode in MODES:
             f = manifest["models"][spec.name]["functions"][mode]
             f["partitioned"] = lib["partition"][f["vm"]["mqa"]]
@@ -273,8 +380,8 @@ def main(argv=None) -> int:
     (args.out / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str) + "\n")
     total = sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file())
     print(f"total {total / 2**20:.1f} MiB in {args.out} ({time.time() - t0:.0f}s)")
-    if total > 30 * 2**20:
-        raise SystemExit(f"artifacts are {total / 2**20:.1f} MiB, more than 30 MiB")
+    if total > 48 * 2**20:  # the FA2 objects of two head dims: ~24 MiB of library, a third of it after xz
+        raise SystemExit(f"artifacts are {total / 2**20:.1f} MiB, more than 48 MiB")
     return 0
 
 

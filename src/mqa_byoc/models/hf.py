@@ -146,7 +146,9 @@ Decode step: exported with past K/V as explicit inputs, ``(B, H_kv, S_past, D)``
 BNSH cache layout), in the order ``k_0, v_0, k_1, v_1, ...``; the wrapper fills a fresh
 ``DynamicCache`` with them and returns ``(logits, k_0', v_0', ...)``, S_past + 1 positions each
 (for Mistral, HF's sliding-window cache layers keep only the last w - 1 positions, so the
-returned caches are cropped).
+returned caches are cropped). A hybrid model (GPT-OSS, Gemma 2: sliding-window and full-attention
+layers) takes per-layer past lengths, w - 1 for its sliding layers after a longer prompt
+(:func:`decode_past_lengths`); its new token's position is the full layers' past length.
 """
 
 from __future__ import annotations
@@ -386,10 +388,42 @@ def _seed_cache(cache):
         layer.update = first_update
 
 
+def sliding_layers(config) -> list[int | None]:
+    """Per layer, the sliding window of the layer's HF ``DynamicCache`` layer (it keeps the last
+    ``w - 1`` positions), or None for a full-attention layer: how HF lays out this config's cache."""
+    from transformers import DynamicCache
+
+    return [layer.sliding_window if getattr(layer, "is_sliding", False) else None
+            for layer in DynamicCache(config=config).layers]
+
+
+def hybrid_full_layer(config) -> int | None:
+    """The first full-attention layer of a config whose layers mix sliding-window and full attention
+    (GPT-OSS, Gemma 2/3: HF's hybrid cache); None otherwise."""
+    windows = sliding_layers(config)
+    if all(w is None for w in windows) or all(w is not None for w in windows):
+        return None
+    return windows.index(None)
+
+
+def decode_past_lengths(config, seen: int) -> list[int]:
+    """Per layer, the past length HF's ``DynamicCache`` holds after ``seen`` tokens: ``seen`` for a
+    full-attention layer, ``min(seen, w - 1)`` for a sliding one (what a prefill of ``seen`` tokens
+    returns, and what :func:`import_hf`'s decode mode takes as ``past_len``)."""
+    return [seen if w is None else min(seen, w - 1) for w in sliding_layers(config)]
+
+
 def export_wrapper(model, mode: str, num_layers: int, use_cache: bool, seed_cache: bool = False):
-    """The exported function (see :func:`import_hf`); ``seed_cache``: :func:`_seed_cache` first."""
+    """The exported function (see :func:`import_hf`); ``seed_cache``: :func:`_seed_cache` first.
+
+    Decode: the new token's position is the past's length. A hybrid model's cache (sliding-window and
+    full-attention layers) holds the last ``w - 1`` positions in its sliding layers and every position in
+    its full ones: the position is then a full layer's past length, and the sliding layers are told that
+    many tokens were seen (their mask offsets, as after HF's own prefill)."""
     torch = _torch()
     from transformers import DynamicCache
+
+    full = hybrid_full_layer(model.config)
 
     class Prefill(torch.nn.Module):
         def __init__(self):
@@ -420,6 +454,11 @@ def export_wrapper(model, mode: str, num_layers: int, use_cache: bool, seed_cach
             for i in range(num_layers):
                 cache.update(past[2 * i], past[2 * i + 1], i)
             past_len = past[0].shape[2]
+            if full is not None:  # hybrid: the tokens seen are a full-attention layer's cache length
+                past_len = past[2 * full].shape[2]
+                for layer in cache.layers:
+                    if getattr(layer, "is_sliding", False):
+                        layer.cumulative_length = past_len
             pos = torch.arange(past_len, past_len + input_ids.shape[1]).unsqueeze(0)
             out = self.model(
                 input_ids=input_ids, past_key_values=cache, position_ids=pos, use_cache=True
@@ -450,7 +489,7 @@ def import_hf(
     mode: str = "prefill",
     batch: int = 1,
     seq_len: int = 16,
-    past_len: int = 8,
+    past_len: int | list[int] = 8,
     dynamic: bool = False,
     use_cache: bool = True,
     max_batch: int = 8,
@@ -466,7 +505,9 @@ def import_hf(
 
     - ``mode="prefill"``: ``main(input_ids: (B, S) int64, *weights) -> logits (B, S, V)``.
     - ``mode="decode"``: ``main(input_ids: (B, 1) int64, k_0, v_0, ..., *weights) ->
-      (logits (B, 1, V), k_0', v_0', ...)``, caches ``(B, H_kv, S_past, D)``.
+      (logits (B, 1, V), k_0', v_0', ...)``, caches ``(B, H_kv, S_past, D)``. ``past_len``: one length
+      for every layer, or a sequence of per-layer lengths (a hybrid model's sliding layers hold fewer
+      positions than its full ones: :func:`decode_past_lengths`).
     - ``dynamic``: export with symbolic B and S (prefill) / S_past (decode) via
       ``torch.export.Dim``; otherwise the example sizes are baked in. The frontend records the
       Dims' ranges as ``tir_var_upper_bound`` and TVM's memory planning then allocates for the
@@ -521,8 +562,15 @@ def import_hf(
     if cache not in ("dynamic", "static"):
         raise ValueError(f"cache must be 'dynamic' or 'static', got {cache!r}")
     wrapper = export_wrapper(model, mode, n_layers, use_cache, seed_cache=convert == "standard").eval()
+    past_lens = [past_len] * n_layers if isinstance(past_len, int) else [int(n) for n in past_len]
+    if len(past_lens) != n_layers:
+        raise ValueError(f"past_len: {len(past_lens)} lengths for a model of {n_layers} layers")
+    if len(set(past_lens)) > 1 and (dynamic or cache == "static"):
+        raise ValueError("per-layer past lengths need static shapes and cache='dynamic'")
+    past_len = past_lens[0]
     if dynamic:  # an example size of 1 would be specialized
         batch, seq_len, past_len = max(batch, 2), max(seq_len, 2), max(past_len, 2)
+        past_lens = [past_len] * n_layers
     gen = torch.Generator().manual_seed(seed)
     n_tok = seq_len if mode == "prefill" else 1
     ids = torch.randint(0, cfg.vocab_size, (batch, n_tok), generator=gen)
@@ -531,7 +579,7 @@ def import_hf(
     if mode == "decode":
         dtype = next(model.parameters()).dtype
         args += [
-            torch.randn(batch, hkv, past_len, d, generator=gen).to(dtype) for _ in range(2 * n_layers)
+            torch.randn(batch, hkv, past_lens[i // 2], d, generator=gen).to(dtype) for i in range(2 * n_layers)
         ]
     if cache == "static":
         from .hf_static import static_example_inputs, static_wrapper

@@ -17,11 +17,15 @@ import numpy as np
 
 SCORE_STD = 2.5  # std of q.k / sqrt(D) for unit-RMS inputs: q/k projection std = sqrt(SCORE_STD / hidden)
 INIT_STD = 0.02  # build_hf_model's default
+SINK_STD = 4.0  # std of GPT-OSS's sink logits (a fresh model's are zeros): moves the decode logits beyond 2x the tolerance
+#: the HF config class of each ``HFModel.kind`` besides llama / mistral (mqa_byoc.models.hf.make_hf_config)
+FAMILY_CONFIGS = {"gpt_oss": "GptOssConfig", "gemma2": "Gemma2Config"}
+
 
 @dataclass(frozen=True)
 class HFModel:
     name: str
-    kind: str  # "llama" | "mistral"
+    kind: str  # "llama" | "mistral" | "gpt_oss" | "gemma2"
     heads: int
     kv_heads: int
     head_dim: int
@@ -34,8 +38,42 @@ class HFModel:
     batch: int
     seq_len: int
     note: str
+    # GPT-OSS / Gemma 2 (defaults: what Llama / Mistral have)
+    layer_types: tuple | None = None  # per layer "sliding_attention" | "full_attention"; None: all alike
+    sinks: bool = False  # learned sink logits (GPT-OSS), drawn with SINK_STD
+    softcap: float | None = None  # attn_logit_softcapping (Gemma 2)
+    final_softcap: float | None = None  # final_logit_softcapping (Gemma 2)
+    query_pre_attn_scalar: int | None = None  # Gemma 2: the scale is query_pre_attn_scalar ** -0.5
+    experts: int = 0  # GPT-OSS's experts and how many each token takes
+    experts_per_tok: int = 0
+    score_std: float = SCORE_STD  # Gemma 2: scores large enough that its soft-cap bends them
+
+    @property
+    def scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def site_windows(self, mode: str) -> list:
+        """The window every layer's site is offloaded with: a sliding layer's in prefill (the prompt is
+        longer); none in decode (the sliding cache holds w - 1 keys, all of which the new token sees)."""
+        if mode != "prefill" or self.window is None:
+            return [None] * self.layers
+        types = self.layer_types or ("sliding_attention",) * self.layers
+        return [self.window if t == "sliding_attention" else None for t in types]
+
+    def composite(self, mqa: bool) -> str:
+        """The composite every site must be offloaded as."""
+        from mqa_byoc.contract import (COMPOSITE_MHA, COMPOSITE_MHA_SINK, COMPOSITE_MHA_SOFTCAP, COMPOSITE_MQA,
+                                       COMPOSITE_MQA_SINK, COMPOSITE_MQA_SOFTCAP)
+
+        if self.sinks:
+            return COMPOSITE_MQA_SINK if mqa else COMPOSITE_MHA_SINK
+        if self.softcap:
+            return COMPOSITE_MQA_SOFTCAP if mqa else COMPOSITE_MHA_SOFTCAP
+        return COMPOSITE_MQA if mqa else COMPOSITE_MHA
 
     def config(self):
+        if self.kind in FAMILY_CONFIGS:
+            return self._family_config()
         from mqa_byoc.models import hf
 
         return hf.make_hf_config(self.kind, hidden_size=self.hidden, num_heads=self.heads,
@@ -43,6 +81,29 @@ class HFModel:
                                  intermediate_size=self.intermediate, vocab_size=self.vocab,
                                  num_layers=self.layers, rope_theta=self.rope_theta, sliding_window=self.window,
                                  attn_implementation="eager")
+
+    def _family_config(self):
+        import transformers
+
+        kw = dict(hidden_size=self.hidden, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+                  head_dim=self.head_dim, intermediate_size=self.intermediate, vocab_size=self.vocab,
+                  num_hidden_layers=self.layers, max_position_embeddings=4096, sliding_window=self.window,
+                  layer_types=list(self.layer_types) if self.layer_types else None)
+        if self.kind == "gpt_oss":
+            # all experts per token: top-k routing of random weights flips between fp16 and fp32 at near-ties
+            # (a discontinuity no tolerance covers); batched_mm: TVM's frontend has no converter for the
+            # default grouped_mm
+            kw.update(num_local_experts=self.experts, num_experts_per_tok=self.experts_per_tok,
+                      experts_implementation="batched_mm")
+        else:
+            kw.update(attn_logit_softcapping=self.softcap, final_logit_softcapping=self.final_softcap,
+                      query_pre_attn_scalar=self.query_pre_attn_scalar)
+        cfg = getattr(transformers, FAMILY_CONFIGS[self.kind])(**kw)
+        rp = getattr(cfg, "rope_parameters", None)
+        if isinstance(rp, dict):
+            rp["rope_theta"] = self.rope_theta
+        cfg._attn_implementation = "eager"
+        return cfg
 
 
 MODELS = [
@@ -62,11 +123,16 @@ def build_models(spec: HFModel, seed: int):
     from mqa_byoc.models import hf
 
     m16 = hf.build_hf_model(spec.config(), dtype="float16", seed=seed, std=INIT_STD)
-    qk_std = math.sqrt(SCORE_STD / spec.hidden)
+    qk_std = math.sqrt(spec.score_std / spec.hidden)
     with torch.no_grad():
         for name, p in m16.named_parameters():
             if name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
                 p.copy_((p.float() * (qk_std / INIT_STD)).to(p.dtype))
+        if spec.sinks:
+            gen = torch.Generator().manual_seed(seed + 1)
+            for layer in m16.model.layers:
+                s = layer.self_attn.sinks
+                s.copy_((SINK_STD * torch.randn(s.shape, generator=gen)).to(s.dtype))
     m32 = copy.deepcopy(m16).float()
     return m16, m32, qk_std
 
