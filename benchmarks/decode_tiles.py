@@ -102,17 +102,22 @@ def time_variants(make, out, ref, baseline_lib, iters: int) -> dict:
     return rec
 
 
-def contiguous_case(shape, n, dtype, iters, baseline_lib):
+def _contiguous_inputs(shape, n, dtype):
+    """Batch 1 on a contiguous cache: q (1, H, D), k and v (1, n, H_kv, D), out; seeded by the shape."""
     import torch
-
-    from mqa_byoc.testing import decode_kernel as dk
 
     h, hk, d = SHAPES[shape]
     gen = torch.Generator(device="cuda").manual_seed(n + h)
     q = torch.randn(1, h, d, generator=gen, device="cuda").to(dtype)
     k = torch.randn(1, n, hk, d, generator=gen, device="cuda").to(dtype)
     v = torch.randn(1, n, hk, d, generator=gen, device="cuda").to(dtype)
-    out = torch.empty_like(q)
+    return (h, hk, d), q, k, v, torch.empty_like(q)
+
+
+def contiguous_case(shape, n, dtype, iters, baseline_lib):
+    from mqa_byoc.testing import decode_kernel as dk
+
+    (h, hk, d), q, k, v, out = _contiguous_inputs(shape, n, dtype)
     ref, _ = dk.reference(q, k, v, [n], hk)
 
     def make(t, lib=None):
@@ -165,16 +170,9 @@ def paged_case(shape, batch, lengths_kind, dtype, iters, baseline_lib):
 def split_sweep(shape, n, dtype, iters, tiles, sizes):
     """Batch 1, contiguous: the kernel at fixed split sizes for ``tiles``, both merges (how the split rule
     fits the tiles)."""
-    import torch
-
     from mqa_byoc.testing import decode_kernel as dk
 
-    h, hk, d = SHAPES[shape]
-    gen = torch.Generator(device="cuda").manual_seed(n + h)
-    q = torch.randn(1, h, d, generator=gen, device="cuda").to(dtype)
-    k = torch.randn(1, n, hk, d, generator=gen, device="cuda").to(dtype)
-    v = torch.randn(1, n, hk, d, generator=gen, device="cuda").to(dtype)
-    out = torch.empty_like(q)
+    (h, hk, d), q, k, v, out = _contiguous_inputs(shape, n, dtype)
     res = {}
     for merge in ("auto", "global"):
         call = dk.Decode(q, k, v, out, None, k_stride=k.stride()[:3], v_stride=v.stride()[:3], seqlen_k=n,
