@@ -417,17 +417,19 @@ def decoders_decode_rows() -> dict[str, list[str]]:
     return {label: _decode_cells(parts, name) for label, name in DECODE_ROWS.items()}
 
 
+def _prefill_cells(parts, name, base=None) -> list[str]:
+    """A prefill table row: ms at 2k and 16k and, with ``base``, in brackets its time over this one's."""
+    cells = []
+    for tokens in (2048, 16384):
+        p = next((x for x in parts[name]["prefill"] if x["tokens"] == tokens), None)
+        q = base and next((x for x in parts[base]["prefill"] if x["tokens"] == tokens), None)
+        cells.append("–" if p is None else f"{p['ms']:.1f}" + (f" ({q['ms'] / p['ms']:.2f}x)" if q else ""))
+    return cells
+
+
 def decoders_prefill_rows() -> dict[str, list[str]]:
     parts = _load(DECODERS_RUN)["parts"]
-    out = {}
-    for label, (name, base) in PREFILL_ROWS.items():
-        cells = []
-        for tokens in (2048, 16384):
-            p = next((x for x in parts[name]["prefill"] if x["tokens"] == tokens), None)
-            q = base and next((x for x in parts[base]["prefill"] if x["tokens"] == tokens), None)
-            cells.append("–" if p is None else f"{p['ms']:.1f}" + (f" ({q['ms'] / p['ms']:.2f}x)" if q else ""))
-        out[label] = cells
-    return out
+    return {label: _prefill_cells(parts, name, base) for label, (name, base) in PREFILL_ROWS.items()}
 
 
 def decoders_claims() -> dict[str, str]:
@@ -514,15 +516,7 @@ DECODE_ROWS2 = {"paged, default build |": "paged-gemm", "paged, default build, C
 def decoders2_rows() -> dict[str, tuple[list[str], list[str]]]:
     """performance.md's two tables of the second run: label -> (decode cells, prefill cells)."""
     parts = _load(DECODERS_RUN2)["parts"]
-    out = {}
-    for label, name in DECODE_ROWS2.items():
-        dec = _decode_cells(parts, name)
-        pre = []
-        for tokens in (2048, 16384):
-            p = next((x for x in parts[name]["prefill"] if x["tokens"] == tokens), None)
-            pre.append("–" if p is None else f"{p['ms']:.1f}")
-        out[label] = (dec, pre)
-    return out
+    return {label: (_decode_cells(parts, name), _prefill_cells(parts, name)) for label, name in DECODE_ROWS2.items()}
 
 
 def test_performance_second_decoder_run_tables():
