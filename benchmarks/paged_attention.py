@@ -275,34 +275,97 @@ EXPORT int bench_ragged_forward(const void* q, const void* k, const void* v, voi
 EXPORT const char* bench_last_error(void) { return mqa_byoc_fa2_paged_last_error(); }
 """
 
+# the FA4 part of the shim (build-native --fa4): the var-len objects by index, on the caller's stream
+_FA4_SHIM = r"""
+#include <tvm/ffi/c_api.h>
+#include <tvm/ffi/extra/c_env_api.h>
+typedef int (*ffi_fn)(void*, const TVMFFIAny*, int32_t, TVMFFIAny*);
+@DECLS@
+extern "C" int mqa_byoc_fa4_ragged_forward(ffi_fn, const void*, const void*, const void*, void*, float*,
+    const int32_t*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t*,
+    const int64_t*, const int64_t*, const int64_t*, int, double, int, void*);
+extern "C" const char* mqa_byoc_fa2_last_error(void);
+static thread_local const char* fa4_error = "";
+EXPORT int bench_fa4_ragged_forward(int which, const void* q, const void* k, const void* v, void* out, float* lse,
+    const int32_t* qo, const int32_t* kv, int64_t batch, int64_t total_q, int64_t total_k, int64_t h, int64_t hk,
+    int64_t d, const int64_t* qs, const int64_t* ks, const int64_t* vs, const int64_t* os, int bf16, double scale,
+    int dev, void* stream) {
+  static const ffi_fn table[@N@] = {@TABLE@};
+  if (which < 0 || which >= @N@) { fa4_error = "no such FA4 object"; return 1; }
+  TVMFFIStreamHandle before = nullptr;
+  TVMFFIEnvSetStream(kDLCUDA, dev, stream, &before);
+  const int rc = mqa_byoc_fa4_ragged_forward(table[which], q, k, v, out, lse, qo, kv, batch, total_q, total_k, h, hk,
+                                             d, qs, ks, vs, os, bf16, scale, dev, stream);
+  TVMFFIEnvSetStream(kDLCUDA, dev, before, nullptr);
+  fa4_error = rc == -1 ? "FA4 raised a TVM-FFI error" : mqa_byoc_fa2_last_error();
+  return rc;
+}
+EXPORT const char* bench_fa4_last_error(void) { return fa4_error; }
+"""
 
-def build_native(out_dir: Path, arch: str = "sm_90") -> dict:
+
+def fa4_ragged_labels() -> list[str]:
+    """The FA4 var-len objects the ragged prefill of every benchmark shape runs on (the hopper provider's
+    ragged entry): both dtypes, causal and not, each shape's group; head dims FA4 has objects for."""
+    from mqa_byoc.kernels import hopper
+
+    return sorted({hopper.HopperKernelKey(dt, d, h // hkv, m).label for h, hkv, d in SHAPES.values()
+                   if d in hopper.HEAD_DIMS for dt in ("fp16", "bf16") for m in hopper.VARLEN_MASKS})
+
+
+def fa4_shim(labels) -> str:
+    """C++ of the library's FA4 entry: ``bench_fa4_ragged_forward(which, ...)`` runs the ragged prefill
+    (``native/fa4_ragged.cu``) on object ``labels[which]``, launching on ``stream`` (FA4 launches on
+    TVM-FFI's environment stream, which it sets for the call)."""
+    from mqa_byoc.kernels import hopper
+
+    syms = [hopper.HopperKernelKey.parse(x).symbol for x in labels]
+    decls = "".join(f'extern "C" int __tvm_ffi_{s}(void*, const TVMFFIAny*, int32_t, TVMFFIAny*);\n' for s in syms)
+    table = ", ".join(f"&__tvm_ffi_{s}" for s in syms)
+    return _FA4_SHIM.replace("@DECLS@", decls).replace("@TABLE@", table).replace("@N@", str(len(syms)))
+
+
+def build_native(out_dir: Path, arch: str = "sm_90", fa4: bool = False) -> dict:
     """Links our paged-attention object (``native/fa2_paged.cu``: our decode kernel, FA2's split-KV and
     var-len kernels, the bridging kernels) with the FA2 kernel families the benchmark runs into one shared
     library, and builds our decode kernel alone (``native/gqa_decode.cu``, any page size that is a multiple
-    of 16) as the decode-kernel benchmark does. Needs nvcc and the FA2 objects (prebuilt or buildable)."""
+    of 16) as the decode-kernel benchmark does. Needs nvcc and the FA2 objects (prebuilt or buildable).
+    ``fa4``: the library also holds the hopper provider's ragged prefill (FA4's var-len objects of
+    :func:`fa4_ragged_labels`, compiled with flash-attn-4, and ``native/fa4_ragged.cu``); it then needs
+    TVM-FFI's library at run time (``import tvm_ffi`` before loading it)."""
     import shutil
     import subprocess
 
     from mqa_byoc.compiler import link as _link
     from mqa_byoc.compiler.paged.build import paged_object
-    from mqa_byoc.kernels import KernelKey, static_cudart
+    from mqa_byoc.kernels import KernelKey, hopper, static_cudart
 
     out_dir.mkdir(parents=True, exist_ok=True)
     keys = tuple(KernelKey(hd, dt, causal, split) for hd in (64, 128) for dt in ("fp16", "bf16")
                  for causal, split in ((False, True), (True, False)))
     objects = [i.path for i in _link.fa2_inputs(keys, arch, build=True)] + [str(paged_object(arch))]
+    labels = fa4_ragged_labels() if fa4 else []
     shim = out_dir / "bench_shim.cc"
-    shim.write_text(_SHIM)
+    shim.write_text(_SHIM + (fa4_shim(labels) if fa4 else ""))
     cxx = shutil.which("g++") or "c++"
-    subprocess.run([cxx, "-shared", "-fPIC", "-O2", "-o", str(out_dir / NATIVE_LIB), str(shim), *objects,
-                    *static_cudart(arch), "-lpthread", "-ldl", "-lrt"], check=True)
+    extra, flags = [], []
+    if fa4:
+        import tvm_ffi.libinfo
+
+        keys4 = [hopper.HopperKernelKey.parse(x) for x in labels]
+        extra = [i.path for i in _link.fa4_inputs(keys4, arch)]
+        lib = Path(tvm_ffi.libinfo.find_libtvm_ffi())
+        flags = [f"-I{tvm_ffi.libinfo.find_include_path()}", f"-I{tvm_ffi.libinfo.find_dlpack_include_path()}"]
+        extra += [f"-L{lib.parent}", "-ltvm_ffi"]
+    subprocess.run([cxx, "-shared", "-fPIC", "-O2", *flags, "-o", str(out_dir / NATIVE_LIB), str(shim), *objects,
+                    *extra, *static_cudart(arch), "-lpthread", "-ldl", "-lrt"], check=True)
     from mqa_byoc.testing import decode_kernel as dk
 
     subprocess.run(["nvcc", f"-gencode=arch=compute_{arch[3:]}a,code={arch}a", "-O3", "-std=c++17", "-Xcompiler",
                     "-fPIC", "-shared", "-o", str(out_dir / DECODE_LIB), str(dk.NATIVE / "gqa_decode.cu")], check=True)
     shim.unlink()
-    info = {"arch": arch, "fa2_families": [k.stem for k in keys], "libraries": [NATIVE_LIB, DECODE_LIB]}
+    info = {"arch": arch, "fa2_families": [k.stem for k in keys], "libraries": [NATIVE_LIB, DECODE_LIB],
+            "fa4_ragged": labels}
     (out_dir / "native.json").write_text(json.dumps(info, indent=1) + "\n")
     return info
 
@@ -437,11 +500,19 @@ class Ours:
         import ctypes
 
         self.ct = ctypes
+        info = json.loads((lib_dir / "native.json").read_text()) if (lib_dir / "native.json").is_file() else {}
+        self.fa4_labels = list(info.get("fa4_ragged", []))
+        if self.fa4_labels:
+            import tvm_ffi  # noqa: F401  (loads libtvm_ffi, which the FA4 objects call)
         self.lib = ctypes.CDLL(str(lib_dir / NATIVE_LIB))
         self.lib.bench_last_error.restype = ctypes.c_char_p
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self.lib.bench_paged_forward.argtypes = [p] * 8 + [i64] * 7 + [p] * 3 + [i32, ctypes.c_float, i32, i32, p]
         self.lib.bench_ragged_forward.argtypes = [p] * 7 + [i64] * 6 + [p] * 4 + [i32, ctypes.c_float, i32, i32, p]
+        if self.fa4_labels:
+            self.lib.bench_fa4_last_error.restype = ctypes.c_char_p
+            self.lib.bench_fa4_ragged_forward.argtypes = ([i32] + [p] * 7 + [i64] * 6 + [p] * 4
+                                                          + [i32, ctypes.c_double, i32, p])
         from mqa_byoc.testing import decode_kernel as dk
 
         self.dk = dk
@@ -477,6 +548,25 @@ class Ours:
                 kv_indptr.data_ptr(), qo_indptr.numel() - 1, q.shape[0], k.shape[0], q.shape[1], hkv, q.shape[2], *st,
                 int(q.dtype == torch.bfloat16), scale, int(causal), q.device.index or 0)
         return self._launcher(torch, self.lib.bench_ragged_forward, args)
+
+    def fa4_label(self, dtype_name: str, h: int, hkv: int, d: int, causal: bool) -> str | None:
+        """The FA4 var-len object for this call (None: the library has none; build-native --fa4)."""
+        dt = {"float16": "fp16", "bfloat16": "bf16"}[dtype_name]
+        label = f"{dt} h{d} g{h // hkv} {'varlen_causal' if causal else 'varlen'}"
+        return label if label in self.fa4_labels else None
+
+    def ragged_fa4(self, torch, label, q, k, v, out, lse, qo_indptr, kv_indptr, hkv, scale):
+        """The hopper provider's ragged prefill: ``mqa_byoc_fa4_ragged_forward`` on object ``label``."""
+        st = [self._strides(t) for t in (q, k, v, out)]
+        args = (self.fa4_labels.index(label), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                qo_indptr.data_ptr(), kv_indptr.data_ptr(), qo_indptr.numel() - 1, q.shape[0], k.shape[0], q.shape[1],
+                hkv, q.shape[2], *st, int(q.dtype == torch.bfloat16), scale, q.device.index or 0)
+        lib, c_void_p = self.lib, self.ct.c_void_p
+
+        def call():
+            if lib.bench_fa4_ragged_forward(*args, c_void_p(torch.cuda.current_stream().cuda_stream)):
+                raise RuntimeError(lib.bench_fa4_last_error().decode())
+        return call
 
     def decode_any_page(self, torch, q, paged, out, lse, hkv, scale):
         """Our decode kernel alone (``gqa_decode.cu``) on pages of any multiple of 16."""
@@ -516,6 +606,10 @@ def _error_text(e: BaseException) -> str:
 
 def _err(out, ref):
     return (out.float() - ref).abs().max().item()
+
+
+#: largest |difference| of two var-len entries' base-2 LSEs (fp32 sums of the same scores, in other orders)
+LSE_TOLERANCE = 1e-2
 
 
 def _tolerance(dtype_name):
@@ -720,6 +814,13 @@ def _case_ragged(torch, fi, ours, inputs, h, hkv, d, g, scale, unit, workspace, 
     lse = torch.empty(q.shape[0], h, device=DEVICE, dtype=torch.float32)
     outs["ours"] = torch.empty_like(q)
     calls["ours"] = ours.ragged(torch, q, inputs.k, inputs.v, outs["ours"], lse, ind, ind, hkv, scale, True)
+    label = ours.fa4_label(str(inputs.dtype).removeprefix("torch."), h, hkv, d, True)
+    lse4 = None
+    if label is not None:  # the hopper provider's ragged entry
+        lse4 = torch.empty_like(lse)
+        outs["ours_fa4"] = torch.empty_like(q)
+        calls["ours_fa4"] = ours.ragged_fa4(torch, label, q, inputs.k, inputs.v, outs["ours_fa4"], lse4, ind, ind, hkv,
+                                            scale)
     if fi is not None:
         for backend in args.prefill_backends:
             name = f"flashinfer_{backend}"
@@ -733,6 +834,10 @@ def _case_ragged(torch, fi, ours, inputs, h, hkv, d, g, scale, unit, workspace, 
             except Exception as e:  # noqa: BLE001
                 rec.setdefault("errors", {})[name] = _error_text(e)
     _time_and_check(torch, rec, calls, outs, ref, inputs, max(2, args.iters // 4), ref_rows=rows)
+    if lse4 is not None and "ours_fa4" in rec["us"]:
+        # both entries give TVM's base-2 LSE of every row (the cache merges by it): they must agree
+        rec["lse_max_diff_fa4"] = float((lse4 - lse).abs().max())
+        rec["ok"]["ours_fa4"] = rec["ok"]["ours_fa4"] and rec["lse_max_diff_fa4"] <= LSE_TOLERANCE
     for name, us in rec["us"].items():
         rec.setdefault("tflops", {})[name] = rec["flops"] / us / 1e6
     return rec
@@ -754,7 +859,8 @@ def goals(results: dict) -> dict:
     dec = [c for c in results["cases"] if c["kind"] == "decode"]
     rag = [c for c in results["cases"] if c["kind"] == "ragged_prefill"]
     out = {"decode_cases": len(dec), "decode_not_slower": 0, "decode_at_16k": 0, "decode_16k_within_1_25x": 0,
-           "ragged_cases": 0, "ragged_at_least_best": 0, "ragged_at_least_fa2": 0, "all_outputs_ok": True,
+           "ragged_cases": 0, "ragged_at_least_best": 0, "ragged_at_least_fa2": 0, "ragged_fa4_cases": 0,
+           "ragged_fa4_at_least_best": 0, "ragged_fa4_worst_vs_flashinfer": None, "all_outputs_ok": True,
            "ours_outputs_ok": True, "wrong": [], "decode_worst_vs_flashinfer": None, "decode_16k_worst_vs_bytes": None,
            "decode_16k_worst_vs_bytes_by_shape": {}}
     for c in results["cases"]:
@@ -786,6 +892,12 @@ def goals(results: dict) -> dict:
         out["ragged_at_least_best"] += t["ours"] >= best
         if "flashinfer_fa2" in t:
             out["ragged_at_least_fa2"] += t["ours"] >= t["flashinfer_fa2"]
+        if "ours_fa4" in t:  # the hopper provider's ragged entry
+            out["ragged_fa4_cases"] += 1
+            out["ragged_fa4_at_least_best"] += t["ours_fa4"] >= best
+            r = t["ours_fa4"] / best
+            w = out["ragged_fa4_worst_vs_flashinfer"]
+            out["ragged_fa4_worst_vs_flashinfer"] = r if w is None else min(w, r)
     return out
 
 
@@ -804,7 +916,8 @@ def report(results: dict, meta: dict) -> str:
              "bytes limit: the K and V bytes read once at 4.8 TB/s.",
              "- ours: the C API our PagedKVCache wrappers call (`native/fa2_paged.h`; decode: our grouped-query "
              "decode kernel, pages of 128 keys for head dim 128, 256 for 64); `ours p16`: the same decode "
-             "kernel alone on pages of 16; FlashInfer: `BatchDecodeWithPagedKVCacheWrapper` (backend fa2, CUDA "
+             "kernel alone on pages of 16; `ours_fa4`: the hopper provider's ragged prefill (FA4's sm90 var-len "
+             "forward through `native/fa4_ragged.cu`, its LSE checked against ours); FlashInfer: `BatchDecodeWithPagedKVCacheWrapper` (backend fa2, CUDA "
              "cores and tensor cores), `BatchPrefillWithPagedKVCacheWrapper` and "
              "`BatchPrefillWithRaggedKVCacheWrapper`, pages of 16 (mlc-llm's) and ours, the same pages in TVM's "
              "layout (`HND`). Variants timed: " + ", ".join(f"`{n}`" for n in sorted(
@@ -821,6 +934,9 @@ def report(results: dict, meta: dict) -> str:
               f"- ragged prefill at least FlashInfer's TFLOP/s: {g['ragged_at_least_best']} of {g['ragged_cases']} "
               f"against its fastest backend, {g['ragged_at_least_fa2']} of {g['ragged_cases']} against its fa2 backend "
               "(cases where a FlashInfer output passed the check)",
+              *([f"- ragged prefill of the hopper provider (`ours_fa4`) at least FlashInfer's fastest TFLOP/s: "
+                 f"{g['ragged_fa4_at_least_best']} of {g['ragged_fa4_cases']} (lowest ours_fa4 / FlashInfer: "
+                 f"{_n(g['ragged_fa4_worst_vs_flashinfer'], 2)})"] if g["ragged_fa4_cases"] else []),
               f"- our outputs within tolerance: {'all' if g['ours_outputs_ok'] else 'NOT ALL'}; outputs beyond it "
               f"(not counted above): {'; '.join(g['wrong']) or 'none'}",
               "- a ratio compares only variants whose output passed the fp32 check.", ""]
@@ -849,9 +965,11 @@ def report(results: dict, meta: dict) -> str:
         if not cases:
             continue
         names = sorted({k for c in cases for k in c["us"]}, key=lambda k: (k != "ours", k))
+        fa4 = "ours_fa4" in names
         lines += [f"## {title}", "", "TFLOP/s (µs per call in brackets).", "",
-                  "| shape | dtype | batch | " + " | ".join(names) + " | ours / FlashInfer fastest |",
-                  "|---|---|---:|" + "---:|" * (len(names) + 1)]
+                  "| shape | dtype | batch | " + " | ".join(names) + " | ours / FlashInfer fastest |"
+                  + (" ours_fa4 / FlashInfer fastest |" if fa4 else ""),
+                  "|---|---|---:|" + "---:|" * (len(names) + 1 + fa4)]
         for c in cases:
             cells = []
             for k in names:
@@ -860,7 +978,9 @@ def report(results: dict, meta: dict) -> str:
             best = max((v for k, v in c["tflops"].items() if k.startswith("flashinfer") and c["ok"].get(k, True)),
                        default=None)
             lines.append(f"| {c['shape']} | {c['dtype']} | {c['batch']} | " + " | ".join(cells)
-                         + f" | {_n(c['tflops']['ours'] / best if best else None, 2)} |")
+                         + f" | {_n(c['tflops']['ours'] / best if best else None, 2)} |"
+                         + (f" {_n(c['tflops']['ours_fa4'] / best if best and 'ours_fa4' in c['tflops'] else None, 2)} |"
+                            if fa4 else ""))
         lines.append("")
     errors = [(c["kind"], c["shape"], c["dtype"], c["batch"], n, e) for c in results["cases"]
               for n, e in c.get("errors", {}).items()]
@@ -919,6 +1039,8 @@ def main(argv=None):
     b = sub.add_parser("build-native", help="link our paged-attention library for the kernels comparison (no GPU)")
     b.add_argument("--out", type=Path, required=True)
     b.add_argument("--arch", default="sm_90")
+    b.add_argument("--fa4", action="store_true",
+                   help="also link the hopper provider's ragged prefill (FA4 var-len objects; needs flash-attn-4)")
     k = sub.add_parser("kernels", help="our paged attention kernels vs FlashInfer's, on the same pages (GPU)")
     k.add_argument("--native", type=Path, required=True, help="the folder build-native wrote")
     k.add_argument("--out", type=Path, required=True, help="results JSON (cases already in it are kept, not rerun)")
@@ -944,7 +1066,7 @@ def main(argv=None):
     r.add_argument("--command", dest="run_command", required=True)
     args = ap.parse_args(argv)
     if args.command == "build-native":
-        print(json.dumps(build_native(args.out, args.arch), indent=1))
+        print(json.dumps(build_native(args.out, args.arch, fa4=args.fa4), indent=1))
     elif args.command == "kernels":
         bench_kernels(args)
         print(f"wrote {args.out}")

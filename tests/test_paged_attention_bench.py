@@ -150,3 +150,31 @@ def test_kernels_command_parses_its_options(bench, monkeypatch, tmp_path):
 def test_error_text_keeps_the_reason_not_the_paths(bench):
     e = RuntimeError("Error in function 'operator()' at /a/b/c.cache/gen/batch_decode.cu:63: Unsupported group_size: 71")
     assert bench._error_text(e) == "RuntimeError: Error in function 'operator()' at batch_decode.cu:63: Unsupported group_size: 71"
+
+
+def test_fa4_ragged_variant_is_counted_and_tabled(bench):
+    res = _results()
+    rag = res["cases"][-1]
+    rag["us"]["ours_fa4"], rag["tflops"]["ours_fa4"], rag["ok"]["ours_fa4"] = 6.0, 600.0, True
+    g = bench.goals(res)
+    assert g["ragged_fa4_cases"] == 1 and g["ragged_fa4_at_least_best"] == 1
+    assert g["ragged_fa4_worst_vs_flashinfer"] == pytest.approx(600.0 / 500.0)
+    text = bench.report(res, {"commit": "abc123", "date": "2026-12-02", "command": "python x"})
+    assert "| gqa64_8_d128 | float16 | 8 | 400.0 (10) | 333.0 (12) | 500.0 (8) | 600.0 (6) | 0.80 | 1.20 |" in text
+    assert "(`ours_fa4`) at least FlashInfer's fastest TFLOP/s: 1 of 1" in text
+    rag["ok"]["ours_fa4"] = False  # a wrong output (or LSE) is not counted as fast
+    assert bench.goals(res)["ragged_fa4_at_least_best"] == 0
+
+
+def test_fa4_ragged_objects_cover_every_shape_and_the_shim_indexes_them(bench):
+    from mqa_byoc.kernels import hopper
+
+    labels = bench.fa4_ragged_labels()
+    assert len(labels) == 12 and labels == sorted(labels)
+    assert {"fp16 h128 g8 varlen_causal", "bf16 h128 g4 varlen", "fp16 h64 g71 varlen_causal"} <= set(labels)
+    src = bench.fa4_shim(labels)
+    table = src[src.index("table[12] = {"):].split("}", 1)[0]
+    assert table.count("&__tvm_ffi_") == 12
+    # the table's order is the labels' order (the benchmark passes an index)
+    for i, label in enumerate(labels):
+        assert table.split(", ")[i].endswith(hopper.HopperKernelKey.parse(label).symbol)

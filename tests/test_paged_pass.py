@@ -68,6 +68,8 @@ def test_report_serves_prefill_decode_ragged_and_keeps_the_rest(gqa):
             assert d.symbol == f"mqa_byoc_paged_{SERVED[d.kernel]}_h8kv2d64p256_fp16"
             if d.kernel == MERGE:
                 assert "replaces TVM's TIR merge_state" in d.note and "merges 8 of 8" in d.note
+            elif d.kernel == "batch_prefill_ragged_kv":  # the native provider: FA2's var-len forward
+                assert d.note == "FA2 var-len forward; create the cache with page_size=256, support_sliding_window=0"
             else:
                 assert d.note == "create the cache with page_size=256, support_sliding_window=0"
         else:
@@ -231,7 +233,7 @@ def test_merge_is_replaced_for_71_heads_and_the_report_says_why():
     assert merge.offloaded and merge.symbol == "mqa_byoc_paged_merge_h71kv1d64p256_fp16"
     assert "merges 70 of 71" in merge.note and "every (row, head)" in merge.note
     line = [x for x in format_paged_report(paged_kv_cache_report(mod)).splitlines() if MERGE in x]
-    assert line and "-> FA2 mqa_byoc_paged_merge_h71kv1d64p256_fp16" in line[0] and "70 of 71" in line[0]
+    assert line and "-> mqa_byoc_paged_merge_h71kv1d64p256_fp16" in line[0] and "70 of 71" in line[0]
     after = UseFlashAttentionForPagedKVCache()(mod)
     assert MERGE not in {gv.name_hint for gv in after.get_global_vars()}
     src = after.attrs["external_mods"][0].inspect_source()
@@ -251,3 +253,71 @@ def test_mla_cache_keeps_both_merges(gqa):
     assert len(merges) == 2 and not any(d.offloaded for d in merges)
     assert all("MLA" in d.reason for d in merges)
     tvm.ir.assert_structural_equal(UseFlashAttentionForPagedKVCache()(mod), mod)
+
+
+def test_hopper_provider_runs_the_ragged_prefill_on_fa4_varlen():
+    from mqa_byoc.kernels import hopper
+
+    mod = _module(num_q_heads=8, num_kv_heads=1, head_dim=128)
+    notes = {d.kernel: d.note for d in paged_kv_cache_report(mod, provider="hopper")}
+    if hopper.compiler_available() or hopper.prebuilt_dirs("sm_90"):
+        assert notes["batch_prefill_ragged_kv"].startswith(f"FA4 sm90 var-len forward (flash-attn-4 {hopper.FA4_VERSION}, group 8)")
+    else:
+        assert "hopper provider: flash-attn-4" in notes["batch_prefill_ragged_kv"]
+    # the other entries are the native provider's
+    native = {d.kernel: d.note for d in paged_kv_cache_report(mod)}
+    assert {k: v for k, v in notes.items() if k != "batch_prefill_ragged_kv"} == {
+        k: v for k, v in native.items() if k != "batch_prefill_ragged_kv"}
+    assert native["batch_prefill_ragged_kv"].startswith("FA2 var-len forward;")
+    if not (hopper.compiler_available() or hopper.prebuilt_dirs("sm_90")):
+        return
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90"}):
+        served = UseFlashAttentionForPagedKVCache(provider="hopper")(mod)
+    (ext,) = served.attrs["external_mods"]
+    src = ext.inspect_source()
+    assert "// mqa_byoc-hopper-kernels: fp16 h128 g8 varlen; fp16 h128 g8 varlen_causal" in src
+    assert src.count("mqa_byoc_fa4_ragged_forward(") == 2  # declared, called in the ragged entry only
+    assert "__tvm_ffi_mqa_byoc_fa4_sm90_fp16_h128_g8_varlen_causal" in src
+    # the native provider's source has no FA4 at all
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90"}):
+        (plain,) = UseFlashAttentionForPagedKVCache()(mod).attrs["external_mods"]
+    assert "fa4" not in plain.inspect_source()
+
+
+def test_hopper_provider_keeps_fa2_for_head_dims_without_fa4_objects():
+    mod = _module(num_q_heads=8, num_kv_heads=2, head_dim=256)
+    (note,) = [d.note for d in paged_kv_cache_report(mod, provider="hopper") if d.kernel == "batch_prefill_ragged_kv"]
+    assert note.startswith("FA2 var-len forward (hopper provider: head dim 256 has no FA4 object")
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90"}):
+        (ext,) = UseFlashAttentionForPagedKVCache(provider="hopper")(mod).attrs["external_mods"]
+    assert "fa4" not in ext.inspect_source()
+    # an arch FA4's objects are not built for: FA2, and the report says why
+    (note,) = [d.note for d in paged_kv_cache_report(_module(num_q_heads=8, num_kv_heads=1, head_dim=128),
+                                                     provider="hopper", arch="sm_80") if d.kernel == "batch_prefill_ragged_kv"]
+    assert "hopper provider: FA4's Hopper kernel needs sm_90" in note
+
+
+def test_paged_provider_argument_is_checked(gqa):
+    with pytest.raises(ValueError, match="python provider has no PagedKVCache attention"):
+        UseFlashAttentionForPagedKVCache(provider="python")
+    with pytest.raises(ValueError, match="provider"):
+        paged_kv_cache_report(gqa, provider="cudnn")
+
+
+@pytest.mark.skipif(graphs.native_export_skip_reason() is not None, reason=str(graphs.native_export_skip_reason()))
+def test_hopper_paged_module_links_the_fa4_varlen_objects(tmp_path):
+    import mqa_byoc
+    from mqa_byoc.kernels import hopper
+
+    if not (hopper.compiler_available() or hopper.prebuilt_dirs("sm_90")):
+        pytest.skip(f"no FA4 objects and no compiler for them ({hopper.install_hint()})")
+    mod = _module(num_q_heads=8, num_kv_heads=1, head_dim=128)
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    with target:
+        served = UseFlashAttentionForPagedKVCache(provider="hopper")(mod)
+    lib = tmp_path / "paged_hopper.so"
+    mqa_byoc.export_library(tvm.compile(served, target=target), lib, arch="sm_90", build=False, progress=None)
+    symbols = subprocess.run(["nm", str(lib)], capture_output=True, text=True).stdout
+    for sym in ("__tvm_ffi_mqa_byoc_fa4_sm90_fp16_h128_g8_varlen", "__tvm_ffi_mqa_byoc_fa4_sm90_fp16_h128_g8_varlen_causal",
+                "mqa_byoc_fa4_ragged_forward", "mqa_byoc_fa2_paged_lse_to_tvm", "mqa_byoc_fa2_ragged_forward"):
+        assert f" {sym}\n" in symbols, sym

@@ -77,6 +77,28 @@ def test_paged_build_passes_the_logits_choice(tmp_path, monkeypatch, extra, want
     assert seen["logits"] == want
 
 
+@pytest.mark.parametrize("extra, want", [([], "native"), (["--provider", "hopper"], "hopper")])
+def test_paged_build_passes_the_provider(tmp_path, monkeypatch, capsys, extra, want):
+    """--provider hopper puts the paged library's ragged prefill on FA4; the build says so."""
+    from mqa_byoc.models import decoder_libs
+
+    seen = {}
+    monkeypatch.setattr(decoder_libs, "build_paged_decoder_libraries", lambda *a, **kw: seen.update(kw))
+    assert cli.main(["profile", "build", "--kv-cache", "paged", "--out", str(tmp_path / "o"), *extra]) == 0
+    assert seen["provider"] == want
+    assert ("ragged prefill on FA4" in capsys.readouterr().out) == (want == "hopper")
+
+
+def test_paged_build_refuses_the_python_provider_in_the_api(tmp_path):
+    pytest.importorskip("tvm.relax")
+    from mqa_byoc.models.decoder_libs import build_paged_decoder_libraries
+    from mqa_byoc.models.presets import get_preset, scaled
+
+    with pytest.raises(ValueError, match="provider must be 'native' or 'hopper'"):
+        build_paged_decoder_libraries(scaled(get_preset("llama3-8b"), num_layers=1), str(tmp_path), provider="python",
+                                      progress=None)
+
+
 def test_paged_build_refuses_an_unknown_logits_choice(tmp_path):
     pytest.importorskip("tvm.relax")
     from mqa_byoc.models.decoder_libs import build_paged_decoder_libraries

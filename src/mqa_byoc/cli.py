@@ -69,7 +69,7 @@ def _profile_parser(sub):
                         "separate: q/k/v and gate/up projections (Hugging Face's); not with --kv-cache paged")
     b.add_argument("--provider", default="native", choices=list(PROVIDERS),
                    help="kernel provider (hopper: FA4's sm90 kernel for prefill, native's for decode; sm_90 "
-                        "only; --kv-cache paged: native only)")
+                        "only; --kv-cache paged: native, or hopper for its ragged prefill on FA4)")
     b.add_argument("--arch", default="sm_90")
     b.add_argument("--logits", default=None, choices=["last", "all"],
                    help="prefill returns the last position's logits (serving; the default) or all of them "
@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _paged_build_conflicts(args) -> list[str]:
     """The ``profile build`` options that do not apply to ``--kv-cache paged``, as given."""
-    bad = [f"--provider {args.provider}"] if args.provider != "native" else []
+    bad = [f"--provider {args.provider}"] if args.provider not in ("native", "hopper") else []
     bad += [f"--kv-expand {args.kv_expand}"] if args.kv_expand is not None else []
     bad += [f"--projections {args.projections}"] if args.projections != "fused" else []
     return bad
@@ -230,17 +230,19 @@ def _profile_build_paged(args, config) -> int:
 
     bad = _paged_build_conflicts(args)
     if bad:
-        print(f"mqa-byoc profile build: error: {', '.join(bad)} does not apply to --kv-cache paged (its FA2 "
-              "entries are native code, its attention takes the cache's K/V heads, its projections are "
-              "fused)", file=sys.stderr)
+        print(f"mqa-byoc profile build: error: {', '.join(bad)} does not apply to --kv-cache paged (its "
+              "entries are native code: --provider native or hopper; its attention takes the cache's K/V heads, "
+              "its projections are fused)", file=sys.stderr)
         return 2
-    print(_describe_build(args, config, "paged KV cache (TVM's PagedKVCache): attention on FA2 (mqa=True) and "
+    on = "FA2" + (" (ragged prefill on FA4, hopper provider)" if args.provider == "hopper" else "")
+    print(_describe_build(args, config, f"paged KV cache (TVM's PagedKVCache): attention on {on} (mqa=True) and "
                                         "on TVM's TIR kernels (mqa=False)"), flush=True)
     try:
         build_paged_decoder_libraries(config, args.out, dtype=args.dtype, arch=args.arch,
                                       extra={"preset": args.preset, "gemm": not args.no_gemm},
                                       progress=lambda m: print(m, flush=True), gemm=not args.no_gemm,
-                                      cuda_graph=args.cuda_graph, logits=args.logits or "last")
+                                      cuda_graph=args.cuda_graph, logits=args.logits or "last",
+                                      provider=args.provider)
     except ValueError as e:  # a sliding-window preset
         print(f"mqa-byoc profile build: error: {e}", file=sys.stderr)
         return 2

@@ -81,8 +81,14 @@ def _models(env, name):
     case = MANIFEST[name]
     if name not in _LOADED:
         _LOADED[name] = {impl: PagedModel(tvm, torch, ARTIFACTS / case["libraries"][impl], case, impl)
-                         for impl in ("tir", "fa2")}
+                         for impl in ("tir", *_ours(case))}
     return _LOADED[name]
+
+
+def _ours(case) -> list[str]:
+    """Our libraries of a case: ``fa2`` (native provider) and, where built, ``fa4`` (hopper provider: the
+    ragged prefill on FA4's var-len forward)."""
+    return [impl for impl in ("fa2", "fa4") if impl in case["libraries"]]
 
 
 def _rel(torch, got, want) -> float:
@@ -126,15 +132,18 @@ def test_paged_attention_matches_reference_and_tir(env, name, batch):
             m.end(caches[impl])
         torch.cuda.synchronize()
         errs = {impl: _rel(torch, o, want) for impl, o in outs.items()}
-        errs["fa2_vs_tir"] = _rel(torch, outs["fa2"], outs["tir"].float())
+        ours = _ours(MANIFEST[name])
+        for impl in ours:
+            errs[f"{impl}_vs_tir"] = _rel(torch, outs[impl], outs["tir"].float())
         record[step] = {k: round(v, 6) for k, v in errs.items()}
-        assert errs["fa2"] < TOL, f"{name} batch {batch} {step}: FA2 vs fp32 reference {errs}"
-        # FA2 vs TIR only where TIR matches the reference: in prefill_chunk2 of mqa71_1_d64 TVM's TIR merge_state
-        # leaves head 70 unmerged (its grid is 2 blocks of 35 heads; fa2.so runs our merge, which covers every head)
-        if errs["tir"] < TOL:
-            assert errs["fa2_vs_tir"] < 2 * TOL, f"{name} batch {batch} {step}: FA2 vs TIR {errs}"
-        else:  # recorded, not hidden: the results say where TIR was off the reference
-            record[step]["fa2_vs_tir_not_asserted"] = "TIR differs from the fp32 reference"
+        for impl in ours:
+            assert errs[impl] < TOL, f"{name} batch {batch} {step}: {impl} vs fp32 reference {errs}"
+            # ours vs TIR only where TIR matches the reference: in prefill_chunk2 of mqa71_1_d64 TVM's TIR
+            # merge_state leaves head 70 unmerged (its grid is 2 blocks of 35 heads; ours merge every head)
+            if errs["tir"] < TOL:
+                assert errs[f"{impl}_vs_tir"] < 2 * TOL, f"{name} batch {batch} {step}: {impl} vs TIR {errs}"
+        if errs["tir"] >= TOL:  # recorded, not hidden: the results say where TIR was off the reference
+            record[step]["vs_tir_not_asserted"] = "TIR differs from the fp32 reference"
     RESULTS.setdefault("attention", {})[f"{name}/b{batch}"] = record
 
 
@@ -169,7 +178,8 @@ def test_paged_decoder_logits_match_tir(env, name):
     ref = DecoderReference(torch, cfg, models["fa2"].weights)
     want = [ref.step(seqs, lens, prompt)] + [ref.step(seqs, [1] * len(lens), ids) for ids in steps]
     errs = {impl: [_rel(torch, g, w) for g, w in zip(logits[impl], want)] for impl in logits}
-    errs["fa2_vs_tir"] = [_rel(torch, f, t) for f, t in zip(logits["fa2"], logits["tir"])]
+    for impl in _ours(MANIFEST[name]):
+        errs[f"{impl}_vs_tir"] = [_rel(torch, f, t) for f, t in zip(logits[impl], logits["tir"])]
     # per sequence (prefill: its tokens; decode: its row), FA2 vs the oracle: where an error sits
     bounds = [sum(lens[:i]) for i in range(len(lens) + 1)]
     errs["fa2_per_sequence"] = [[_rel(torch, logits["fa2"][0][:, bounds[i]:bounds[i + 1]], want[0][:, bounds[i]:bounds[i + 1]])
@@ -178,7 +188,8 @@ def test_paged_decoder_logits_match_tir(env, name):
     RESULTS.setdefault("decoder", {})[name] = {k: [v if isinstance(v, list) else round(v, 6) for v in vs]
                                                for k, vs in errs.items()}
     tol = DECODER_TOL[cfg.get("dtype", "float16")]
-    for i, (f_t, f_ref, t_ref) in enumerate(zip(errs["fa2_vs_tir"], errs["fa2"], errs["tir"])):
-        # the unrewritten library is the baseline; where FA2 and TIR part, FA2 must be the one nearer the math
-        assert f_t < tol or f_ref <= t_ref, (f"{name} step {i}: decoder logits FA2 vs TIR {f_t:.4f} (tolerance "
-                                            f"{tol}) and FA2 farther from the fp32 decoder than TIR: {errs}")
+    for impl in _ours(MANIFEST[name]):
+        for i, (f_t, f_ref, t_ref) in enumerate(zip(errs[f"{impl}_vs_tir"], errs[impl], errs["tir"])):
+            # the unrewritten library is the baseline; where ours and TIR part, ours must be the nearer the math
+            assert f_t < tol or f_ref <= t_ref, (f"{name} step {i}: decoder logits {impl} vs TIR {f_t:.4f} (tolerance "
+                                                f"{tol}) and {impl} farther from the fp32 decoder than TIR: {errs}")

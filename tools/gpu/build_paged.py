@@ -6,7 +6,9 @@
 For each case, :class:`mqa_byoc.models.paged_llama.PagedLlama` (``relax.frontend.nn`` with a
 ``TIRPagedKVCache``) twice: ``tir.so`` as TVM builds it (TVM's TIR attention kernels, page size 16)
 and ``fa2.so`` after :class:`~mqa_byoc.compiler.paged.UseFlashAttentionForPagedKVCache` (FA2, page
-size = FA2's tile for the head dim) with its GEMMs on cuBLASLt (``offload_gemms``), exported with :func:`mqa_byoc.export_library`. RoPE mode NONE,
+size = FA2's tile for the head dim) with its GEMMs on cuBLASLt (``offload_gemms``), exported with :func:`mqa_byoc.export_library`;
+and ``fa4.so``, the same with ``provider="hopper"`` (the ragged prefill on FA4's var-len forward) where
+the hopper provider can have its objects (flash-attn-4 installed, or prebuilt). RoPE mode NONE,
 so that the test's fp32 reference needs no RoPE (the attention is what is compared). ``manifest.json``
 holds the config, page sizes, parameter shapes and the pass's report per case.
 """
@@ -42,8 +44,9 @@ def build(out: Path, arch: str, names=None) -> None:
     import tvm
 
     import mqa_byoc
-    from mqa_byoc.compiler.paged.transform import (UseFlashAttentionForPagedKVCache, format_paged_report, page_unit,
-                                                   paged_kv_cache_report)
+    from mqa_byoc.compiler.paged.codegen import PagedConfig
+    from mqa_byoc.compiler.paged.transform import (UseFlashAttentionForPagedKVCache, fa4_ragged_reason,
+                                                   format_paged_report, page_unit, paged_kv_cache_report)
     from mqa_byoc.compiler.build import offload_gemms
     from mqa_byoc.models.paged_llama import PagedLlamaConfig, export_paged_llama
 
@@ -59,21 +62,29 @@ def build(out: Path, arch: str, names=None) -> None:
         mod, params, _ext = export_paged_llama(cfg, target)
         fa2_page = page_unit(cfg.head_dim)
         report = paged_kv_cache_report(mod, fa2_page)
+        paged_config = PagedConfig(cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, fa2_page)
         served = sorted(d.kernel for d in report if d.offloaded)
         if served != ["batch_decode_paged_kv", "batch_prefill_paged_kv", "batch_prefill_ragged_kv",
                       "tir_attention_merge_state"]:
             raise SystemExit(f"{name}: not served as expected:\n{format_paged_report(report)}")
-        with target:
-            fa2_mod = UseFlashAttentionForPagedKVCache(page_size=fa2_page)(mod)
-        fa2_mod = offload_gemms(fa2_mod, target)  # and its GEMMs on cuBLASLt (tir.so: TVM's own throughout)
         case_dir = out / name
         case_dir.mkdir(parents=True, exist_ok=True)
         tvm.compile(mod, target=target).export_library(str(case_dir / "tir.so"))
-        mqa_byoc.export_library(tvm.compile(fa2_mod, target=target), case_dir / "fa2.so", arch=arch, build=False)
+        libs = {"fa2": "native"}
+        if fa4_ragged_reason(paged_config, "hopper", arch) is None:
+            libs["fa4"] = "hopper"
+        else:
+            print(f"[build_paged] {name}: no fa4.so ({fa4_ragged_reason(paged_config, 'hopper', arch)})", flush=True)
+        for impl, provider in libs.items():
+            with target:
+                lib_mod = UseFlashAttentionForPagedKVCache(page_size=fa2_page, provider=provider)(mod)
+            lib_mod = offload_gemms(lib_mod, target)  # and its GEMMs on cuBLASLt (tir.so: TVM's own throughout)
+            mqa_byoc.export_library(tvm.compile(lib_mod, target=target), case_dir / f"{impl}.so", arch=arch,
+                                    build=False)
         manifest[name] = {
             "config": dataclasses.asdict(cfg),
-            "page_size": {"tir": TIR_PAGE, "fa2": fa2_page},
-            "libraries": {"tir": f"{name}/tir.so", "fa2": f"{name}/fa2.so"},
+            "page_size": {"tir": TIR_PAGE, **{impl: fa2_page for impl in libs}},
+            "libraries": {"tir": f"{name}/tir.so", **{impl: f"{name}/{impl}.so" for impl in libs}},
             "params": [[pname, [int(s) for s in p.shape], str(p.dtype)] for pname, p in params],
             "report": format_paged_report(report).splitlines(),
             "build_seconds": round(time.time() - t0, 1),

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from .errors import NativeKernelsUnavailable
 from .keys import normalize_arch, normalize_dtype
-from .paths import DISPATCH_HEADER, GQA_DECODE_HEADER, NATIVE_DIR, cache_root
+from .paths import DISPATCH_HEADER, GQA_DECODE_HEADER, NATIVE_DIR, PAGED_HEADER, cache_root
 
 #: the flash-attn-4 release whose kernel the objects hold (pinned: its compile interface is internal)
 FA4_VERSION = "4.0.0b36"
@@ -41,8 +41,13 @@ PIP_REQUIREMENTS = (f"flash-attn-4=={FA4_VERSION}", f"nvidia-cutlass-dsl[cu13]==
 HEAD_DIMS = (64, 128)
 #: "none": no mask; "causal": bottom-right causal; "local": a sliding window (both bounds at run time);
 #: "splitkv": no mask, K/V var-len (cu_seqlens_k) and the LSE written: one query row per chunk of the
-#: keys, the split-KV decode of ``native/fa4_decode.cu`` (FA4's sm90 path has none of its own)
-MASKS = ("none", "causal", "local", "splitkv")
+#: keys, the split-KV decode of ``native/fa4_decode.cu`` (FA4's sm90 path has none of its own);
+#: "varlen" / "varlen_causal": query and K/V var-len (cu_seqlens_q, cu_seqlens_k), the LSE written, no
+#: mask / bottom-right causal: the ragged prefill of TVM's PagedKVCache (FA4's var-len tile scheduler
+#: maps the tiles to sequences on the GPU, so no host-side longest length is needed)
+MASKS = ("none", "causal", "local", "splitkv", "varlen", "varlen_causal")
+#: the var-len masks (their objects take q, k, v, out, lse, scale, cu_seqlens_q, cu_seqlens_k)
+VARLEN_MASKS = ("varlen", "varlen_causal")
 #: arches the objects are built for (FA4's sm90 path needs sm_90a)
 ARCHES = ("sm_90",)
 #: marker line of the native wrappers that call an FA4 object; export reads it back
@@ -51,6 +56,7 @@ MANIFEST = "manifest.json"
 RUNTIME_ARCHIVE = "libcuda_dialect_runtime_static.a"
 GLUE_SOURCE = NATIVE_DIR / "fa4_glue.cc"
 DECODE_SOURCE = NATIVE_DIR / "fa4_decode.cu"
+RAGGED_SOURCE = NATIVE_DIR / "fa4_ragged.cu"
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -92,8 +98,9 @@ class HopperKernelKey:
     @property
     def num_args(self) -> int:
         """Arguments of the exported function: q, k, v, out, scale (+ window_left, window_right;
-        splitkv: q, k, v, out, lse, scale, cu_seqlens_k)."""
-        return {"local": 7, "splitkv": 7}.get(self.mask, 5)
+        splitkv: q, k, v, out, lse, scale, cu_seqlens_k; varlen: q, k, v, out, lse, scale, cu_seqlens_q,
+        cu_seqlens_k)."""
+        return {"local": 7, "splitkv": 7, "varlen": 8, "varlen_causal": 8}.get(self.mask, 5)
 
     @classmethod
     def parse(cls, label: str) -> HopperKernelKey:
@@ -239,7 +246,8 @@ def build_objects(
 
 def support_objects(arch: str = "sm_90", progress: Callable[[str], None] | None = print) -> list[Path]:
     """Our sources around the FA4 objects, compiled (seconds) and cached by content: ``fa4_glue.cc``
-    (the DSL's error hooks) and ``fa4_decode.cu`` (the split-KV decode: prepare and combine kernels)."""
+    (the DSL's error hooks), ``fa4_decode.cu`` (the split-KV decode: prepare and combine kernels) and
+    ``fa4_ragged.cu`` (the PagedKVCache's ragged prefill: host code around a "varlen" object)."""
     import tvm_ffi.libinfo
 
     from .build import gencode_flags, source_object
@@ -256,6 +264,8 @@ def support_objects(arch: str = "sm_90", progress: Callable[[str], None] | None 
                       includes=cuda_include, progress=progress),
         source_object(DECODE_SOURCE, arch, gencode_flags(arch), subdir="fa4",
                       inputs=(DISPATCH_HEADER, GQA_DECODE_HEADER), includes=ffi_includes, progress=progress),
+        source_object(RAGGED_SOURCE, arch, gencode_flags(arch), subdir="fa4",
+                      inputs=(DISPATCH_HEADER, PAGED_HEADER), includes=ffi_includes, progress=progress),
     ]
 
 

@@ -29,6 +29,7 @@ from mqa_byoc.kernels.hopper import (  # noqa: E402
     CUTLASS_DSL_VERSION,
     FA4_VERSION,
     RUNTIME_ARCHIVE,
+    VARLEN_MASKS,
     HopperKernelKey,
     write_manifest,
 )
@@ -58,7 +59,14 @@ def _configured_kernel(fi, torch, key: HopperKernelKey):
     fi.cute.compile = intercept
     try:
         with FakeTensorMode():
-            if key.mask == "splitkv":  # 16 chunks of 1024 keys, one query row each
+            if key.mask in VARLEN_MASKS:  # 2 sequences of 2048 rows (prefill-sized: FA4's two query stages)
+                q = torch.empty(4096, heads_kv * key.group, key.head_dim, dtype=dtype, device="cuda")
+                k = torch.empty(4096, heads_kv, key.head_dim, dtype=dtype, device="cuda")
+                cu = torch.empty(3, dtype=torch.int32, device="cuda")
+                fi._flash_attn_fwd(q, k, k.clone(), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=2048,
+                                   max_seqlen_k=2048, causal=key.mask == "varlen_causal", return_lse=True,
+                                   disable_scheduler_metadata=True, _arch=90)
+            elif key.mask == "splitkv":  # 16 chunks of 1024 keys, one query row each
                 q = torch.empty(16, 1, heads_kv * key.group, key.head_dim, dtype=dtype, device="cuda")
                 k = torch.empty(16 * 1024, heads_kv, key.head_dim, dtype=dtype, device="cuda")
                 cu = torch.empty(17, dtype=torch.int32, device="cuda")
@@ -86,11 +94,22 @@ def compile_key(key: HopperKernelKey, out_dir: Path) -> dict:
     t0 = time.time()
     (args, kwargs) = _configured_kernel(fi, torch, key)
     # positions of FlashAttentionForwardSm90.__call__'s compile arguments in flash-attn-4 4.0.0b36
-    kernel, q, k, v, o, lse, cu_k, stream = args[0], args[1], args[2], args[3], args[4], args[5], args[8], args[-1]
+    kernel, q, k, v, o, lse, cu_q, cu_k, stream = (args[0], args[1], args[2], args[3], args[4], args[5], args[7],
+                                                   args[8], args[-1])
     if type(kernel).__name__ != "FlashAttentionForwardSm90":
         raise RuntimeError(f"{key.label}: flash-attn-4 chose {type(kernel).__name__}, not the sm90 kernel")
 
-    if key.mask == "splitkv":
+    if key.mask in VARLEN_MASKS:
+        @cute.jit
+        def entry(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                  softmax_scale: cutlass.Float32, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+                  stream: cuda.CUstream):
+            kernel(mQ, mK, mV, mO, mLSE, softmax_scale, mCuSeqlensQ, mCuSeqlensK, None, None, None, None, None,
+                   None, None, AuxData(), None, None, stream)
+
+        fn = cute.compile(entry, q, k, v, o, lse, cutlass.Float32(1.0), cu_q, cu_k, stream,
+                          options=kwargs.get("options", "--enable-tvm-ffi"))
+    elif key.mask == "splitkv":
         @cute.jit
         def entry(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                   softmax_scale: cutlass.Float32, mCuSeqlensK: cute.Tensor, stream: cuda.CUstream):
@@ -116,7 +135,7 @@ def compile_key(key: HopperKernelKey, out_dir: Path) -> dict:
                    None, None, AuxData(), None, None, stream)
 
         extra = ()
-    if key.mask != "splitkv":
+    if key.mask not in ("splitkv", *VARLEN_MASKS):
         fn = cute.compile(entry, q, k, v, o, cutlass.Float32(1.0), *extra, stream,
                           options=kwargs.get("options", "--enable-tvm-ffi"))
     return _export(fn, key, out_dir, kernel, t0)

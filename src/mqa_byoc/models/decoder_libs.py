@@ -191,6 +191,7 @@ def build_paged_decoder_libraries(
     gemm: bool = True,
     cuda_graph: bool = False,
     logits: str = "last",
+    provider: str = "native",
 ) -> list[str]:
     """Build ``config`` as :class:`~mqa_byoc.models.paged_llama.PagedLlama` (``relax.frontend.nn`` on TVM's
     PagedKVCache) once per mode; returns the exported library paths.
@@ -234,6 +235,8 @@ def build_paged_decoder_libraries(
     progress = progress or (lambda _msg: None)
     if logits not in ("last", "all"):
         raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
+    if provider not in ("native", "hopper"):
+        raise ValueError(f"provider must be 'native' or 'hopper' for the paged decoder, got {provider!r}")
     pcfg = paged_config_of(config, dtype)
     target = tvm.target.Target({"kind": "cuda", "arch": arch})
     mod, params, _ext = export_paged_llama(pcfg, target)
@@ -252,7 +255,7 @@ def build_paged_decoder_libraries(
         path = os.path.join(out_dir, paged_library_name(config.name, mqa))
         if mqa:
             with target:
-                lib_mod = UseFlashAttentionForPagedKVCache(page_size=fa2_page)(mod)
+                lib_mod = UseFlashAttentionForPagedKVCache(page_size=fa2_page, provider=provider)(mod)
         else:
             lib_mod = mod
         gemm_sites = 0
@@ -274,7 +277,7 @@ def build_paged_decoder_libraries(
         write_sidecar(path, config, spec, dtype, {
             "mqa": bool(mqa), "kv_cache": "paged", "paged_attention": PAGED_ATTENTION[bool(mqa)],
             "page_size": fa2_page if mqa else TVM_TIR_PAGE_SIZE, "paged_config": dataclasses.asdict(pcfg),
-            "paged_served": served if mqa else [], **({"provider": "native"} if mqa else {}),
+            "paged_served": served if mqa else [], **({"provider": provider} if mqa else {}),
             "gemm_offloaded": gemm_sites, **({"cuda_graph": True} if cuda_graph else {}),
             "functions": ["prefill", "batch_prefill", "decode"], "arch": arch, "logits": logits,
             "num_heads": config.num_heads,

@@ -269,9 +269,20 @@ struct DeviceGuard {
 
 extern "C" const char* mqa_byoc_fa2_paged_last_error(void) { return g_error.c_str(); }
 
+#define MQA_BYOC_PAGED_EXPORT __attribute__((visibility("default")))
+
+// FA-style LSE (element (r, h) at r * row_stride + h * head_stride, natural log) -> TVM's compact base-2
+// (rows, heads), on `stream`: for var-len kernels outside this file (fa4_ragged.cu).
+extern "C" MQA_BYOC_PAGED_EXPORT int mqa_byoc_fa2_paged_lse_to_tvm(const float* in, int64_t rows, int64_t heads,
+                                                                    int64_t row_stride, int64_t head_stride,
+                                                                    float* lse, void* stream) {
+  const int64_t no_out_stride[2] = {0, 0};
+  return finish(in, rows, heads, row_stride, head_stride, lse, nullptr, nullptr, 0, nullptr, no_out_stride, 0, 0,
+                static_cast<cudaStream_t>(stream));
+}
+
 // Host twins of the two bridging kernels (same per-element rules), for the CPU tests (exported so
 // that a test can load them with ctypes).
-#define MQA_BYOC_PAGED_EXPORT __attribute__((visibility("default")))
 extern "C" MQA_BYOC_PAGED_EXPORT void mqa_byoc_fa2_paged_host_block_table(
     const int32_t* page_indptr, const int32_t* page_values, const int32_t* last_page_len, int64_t batch,
     int page_size, int stride, int32_t* table, int32_t* seqlens_k, int32_t* empty) {

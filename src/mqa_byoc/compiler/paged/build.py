@@ -17,7 +17,7 @@ from mqa_byoc.kernels.toolchain import FLASH_NAMESPACE
 #: the line a paged wrapper's source carries so that export links :func:`paged_object`
 PAGED_MARKER = "// mqa_byoc-paged: fa2_paged"
 PAGED_SOURCE = _paths.NATIVE_DIR / "fa2_paged.cu"
-PAGED_HEADER = _paths.NATIVE_DIR / "fa2_paged.h"
+PAGED_HEADER = _paths.PAGED_HEADER
 
 
 def paged_flags(arch: str) -> list[str]:

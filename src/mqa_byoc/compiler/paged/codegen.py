@@ -18,7 +18,10 @@ merge       v, s, v_other, s_other (``_merge_state_inplace``: in place into v, s
 Each checks its tensors against the cache's heads, head dim and dtype (baked in) and calls the C API
 of ``mqa_byoc/native/fa2_paged.h``, linked in by :func:`mqa_byoc.export_library` (marker
 :data:`~mqa_byoc.compiler.paged.build.PAGED_MARKER`, kernel families in the usual marker line).
-This module does not import TVM.
+With ``fa4_ragged`` (the hopper provider) the ragged entry runs FA4's sm90 var-len forward instead
+(``native/fa4_ragged.cu`` around the "varlen" / "varlen_causal" objects of
+:func:`fa4_ragged_keys`, named in the hopper marker line), and FA2 when the operands are not aligned
+for FA4's TMA loads. This module does not import TVM.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 
 from mqa_byoc.compiler.paged.build import PAGED_MARKER
 from mqa_byoc.kernels import KernelKey, kernel_head_dim, marker_line
+from mqa_byoc.kernels import hopper as _hopper
 
 #: the attention entries served, by the ``global_symbol`` of TVM's TIR kernel
 KINDS = {"batch_prefill_paged_kv": "prefill", "batch_decode_paged_kv": "decode",
@@ -61,15 +65,35 @@ class PagedConfig:
         return tuple(sorted({KernelKey(hd, dt, c, s) for k in kinds for c, s in _FAMILIES[k]}))
 
 
-def emit_paged_source(cfg: PagedConfig, kinds) -> str:
-    """C++ of the TVM-FFI functions for ``kinds`` (a subset of prefill / decode / ragged / merge) of ``cfg``."""
+def fa4_ragged_keys(cfg: PagedConfig) -> tuple:
+    """The FA4 objects of the ragged entry on the hopper provider: (non-causal, causal) var-len
+    (TVM passes causal at run time), or () when FA4 has no object for the cache's head dim."""
+    if cfg.head_dim not in _hopper.HEAD_DIMS or cfg.dtype not in _DTYPES:
+        return ()
+    group = cfg.num_q_heads // cfg.num_kv_heads
+    return tuple(_hopper.HopperKernelKey(_DTYPES[cfg.dtype][0], cfg.head_dim, group, m) for m in _hopper.VARLEN_MASKS)
+
+
+def emit_paged_source(cfg: PagedConfig, kinds, fa4_ragged: bool = False) -> str:
+    """C++ of the TVM-FFI functions for ``kinds`` (a subset of prefill / decode / ragged / merge) of
+    ``cfg``; ``fa4_ragged``: the ragged entry on FA4 (:func:`fa4_ragged_keys` must have its objects)."""
     if cfg.dtype not in _DTYPES:
         raise ValueError(f"paged FA2 supports {tuple(_DTYPES)}, got {cfg.dtype!r}")
+    fa4_keys = fa4_ragged_keys(cfg) if fa4_ragged and "ragged" in kinds else ()
+    if fa4_ragged and "ragged" in kinds and not fa4_keys:
+        raise ValueError(f"no FA4 var-len object for head dim {cfg.head_dim} (FA4 objects: {_hopper.HEAD_DIMS})")
     short, code, is_bf16 = _DTYPES[cfg.dtype]
-    body = _PRELUDE
+    body = _PRELUDE + (_FA4_RAGGED_DECL if fa4_keys else "")
     for kind in sorted(set(kinds)):
-        body += _BODIES[kind].replace("@SYMBOL@", cfg.symbol(kind))
-    fields = {"@MARKER@": marker_line(cfg.kernel_keys(kinds)), "@PAGED@": PAGED_MARKER, "@H@": str(cfg.num_q_heads),
+        text = _BODIES[kind]
+        if kind == "ragged":
+            text = text.replace("@FA4_CALL@", _FA4_RAGGED_CALL if fa4_keys else "")
+        body += text.replace("@SYMBOL@", cfg.symbol(kind))
+    if fa4_keys:
+        body = body.replace("@FA4N@", fa4_keys[0].symbol).replace("@FA4C@", fa4_keys[1].symbol)
+    fields = {"@MARKER@": marker_line(cfg.kernel_keys(kinds)) + (
+                  "\n" + _hopper.marker_line(fa4_keys) if fa4_keys else ""),
+              "@PAGED@": PAGED_MARKER, "@H@": str(cfg.num_q_heads),
               "@HKV@": str(cfg.num_kv_heads), "@D@": str(cfg.head_dim), "@PAGE@": str(cfg.page_size), "@DTYPE_CODE@": code,
               "@DTYPE_NAME@": cfg.dtype, "@IS_BF16@": str(is_bf16), "@TAG@": cfg.tag}
     for key, value in fields.items():
@@ -272,7 +296,7 @@ int run_@SYMBOL@(DLTensor* q, DLTensor* qo_indptr, DLTensor* k, DLTensor* v, DLT
   strides_of(v, vs);
   strides_of(output, os);
   const int dev = q->device.device_id;
-  void* stream = TVMFFIEnvGetStream(kDLCUDA, dev);
+  void* stream = TVMFFIEnvGetStream(kDLCUDA, dev);@FA4_CALL@
   raise_last(sym, mqa_byoc_fa2_ragged_forward(
       ptr<void>(q), ptr<void>(k), ptr<void>(v), ptr<void>(output), ptr<float>(lse), ptr<int32_t>(qo_indptr),
       ptr<int32_t>(kv_indptr), qo_indptr->shape[0] - 1, q->shape[0], k->shape[0], kHeads, kKvHeads, kHeadDim,
@@ -313,5 +337,57 @@ int run_@SYMBOL@(DLTensor* v, DLTensor* s, DLTensor* v_other, DLTensor* s_other)
 }  // namespace
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(@SYMBOL@, run_@SYMBOL@);
 """
+
+_FA4_RAGGED_DECL = r"""
+// FA4's sm90 var-len forward (hopper provider; flash-attn-4, compiled by mqa_byoc.kernels.hopper_aot) and
+// native/fa4_ragged.cu around it. Weak: a library exported without them fails with a hint.
+extern "C" __attribute__((weak)) int __tvm_ffi_@FA4N@(void* self, const TVMFFIAny* args, int32_t num_args,
+                                                       TVMFFIAny* result);
+extern "C" __attribute__((weak)) int __tvm_ffi_@FA4C@(void* self, const TVMFFIAny* args, int32_t num_args,
+                                                       TVMFFIAny* result);
+extern "C" __attribute__((weak)) int mqa_byoc_fa4_ragged_forward(
+    int (*fa4)(void*, const TVMFFIAny*, int32_t, TVMFFIAny*), const void* q, const void* k, const void* v, void* out,
+    float* lse, const int32_t* qo_indptr, const int32_t* kv_indptr, int64_t batch, int64_t total_q, int64_t total_k,
+    int64_t num_heads, int64_t num_heads_k, int64_t head_dim, const int64_t* q_stride, const int64_t* k_stride,
+    const int64_t* v_stride, const int64_t* o_stride, int is_bf16, double scale, int device_id, void* stream);
+extern "C" __attribute__((weak)) const char* mqa_byoc_fa2_last_error(void);
+
+namespace {
+namespace paged_fa4 {
+// FA4's TMA loads need 16-byte aligned operands and strides (multiples of 8 elements) within int32.
+bool tma_ready(const DLTensor* const* ts, const int64_t* const* strides) {
+  for (int i = 0; i < 4; ++i) {
+    const uintptr_t p = reinterpret_cast<uintptr_t>(static_cast<const char*>(ts[i]->data) + ts[i]->byte_offset);
+    if ((p & 15) != 0 || ts[i]->shape[0] > INT32_MAX) return false;
+    for (int d = 0; d < 2; ++d) {
+      if (strides[i][d] % 8 != 0 || strides[i][d] > INT32_MAX) return false;
+    }
+  }
+  return true;
+}
+}  // namespace paged_fa4
+}  // namespace
+"""
+
+_FA4_RAGGED_CALL = r"""
+  {
+    const DLTensor* ts[4] = {q, k, v, output};
+    const int64_t* st[4] = {qs, ks, vs, os};
+    if (paged_fa4::tma_ready(ts, st)) {
+      auto* fa4 = causal != 0 ? &__tvm_ffi_@FA4C@ : &__tvm_ffi_@FA4N@;
+      if (fa4 == nullptr || &mqa_byoc_fa4_ragged_forward == nullptr || &mqa_byoc_fa2_last_error == nullptr) {
+        TVM_FFI_THROW(RuntimeError) << sym << ": the FA4 var-len objects (@FA4N@, @FA4C@, fa4_ragged.cu) are not "
+                                    << "linked into this library; export it with mqa_byoc.export_library(executable, "
+                                    << "path), or build with provider=\"native\"";
+      }
+      const int rc = mqa_byoc_fa4_ragged_forward(
+          fa4, ptr<void>(q), ptr<void>(k), ptr<void>(v), ptr<void>(output), ptr<float>(lse), ptr<int32_t>(qo_indptr),
+          ptr<int32_t>(kv_indptr), qo_indptr->shape[0] - 1, q->shape[0], k->shape[0], kHeads, kKvHeads, kHeadDim,
+          qs, ks, vs, os, kIsBf16, sm_scale, dev, stream);
+      if (rc == -1) throw ::tvm::ffi::details::MoveFromSafeCallRaised();
+      if (rc != 0) TVM_FFI_THROW(RuntimeError) << sym << ": FA4 var-len: " << mqa_byoc_fa2_last_error();
+      return 0;
+    }
+  }"""
 
 _BODIES = {"prefill": _PREFILL, "decode": _DECODE, "ragged": _RAGGED, "merge": _MERGE}

@@ -43,8 +43,10 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from mqa_byoc.compiler.graph.site import require_module
-from mqa_byoc.compiler.paged.codegen import KINDS, PagedConfig, emit_paged_source
+from mqa_byoc.compiler.paged.codegen import KINDS, PagedConfig, emit_paged_source, fa4_ragged_keys
+from mqa_byoc.contract import check_provider
 from mqa_byoc.kernels import KERNEL_HEAD_DIMS, kernel_head_dim
+from mqa_byoc.kernels import hopper as _hopper
 
 CREATE = "vm.builtin.paged_attention_kv_cache_create"
 # positions in the create call (after the callee) of TVM 0.27's TIRPagedKVCache for GPU targets
@@ -154,7 +156,26 @@ def tir_merge_heads(num_heads: int, head_dim: int, max_threads: int = 1024) -> i
     return num_heads // bdy * bdy
 
 
-def _entry(mod, fname, fn, cfg, cache_reason):
+def fa4_ragged_reason(cfg: PagedConfig, provider: str, arch: str | None) -> str | None:
+    """None when the ragged entry of ``cfg`` runs on FA4 with ``provider``; else why it stays on FA2."""
+    if provider != "hopper":
+        return f"the {provider} provider runs FA2"
+    keys = fa4_ragged_keys(cfg)
+    if not keys:
+        return f"head dim {cfg.head_dim} has no FA4 object (FA4 objects are built for {_hopper.HEAD_DIMS})"
+    return _hopper.available(arch, keys)
+
+
+def _ragged_note(cfg: PagedConfig, provider: str, arch: str | None) -> str:
+    why = fa4_ragged_reason(cfg, provider, arch)
+    if why is None:
+        return (f"FA4 sm90 var-len forward (flash-attn-4 {_hopper.FA4_VERSION}, group "
+                f"{cfg.num_q_heads // cfg.num_kv_heads}), its tiles mapped to sequences on the GPU; FA2 var-len "
+                "when an operand is not 16-byte aligned")
+    return "FA2 var-len forward" + ("" if provider != "hopper" else f" (hopper provider: {why})")
+
+
+def _entry(mod, fname, fn, cfg, cache_reason, provider="native", arch="sm_90"):
     """The decision for one attention entry ``fn`` (GlobalVar or our ExternFunc), or None if not one."""
     if isinstance(fn, relax.ExternFunc) and str(fn.global_symbol).startswith("mqa_byoc_paged_"):
         kernel = {v: k for k, v in KINDS.items()}[str(fn.global_symbol).split("_")[3]]  # mqa_byoc_paged_<kind>_...
@@ -177,10 +198,13 @@ def _entry(mod, fname, fn, cfg, cache_reason):
                 "ours merges every (row, head)")
         return PagedAttentionDecision(fname, kernel, True, cfg.symbol(kind), None, note)
     note = f"create the cache with page_size={cfg.page_size}, support_sliding_window=0"
+    if kind == "ragged":
+        note = f"{_ragged_note(cfg, provider, arch)}; {note}"
     return PagedAttentionDecision(fname, kernel, True, cfg.symbol(kind), None, note)
 
 
-def _decide(mod, fname, call, page_size=None) -> list[tuple[int, int, PagedAttentionDecision]]:
+def _decide(mod, fname, call, page_size=None, provider="native",
+            arch="sm_90") -> list[tuple[int, int, PagedAttentionDecision]]:
     """``(argument index, tuple field, decision)`` for each attention entry of ``call``: the
     ``("tirx", GlobalVar)`` tuples (field 1) and the MHA merge of the attn-merge tuple (field 0; an
     MLA cache's second merge stays, with the whole cache)."""
@@ -197,7 +221,7 @@ def _decide(mod, fname, call, page_size=None) -> list[tuple[int, int, PagedAtten
         else:
             continue
         for j in fields:
-            d = _entry(mod, fname, arg.fields[j], cfg, cache_reason)
+            d = _entry(mod, fname, arg.fields[j], cfg, cache_reason, provider, arch)
             if d is not None:
                 out.append((i, j, d))
     return out
@@ -212,8 +236,10 @@ def _create_calls(mod: tvm.IRModule):
                 yield gv.name_hint, call
 
 
-def paged_kv_cache_report(mod: tvm.IRModule, page_size: int | None = None) -> list[PagedAttentionDecision]:
-    """What ``UseFlashAttentionForPagedKVCache(page_size)`` does with every paged-cache attention entry.
+def paged_kv_cache_report(mod: tvm.IRModule, page_size: int | None = None, provider: str = "native",
+                          arch: str = "sm_90") -> list[PagedAttentionDecision]:
+    """What ``UseFlashAttentionForPagedKVCache(page_size, provider=provider)`` does with every
+    paged-cache attention entry (for a target of ``arch``).
 
     Returns
     -------
@@ -226,7 +252,15 @@ def paged_kv_cache_report(mod: tvm.IRModule, page_size: int | None = None) -> li
         When ``mod`` is not an IRModule.
     """
     require_module(mod, "paged_kv_cache_report")
-    return [d for fname, call in _create_calls(mod) for _, _, d in _decide(mod, fname, call, page_size)]
+    provider = _paged_provider(provider, "paged_kv_cache_report(provider=)")
+    return [d for fname, call in _create_calls(mod) for _, _, d in _decide(mod, fname, call, page_size, provider, arch)]
+
+
+def _paged_provider(provider, where: str) -> str:
+    name = check_provider(provider, where)
+    if name == "python":
+        raise ValueError(f"{where}: the python provider has no PagedKVCache attention; use 'native' or 'hopper'")
+    return name
 
 
 def format_paged_report(decisions) -> str:
@@ -234,7 +268,7 @@ def format_paged_report(decisions) -> str:
     lines = []
     for d in decisions:
         if d.offloaded:
-            lines.append(f"{d.function}: {d.kernel} -> FA2 {d.symbol}" + (f" ({d.note})" if d.note else ""))
+            lines.append(f"{d.function}: {d.kernel} -> {d.symbol}" + (f" ({d.note})" if d.note else ""))
         else:
             lines.append(f"{d.function}: {d.kernel} stays on TVM's TIR kernel: {d.reason}")
     return "\n".join(lines)
@@ -254,9 +288,10 @@ class _Rewriter(PyExprMutator):
     """Swaps the served entries of each create call for ExternFuncs and its page-size kernels for
     ``page_gvs[cfg]``; records what it served in ``served``."""
 
-    def __init__(self, mod, fname, page_size, page_gvs):
+    def __init__(self, mod, fname, page_size, page_gvs, provider="native", arch="sm_90"):
         super().__init__(mod)
         self.mod_, self.fname, self.page_size, self.page_gvs = mod, fname, page_size, page_gvs
+        self.provider, self.arch = provider, arch
         self.served: dict[PagedConfig, set[str]] = {}
 
     def visit_call_(self, call):
@@ -265,7 +300,7 @@ class _Rewriter(PyExprMutator):
             return call
         args = list(call.args)
         cfg, _ = _cache_reason(args[1:], self.page_size)
-        for i, j, d in _decide(self.mod_, self.fname, call, self.page_size):
+        for i, j, d in _decide(self.mod_, self.fname, call, self.page_size, self.provider, self.arch):
             if d.offloaded and d.note != "already rewritten":
                 self.served.setdefault(cfg, set()).add(KINDS[d.kernel])
                 fields = list(args[i + 1].fields)
@@ -295,27 +330,33 @@ class UseFlashAttentionForPagedKVCache:
         create call's constant, else the unit. Create the cache with this page size at run time.
     target : Target, optional
         For the regenerated compaction kernel; default the current target, else cuda sm_90.
+    provider : str
+        ``"native"`` (default): FA2 and our decode kernel. ``"hopper"``: the same, with the ragged
+        prefill on FA4's sm90 var-len forward (flash-attn-4 objects compiled ahead of time, linked by
+        :func:`mqa_byoc.export_library`); FA2 where FA4 has no object (the report says why).
 
     See the module docstring for what is served and what stays on TIR;
     :func:`paged_kv_cache_report` says it per entry. Export the built module with
     :func:`mqa_byoc.export_library`.
     """
 
-    def __init__(self, page_size: int | None = None, target=None):
+    def __init__(self, page_size: int | None = None, target=None, provider: str = "native"):
         if page_size is not None and (not isinstance(page_size, int) or page_size <= 0):
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         self.page_size = page_size
         self.target = target
+        self.provider = _paged_provider(provider, "UseFlashAttentionForPagedKVCache(provider=)")
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         require_module(mod, "UseFlashAttentionForPagedKVCache")
         mod = mod.clone()  # the edits below are in place; the caller's module stays as it was
         target = (self.target or tvm.target.Target.current(allow_none=True)
                   or tvm.target.Target({"kind": "cuda", "arch": "sm_90"}))
+        arch = str(target.attrs["arch"]) if "arch" in target.attrs else None
         page_gvs: dict[PagedConfig, tuple] = {}
         replaced = set()
         for fname, call in list(_create_calls(mod)):
-            for i, j, d in _decide(mod, fname, call, self.page_size):
+            for i, j, d in _decide(mod, fname, call, self.page_size, self.provider, arch):
                 if d.offloaded and d.note != "already rewritten":
                     cfg, _ = _cache_reason(list(call.args[1:]), self.page_size)
                     replaced.update([call.args[i + 1].fields[j], call.args[_ARG_APPEND + 1], call.args[_ARG_COMPACT + 1]])
@@ -329,7 +370,7 @@ class UseFlashAttentionForPagedKVCache:
         served: dict[PagedConfig, set[str]] = {}
         for gv, func in list(mod.functions.items()):
             if isinstance(func, relax.Function):
-                rw = _Rewriter(mod, gv.name_hint, self.page_size, page_gvs)
+                rw = _Rewriter(mod, gv.name_hint, self.page_size, page_gvs, self.provider, arch)
                 new = rw.visit_expr(func)
                 if rw.served:
                     mod[gv] = new
@@ -342,5 +383,7 @@ class UseFlashAttentionForPagedKVCache:
         ext = list((mod.attrs or {}).get("external_mods", []))
         create = tvm.get_global_func("runtime.CSourceModuleCreate")
         for cfg, kinds in sorted(served.items(), key=lambda kv: kv[0].tag):
-            ext.append(create(emit_paged_source(cfg, kinds), "cc", [cfg.symbol(k) for k in sorted(kinds)], []))
+            fa4 = "ragged" in kinds and fa4_ragged_reason(cfg, self.provider, arch) is None
+            ext.append(create(emit_paged_source(cfg, kinds, fa4_ragged=fa4), "cc", [cfg.symbol(k) for k in sorted(kinds)],
+                              []))
         return mod.with_attr("external_mods", ext)

@@ -1,0 +1,96 @@
+// Ragged (var-len) prefill of TVM's PagedKVCache on FA4's sm90 forward (hopper provider).
+//
+// TVM's ragged entry is the self-attention of a prefill's new tokens: q (total_q, H, D) over k, v
+// (total_k, H_kv, D), the sequences cut by qo_indptr / kv_indptr (device int32). FA4's "varlen" objects
+// take exactly that (cu_seqlens_q, cu_seqlens_k) and map their tiles to sequences on the GPU, so the
+// launch needs no longest length (TVM keeps the lengths on the host side only) and starts no tiles
+// past a sequence's end. FA4 writes the LSE (H, total_q) in natural log; the paged object converts it to
+// TVM's compact base-2 (total_q, H). Two launches: FA4, the conversion.
+#include <cuda_runtime.h>
+#include <dlpack/dlpack.h>
+#include <stdint.h>
+#include <tvm/ffi/c_api.h>
+
+#include "fa2_dispatch.h"  // workspace pool and error message (fa2_dispatch.cc)
+#include "fa2_paged.h"     // the LSE conversion (fa2_paged.cu)
+
+namespace {
+
+DLTensor view(void* data, DLDataType dtype, int device_id, int ndim, int64_t* shape, int64_t* strides) {
+  DLTensor t;
+  t.data = data;
+  t.device = DLDevice{kDLCUDA, device_id};
+  t.ndim = ndim;
+  t.dtype = dtype;
+  t.shape = shape;
+  t.strides = strides;
+  t.byte_offset = 0;
+  return t;
+}
+
+TVMFFIAny tensor_arg(DLTensor* t) {
+  TVMFFIAny a;
+  a.type_index = kTVMFFIDLTensorPtr;
+  a.zero_padding = 0;
+  a.v_ptr = t;
+  return a;
+}
+
+}  // namespace
+
+extern "C" {
+
+typedef int (*mqa_byoc_ffi_fn)(void* self, const TVMFFIAny* args, int32_t num_args, TVMFFIAny* result);
+
+// fa4: the "varlen" or "varlen_causal" object's function (q, k, v, out, lse, scale, cu_seqlens_q,
+// cu_seqlens_k), which launches on the TVM-FFI environment's stream of `device_id`: the caller makes it
+// `stream`. Strides: 3 per tensor (row, head, dim) in elements, dim contiguous. lse: compact (total_q, H)
+// float32, base 2 (TVM's). Returns 0; -1 when FA4 raised a TVM-FFI error; -2 when
+// mqa_byoc_fa2_last_error() holds the message.
+__attribute__((visibility("default"))) int mqa_byoc_fa4_ragged_forward(
+    mqa_byoc_ffi_fn fa4, const void* q, const void* k, const void* v, void* out, float* lse, const int32_t* qo_indptr,
+    const int32_t* kv_indptr, int64_t batch, int64_t total_q, int64_t total_k, int64_t num_heads,
+    int64_t num_heads_k, int64_t head_dim, const int64_t* q_stride, const int64_t* k_stride, const int64_t* v_stride,
+    const int64_t* o_stride, int is_bf16, double scale, int device_id, void* stream) {
+  if (batch <= 0 || total_q <= 0) return 0;
+  const size_t lse_bytes = (size_t(num_heads) * size_t(total_q) * 4 + 255) / 256 * 256;
+  void* ws = nullptr;
+  if (mqa_byoc_fa2_alloc_workspace(&ws, lse_bytes, device_id, stream) != 0) return -2;
+  const DLDataType half_t = {uint8_t(is_bf16 ? kDLBfloat : kDLFloat), 16, 1};
+  const DLDataType f32 = {kDLFloat, 32, 1}, i32 = {kDLInt, 32, 1};
+  int64_t q_shape[3] = {total_q, num_heads, head_dim}, q_str[3] = {q_stride[0], q_stride[1], 1};
+  int64_t k_shape[3] = {total_k, num_heads_k, head_dim}, k_str[3] = {k_stride[0], k_stride[1], 1};
+  int64_t v_shape[3] = {total_k, num_heads_k, head_dim}, v_str[3] = {v_stride[0], v_stride[1], 1};
+  int64_t o_shape[3] = {total_q, num_heads, head_dim}, o_str[3] = {o_stride[0], o_stride[1], 1};
+  int64_t l_shape[2] = {num_heads, total_q}, l_str[2] = {total_q, 1};
+  int64_t c_shape[1] = {batch + 1}, c_str[1] = {1};
+  DLTensor tq = view(const_cast<void*>(q), half_t, device_id, 3, q_shape, q_str);
+  DLTensor tk = view(const_cast<void*>(k), half_t, device_id, 3, k_shape, k_str);
+  DLTensor tv = view(const_cast<void*>(v), half_t, device_id, 3, v_shape, v_str);
+  DLTensor to = view(out, half_t, device_id, 3, o_shape, o_str);
+  DLTensor tl = view(ws, f32, device_id, 2, l_shape, l_str);
+  DLTensor tcq = view(const_cast<int32_t*>(qo_indptr), i32, device_id, 1, c_shape, c_str);
+  DLTensor tck = view(const_cast<int32_t*>(kv_indptr), i32, device_id, 1, c_shape, c_str);
+  TVMFFIAny args[8] = {tensor_arg(&tq), tensor_arg(&tk), tensor_arg(&tv), tensor_arg(&to), tensor_arg(&tl), {},
+                       tensor_arg(&tcq), tensor_arg(&tck)};
+  args[5].type_index = kTVMFFIFloat;
+  args[5].zero_padding = 0;
+  args[5].v_float64 = scale;
+  TVMFFIAny result;
+  result.type_index = kTVMFFINone;
+  result.zero_padding = 0;
+  result.v_int64 = 0;
+  int rc = fa4(nullptr, args, 8, &result);
+  int lse_rc = rc == 0 ? mqa_byoc_fa2_paged_lse_to_tvm(static_cast<const float*>(ws), total_q, num_heads, 1, total_q,
+                                                       lse, stream)
+                       : 0;
+  cudaFreeAsync(ws, static_cast<cudaStream_t>(stream));
+  if (rc != 0) return -1;
+  if (lse_rc != 0) {
+    mqa_byoc_fa2_fail(mqa_byoc_fa2_paged_last_error());
+    return -2;
+  }
+  return 0;
+}
+
+}  // extern "C"
