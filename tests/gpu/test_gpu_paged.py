@@ -18,7 +18,9 @@ four layers, 0.006 at every step).
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -193,3 +195,68 @@ def test_paged_decoder_logits_match_tir(env, name):
             # the unrewritten library is the baseline; where ours and TIR part, ours must be the nearer the math
             assert f_t < tol or f_ref <= t_ref, (f"{name} step {i}: decoder logits {impl} vs TIR {f_t:.4f} (tolerance "
                                                 f"{tol}) and {impl} farther from the fp32 decoder than TIR: {errs}")
+
+
+def _ragged_reference(torch, q, k, v, q_lens, k_lens, g, scale, causal):
+    """fp32 attention of each sequence (bottom-right causal when ``causal``) and TVM's base-2 LSE."""
+    outs, lses, qo, ko = [], [], 0, 0
+    for lq, lk in zip(q_lens, k_lens):
+        qs = q[qo:qo + lq].float().transpose(0, 1)  # (H, lq, D)
+        ks = k[ko:ko + lk].float().repeat_interleave(g, dim=1).transpose(0, 1)
+        vs = v[ko:ko + lk].float().repeat_interleave(g, dim=1).transpose(0, 1)
+        s = qs @ ks.transpose(1, 2) * scale
+        if causal:
+            i = torch.arange(lq, device=q.device)[:, None]
+            j = torch.arange(lk, device=q.device)[None, :]
+            s = s.masked_fill(j > i + (lk - lq), float("-inf"))
+        lses.append((torch.logsumexp(s, dim=-1) / math.log(2)).transpose(0, 1))  # (lq, H), base 2
+        outs.append((torch.softmax(s, dim=-1) @ vs).transpose(0, 1))
+        qo, ko = qo + lq, ko + lk
+    return torch.cat(outs), torch.cat(lses)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [1, 0])
+@pytest.mark.parametrize("name", sorted(MANIFEST) or ["(no artifacts)"])
+def test_ragged_entry_causal_and_not(env, name, causal):
+    """The ragged entry of every library of ours, called as TVM's cache calls it, with causal 1 (what the
+    cache's prefill passes) and 0 (K/V longer than the queries), against fp32: output and base-2 LSE."""
+    import tvm_ffi
+
+    from mqa_byoc.testing.cupti import capture_kernels
+
+    tvm, torch = env
+    case = MANIFEST[name]
+    cfg = case["config"]
+    h, hkv, d = cfg["num_q_heads"], cfg["num_kv_heads"], cfg["head_dim"]
+    dtype = getattr(torch, cfg["dtype"])
+    q_lens, k_lens = [5, 300, 1, 129], [17, 300, 40, 129]
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn(sum(q_lens), h, d, generator=gen, device="cuda").to(dtype)
+    k = torch.randn(sum(k_lens), hkv, d, generator=gen, device="cuda").to(dtype)
+    v = torch.randn(sum(k_lens), hkv, d, generator=gen, device="cuda").to(dtype)
+    qo = torch.tensor([0, *itertools.accumulate(q_lens)], device="cuda", dtype=torch.int32)
+    ko = torch.tensor([0, *itertools.accumulate(k_lens)], device="cuda", dtype=torch.int32)
+    scale = 1.0 / math.sqrt(d)
+    want, want_lse = _ragged_reference(torch, q, k, v, q_lens, k_lens, h // hkv, scale, causal)
+    pos = torch.zeros(sum(q_lens), device="cuda", dtype=torch.int32)
+    koff = torch.zeros(len(q_lens), device="cuda", dtype=torch.int32)
+    for impl in _ours(case):
+        lib = tvm.runtime.load_module(str(ARTIFACTS / case["libraries"][impl]))
+        sym = next(line.split(" -> ")[1].split(" ")[0] for line in case["report"] if "batch_prefill_ragged_kv" in line)
+        fn = lib.get_function(sym, query_imports=True)
+        out = torch.empty_like(q)
+        lse = torch.empty(sum(q_lens), h, device="cuda", dtype=torch.float32)
+        args = [tvm_ffi.from_dlpack(t) for t in (q, qo, k, v, ko, pos, koff, out, lse)]
+        fn(*args, causal, 0, 1.0, 1e4, scale)  # the first call loads the kernels
+        with capture_kernels() as cap:
+            fn(*args, causal, 0, 1.0, 1e4, scale)
+        names = sorted({n for n, _ in cap.events})
+        err, lse_err = _rel(torch, out, want), float((lse - want_lse).abs().max())
+        RESULTS.setdefault("ragged_entry", {})[f"{name}/{impl}/causal{causal}"] = {
+            "err": round(err, 6), "lse_max_abs": round(lse_err, 6), "kernels": [n[:80] for n in names]}
+        assert err < TOL and lse_err < 1e-2, f"{name} {impl} causal={causal}: output {err}, LSE {lse_err}"
+        # what ran: FA4's sm90 forward in the hopper provider's library, FA2's var-len kernel in the native one
+        fa4 = any("FlashAttentionForwardSm90" in n for n in names)
+        fa2 = any("flash_fwd_kernel" in n for n in names)
+        assert (fa4, fa2) == ((True, False) if impl == "fa4" else (False, True)), f"{name} {impl}: ran {names}"

@@ -285,6 +285,7 @@ def build_paged_decoder_libraries(
         })
         progress(f"built {path} (mqa={mqa}, paged KV cache, page size "
                  f"{fa2_page if mqa else TVM_TIR_PAGE_SIZE}, attention on "
-                 + (f"FA2: {', '.join(served)})" if mqa else "TVM's TIR kernels)"))
+                 + (f"FA2{' (ragged prefill on FA4, hopper provider)' if provider == 'hopper' else ''}: "
+                    f"{', '.join(served)})" if mqa else "TVM's TIR kernels)"))
         paths.append(path)
     return paths
