@@ -60,7 +60,7 @@ def gqa():
 
 
 def test_report_serves_prefill_decode_ragged_and_keeps_the_rest(gqa):
-    report = paged_kv_cache_report(gqa)
+    report = paged_kv_cache_report(gqa, provider="native")
     assert {d.kernel for d in report} == set(SERVED) | KEPT
     for d in report:
         if d.kernel in SERVED:
@@ -196,7 +196,7 @@ def test_served_module_builds_for_cuda_and_exports_the_wrappers(tmp_path):
     mod = _module(num_q_heads=8, num_kv_heads=1, head_dim=128)
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
     with target:
-        served = UseFlashAttentionForPagedKVCache()(mod)
+        served = UseFlashAttentionForPagedKVCache(provider="native")(mod)
     lib = tmp_path / "paged.so"
     mqa_byoc.export_library(tvm.compile(served, target=target), lib, arch="sm_90", build=False, progress=None)
     dynamic = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True).stdout
@@ -265,7 +265,7 @@ def test_hopper_provider_runs_the_ragged_prefill_on_fa4_varlen():
     else:
         assert "hopper provider: flash-attn-4" in notes["batch_prefill_ragged_kv"]
     # the other entries are the native provider's
-    native = {d.kernel: d.note for d in paged_kv_cache_report(mod)}
+    native = {d.kernel: d.note for d in paged_kv_cache_report(mod, provider="native")}
     assert {k: v for k, v in notes.items() if k != "batch_prefill_ragged_kv"} == {
         k: v for k, v in native.items() if k != "batch_prefill_ragged_kv"}
     assert native["batch_prefill_ragged_kv"].startswith("FA2 var-len forward;")
@@ -280,7 +280,7 @@ def test_hopper_provider_runs_the_ragged_prefill_on_fa4_varlen():
     assert "__tvm_ffi_mqa_byoc_fa4_sm90_fp16_h128_g8_varlen_causal" in src
     # the native provider's source has no FA4 at all
     with tvm.target.Target({"kind": "cuda", "arch": "sm_90"}):
-        (plain,) = UseFlashAttentionForPagedKVCache()(mod).attrs["external_mods"]
+        (plain,) = UseFlashAttentionForPagedKVCache(provider="native")(mod).attrs["external_mods"]
     assert "fa4" not in plain.inspect_source()
 
 
@@ -321,3 +321,19 @@ def test_hopper_paged_module_links_the_fa4_varlen_objects(tmp_path):
     for sym in ("__tvm_ffi_mqa_byoc_fa4_sm90_fp16_h128_g8_varlen", "__tvm_ffi_mqa_byoc_fa4_sm90_fp16_h128_g8_varlen_causal",
                 "mqa_byoc_fa4_ragged_forward", "mqa_byoc_fa2_paged_lse_to_tvm", "mqa_byoc_fa2_ragged_forward"):
         assert f" {sym}\n" in symbols, sym
+
+
+def test_default_provider_is_hopper_where_its_fa4_objects_can_be_had():
+    from mqa_byoc.kernels import hopper
+
+    mod = _module(num_q_heads=8, num_kv_heads=1, head_dim=128)
+
+    def ragged(**kw):
+        (d,) = [d for d in paged_kv_cache_report(mod, **kw) if d.kernel == "batch_prefill_ragged_kv"]
+        return d.note
+
+    want = "hopper" if (hopper.compiler_available() or hopper.prebuilt_dirs("sm_90")) else "native"
+    assert ragged() == ragged(provider=want)
+    # not Hopper: the default is the native provider's FA2, and the report says why not FA4
+    assert ragged(arch="sm_80").startswith("FA2 var-len forward (provider auto, FA4 not used: FA4's Hopper kernel needs sm_90")
+    assert ragged(arch="sm_80", provider="native").startswith("FA2 var-len forward;")

@@ -94,7 +94,7 @@ def test_paged_build_refuses_the_python_provider_in_the_api(tmp_path):
     from mqa_byoc.models.decoder_libs import build_paged_decoder_libraries
     from mqa_byoc.models.presets import get_preset, scaled
 
-    with pytest.raises(ValueError, match="provider must be 'native' or 'hopper'"):
+    with pytest.raises(ValueError, match="provider must be 'native', 'hopper' or 'auto'"):
         build_paged_decoder_libraries(scaled(get_preset("llama3-8b"), num_layers=1), str(tmp_path), provider="python",
                                       progress=None)
 

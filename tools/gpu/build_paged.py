@@ -61,7 +61,7 @@ def build(out: Path, arch: str, names=None) -> None:
         cfg = PagedLlamaConfig(rope_mode=0, **fields)
         mod, params, _ext = export_paged_llama(cfg, target)
         fa2_page = page_unit(cfg.head_dim)
-        report = paged_kv_cache_report(mod, fa2_page)
+        report = paged_kv_cache_report(mod, fa2_page, provider="native")  # fa2.so's
         paged_config = PagedConfig(cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, fa2_page)
         served = sorted(d.kernel for d in report if d.offloaded)
         if served != ["batch_decode_paged_kv", "batch_prefill_paged_kv", "batch_prefill_ragged_kv",

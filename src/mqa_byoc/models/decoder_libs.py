@@ -235,15 +235,21 @@ def build_paged_decoder_libraries(
     progress = progress or (lambda _msg: None)
     if logits not in ("last", "all"):
         raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
-    if provider not in ("native", "hopper"):
-        raise ValueError(f"provider must be 'native' or 'hopper' for the paged decoder, got {provider!r}")
+    if provider not in ("native", "hopper", "auto"):
+        raise ValueError(f"provider must be 'native', 'hopper' or 'auto' for the paged decoder, got {provider!r}")
     pcfg = paged_config_of(config, dtype)
     target = tvm.target.Target({"kind": "cuda", "arch": arch})
     mod, params, _ext = export_paged_llama(pcfg, target)
     if cuda_graph:
         mod = _capture_decode_batch(mod)
     fa2_page = page_unit(pcfg.head_dim)
-    report = paged_kv_cache_report(mod, fa2_page)
+    if provider == "auto":  # the pass's rule, resolved here so that the sidecar names what was built
+        from ..compiler.paged.codegen import PagedConfig
+        from ..compiler.paged.transform import fa4_ragged_reason
+
+        geometry = PagedConfig(pcfg.num_q_heads, pcfg.num_kv_heads, pcfg.head_dim, pcfg.dtype, fa2_page)
+        provider = "hopper" if fa4_ragged_reason(geometry, "auto", arch) is None else "native"
+    report = paged_kv_cache_report(mod, fa2_page, provider=provider, arch=arch)
     served = sorted(d.kernel for d in report if d.offloaded)
     if served != sorted(PAGED_SERVED):
         raise RuntimeError(f"{config.name}: UseFlashAttentionForPagedKVCache serves {served}, not "

@@ -157,7 +157,10 @@ def tir_merge_heads(num_heads: int, head_dim: int, max_threads: int = 1024) -> i
 
 
 def fa4_ragged_reason(cfg: PagedConfig, provider: str, arch: str | None) -> str | None:
-    """None when the ragged entry of ``cfg`` runs on FA4 with ``provider``; else why it stays on FA2."""
+    """None when the ragged entry of ``cfg`` runs on FA4 with ``provider``; else why it stays on FA2.
+    ``"auto"`` (the default): FA4 where the hopper provider can have its objects, else FA2."""
+    if provider == "auto":
+        provider = "hopper"
     if provider != "hopper":
         return f"the {provider} provider runs FA2"
     keys = fa4_ragged_keys(cfg)
@@ -172,7 +175,9 @@ def _ragged_note(cfg: PagedConfig, provider: str, arch: str | None) -> str:
         return (f"FA4 sm90 var-len forward (flash-attn-4 {_hopper.FA4_VERSION}, group "
                 f"{cfg.num_q_heads // cfg.num_kv_heads}), its tiles mapped to sequences on the GPU; FA2 var-len "
                 "when an operand is not 16-byte aligned")
-    return "FA2 var-len forward" + ("" if provider != "hopper" else f" (hopper provider: {why})")
+    if provider == "native":
+        return "FA2 var-len forward"
+    return f"FA2 var-len forward ({'hopper provider' if provider == 'hopper' else 'provider auto, FA4 not used'}: {why})"
 
 
 def _entry(mod, fname, fn, cfg, cache_reason, provider="native", arch="sm_90"):
@@ -236,7 +241,7 @@ def _create_calls(mod: tvm.IRModule):
                 yield gv.name_hint, call
 
 
-def paged_kv_cache_report(mod: tvm.IRModule, page_size: int | None = None, provider: str = "native",
+def paged_kv_cache_report(mod: tvm.IRModule, page_size: int | None = None, provider: str = "auto",
                           arch: str = "sm_90") -> list[PagedAttentionDecision]:
     """What ``UseFlashAttentionForPagedKVCache(page_size, provider=provider)`` does with every
     paged-cache attention entry (for a target of ``arch``).
@@ -257,7 +262,7 @@ def paged_kv_cache_report(mod: tvm.IRModule, page_size: int | None = None, provi
 
 
 def _paged_provider(provider, where: str) -> str:
-    name = check_provider(provider, where)
+    name = check_provider(provider, where, allow_auto=True)
     if name == "python":
         raise ValueError(f"{where}: the python provider has no PagedKVCache attention; use 'native' or 'hopper'")
     return name
@@ -331,16 +336,19 @@ class UseFlashAttentionForPagedKVCache:
     target : Target, optional
         For the regenerated compaction kernel; default the current target, else cuda sm_90.
     provider : str
-        ``"native"`` (default): FA2 and our decode kernel. ``"hopper"``: the same, with the ragged
-        prefill on FA4's sm90 var-len forward (flash-attn-4 objects compiled ahead of time, linked by
+        ``"native"``: FA2 and our decode kernel. ``"hopper"``: the same, with the ragged prefill on
+        FA4's sm90 var-len forward (flash-attn-4 objects compiled ahead of time, linked by
         :func:`mqa_byoc.export_library`); FA2 where FA4 has no object (the report says why).
+        ``"auto"`` (default): ``"hopper"`` where its FA4 objects can be had for the target (sm_90,
+        flash-attn-4 installed or the objects prebuilt), else ``"native"``: the rule of
+        :mod:`mqa_byoc.compiler.provider`.
 
     See the module docstring for what is served and what stays on TIR;
     :func:`paged_kv_cache_report` says it per entry. Export the built module with
     :func:`mqa_byoc.export_library`.
     """
 
-    def __init__(self, page_size: int | None = None, target=None, provider: str = "native"):
+    def __init__(self, page_size: int | None = None, target=None, provider: str = "auto"):
         if page_size is not None and (not isinstance(page_size, int) or page_size <= 0):
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         self.page_size = page_size
