@@ -349,3 +349,42 @@ def test_kv_cache_bnsh_query_shared_kv(tmp_path):
     if G.native_export_skip_reason() is None:
         mqa_byoc.export_library(_build(mod, "native"), str(tmp_path / "native.so"), arch="sm_90", build=False,
                                 progress=None)
+
+
+def test_hopper_wrapper_runs_fa4_var_len_with_fa2_behind_it():
+    mod = mqa_byoc.partition_for_cutlass(var_len_attention(h=8, hkv=2, d=64), provider="hopper")
+    site = varlen_codegen.find_var_len_site(next(iter(_codegen_funcs(mod).values())))
+    code = varlen_codegen.emit_native_source(site, hopper=True).code
+    assert "// mqa_byoc-hopper-kernels: fp16 h64 g4 varlen_causal" in code
+    assert "mqa_byoc_fa4_ragged_forward(" in code and "mqa_byoc_fa2_varlen_forward(" in code  # FA2 behind it
+    assert "data_of(seqstart_q) == data_of(seqstart_k)" in code  # causal: FA4 only with one seqstart
+    assert "fa4" not in varlen_codegen.emit_native_source(site).code  # the native provider: FA2 only
+    # a window, or a head dim without an FA4 object: FA2 only, and the report says why
+    for kw, why in ((dict(window=16), "a sliding window"), (dict(d=32), "head dim 32")):
+        m = mqa_byoc.partition_for_cutlass(var_len_attention(**kw), provider="hopper")
+        s = varlen_codegen.find_var_len_site(next(iter(_codegen_funcs(m).values())))
+        assert "fa4" not in varlen_codegen.emit_native_source(s, hopper=True).code
+        (rep,) = mqa_byoc.offload_report(var_len_attention(**kw), target=CUDA, provider="hopper")
+        assert rep.offloaded and why in rep.kernel, rep.kernel
+    (rep,) = mqa_byoc.offload_report(var_len_attention(h=8, hkv=2, d=64, causal=None), target=CUDA, provider="hopper")
+    assert rep.kernel.startswith("FA4 sm90 var-len forward") and "no mask" in rep.kernel
+
+
+@pytest.mark.skipif(G.native_export_skip_reason() is not None, reason=str(G.native_export_skip_reason()))
+def test_hopper_provider_exports_and_links_the_fa4_var_len_object(tmp_path):
+    from mqa_byoc.kernels import hopper
+
+    if not (hopper.compiler_available() or hopper.prebuilt_dirs("sm_90")):
+        pytest.skip(f"no FA4 objects and no compiler for them ({hopper.install_hint()})")
+    ex = _build(var_len_attention(h=8, hkv=1, expand="broadcast", d=64), "hopper")
+    path = tmp_path / "varlen_hopper.so"
+    mqa_byoc.export_library(ex, str(path), arch="sm_90", build=False, progress=None)
+    import subprocess
+
+    syms = subprocess.run(["nm", str(path)], capture_output=True, text=True, check=True).stdout
+    for sym in ("__tvm_ffi_mqa_byoc_fa4_sm90_fp16_h64_g8_varlen_causal", "mqa_byoc_fa4_ragged_forward",
+                "mqa_byoc_fa2_varlen_forward"):
+        assert f" {sym}\n" in syms, sym
+    import re
+
+    assert not re.findall(r" U (mqa_byoc_\w+|__tvm_ffi_mqa_byoc_\w+)", syms)  # nothing of ours left unresolved

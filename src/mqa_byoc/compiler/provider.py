@@ -7,8 +7,8 @@ The three providers (:data:`mqa_byoc.contract.PROVIDERS`):
     by :func:`mqa_byoc.export_library` (:mod:`mqa_byoc.compiler.codegen.native`).
 ``"hopper"``
     the native wrapper with FA4's sm90 kernel (flash-attn-4, compiled ahead of time by
-    :mod:`mqa_byoc.kernels.hopper`) for calls with enough query rows (prefill) and FA2 for the
-    others (split-KV decode) and for var-len attention; sm_90 only, exported the same way
+    :mod:`mqa_byoc.kernels.hopper`) for calls with enough query rows (prefill) and for var-len
+    attention, FA2 for the others (split-KV decode); sm_90 only, exported the same way
     (:mod:`mqa_byoc.compiler.codegen.hopper`).
 ``"python"``
     a forwarder calling the global function ``mqa_byoc.flash_attn_forward`` that

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from .errors import NativeKernelsUnavailable
 from .keys import normalize_arch, normalize_dtype
-from .paths import DISPATCH_HEADER, GQA_DECODE_HEADER, NATIVE_DIR, PAGED_HEADER, cache_root
+from .paths import DISPATCH_HEADER, GQA_DECODE_HEADER, LSE_RULE_HEADER, NATIVE_DIR, cache_root
 
 #: the flash-attn-4 release whose kernel the objects hold (pinned: its compile interface is internal)
 FA4_VERSION = "4.0.0b36"
@@ -265,7 +265,7 @@ def support_objects(arch: str = "sm_90", progress: Callable[[str], None] | None 
         source_object(DECODE_SOURCE, arch, gencode_flags(arch), subdir="fa4",
                       inputs=(DISPATCH_HEADER, GQA_DECODE_HEADER), includes=ffi_includes, progress=progress),
         source_object(RAGGED_SOURCE, arch, gencode_flags(arch), subdir="fa4",
-                      inputs=(DISPATCH_HEADER, PAGED_HEADER), includes=ffi_includes, progress=progress),
+                      inputs=(DISPATCH_HEADER, LSE_RULE_HEADER), includes=ffi_includes, progress=progress),
     ]
 
 

@@ -18,8 +18,10 @@ LINK_CHECK_SOURCE = NATIVE_DIR / "fa2_link_check.cc"
 COMBINE_SOURCE = NATIVE_DIR / "split_kv_combine.cu"
 GQA_DECODE_SOURCE = NATIVE_DIR / "gqa_decode.cu"
 GQA_DECODE_HEADER = NATIVE_DIR / "gqa_decode.h"
-#: the C API of the PagedKVCache attention (fa2_paged.cu), also included by fa4_ragged.cu
+#: the C API of the PagedKVCache attention (fa2_paged.cu)
 PAGED_HEADER = NATIVE_DIR / "fa2_paged.h"
+#: TVM's base-2 LSE rule, shared by fa2_paged.cu and fa4_ragged.cu
+LSE_RULE_HEADER = NATIVE_DIR / "lse_rule.h"
 SUPPORT_SOURCE = NATIVE_DIR / "decode_support.cu"
 #: the sink epilogue of attention with sinks (output * sigmoid(lse - sink)), in the support object too
 SINK_EPILOGUE_SOURCE = NATIVE_DIR / "sink_epilogue.cu"

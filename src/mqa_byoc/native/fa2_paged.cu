@@ -12,6 +12,7 @@
 #include "fa2_paged.h"
 
 #include "fa2_dispatch.h"
+#include "lse_rule.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -76,11 +77,9 @@ __host__ __device__ inline int32_t kv_length(int32_t n_pages, int32_t page_size,
   return n_pages > 0 ? (n_pages - 1) * page_size + last_page_len : 0;
 }
 
-// FA2's natural-log LSE -> TVM's base-2 LSE. FA2 marks a row without keys with +inf; TVM's kernels
-// write -5e4 there (so its merge of attention states gives that part no weight).
-__host__ __device__ inline float lse_base2(float v) {
-  return (isinf(v) || isnan(v)) ? -5e4f : v * 1.4426950408889634f;  // log2(e)
-}
+// FA2's natural-log LSE -> TVM's base-2 LSE (lse_rule.h: FA2 marks a row without keys with +inf; TVM's
+// kernels write -5e4 there).
+__host__ __device__ inline float lse_base2(float v) { return mqa_byoc_lse_base2(v); }
 
 // TVM's merge of two attention states (base-2 LSEs s, s_other): the weights of each state's V and
 // the merged LSE. A state with -inf (or TVM's empty -5e4 against a real one) gets weight 0; when both
@@ -269,20 +268,10 @@ struct DeviceGuard {
 
 extern "C" const char* mqa_byoc_fa2_paged_last_error(void) { return g_error.c_str(); }
 
-#define MQA_BYOC_PAGED_EXPORT __attribute__((visibility("default")))
-
-// FA-style LSE (element (r, h) at r * row_stride + h * head_stride, natural log) -> TVM's compact base-2
-// (rows, heads), on `stream`: for var-len kernels outside this file (fa4_ragged.cu).
-extern "C" MQA_BYOC_PAGED_EXPORT int mqa_byoc_fa2_paged_lse_to_tvm(const float* in, int64_t rows, int64_t heads,
-                                                                    int64_t row_stride, int64_t head_stride,
-                                                                    float* lse, void* stream) {
-  const int64_t no_out_stride[2] = {0, 0};
-  return finish(in, rows, heads, row_stride, head_stride, lse, nullptr, nullptr, 0, nullptr, no_out_stride, 0, 0,
-                static_cast<cudaStream_t>(stream));
-}
 
 // Host twins of the two bridging kernels (same per-element rules), for the CPU tests (exported so
 // that a test can load them with ctypes).
+#define MQA_BYOC_PAGED_EXPORT __attribute__((visibility("default")))
 extern "C" MQA_BYOC_PAGED_EXPORT void mqa_byoc_fa2_paged_host_block_table(
     const int32_t* page_indptr, const int32_t* page_values, const int32_t* last_page_len, int64_t batch,
     int page_size, int stride, int32_t* table, int32_t* seqlens_k, int32_t* empty) {

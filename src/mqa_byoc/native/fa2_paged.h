@@ -52,11 +52,6 @@ int mqa_byoc_fa2_paged_merge_state(void* v, float* s, const void* v_other, const
                                    const int64_t* s_stride, const int64_t* vo_stride, const int64_t* so_stride,
                                    int is_bf16, int device_id, void* stream);
 
-// A var-len kernel's natural-log LSE (element (r, h) at r * row_stride + h * head_stride) converted to
-// TVM's compact base-2 (rows, H) `lse` on `stream` (fa4_ragged.cu's FA4 writes (H, total_q)).
-int mqa_byoc_fa2_paged_lse_to_tvm(const float* in, int64_t rows, int64_t heads, int64_t row_stride,
-                                  int64_t head_stride, float* lse, void* stream);
-
 // The page-size unit of head dim d: the kBlockN of FA2's split-KV kernel (256 for d <= 64, 128 for
 // d <= 128, 64 for d <= 256); -1 for a head dim FA2 has no kernel for.
 int mqa_byoc_fa2_paged_page_unit(int64_t head_dim);

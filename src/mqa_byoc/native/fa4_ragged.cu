@@ -4,17 +4,25 @@
 // (total_k, H_kv, D), the sequences cut by qo_indptr / kv_indptr (device int32). FA4's "varlen" objects
 // take exactly that (cu_seqlens_q, cu_seqlens_k) and map their tiles to sequences on the GPU, so the
 // launch needs no longest length (TVM keeps the lengths on the host side only) and starts no tiles
-// past a sequence's end. FA4 writes the LSE (H, total_q) in natural log; the paged object converts it to
-// TVM's compact base-2 (total_q, H). Two launches: FA4, the conversion.
+// past a sequence's end. FA4 writes the LSE (H, total_q) in natural log; a small kernel converts it to
+// TVM's compact base-2 (total_q, H) (lse_rule.h, fa2_paged.cu's rule). Two launches: FA4, the conversion.
 #include <cuda_runtime.h>
 #include <dlpack/dlpack.h>
 #include <stdint.h>
 #include <tvm/ffi/c_api.h>
 
 #include "fa2_dispatch.h"  // workspace pool and error message (fa2_dispatch.cc)
-#include "fa2_paged.h"     // the LSE conversion (fa2_paged.cu)
+#include "lse_rule.h"
 
 namespace {
+
+// lse[r * heads + h] = base 2 of lse_nat[h * rows + r]
+__global__ void lse_to_tvm(const float* __restrict__ lse_nat, int64_t rows, int heads, float* __restrict__ lse) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * heads) return;
+  const int64_t r = i / heads, h = i % heads;
+  lse[i] = mqa_byoc_lse_base2(lse_nat[h * rows + r]);
+}
 
 DLTensor view(void* data, DLDataType dtype, int device_id, int ndim, int64_t* shape, int64_t* strides) {
   DLTensor t;
@@ -45,7 +53,7 @@ typedef int (*mqa_byoc_ffi_fn)(void* self, const TVMFFIAny* args, int32_t num_ar
 // fa4: the "varlen" or "varlen_causal" object's function (q, k, v, out, lse, scale, cu_seqlens_q,
 // cu_seqlens_k), which launches on the TVM-FFI environment's stream of `device_id`: the caller makes it
 // `stream`. Strides: 3 per tensor (row, head, dim) in elements, dim contiguous. lse: compact (total_q, H)
-// float32, base 2 (TVM's). Returns 0; -1 when FA4 raised a TVM-FFI error; -2 when
+// float32, base 2 (TVM's), or NULL when the caller needs none (FA4 writes its own to a workspace). Returns 0; -1 when FA4 raised a TVM-FFI error; -2 when
 // mqa_byoc_fa2_last_error() holds the message.
 __attribute__((visibility("default"))) int mqa_byoc_fa4_ragged_forward(
     mqa_byoc_ffi_fn fa4, const void* q, const void* k, const void* v, void* out, float* lse, const int32_t* qo_indptr,
@@ -81,13 +89,16 @@ __attribute__((visibility("default"))) int mqa_byoc_fa4_ragged_forward(
   result.zero_padding = 0;
   result.v_int64 = 0;
   int rc = fa4(nullptr, args, 8, &result);
-  int lse_rc = rc == 0 ? mqa_byoc_fa2_paged_lse_to_tvm(static_cast<const float*>(ws), total_q, num_heads, 1, total_q,
-                                                       lse, stream)
-                       : 0;
+  if (rc == 0 && lse != nullptr) {
+    const int64_t n = total_q * num_heads;
+    lse_to_tvm<<<unsigned((n + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+        static_cast<const float*>(ws), total_q, int(num_heads), lse);
+  }
+  const cudaError_t err = rc == 0 ? cudaGetLastError() : cudaSuccess;
   cudaFreeAsync(ws, static_cast<cudaStream_t>(stream));
   if (rc != 0) return -1;
-  if (lse_rc != 0) {
-    mqa_byoc_fa2_fail(mqa_byoc_fa2_paged_last_error());
+  if (err != cudaSuccess) {
+    mqa_byoc_fa2_fail(cudaGetErrorString(err));
     return -2;
   }
   return 0;

@@ -92,8 +92,10 @@ def flash_attn_codegen(funcs, options=None, constant_names=None) -> list:
     for func in funcs:
         if varlen_codegen.is_var_len(func):
             vl = varlen_codegen.find_var_len_site(func)
-            if resolve_provider(func, options) in LINKED_PROVIDERS:  # hopper: var-len stays on FA2
-                modules.append(_csource_module(varlen_codegen.emit_native_source(vl).code, [vl.symbol]))
+            provider = resolve_provider(func, options)
+            if provider in LINKED_PROVIDERS:  # hopper: FA4's var-len forward where it has an object
+                modules.append(_csource_module(varlen_codegen.emit_native_source(vl, hopper=provider == "hopper").code,
+                                               [vl.symbol]))
             else:
                 python_parts.append(varlen_codegen.emit_python_forwarder(vl))
                 python_symbols.append(vl.symbol)

@@ -54,9 +54,16 @@ def describe_kernel(provider: str, *, dtype, head_dim, num_q_heads, num_kv_heads
     fa2 = "FA2 var-len forward" if var_len else f"FA2 (decode: {decode})"
     if provider != "hopper":
         return fa2 + ", linked"
-    if var_len:
-        return fa2 + " (the hopper provider has no FA4 var-len path)"
     why = _rejection(dtype, head_dim, head_dim)
+    if var_len:
+        if why or window:
+            return f"{fa2}, linked (hopper provider: no FA4 var-len object for " + (why or "a sliding window") + ")"
+        if options.hopper_fa4 == "never":
+            return f"{fa2}, linked (hopper provider with the kernel option hopper_fa4=never)"
+        group = num_q_heads // num_kv_heads
+        return (f"FA4 sm90 var-len forward (flash-attn-4 {hopper.FA4_VERSION}, group {group}, "
+                f"{'causal' if causal else 'no mask'}) when the operands suit its TMA loads"
+                + (" and q and K/V share one seqstart" if causal else "") + f"; otherwise {fa2}, linked")
     if why:
         return f"{fa2}, linked (hopper provider: no FA4 object for {why})"
     if options.hopper_fa4 == "never":

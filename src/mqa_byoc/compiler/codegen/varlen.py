@@ -10,6 +10,11 @@ The emitted function ``<symbol>(inputs..., out)`` checks them against the compil
 
 - native: ``mqa_byoc_fa2_varlen_forward`` (``native/fa2_dispatch.cc``) with the seqstarts as device
   pointers (FA2's ``cu_seqlens``) and the max lengths as ints;
+- hopper: the same, and before it FA4's sm90 var-len forward (``native/fa4_ragged.cu`` around the
+  "varlen" / "varlen_causal" objects, :func:`fa4_var_len_key`) for sites without a window, head dims
+  64/128, when the operands suit its TMA loads and, for a causal site, q and K/V share one seqstart (a
+  sequence with more query rows than keys is FA2's case: it writes zeros where a row sees no key);
+  the kernel option ``hopper_fa4="never"`` keeps FA2;
 - python: the global function ``mqa_byoc.flash_attn_varlen_forward`` (``runtime/varlen_provider.py``).
 
 ``max_seqlen_q`` / ``max_seqlen_k`` are read where they live: a host tensor (TVM's CUTLASS tests put
@@ -157,13 +162,31 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC({site.symbol}, mqa_byoc_{site.symbol}::Run);
 
 
 # --------------------------------------------------------------------------- native provider
-def emit_native_source(site: VarLenCodegenSite):
-    """:class:`~.native_codegen.NativeSource` of the wrapper calling ``mqa_byoc_fa2_varlen_forward``."""
+def fa4_var_len_key(spec: AttentionSpec):
+    """The FA4 var-len object the hopper provider runs ``spec`` on, or None (FA2): no window, head dims
+    and dtypes FA4 has objects for, and no sinks or soft-cap (which var-len sites do not have)."""
+    from mqa_byoc.kernels import hopper
+
+    if spec.window_left >= 0 or spec.window_right >= 0 or spec.head_dim not in hopper.HEAD_DIMS:
+        return None
+    if spec.head_dim_v != spec.head_dim or spec.dtype not in ("float16", "bfloat16"):
+        return None
+    if spec.softcap or spec.sinks_dtype is not None:
+        return None
+    return hopper.HopperKernelKey(spec.dtype, int(spec.head_dim), int(spec.num_q_heads // spec.num_kv_heads),
+                                  "varlen_causal" if spec.causal else "varlen")
+
+
+def emit_native_source(site: VarLenCodegenSite, hopper: bool = False):
+    """:class:`~.native_codegen.NativeSource` of the wrapper calling ``mqa_byoc_fa2_varlen_forward``
+    (``hopper``: FA4's var-len forward first, where :func:`fa4_var_len_key` has an object)."""
+    from mqa_byoc.kernels import hopper as _hopper
     from mqa_byoc.kernels import marker_line, plan_kernels
 
     from mqa_byoc.compiler.codegen.native import SPEC_MARKER, NativeSource, check_spec, fill_template, spec_fields
 
     spec = site.spec
+    fa4 = fa4_var_len_key(spec) if hopper else None
     check_spec(site.symbol, spec)
     # the same families as fixed-length attention; var-len runs the plain (non-split) kernels only
     kernels = tuple(key for key in plan_kernels(spec) if not key.split)
@@ -171,13 +194,60 @@ def emit_native_source(site: VarLenCodegenSite):
                  f"D={spec.head_dim} dtype={spec.dtype} scale={float(spec.scale)!r} causal={int(spec.causal)} "
                  f"window=({spec.window_left},{spec.window_right})")
     code = fill_template(_NATIVE_TEMPLATE, {
-        "@MARKER@": marker_line(kernels),
+        "@MARKER@": marker_line(kernels) + ("\n" + _hopper.marker_line([fa4]) if fa4 else ""),
         "@SPEC@": spec_line,
+        "@FA4_DECL@": _FA4_DECL.replace("@FA4SYM@", fa4.symbol) if fa4 else "",
+        "@FA4_CALL@": _FA4_CALL.replace("@FA4SYM@", fa4.symbol) if fa4 else "",
         "@INPUTS@": _inputs(site, "DLTensor*"),
         "@OPERANDS@": _operand_lines(site, "DLTensor*"),
         **spec_fields(site.symbol, spec),
     })
     return NativeSource(code, kernels)
+
+
+_FA4_DECL = r"""
+// FA4's sm90 var-len forward (hopper provider; flash-attn-4, compiled by mqa_byoc.kernels.hopper_aot) and
+// native/fa4_ragged.cu around it. Weak: a library exported without them fails with a hint.
+extern "C" __attribute__((weak)) int __tvm_ffi_@FA4SYM@(void* self, const TVMFFIAny* args, int32_t num_args,
+                                                         TVMFFIAny* result);
+extern "C" __attribute__((weak)) int mqa_byoc_fa4_ragged_forward(
+    int (*fa4)(void*, const TVMFFIAny*, int32_t, TVMFFIAny*), const void* q, const void* k, const void* v, void* out,
+    float* lse, const int32_t* qo_indptr, const int32_t* kv_indptr, int64_t batch, int64_t total_q, int64_t total_k,
+    int64_t num_heads, int64_t num_heads_k, int64_t head_dim, const int64_t* q_stride, const int64_t* k_stride,
+    const int64_t* v_stride, const int64_t* o_stride, int is_bf16, double scale, int device_id, void* stream);
+// the library's hopper_fa4 kernel option (fa2_dispatch.h's mqa_byoc_kernel_options; 2: "never")
+extern "C" __attribute__((weak, visibility("hidden"))) const struct mqa_byoc_varlen_options_view {
+  int decode_kernel, decode_merge, split_combine, hopper_fa4;
+} mqa_byoc_library_kernel_options;
+"""
+
+_FA4_CALL = r"""
+  {
+    const DLTensor* ts[4] = {q, k, v, out};
+    const int64_t* st[4] = {qs, ks, vs, os};
+    bool ok = &mqa_byoc_library_kernel_options == nullptr || mqa_byoc_library_kernel_options.hopper_fa4 != 2;
+    // causal: a row of a sequence with more queries than keys sees none (FA2 writes zeros there); one
+    // shared seqstart rules that out
+    ok = ok && (!kCausal || data_of(seqstart_q) == data_of(seqstart_k));
+    for (int i = 0; ok && i < 4; ++i) {
+      ok = (reinterpret_cast<uintptr_t>(data_of(ts[i])) & 15) == 0 && ts[i]->shape[1] <= INT32_MAX &&
+           st[i][0] % 8 == 0 && st[i][1] % 8 == 0 && st[i][0] <= INT32_MAX && st[i][1] <= INT32_MAX;
+    }
+    if (ok) {
+      if (&__tvm_ffi_@FA4SYM@ == nullptr || &mqa_byoc_fa4_ragged_forward == nullptr) {
+        TVM_FFI_THROW(RuntimeError) << kSymbol << ": the FA4 var-len object @FA4SYM@ (and fa4_ragged.cu) is not "
+                                    << "linked into this library; export it with mqa_byoc.export_library(executable, "
+                                    << "path), or build with provider=\"native\"";
+      }
+      const int frc = mqa_byoc_fa4_ragged_forward(
+          &__tvm_ffi_@FA4SYM@, data_of(q), data_of(k), data_of(v), const_cast<void*>(data_of(out)), nullptr,
+          static_cast<const int32_t*>(data_of(seqstart_q)), static_cast<const int32_t*>(data_of(seqstart_k)),
+          n_q - 1, total_q, total_k, kHeads, kKvHeads, kHeadDim, qs, ks, vs, os, kIsBf16, kScale, dev, stream);
+      if (frc == -1) throw ::tvm::ffi::details::MoveFromSafeCallRaised();
+      if (frc != 0) TVM_FFI_THROW(RuntimeError) << kSymbol << ": FA4 var-len: " << mqa_byoc_fa2_last_error();
+      return 0;
+    }
+  }"""
 
 
 _NATIVE_TEMPLATE = r"""// Generated by mqa_byoc.compiler.codegen.varlen: FA2 var-len forward for one offloaded attention.
@@ -198,7 +268,7 @@ extern "C" __attribute__((weak)) int mqa_byoc_fa2_varlen_forward(
     const int64_t* k_stride, const int64_t* v_stride, const int64_t* o_stride, int is_bf16,
     float softmax_scale, int causal, int window_left, int window_right, int device_id, void* stream);
 extern "C" __attribute__((weak)) const char* mqa_byoc_fa2_last_error(void);
-
+@FA4_DECL@
 namespace {
 
 @PRELUDE@
@@ -273,7 +343,7 @@ int run(@INPUTS@, DLTensor* out) {
   }
   const int64_t max_q = max_length(max_seqlen_q, "max_seqlen_q", total_q);
   const int64_t max_k = max_length(max_seqlen_k, "max_seqlen_k", total_k);
-  void* stream = TVMFFIEnvGetStream(kDLCUDA, dev);
+  void* stream = TVMFFIEnvGetStream(kDLCUDA, dev);@FA4_CALL@
   int rc = mqa_byoc_fa2_varlen_forward(
       data_of(q), data_of(k), data_of(v), const_cast<void*>(data_of(out)),
       static_cast<const int32_t*>(data_of(seqstart_q)), static_cast<const int32_t*>(data_of(seqstart_k)),

@@ -51,5 +51,6 @@ def paged_object(arch: str, *, fa_src=None, build: bool = True,
         return [f"-I{_paths.SHIM_DIR}", f"-I{fa_root / 'csrc/flash_attn/src'}"]
 
     return source_object(PAGED_SOURCE, arch, paged_flags(arch), subdir="fa2/paged",
-                         inputs=(PAGED_HEADER, _paths.DISPATCH_HEADER, _paths.GQA_DECODE_HEADER, _paths.SHIM_DIR),
+                         inputs=(PAGED_HEADER, _paths.LSE_RULE_HEADER, _paths.DISPATCH_HEADER, _paths.GQA_DECODE_HEADER,
+                                 _paths.SHIM_DIR),
                          includes=includes, progress=progress)
