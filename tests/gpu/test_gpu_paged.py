@@ -215,10 +215,18 @@ def _ragged_reference(torch, q, k, v, q_lens, k_lens, g, scale, causal):
     return torch.cat(outs), torch.cat(lses)
 
 
+#: the ragged entry's batches: a few sequences, and 64 of up to 600 rows, enough that the FA2 entry
+#: reads the longest sequence back instead of launching total_q's row blocks per sequence (fa2_paged.cu)
+RAGGED_BATCHES = {"few": ([5, 300, 1, 129], [17, 300, 40, 129])}
+_lens = [int(x) for x in __import__("random").Random(5).choices(range(1, 601), k=64)]
+RAGGED_BATCHES["many"] = (_lens, [n + (i % 3) * 7 for i, n in enumerate(_lens)])
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("batch", sorted(RAGGED_BATCHES))
 @pytest.mark.parametrize("causal", [1, 0])
 @pytest.mark.parametrize("name", sorted(MANIFEST) or ["(no artifacts)"])
-def test_ragged_entry_causal_and_not(env, name, causal):
+def test_ragged_entry_causal_and_not(env, name, causal, batch):
     """The ragged entry of every library of ours, called as TVM's cache calls it, with causal 1 (what the
     cache's prefill passes) and 0 (K/V longer than the queries), against fp32: output and base-2 LSE."""
     import tvm_ffi
@@ -230,7 +238,7 @@ def test_ragged_entry_causal_and_not(env, name, causal):
     cfg = case["config"]
     h, hkv, d = cfg["num_q_heads"], cfg["num_kv_heads"], cfg["head_dim"]
     dtype = getattr(torch, cfg["dtype"])
-    q_lens, k_lens = [5, 300, 1, 129], [17, 300, 40, 129]
+    q_lens, k_lens = RAGGED_BATCHES[batch]
     gen = torch.Generator(device="cuda").manual_seed(11)
     q = torch.randn(sum(q_lens), h, d, generator=gen, device="cuda").to(dtype)
     k = torch.randn(sum(k_lens), hkv, d, generator=gen, device="cuda").to(dtype)
@@ -253,7 +261,7 @@ def test_ragged_entry_causal_and_not(env, name, causal):
             fn(*args, causal, 0, 1.0, 1e4, scale)
         names = sorted({n for n, _ in cap.events})
         err, lse_err = _rel(torch, out, want), float((lse - want_lse).abs().max())
-        RESULTS.setdefault("ragged_entry", {})[f"{name}/{impl}/causal{causal}"] = {
+        RESULTS.setdefault("ragged_entry", {})[f"{name}/{impl}/causal{causal}/{batch}"] = {
             "err": round(err, 6), "lse_max_abs": round(lse_err, 6), "kernels": [n[:80] for n in names]}
         assert err < TOL and lse_err < 1e-2, f"{name} {impl} causal={causal}: output {err}, LSE {lse_err}"
         # what ran: FA4's sm90 forward in the hopper provider's library, FA2's var-len kernel in the native one

@@ -182,6 +182,43 @@ struct Workspace {
 
 size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
+// TVM keeps the exact per-sequence lengths on the host only and passes the device CSR (qo_indptr), so
+// the var-len grids are sized by total_q, a bound of every sequence: FA2 launches ceil(total_q / 128)
+// row blocks for each (sequence, head), and at batch B about (B - 1) / B of them exit at once. Where
+// those empty blocks cost more than a synchronizing read of the B + 1 offsets (about 65k of them), the
+// longest sequence is read back instead; never while the stream is being captured into a CUDA graph.
+constexpr int64_t kReadBackWastedBlocks = 1 << 16;
+
+bool worth_reading_back(int64_t batch, int64_t heads, int64_t total_q) {
+  return batch >= 2 && (batch - 1) * heads * ((total_q + 127) / 128) >= kReadBackWastedBlocks;
+}
+
+// The longest sequence of the device offsets `indptr` (batch + 1 int32 into `total` rows), or -1 when
+// they are not read (graph capture, a failed copy, offsets that do not fit: the caller keeps its bound).
+int64_t longest_sequence(const int32_t* indptr, int64_t batch, int64_t total, cudaStream_t stream) {
+  if (indptr == nullptr) return -1;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
+    cudaGetLastError();
+    return -1;
+  }
+  thread_local std::vector<int32_t> host;
+  host.resize(size_t(batch) + 1);
+  if (cudaMemcpyAsync(host.data(), indptr, host.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream) !=
+          cudaSuccess ||
+      cudaStreamSynchronize(stream) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t n = int64_t(host[b + 1]) - host[b];
+    if (n < 0 || host[b + 1] > total) return -1;  // not offsets of these rows: keep the bound
+    longest = std::max(longest, n);
+  }
+  return longest;
+}
+
 int check_common(int64_t num_heads, int64_t num_heads_k, int64_t head_dim, int64_t batch, int64_t total_q) {
   if (num_heads <= 0 || num_heads_k <= 0 || num_heads % num_heads_k != 0) {
     return fail("H=" + std::to_string(num_heads) + " is not a positive multiple of H_kv=" +
@@ -397,7 +434,10 @@ extern "C" int mqa_byoc_fa2_paged_forward(const void* q, const int32_t* qo_indpt
   const int64_t g = num_heads / num_heads_k;
   const bool swap = decode && g > 1;
   const int64_t h = swap ? num_heads_k : num_heads;
-  const int64_t sq = decode ? (swap ? g : 1) : total_q;  // total_q bounds every sequence's rows
+  const int64_t longest_q =
+      !decode && worth_reading_back(batch, h, total_q) ? longest_sequence(qo_indptr, batch, total_q, stream) : -1;
+  // total_q bounds every sequence's rows (or the longest, read back)
+  const int64_t sq = decode ? (swap ? g : 1) : (longest_q > 0 ? longest_q : total_q);
   const int64_t seqlen_k_bound = stride * page_size;      // bounds every sequence's K length
 
   Params p{};
@@ -515,9 +555,14 @@ extern "C" int mqa_byoc_fa2_ragged_forward(const void* q, const void* k, const v
   if (fn == nullptr) return not_built(hdim, is_bf16, is_causal, false);
 
   // total_q / total_k bound every sequence's lengths (TVM keeps the exact ones on the host only).
+  // ... or the longest sequences, read back where the bound's empty row blocks would cost more
+  const bool worth = worth_reading_back(batch, num_heads, total_q);
+  const int64_t longest_q = worth ? longest_sequence(qo_indptr, batch, total_q, stream) : -1;
+  const int64_t longest_k = longest_q > 0 ? longest_sequence(kv_indptr, batch, total_k, stream) : -1;
+  const bool read_back = longest_q > 0 && longest_k > 0;
   Params p{};
-  fill_common(p, is_bf16, batch, num_heads, num_heads_k, total_q, std::max<int64_t>(total_k, 1), head_dim,
-              softmax_scale, is_causal);
+  fill_common(p, is_bf16, batch, num_heads, num_heads_k, read_back ? longest_q : total_q,
+              std::max<int64_t>(read_back ? longest_k : total_k, 1), head_dim, softmax_scale, is_causal);
   p.q_ptr = const_cast<void*>(q);
   p.k_ptr = const_cast<void*>(k);
   p.v_ptr = const_cast<void*>(v);
