@@ -702,3 +702,27 @@ def test_paged_doc_fa4_ragged_table():
 def test_paged_doc_fa4_ragged_claim(name):
     text = " ".join(PAGED_DOC.read_text().split())
     assert fa4_ragged_claims()[name] in text, f"docs/paged_kv_cache.md lacks {name}: {fa4_ragged_claims()[name]!r}"
+
+
+PAGED_READBACK = "2026-12-02-paged-prefill-readback.json"
+
+
+def readback_claims() -> dict[str, str]:
+    cases = _load(PAGED_READBACK)["cases"]
+    assert all(v for c in cases for k, v in c["ok"].items() if k.startswith("ours"))
+    rag = [c for c in cases if c["kind"] == "ragged_prefill" and c["ok"]["flashinfer_fa2"]]
+    r = [c["tflops"]["ours"] / c["tflops"]["flashinfer_fa2"] for c in rag]
+    paged = [c for c in cases if c["kind"] == "paged_prefill"]
+    q = [c["us"]["ours"] / _fi_fastest(c) for c in paged]
+    return {
+        "ragged": f"the ragged prefill ran {min(r):.2f}–{max(r):.2f}x FlashInfer's FA2 TFLOP/s "
+                  f"({sum(x >= 1 for x in r)} of {len(rag)} cases at least as fast)",
+        "paged": f"the paged prefill took {min(q):.2f}–{max(q):.2f}x its time ({sum(x <= 1 for x in q)} of {len(paged)} "
+                 "no slower)",
+    }
+
+
+@pytest.mark.parametrize("name", sorted(readback_claims()))
+def test_paged_doc_readback_claim(name):
+    text = " ".join(PAGED_DOC.read_text().split())
+    assert readback_claims()[name] in text, f"docs/paged_kv_cache.md lacks {name}: {readback_claims()[name]!r}"
