@@ -30,7 +30,7 @@ from pathlib import Path
 
 from .errors import NativeKernelsUnavailable
 from .keys import normalize_arch, normalize_dtype
-from .paths import DISPATCH_HEADER, GQA_DECODE_HEADER, LSE_RULE_HEADER, NATIVE_DIR, cache_root
+from .paths import DISPATCH_HEADER, FA4_CALL_HEADER, GQA_DECODE_HEADER, LSE_RULE_HEADER, NATIVE_DIR, cache_root
 
 #: the flash-attn-4 release whose kernel the objects hold (pinned: its compile interface is internal)
 FA4_VERSION = "4.0.0b36"
@@ -57,6 +57,14 @@ RUNTIME_ARCHIVE = "libcuda_dialect_runtime_static.a"
 GLUE_SOURCE = NATIVE_DIR / "fa4_glue.cc"
 DECODE_SOURCE = NATIVE_DIR / "fa4_decode.cu"
 RAGGED_SOURCE = NATIVE_DIR / "fa4_ragged.cu"
+#: the C declaration (weak) of fa4_ragged.cu's entry, for the generated wrappers that call it (the paged
+#: cache's ragged prefill, var-len attention): they are compiled without our include path
+RAGGED_DECL = r"""extern "C" __attribute__((weak)) int mqa_byoc_fa4_ragged_forward(
+    int (*fa4)(void*, const TVMFFIAny*, int32_t, TVMFFIAny*), const void* q, const void* k, const void* v, void* out,
+    float* lse, const int32_t* qo_indptr, const int32_t* kv_indptr, int64_t batch, int64_t total_q, int64_t total_k,
+    int64_t num_heads, int64_t num_heads_k, int64_t head_dim, const int64_t* q_stride, const int64_t* k_stride,
+    const int64_t* v_stride, const int64_t* o_stride, int is_bf16, double scale, int device_id, void* stream);
+"""
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -263,9 +271,11 @@ def support_objects(arch: str = "sm_90", progress: Callable[[str], None] | None 
         source_object(GLUE_SOURCE, arch, ["-O2", "-std=c++17", "-Xcompiler=-fPIC"], subdir="fa4",
                       includes=cuda_include, progress=progress),
         source_object(DECODE_SOURCE, arch, gencode_flags(arch), subdir="fa4",
-                      inputs=(DISPATCH_HEADER, GQA_DECODE_HEADER), includes=ffi_includes, progress=progress),
+                      inputs=(DISPATCH_HEADER, GQA_DECODE_HEADER, FA4_CALL_HEADER), includes=ffi_includes,
+                      progress=progress),
         source_object(RAGGED_SOURCE, arch, gencode_flags(arch), subdir="fa4",
-                      inputs=(DISPATCH_HEADER, LSE_RULE_HEADER), includes=ffi_includes, progress=progress),
+                      inputs=(DISPATCH_HEADER, LSE_RULE_HEADER, FA4_CALL_HEADER), includes=ffi_includes,
+                      progress=progress),
     ]
 
 

@@ -20,6 +20,8 @@ GQA_DECODE_SOURCE = NATIVE_DIR / "gqa_decode.cu"
 GQA_DECODE_HEADER = NATIVE_DIR / "gqa_decode.h"
 #: the C API of the PagedKVCache attention (fa2_paged.cu)
 PAGED_HEADER = NATIVE_DIR / "fa2_paged.h"
+#: calling an FA4 object from C++ (fa4_decode.cu, fa4_ragged.cu)
+FA4_CALL_HEADER = NATIVE_DIR / "fa4_call.h"
 #: TVM's base-2 LSE rule, shared by fa2_paged.cu and fa4_ragged.cu
 LSE_RULE_HEADER = NATIVE_DIR / "lse_rule.h"
 SUPPORT_SOURCE = NATIVE_DIR / "decode_support.cu"

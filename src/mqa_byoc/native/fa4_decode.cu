@@ -12,6 +12,8 @@
 #include <stdint.h>
 #include <tvm/ffi/c_api.h>
 
+#include "fa4_call.h"
+
 #include <algorithm>
 
 #include "fa2_dispatch.h"  // workspace pool and error message (fa2_dispatch.cc), combine (split_kv_combine.cu)
@@ -34,31 +36,11 @@ __global__ void prepare(int32_t* cu, int n, int64_t chunk, int64_t s_kv, const T
   }
 }
 
-DLTensor tensor(void* data, DLDataType dtype, int device_id, int ndim, int64_t* shape, int64_t* strides) {
-  DLTensor t;
-  t.data = data;
-  t.device = DLDevice{kDLCUDA, device_id};
-  t.ndim = ndim;
-  t.dtype = dtype;
-  t.shape = shape;
-  t.strides = strides;
-  t.byte_offset = 0;
-  return t;
-}
 
-TVMFFIAny any_ptr(DLTensor* t) {
-  TVMFFIAny a;
-  a.type_index = kTVMFFIDLTensorPtr;
-  a.zero_padding = 0;
-  a.v_ptr = t;
-  return a;
-}
 
 }  // namespace
 
 extern "C" {
-
-typedef int (*mqa_byoc_ffi_fn)(void* self, const TVMFFIAny* args, int32_t num_args, TVMFFIAny* result);
 
 // Number of key chunks the decode uses for S_kv keys and H_kv K/V heads on `num_sms` SMs.
 __attribute__((visibility("default"))) int mqa_byoc_fa4_decode_chunks(int64_t s_kv, int64_t num_heads_k, int num_sms) {
@@ -110,20 +92,16 @@ __attribute__((visibility("default"))) int mqa_byoc_fa4_decode(
   int64_t o_shape[4] = {n, 1, h, d}, o_str[4] = {h * d, h * d, d, 1};
   int64_t l_shape[3] = {n, h, 1}, l_str[3] = {h, 1, 1};
   int64_t c_shape[1] = {n + 1}, c_str[1] = {1};
-  DLTensor tq = tensor(q_rep, half_t, device_id, 4, q_shape, q_str);
-  DLTensor tk = tensor(const_cast<void*>(k), half_t, device_id, 3, k_shape, k_str);
-  DLTensor tv = tensor(const_cast<void*>(v), half_t, device_id, 3, v_shape, v_str);
-  DLTensor to = tensor(o_part, half_t, device_id, 4, o_shape, o_str);
-  DLTensor tl = tensor(lse, f32, device_id, 3, l_shape, l_str);
-  DLTensor tc = tensor(cu, i32, device_id, 1, c_shape, c_str);
-  TVMFFIAny args[7] = {any_ptr(&tq), any_ptr(&tk), any_ptr(&tv), any_ptr(&to), any_ptr(&tl), {}, any_ptr(&tc)};
-  args[5].type_index = kTVMFFIFloat;
-  args[5].zero_padding = 0;
-  args[5].v_float64 = scale;
-  TVMFFIAny result;
-  result.type_index = kTVMFFINone;
-  result.zero_padding = 0;
-  result.v_int64 = 0;
+  DLTensor tq = mqa_byoc_cuda_view(q_rep, half_t, device_id, 4, q_shape, q_str);
+  DLTensor tk = mqa_byoc_cuda_view(const_cast<void*>(k), half_t, device_id, 3, k_shape, k_str);
+  DLTensor tv = mqa_byoc_cuda_view(const_cast<void*>(v), half_t, device_id, 3, v_shape, v_str);
+  DLTensor to = mqa_byoc_cuda_view(o_part, half_t, device_id, 4, o_shape, o_str);
+  DLTensor tl = mqa_byoc_cuda_view(lse, f32, device_id, 3, l_shape, l_str);
+  DLTensor tc = mqa_byoc_cuda_view(cu, i32, device_id, 1, c_shape, c_str);
+  TVMFFIAny args[7] = {mqa_byoc_tensor_arg(&tq), mqa_byoc_tensor_arg(&tk), mqa_byoc_tensor_arg(&tv),
+                       mqa_byoc_tensor_arg(&to), mqa_byoc_tensor_arg(&tl), {}, mqa_byoc_tensor_arg(&tc)};
+  args[5] = mqa_byoc_float_arg(scale);
+  TVMFFIAny result = mqa_byoc_none_result();
   int rc = fa4(nullptr, args, 7, &result);
   int combine_rc = 0;
   if (rc == 0) {

@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <tvm/ffi/c_api.h>
 
+#include "fa4_call.h"
+
 #include "fa2_dispatch.h"  // workspace pool and error message (fa2_dispatch.cc)
 #include "lse_rule.h"
 
@@ -24,31 +26,9 @@ __global__ void lse_to_tvm(const float* __restrict__ lse_nat, int64_t rows, int 
   lse[i] = mqa_byoc_lse_base2(lse_nat[h * rows + r]);
 }
 
-DLTensor view(void* data, DLDataType dtype, int device_id, int ndim, int64_t* shape, int64_t* strides) {
-  DLTensor t;
-  t.data = data;
-  t.device = DLDevice{kDLCUDA, device_id};
-  t.ndim = ndim;
-  t.dtype = dtype;
-  t.shape = shape;
-  t.strides = strides;
-  t.byte_offset = 0;
-  return t;
-}
-
-TVMFFIAny tensor_arg(DLTensor* t) {
-  TVMFFIAny a;
-  a.type_index = kTVMFFIDLTensorPtr;
-  a.zero_padding = 0;
-  a.v_ptr = t;
-  return a;
-}
-
 }  // namespace
 
 extern "C" {
-
-typedef int (*mqa_byoc_ffi_fn)(void* self, const TVMFFIAny* args, int32_t num_args, TVMFFIAny* result);
 
 // fa4: the "varlen" or "varlen_causal" object's function (q, k, v, out, lse, scale, cu_seqlens_q,
 // cu_seqlens_k), which launches on the TVM-FFI environment's stream of `device_id`: the caller makes it
@@ -72,22 +52,18 @@ __attribute__((visibility("default"))) int mqa_byoc_fa4_ragged_forward(
   int64_t o_shape[3] = {total_q, num_heads, head_dim}, o_str[3] = {o_stride[0], o_stride[1], 1};
   int64_t l_shape[2] = {num_heads, total_q}, l_str[2] = {total_q, 1};
   int64_t c_shape[1] = {batch + 1}, c_str[1] = {1};
-  DLTensor tq = view(const_cast<void*>(q), half_t, device_id, 3, q_shape, q_str);
-  DLTensor tk = view(const_cast<void*>(k), half_t, device_id, 3, k_shape, k_str);
-  DLTensor tv = view(const_cast<void*>(v), half_t, device_id, 3, v_shape, v_str);
-  DLTensor to = view(out, half_t, device_id, 3, o_shape, o_str);
-  DLTensor tl = view(ws, f32, device_id, 2, l_shape, l_str);
-  DLTensor tcq = view(const_cast<int32_t*>(qo_indptr), i32, device_id, 1, c_shape, c_str);
-  DLTensor tck = view(const_cast<int32_t*>(kv_indptr), i32, device_id, 1, c_shape, c_str);
-  TVMFFIAny args[8] = {tensor_arg(&tq), tensor_arg(&tk), tensor_arg(&tv), tensor_arg(&to), tensor_arg(&tl), {},
-                       tensor_arg(&tcq), tensor_arg(&tck)};
-  args[5].type_index = kTVMFFIFloat;
-  args[5].zero_padding = 0;
-  args[5].v_float64 = scale;
-  TVMFFIAny result;
-  result.type_index = kTVMFFINone;
-  result.zero_padding = 0;
-  result.v_int64 = 0;
+  DLTensor tq = mqa_byoc_cuda_view(const_cast<void*>(q), half_t, device_id, 3, q_shape, q_str);
+  DLTensor tk = mqa_byoc_cuda_view(const_cast<void*>(k), half_t, device_id, 3, k_shape, k_str);
+  DLTensor tv = mqa_byoc_cuda_view(const_cast<void*>(v), half_t, device_id, 3, v_shape, v_str);
+  DLTensor to = mqa_byoc_cuda_view(out, half_t, device_id, 3, o_shape, o_str);
+  DLTensor tl = mqa_byoc_cuda_view(ws, f32, device_id, 2, l_shape, l_str);
+  DLTensor tcq = mqa_byoc_cuda_view(const_cast<int32_t*>(qo_indptr), i32, device_id, 1, c_shape, c_str);
+  DLTensor tck = mqa_byoc_cuda_view(const_cast<int32_t*>(kv_indptr), i32, device_id, 1, c_shape, c_str);
+  TVMFFIAny args[8] = {mqa_byoc_tensor_arg(&tq),  mqa_byoc_tensor_arg(&tk), mqa_byoc_tensor_arg(&tv),
+                       mqa_byoc_tensor_arg(&to),  mqa_byoc_tensor_arg(&tl), {},
+                       mqa_byoc_tensor_arg(&tcq), mqa_byoc_tensor_arg(&tck)};
+  args[5] = mqa_byoc_float_arg(scale);
+  TVMFFIAny result = mqa_byoc_none_result();
   int rc = fa4(nullptr, args, 8, &result);
   if (rc == 0 && lse != nullptr) {
     const int64_t n = total_q * num_heads;

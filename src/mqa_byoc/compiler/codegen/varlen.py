@@ -196,7 +196,8 @@ def emit_native_source(site: VarLenCodegenSite, hopper: bool = False):
     code = fill_template(_NATIVE_TEMPLATE, {
         "@MARKER@": marker_line(kernels) + ("\n" + _hopper.marker_line([fa4]) if fa4 else ""),
         "@SPEC@": spec_line,
-        "@FA4_DECL@": _FA4_DECL.replace("@FA4SYM@", fa4.symbol) if fa4 else "",
+        "@FA4_DECL@": _FA4_DECL.replace("@FA4SYM@", fa4.symbol).replace("@RAGGED_DECL@", _hopper.RAGGED_DECL)
+                      if fa4 else "",
         "@FA4_CALL@": _FA4_CALL.replace("@FA4SYM@", fa4.symbol) if fa4 else "",
         "@INPUTS@": _inputs(site, "DLTensor*"),
         "@OPERANDS@": _operand_lines(site, "DLTensor*"),
@@ -210,11 +211,7 @@ _FA4_DECL = r"""
 // native/fa4_ragged.cu around it. Weak: a library exported without them fails with a hint.
 extern "C" __attribute__((weak)) int __tvm_ffi_@FA4SYM@(void* self, const TVMFFIAny* args, int32_t num_args,
                                                          TVMFFIAny* result);
-extern "C" __attribute__((weak)) int mqa_byoc_fa4_ragged_forward(
-    int (*fa4)(void*, const TVMFFIAny*, int32_t, TVMFFIAny*), const void* q, const void* k, const void* v, void* out,
-    float* lse, const int32_t* qo_indptr, const int32_t* kv_indptr, int64_t batch, int64_t total_q, int64_t total_k,
-    int64_t num_heads, int64_t num_heads_k, int64_t head_dim, const int64_t* q_stride, const int64_t* k_stride,
-    const int64_t* v_stride, const int64_t* o_stride, int is_bf16, double scale, int device_id, void* stream);
+@RAGGED_DECL@
 // the library's hopper_fa4 kernel option (fa2_dispatch.h's mqa_byoc_kernel_options; 2: "never")
 extern "C" __attribute__((weak, visibility("hidden"))) const struct mqa_byoc_varlen_options_view {
   int decode_kernel, decode_merge, split_combine, hopper_fa4;

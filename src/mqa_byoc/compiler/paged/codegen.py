@@ -83,7 +83,7 @@ def emit_paged_source(cfg: PagedConfig, kinds, fa4_ragged: bool = False) -> str:
     if fa4_ragged and "ragged" in kinds and not fa4_keys:
         raise ValueError(f"no FA4 var-len object for head dim {cfg.head_dim} (FA4 objects: {_hopper.HEAD_DIMS})")
     short, code, is_bf16 = _DTYPES[cfg.dtype]
-    body = _PRELUDE + (_FA4_RAGGED_DECL if fa4_keys else "")
+    body = _PRELUDE + (_FA4_RAGGED_DECL.replace("@RAGGED_DECL@", _hopper.RAGGED_DECL) if fa4_keys else "")
     for kind in sorted(set(kinds)):
         text = _BODIES[kind]
         if kind == "ragged":
@@ -345,11 +345,7 @@ extern "C" __attribute__((weak)) int __tvm_ffi_@FA4N@(void* self, const TVMFFIAn
                                                        TVMFFIAny* result);
 extern "C" __attribute__((weak)) int __tvm_ffi_@FA4C@(void* self, const TVMFFIAny* args, int32_t num_args,
                                                        TVMFFIAny* result);
-extern "C" __attribute__((weak)) int mqa_byoc_fa4_ragged_forward(
-    int (*fa4)(void*, const TVMFFIAny*, int32_t, TVMFFIAny*), const void* q, const void* k, const void* v, void* out,
-    float* lse, const int32_t* qo_indptr, const int32_t* kv_indptr, int64_t batch, int64_t total_q, int64_t total_k,
-    int64_t num_heads, int64_t num_heads_k, int64_t head_dim, const int64_t* q_stride, const int64_t* k_stride,
-    const int64_t* v_stride, const int64_t* o_stride, int is_bf16, double scale, int device_id, void* stream);
+@RAGGED_DECL@
 extern "C" __attribute__((weak)) const char* mqa_byoc_fa2_last_error(void);
 
 namespace {
