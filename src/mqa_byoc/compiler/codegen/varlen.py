@@ -163,18 +163,16 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC({site.symbol}, mqa_byoc_{site.symbol}::Run);
 
 # --------------------------------------------------------------------------- native provider
 def fa4_var_len_key(spec: AttentionSpec):
-    """The FA4 var-len object the hopper provider runs ``spec`` on, or None (FA2): no window, head dims
-    and dtypes FA4 has objects for, and no sinks or soft-cap (which var-len sites do not have)."""
+    """The FA4 var-len object the hopper provider runs ``spec`` on, or None (FA2): the site's FA4 key
+    (:func:`mqa_byoc.compiler.codegen.hopper.kernel_key`: head dims, dtypes, no sinks or soft-cap)
+    without a sliding window, as its var-len mask."""
+    from mqa_byoc.compiler.codegen import hopper as hopper_codegen
     from mqa_byoc.kernels import hopper
 
-    if spec.window_left >= 0 or spec.window_right >= 0 or spec.head_dim not in hopper.HEAD_DIMS:
+    key = hopper_codegen.kernel_key(spec)
+    if key is None or key.mask == "local":
         return None
-    if spec.head_dim_v != spec.head_dim or spec.dtype not in ("float16", "bfloat16"):
-        return None
-    if spec.softcap or spec.sinks_dtype is not None:
-        return None
-    return hopper.HopperKernelKey(spec.dtype, int(spec.head_dim), int(spec.num_q_heads // spec.num_kv_heads),
-                                  "varlen_causal" if spec.causal else "varlen")
+    return hopper.HopperKernelKey(key.dtype, key.head_dim, key.group, "varlen_causal" if key.mask == "causal" else "varlen")
 
 
 def emit_native_source(site: VarLenCodegenSite, hopper: bool = False):

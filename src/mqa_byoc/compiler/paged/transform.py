@@ -44,6 +44,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from mqa_byoc.compiler.graph.site import require_module
 from mqa_byoc.compiler.paged.codegen import KINDS, PagedConfig, emit_paged_source, fa4_ragged_keys
+from mqa_byoc.compiler.provider import target_arch
 from mqa_byoc.contract import check_provider
 from mqa_byoc.kernels import KERNEL_HEAD_DIMS, kernel_head_dim
 from mqa_byoc.kernels import hopper as _hopper
@@ -360,7 +361,7 @@ class UseFlashAttentionForPagedKVCache:
         mod = mod.clone()  # the edits below are in place; the caller's module stays as it was
         target = (self.target or tvm.target.Target.current(allow_none=True)
                   or tvm.target.Target({"kind": "cuda", "arch": "sm_90"}))
-        arch = str(target.attrs["arch"]) if "arch" in target.attrs else None
+        arch = target_arch(target)
         page_gvs: dict[PagedConfig, tuple] = {}
         replaced = set()
         for fname, call in list(_create_calls(mod)):
