@@ -193,6 +193,24 @@ def test_run_profile_paged_pair(tmp_path, fake_gpu, monkeypatch):  # noqa: F811 
     assert text.count("Time (%)") == 4
 
 
+def test_hopper_paged_library_is_described_with_its_fa4_prefill():
+    """A paged library of the hopper provider runs its ragged prefill on FA4: the profile says so, in the
+    library's line and in the comparison's header (the native provider's stays FA2)."""
+    rec = {"mode": "mqa", "provider": "hopper", "kv_cache": "paged", "paged_attention": "fa2", "page_size": 128,
+           "paged_served": ["ragged prefill", "decode"]}
+    text = profiling._describe(rec)
+    assert "attention on FA4 for the ragged prefill, FA2 for the rest" in text and "hopper provider" in text
+    assert "FA4 and FA2 serve ragged prefill, decode" in text
+    native = profiling._describe({**rec, "provider": "native"})
+    assert "attention on FA2 (UseFlashAttentionForPagedKVCache)" in native and "FA2 serves ragged prefill" in native
+    cmp = {"decode_loop_tokens_per_s_ratio": 2.0}
+    modes = {"mqa": {**rec, "decode_loop_tokens_per_s": 2.0}, "repeat": {"kv_cache": "paged", "decode_loop_tokens_per_s": 1.0}}
+    assert profiling.format_comparison(cmp, modes).startswith(
+        "== mqa=True vs mqa=False (paged KV cache: attention on FA4 and FA2 vs on TVM's TIR kernels) ==")
+    modes["mqa"]["provider"] = "native"
+    assert "attention on FA2 vs on TVM's TIR kernels" in profiling.format_comparison(cmp, modes)
+
+
 def test_run_profile_selects_the_cache_of_a_mixed_directory(tmp_path, fake_gpu, monkeypatch):  # noqa: F811
     _write_libs(tmp_path, PAGED_PAIR)  # next to the fixture's in-place pair (m.mqa.so, m.repeat.so)
     with pytest.raises(profiling.ProfileError, match="several KV caches"):

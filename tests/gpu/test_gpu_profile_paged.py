@@ -116,5 +116,6 @@ def test_profile_run_records_each_sides_attention(env, tmp_path):
     assert any("batch_decode_paged_kv" in n for n in data["comparison"]["decode_only_repeat"])
     for rec in data["modes"].values():
         assert rec["decode_loop_tokens_per_s"] > 0 and len(rec["phases"]["decode"]["wall_ms"]) == 4
-    assert "paged KV cache: attention on FA2 vs on TVM's TIR kernels" in text
+    ours = "FA4 and FA2" if data["modes"]["mqa"].get("provider") == "hopper" else "FA2"
+    assert f"paged KV cache: attention on {ours} vs on TVM's TIR kernels" in text
     assert json.loads((tmp_path / "p.json").read_text())["comparison"] == data["comparison"]

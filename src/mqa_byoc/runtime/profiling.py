@@ -47,6 +47,8 @@ from .runner import DecoderRunner, format_summary, is_memory_op, stat_row
 
 MODE_LABELS = {"mqa": "mqa=True", "repeat": "mqa=False"}
 PAGED_ATTENTION_LABELS = {"fa2": "FA2 (UseFlashAttentionForPagedKVCache)", "tir": "TVM's TIR kernels"}
+#: a paged library of the hopper provider: its ragged prefill runs FA4, the other entries as the native's
+HOPPER_PAGED_LABEL = "FA4 for the ragged prefill, FA2 for the rest (UseFlashAttentionForPagedKVCache, hopper provider)"
 
 
 class ProfileError(RuntimeError):
@@ -200,14 +202,17 @@ def _describe(rec: dict) -> str:
     if "dtype" in rec:
         words.append(rec["dtype"])
     if rec.get("kv_cache") == "paged":
-        words.append(f"paged KV cache (page size {rec.get('page_size', '?')}), attention on "
-                     + PAGED_ATTENTION_LABELS.get(rec.get("paged_attention"), "?"))
+        label = PAGED_ATTENTION_LABELS.get(rec.get("paged_attention"), "?")
+        if rec.get("paged_attention") == "fa2" and rec.get("provider") == "hopper":
+            label = HOPPER_PAGED_LABEL
+        words.append(f"paged KV cache (page size {rec.get('page_size', '?')}), attention on {label}")
     elif "kv_cache" in rec:
         words.append(f"{rec['kv_cache']} KV cache")
     if rec.get("offloaded"):
         words.append("offloaded " + ", ".join(f"{n} x {c}" for c, n in rec["offloaded"].items()))
     if rec.get("paged_served"):
-        words.append("FA2 serves " + ", ".join(rec["paged_served"]))
+        words.append(("FA4 and FA2 serve " if rec.get("provider") == "hopper" else "FA2 serves ")
+                     + ", ".join(rec["paged_served"]))
     return ", ".join(words)
 
 
@@ -271,7 +276,8 @@ def format_comparison(cmp: dict, modes: dict) -> str:
         return ""
     lines = ["== mqa=True vs mqa=False =="]
     if any(m.get("kv_cache") == "paged" for m in modes.values()):
-        lines[0] = "== mqa=True vs mqa=False (paged KV cache: attention on FA2 vs on TVM's TIR kernels) =="
+        ours = "FA4 and FA2" if modes.get("mqa", {}).get("provider") == "hopper" else "FA2"
+        lines[0] = f"== mqa=True vs mqa=False (paged KV cache: attention on {ours} vs on TVM's TIR kernels) =="
     if "decode_loop_tokens_per_s_ratio" in cmp:
         lines.append(f"decode tokens/s (back to back): {modes['mqa']['decode_loop_tokens_per_s']} with mqa=True vs "
                      f"{modes['repeat']['decode_loop_tokens_per_s']} with mqa=False "
