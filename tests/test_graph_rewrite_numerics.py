@@ -21,7 +21,7 @@ BNSH3 = ("BNSH",) * 3
 CASES = {
     "repeat-bsnh-causal": (lambda: G.attention_repeat_bsnh(s=16), dict(causal="BottomRight")),
     "repeat-bsnh-chunked": (lambda: G.attention_repeat_bsnh(s=4, s_kv=16), dict(causal="BottomRight")),
-    "repeat-bsnh-negative-scale": (lambda: G.attention_repeat_bsnh(s=8, causal=None, scale=-0.2), dict(scale=-0.2)),
+    "repeat-bsnh-scale": (lambda: G.attention_repeat_bsnh(s=8, causal=None, scale=0.2), dict(scale=0.2)),
     "repeat-bsnh-topleft": (lambda: G.attention_repeat_bsnh(s=8, causal="TopLeft"), dict(causal="TopLeft")),
     "repeat-bsnh-window": (lambda: G.attention_repeat_bsnh(s=16, window=4), dict(causal="BottomRight", window=4)),
     "repeat-bsnh-window-chunked": (lambda: G.attention_repeat_bsnh(s=4, s_kv=16, causal=None, window=3),

@@ -16,7 +16,7 @@ EXPANSION_OPS = ("relax.repeat", "relax.broadcast_to", "relax.expand_dims", "rel
 FORMS = {
     "repeat-bsnh": lambda: G.attention_repeat_bsnh(),
     "repeat-bsnh-window": lambda: G.attention_repeat_bsnh(window=8),
-    "repeat-bsnh-scale": lambda: G.attention_repeat_bsnh(scale=-0.003, causal=None),
+    "repeat-bsnh-scale": lambda: G.attention_repeat_bsnh(scale=0.003, causal=None),
     "repeat-bsnh-bf16": lambda: G.attention_repeat_bsnh(dtype="bfloat16"),
     "repeat-bsnh-decode": lambda: G.attention_repeat_bsnh(s=1, s_kv="m"),
     "repeat-bsnh-chunked": lambda: G.attention_repeat_bsnh(s=4, s_kv=20),

@@ -219,7 +219,10 @@ int64_t longest_sequence(const int32_t* indptr, int64_t batch, int64_t total, cu
   return longest;
 }
 
-int check_common(int64_t num_heads, int64_t num_heads_k, int64_t head_dim, int64_t batch, int64_t total_q) {
+int check_common(int64_t num_heads, int64_t num_heads_k, int64_t head_dim, int64_t batch, int64_t total_q,
+                 float softmax_scale) {
+  // FA2 and our decode kernel take the running max of the unscaled scores: a positive scale only
+  if (!(softmax_scale > 0.f) || !std::isfinite(softmax_scale)) return fail("softmax scale is not a positive finite value");
   if (num_heads <= 0 || num_heads_k <= 0 || num_heads % num_heads_k != 0) {
     return fail("H=" + std::to_string(num_heads) + " is not a positive multiple of H_kv=" +
                 std::to_string(num_heads_k));
@@ -387,7 +390,7 @@ extern "C" int mqa_byoc_fa2_paged_forward(const void* q, const int32_t* qo_indpt
                                           int is_bf16, float softmax_scale, int causal, int device_id,
                                           void* stream_handle) {
   g_error.clear();
-  if (int rc = check_common(num_heads, num_heads_k, head_dim, batch, total_q)) return rc;
+  if (int rc = check_common(num_heads, num_heads_k, head_dim, batch, total_q, softmax_scale)) return rc;
   const int unit = mqa_byoc_fa2_paged_page_unit(head_dim);
   if (page_size <= 0 || page_size % unit != 0) {
     return fail("page size " + std::to_string(page_size) + " is not a multiple of " + std::to_string(unit) +
@@ -538,7 +541,7 @@ extern "C" int mqa_byoc_fa2_ragged_forward(const void* q, const void* k, const v
                                            const int64_t* o_stride, int is_bf16, float softmax_scale,
                                            int causal, int device_id, void* stream_handle) {
   g_error.clear();
-  if (int rc = check_common(num_heads, num_heads_k, head_dim, batch, total_q)) return rc;
+  if (int rc = check_common(num_heads, num_heads_k, head_dim, batch, total_q, softmax_scale)) return rc;
   if (total_k < 0 || total_k > INT_MAX) return fail("bad K/V row count");
   if (q_stride[2] != 1 || k_stride[2] != 1 || v_stride[2] != 1 || o_stride[2] != 1) {
     return fail("q, k, v and out need a contiguous head-dim axis");

@@ -8,6 +8,8 @@ heads, head dim, dtype, batch and K/V lengths. A failed check becomes the site's
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from tvm import relax
@@ -147,7 +149,19 @@ def common_checks(site: AttentionSite) -> AttentionSite:
         return site.reject("Q, K and V batch sizes differ")
     if not prove_equal(seq_len(k), seq_len(v)):
         return site.reject("K and V sequence lengths differ")
+    problem = scale_problem(site.scale)
+    if problem:
+        return site.reject(problem)
     return site
+
+
+def scale_problem(scale) -> str | None:
+    """Why the kernels cannot take a softmax scale (None: the default 1 / sqrt(D), or a positive one):
+    FA2, FA4 and our decode kernel take the running max of the unscaled scores, which is the max of
+    the scaled ones only for a positive scale."""
+    if scale is None or (math.isfinite(scale) and scale > 0):
+        return None
+    return f"softmax scale {scale!r}: the kernels need a positive, finite scale"
 
 
 def expansion_problem(k: Traced, h, hkv) -> str | None:
@@ -172,6 +186,8 @@ def trace_fused_operands(site: AttentionSite, call, bindings, allow_kv_expansion
     """
     bsnh = ["B", "S", "H", "D"]
     site.q = trace(call.args[0], bsnh, bindings, allow_expansion=False, fold_scale=True)
+    if scale_problem(site.q.scale):  # a sign flip of the query stays in the graph, the scale positive
+        site.q = trace(call.args[0], bsnh, bindings, allow_expansion=False)
     site.k = trace(call.args[1], bsnh, bindings, allow_expansion=allow_kv_expansion)
     site.v = trace(call.args[2], bsnh, bindings, allow_expansion=allow_kv_expansion)
     site.scale = float(call.attrs.scale.value) if call.attrs.scale is not None else None
