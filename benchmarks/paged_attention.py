@@ -325,22 +325,38 @@ def fa4_shim(labels) -> str:
     return _FA4_SHIM.replace("@DECLS@", decls).replace("@TABLE@", table).replace("@N@", str(len(syms)))
 
 
-def build_native(out_dir: Path, arch: str = "sm_90", fa4: bool = False) -> dict:
+def build_native(out_dir: Path, arch: str = "sm_90", fa4: bool = False, decode_only: bool = False) -> dict:
     """Links our paged-attention object (``native/fa2_paged.cu``: our decode kernel, FA2's split-KV and
     var-len kernels, the bridging kernels) with the FA2 kernel families the benchmark runs into one shared
     library, and builds our decode kernel alone (``native/gqa_decode.cu``, any page size that is a multiple
     of 16) as the decode-kernel benchmark does. Needs nvcc and the FA2 objects (prebuilt or buildable).
     ``fa4``: the library also holds the hopper provider's ragged prefill (FA4's var-len objects of
     :func:`fa4_ragged_labels`, compiled with flash-attn-4, and ``native/fa4_ragged.cu``); it then needs
-    TVM-FFI's library at run time (``import tvm_ffi`` before loading it)."""
+    TVM-FFI's library at run time (``import tvm_ffi`` before loading it). ``decode_only``: our decode kernel
+    alone (no FA2 objects, seconds to build): ``kernels --kinds decode`` then runs it at both page sizes
+    with its own plan (the rule the cache's decode entry plans with)."""
     import shutil
     import subprocess
+
+    from mqa_byoc.testing import decode_kernel as dk
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def decode_lib():
+        subprocess.run(["nvcc", f"-gencode=arch=compute_{arch[3:]}a,code={arch}a", "-O3", "-std=c++17", "-Xcompiler",
+                        "-fPIC", "-shared", "-o", str(out_dir / DECODE_LIB), str(dk.NATIVE / "gqa_decode.cu")],
+                       check=True)
+
+    if decode_only:
+        decode_lib()
+        info = {"arch": arch, "decode_only": True, "libraries": [DECODE_LIB]}
+        (out_dir / "native.json").write_text(json.dumps(info, indent=1) + "\n")
+        return info
 
     from mqa_byoc.compiler import link as _link
     from mqa_byoc.compiler.paged.build import paged_object
     from mqa_byoc.kernels import KernelKey, hopper, static_cudart
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     keys = tuple(KernelKey(hd, dt, causal, split) for hd in (64, 128) for dt in ("fp16", "bf16")
                  for causal, split in ((False, True), (True, False)))
     objects = [i.path for i in _link.fa2_inputs(keys, arch, build=True)] + [str(paged_object(arch))]
@@ -359,10 +375,7 @@ def build_native(out_dir: Path, arch: str = "sm_90", fa4: bool = False) -> dict:
         extra += [f"-L{lib.parent}", "-ltvm_ffi"]
     subprocess.run([cxx, "-shared", "-fPIC", "-O2", *flags, "-o", str(out_dir / NATIVE_LIB), str(shim), *objects,
                     *extra, *static_cudart(arch), "-lpthread", "-ldl", "-lrt"], check=True)
-    from mqa_byoc.testing import decode_kernel as dk
-
-    subprocess.run(["nvcc", f"-gencode=arch=compute_{arch[3:]}a,code={arch}a", "-O3", "-std=c++17", "-Xcompiler",
-                    "-fPIC", "-shared", "-o", str(out_dir / DECODE_LIB), str(dk.NATIVE / "gqa_decode.cu")], check=True)
+    decode_lib()
     shim.unlink()
     info = {"arch": arch, "fa2_families": [k.stem for k in keys], "libraries": [NATIVE_LIB, DECODE_LIB],
             "fa4_ragged": labels}
@@ -502,6 +515,13 @@ class Ours:
         self.ct = ctypes
         info = json.loads((lib_dir / "native.json").read_text()) if (lib_dir / "native.json").is_file() else {}
         self.fa4_labels = list(info.get("fa4_ragged", []))
+        from mqa_byoc.testing import decode_kernel as dk
+
+        self.dk = dk
+        self.decode_lib = dk.load_library(lib_dir / DECODE_LIB)
+        self.lib = None  # build-native --decode-only: our decode kernel alone
+        if info.get("decode_only"):
+            return
         if self.fa4_labels:
             import tvm_ffi  # noqa: F401  (loads libtvm_ffi, which the FA4 objects call)
         self.lib = ctypes.CDLL(str(lib_dir / NATIVE_LIB))
@@ -513,10 +533,6 @@ class Ours:
             self.lib.bench_fa4_last_error.restype = ctypes.c_char_p
             self.lib.bench_fa4_ragged_forward.argtypes = ([i32] + [p] * 7 + [i64] * 6 + [p] * 4
                                                           + [i32, ctypes.c_double, i32, p])
-        from mqa_byoc.testing import decode_kernel as dk
-
-        self.dk = dk
-        self.decode_lib = dk.load_library(lib_dir / DECODE_LIB)
 
     def _strides(self, t):
         return (self.ct.c_int64 * t.dim())(*t.stride())
@@ -532,7 +548,12 @@ class Ours:
         return call
 
     def paged(self, torch, q, paged, out, lse, qo_indptr, hkv, scale, causal):
-        """``mqa_byoc_fa2_paged_forward``: decode (qo_indptr None: our decode kernel) or paged prefill."""
+        """``mqa_byoc_fa2_paged_forward``: decode (qo_indptr None: our decode kernel) or paged prefill; in a
+        decode-only build, decode on our decode kernel alone."""
+        if self.lib is None:
+            if qo_indptr is not None:
+                raise SystemExit(DECODE_ONLY)
+            return self.decode_any_page(torch, q, paged, out, lse, hkv, scale)
         pages = paged["pages"]
         qs, ps, os_ = self._strides(q), self._strides(pages), self._strides(out)
         args = (q.data_ptr(), qo_indptr.data_ptr() if qo_indptr is not None else None, pages.data_ptr(),
@@ -616,11 +637,16 @@ def _tolerance(dtype_name):
     return 2e-2 if dtype_name == "float16" else 6e-2
 
 
+DECODE_ONLY = "this build (build-native --decode-only) holds our decode kernel alone: run kernels with --kinds decode"
+
+
 def bench_kernels(args) -> dict:
     import torch
 
     fi = None if args.no_flashinfer else flashinfer_or_none(True)
     ours = Ours(args.native)
+    if ours.lib is None and set(args.kinds) - {"decode"}:
+        raise SystemExit(DECODE_ONLY)
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                "flashinfer": getattr(fi, "__version__", None), "hbm_bytes_per_s": HBM_BYTES_PER_S,
                "iters": args.iters, "cases": []}
@@ -1046,6 +1072,8 @@ def main(argv=None):
     b = sub.add_parser("build-native", help="link our paged-attention library for the kernels comparison (no GPU)")
     b.add_argument("--out", type=Path, required=True)
     b.add_argument("--arch", default="sm_90")
+    b.add_argument("--decode-only", action="store_true",
+                   help="our decode kernel alone (no FA2 objects): for kernels --kinds decode")
     b.add_argument("--fa4", action="store_true",
                    help="also link the hopper provider's ragged prefill (FA4 var-len objects; needs flash-attn-4)")
     k = sub.add_parser("kernels", help="our paged attention kernels vs FlashInfer's, on the same pages (GPU)")
@@ -1073,7 +1101,7 @@ def main(argv=None):
     r.add_argument("--command", dest="run_command", required=True)
     args = ap.parse_args(argv)
     if args.command == "build-native":
-        print(json.dumps(build_native(args.out, args.arch, fa4=args.fa4), indent=1))
+        print(json.dumps(build_native(args.out, args.arch, fa4=args.fa4, decode_only=args.decode_only), indent=1))
     elif args.command == "kernels":
         bench_kernels(args)
         print(f"wrote {args.out}")

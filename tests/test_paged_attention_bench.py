@@ -178,3 +178,20 @@ def test_fa4_ragged_objects_cover_every_shape_and_the_shim_indexes_them(bench):
     # the table's order is the labels' order (the benchmark passes an index)
     for i, label in enumerate(labels):
         assert table.split(", ")[i].endswith(hopper.HopperKernelKey.parse(label).symbol)
+
+
+@pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="needs nvcc")
+def test_decode_only_build_runs_decode_alone(bench, tmp_path):
+    """``build-native --decode-only`` builds our decode kernel alone (no FA2 objects) and says so;
+    ``kernels`` on it takes decode only and says how to run the prefills."""
+    bench.main(["build-native", "--decode-only", "--out", str(tmp_path)])
+    info = __import__("json").loads((tmp_path / "native.json").read_text())
+    assert info["decode_only"] is True and info["libraries"] == [bench.DECODE_LIB]
+    assert (tmp_path / bench.DECODE_LIB).is_file() and not (tmp_path / bench.NATIVE_LIB).exists()
+    ours = bench.Ours(tmp_path)
+    assert ours.lib is None and ours.decode_lib.mqa_byoc_decode_supported(64, 71, 1) == 1
+    with pytest.raises(SystemExit, match="--kinds decode"):
+        bench.main(["kernels", "--native", str(tmp_path), "--out", str(tmp_path / "r.json"), "--no-flashinfer",
+                    "--kinds", "decode", "ragged_prefill"])
+    with pytest.raises(SystemExit, match="--kinds decode"):
+        ours.paged(torch, None, None, None, None, torch.zeros(2), 1, 0.125, False)
