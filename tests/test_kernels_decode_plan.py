@@ -39,6 +39,7 @@ def lib(tmp_path_factory):
 
 def _plan(lib, *, heads=64, heads_k=8, dim=128, batch=1, seqlen=4096, window_left=-1, pages=None, clusters=True):
     a = DecodeArgs()
+    a.softmax_scale = dim ** -0.5
     a.batch, a.num_heads, a.num_heads_k, a.head_dim, a.seqlen_k = batch, heads, heads_k, dim, seqlen
     a.window_left = window_left
     if pages is not None:  # (nnz_pages, page_size): only the counts matter to the plan
@@ -128,6 +129,7 @@ def test_plan_for_a_given_split_size(lib):
     """plan_split (the benchmark's sweep) with make_plan's split size gives make_plan's plan; it refuses a
     size that is not whole warps' tiles or that makes more splits than the merging CTA holds."""
     a = DecodeArgs()
+    a.softmax_scale = 128 ** -0.5
     a.batch, a.num_heads, a.num_heads_k, a.head_dim, a.seqlen_k, a.window_left = 1, 64, 8, 128, 32768, -1
     made, again = DecodePlan(), DecodePlan()
     cap = (ctypes.c_int * 16)(*H200_CAPACITY[128, 1])
@@ -138,6 +140,9 @@ def test_plan_for_a_given_split_size(lib):
     assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), 512, 0, ctypes.byref(again)) == 0 and again.splits == 64
     assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), 100, 0, ctypes.byref(again)) == 2  # not 16-key tiles
     assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), 128, 0, ctypes.byref(again)) == 2  # 256 splits
+    for scale in (0.0, -0.125, float("inf"), float("nan")):  # the running max needs a positive scale
+        a.softmax_scale = scale
+        assert lib.mqa_byoc_decode_make_plan(ctypes.byref(a), 0, SMS, cap, ctypes.byref(again)) == 2, scale
 
 
 @pytest.mark.parametrize("heads,heads_k,dim,tiles,ok", [
@@ -152,6 +157,7 @@ def test_plan_for_given_row_tiles(lib, heads, heads_k, dim, tiles, ok):
     assert lib.mqa_byoc_decode_max_row_tiles() == 1
     ok = ok and tiles <= 1
     a = DecodeArgs()
+    a.softmax_scale = dim ** -0.5
     a.batch, a.num_heads, a.num_heads_k, a.head_dim, a.seqlen_k, a.window_left = 2, heads, heads_k, dim, 4096, -1
     p, q = DecodePlan(), DecodePlan()
     rc = lib.mqa_byoc_decode_make_plan(ctypes.byref(a), tiles, SMS, None, ctypes.byref(p))

@@ -42,3 +42,4 @@ for f in funcs:
     ops = collections.Counter(op.split(".")[0] for _, op in body)
     print(f"{tag}: loop {len(body)} instr, HMMA {ops['HMMA']}, LDGSTS {ops['LDGSTS']}, LDSM {ops['LDSM']}, "
           f"IMAD {ops['IMAD']}, SEL {ops['SEL']}, LOP3 {ops['LOP3']}, IADD3 {ops['IADD3']}, FSETP {ops['FSETP']}, FSEL {ops['FSEL']}")
+    print("   ", ", ".join(f"{k} {v}" for k, v in ops.most_common(30)))

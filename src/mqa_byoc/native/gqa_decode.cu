@@ -22,6 +22,7 @@
 #include <stdint.h>
 
 #include <algorithm>
+#include <cmath>
 #include <array>
 #include <map>
 #include <mutex>
@@ -93,6 +94,14 @@ struct Mma {
     }
   }
 };
+
+// 2^x by the MUFU alone (exp2f adds a range scaling for results below 2^-126, which the softmax's
+// probabilities and correction factors may flush to zero); ex2(-inf) = 0
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -336,7 +345,7 @@ struct RowsAsM {
       if (!on(mt)) continue;  // past the group
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        float x[4];
+        float x[4];  // unscaled scores: the max of the scaled ones is the max of these times scale > 0
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -344,20 +353,20 @@ struct RowsAsM {
             float sum = 0.f;
 #pragma unroll
             for (int c = 0; c < kChains; ++c) sum += s[mt][c][nt][half * 2 + e];
-            x[nt * 2 + e] = sum * scale;
+            x[nt * 2 + e] = sum;
             if (!full_tile && key0 + nt * 8 + 2 * t + e >= k_end) x[nt * 2 + e] = -INFINITY;  // warp-uniform test first
           }
         float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m_run[mt][half], mx);
+        const float m_new = fmaxf(m_run[mt][half], mx * scale);
         const float base = m_new == -INFINITY ? 0.f : m_new;
-        corr[mt][half] = exp2f(m_run[mt][half] - base);
+        corr[mt][half] = ex2(m_run[mt][half] - base);
         m_run[mt][half] = m_new;
         moved |= corr[mt][half] != 1.f;
         float p[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) p[e] = exp2f(x[e] - base);
+        for (int e = 0; e < 4; ++e) p[e] = ex2(fmaf(x[e], scale, -base));
         l_run[mt][half] = l_run[mt][half] * corr[mt][half] + (p[0] + p[1]) + (p[2] + p[3]);
         // A fragment of P (row x key): a0 (row g, keys 2t..), a1 (row g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)
         pf[mt][half] = M::pack(p[0], p[1]);
@@ -474,7 +483,7 @@ struct RowsAsN {
     float x[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      x[e] = (s[0][e] + s[1][e]) * scale;
+      x[e] = s[0][e] + s[1][e];  // unscaled (scale > 0), as RowsAsM's
       if (!full_tile && key0 + g + (e / 2) * 8 >= k_end) x[e] = -INFINITY;  // warp-uniform test first
     }
     float p[4], corr[2];
@@ -484,12 +493,12 @@ struct RowsAsN {
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-      const float m_new = fmaxf(m_run[r], mx);
+      const float m_new = fmaxf(m_run[r], mx * scale);
       const float base = m_new == -INFINITY ? 0.f : m_new;
-      corr[r] = exp2f(m_run[r] - base);
+      corr[r] = ex2(m_run[r] - base);
       m_run[r] = m_new;
-      p[r] = exp2f(x[r] - base);
-      p[r + 2] = exp2f(x[r + 2] - base);
+      p[r] = ex2(fmaf(x[r], scale, -base));
+      p[r + 2] = ex2(fmaf(x[r + 2], scale, -base));
       l_run[r] = l_run[r] * corr[r] + (p[r] + p[r + 2]);
     }
     // B fragments of P^T (key x row): (keys 2t, 2t+1; row g), (keys 2t+8, 2t+9; row g)
@@ -605,11 +614,16 @@ __global__ void __launch_bounds__(W * 32, kWarpsPerSm<D, MT> / W)
   const int64_t k_row = a.k_stride[1], v_row = a.v_stride[1];
   const int page_size = PAGED ? int(a.page_size) : 1;
   const bool tile_in_page = PAGED && page_size % kTileKeys == 0 && k_begin % kTileKeys == 0;
+  // a tile's page and first row in it: a shift and a mask for a power-of-two page size (TVM's 16, 128,
+  // 256; an integer division costs ~20 instructions of an issue-bound step), else a division
+  const int page_shift = (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
+  auto page_of = [&](int key) { return page_shift >= 0 ? key >> page_shift : key / page_size; };
+  auto row_in_page = [&](int key) { return page_shift >= 0 ? key & (page_size - 1) : key % page_size; };
   const int* pages_of_b = PAGED ? a.page_values + a.page_indptr[b] : nullptr;
   const int64_t k_fixed = (PAGED ? 0 : int64_t(b) * a.k_stride[0]) + int64_t(kvh) * a.k_stride[2] + ch * 8;
   const int64_t v_fixed = (PAGED ? 0 : int64_t(b) * a.v_stride[0]) + int64_t(kvh) * a.v_stride[2] + ch * 8;
   auto tile_page = [&](int i) -> int {  // page of tile i (tile_in_page only); 0 past this warp's tiles
-    return i < my_tiles ? __ldg(pages_of_b + (k_begin + (warp + i * W) * kTileKeys) / page_size) : 0;
+    return i < my_tiles ? __ldg(pages_of_b + page_of(k_begin + (warp + i * W) * kTileKeys)) : 0;
   };
   // This lane's shared-memory destinations in stage 0's K tile (V: + kVBytes, stage s: + s * kStageBytes):
   // the swizzle repeats every 8 rows, so kPeriod addresses serve all kIters rows of a tile.
@@ -623,6 +637,7 @@ __global__ void __launch_bounds__(W * 32, kWarpsPerSm<D, MT> / W)
     return dst0[it % kPeriod] + uint32_t(stage) * kStageBytes + uint32_t(it / kPeriod) * (8 * D * 2);
   };
   const int64_t k_step = kRowsPerIt * k_row, v_step = kRowsPerIt * v_row;  // between a lane's rows
+  const bool rows_packed = k_row == D && v_row == D;  // TVM's pages, a contiguous cache of one K/V head
   // contiguous K/V: this lane's first row of the warp's next tile to load (one add per tile)
   const T* k_next = kbase + k_fixed + int64_t(k_begin + warp * kTileKeys + row_lane) * k_row;
   const T* v_next = vbase + v_fixed + int64_t(k_begin + warp * kTileKeys + row_lane) * v_row;
@@ -645,7 +660,7 @@ __global__ void __launch_bounds__(W * 32, kWarpsPerSm<D, MT> / W)
     const T* kp = k_next;
     const T* vp = v_next;
     if constexpr (PAGED) {
-      const int64_t row0 = key0 % page_size + row_lane;
+      const int64_t row0 = row_in_page(key0) + row_lane;
       kp = kbase + k_fixed + int64_t(page) * a.k_stride[0] + row0 * k_row;
       vp = vbase + v_fixed + int64_t(page) * a.v_stride[0] + row0 * v_row;
     } else {
@@ -653,6 +668,14 @@ __global__ void __launch_bounds__(W * 32, kWarpsPerSm<D, MT> / W)
       v_next += v_tile;
     }
     if (key0 + kTileKeys <= k_end) {  // a whole tile: no row past the end
+      if (rows_packed) {  // rows D apart (pages; one K/V head): constant offsets from one address each
+#pragma unroll
+        for (int it = 0; it < kIters; ++it) {
+          cp_async16(dst(stage, it), kp + it * kRowsPerIt * D);
+          cp_async16(dst(stage, it) + kVBytes, vp + it * kRowsPerIt * D);
+        }
+        return;
+      }
 #pragma unroll
       for (int it = 0; it < kIters; ++it) {
         cp_async16(dst(stage, it), kp);
@@ -1041,6 +1064,8 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_plan_split(const mqa_
                                                                       mqa_byoc_decode_plan* p) {
   if (!mqa_byoc_decode_supported(a->head_dim, a->num_heads, a->num_heads_k) || a->batch <= 0) return 2;
   if (keys_per_split <= 0 || keys_per_split % kTileKeys != 0) return 2;
+  // the running max is taken of the unscaled scores (RowsAsM::step): a positive, finite scale only
+  if (!(a->softmax_scale > 0.f) || !std::isfinite(a->softmax_scale)) return 2;
   const int tiles = row_tiles_of(*a, row_tiles);
   if (tiles == 0) return 2;
   const int64_t splits = (longest_keys(*a) + keys_per_split - 1) / keys_per_split;
