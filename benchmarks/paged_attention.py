@@ -647,7 +647,9 @@ def bench_kernels(args) -> dict:
     ours = Ours(args.native)
     if ours.lib is None and set(args.kinds) - {"decode"}:
         raise SystemExit(DECODE_ONLY)
-    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    info = args.native / "native.json"
+    results = {"native_build": json.loads(info.read_text()) if info.is_file() else None,
+               "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                "flashinfer": getattr(fi, "__version__", None), "hbm_bytes_per_s": HBM_BYTES_PER_S,
                "iters": args.iters, "cases": []}
     if args.out.is_file():
@@ -940,8 +942,12 @@ def report(results: dict, meta: dict) -> str:
              "- GPU kernel time per call (µs; CUPTI through torch.profiler, every kernel a call launches, "
              f"{results['iters']} calls for decode, a quarter of that for prefill, after a warm-up); "
              "bytes limit: the K and V bytes read once at 4.8 TB/s.",
-             "- ours: the C API our PagedKVCache wrappers call (`native/fa2_paged.h`; decode: our grouped-query "
-             "decode kernel, pages of 128 keys for head dim 128, 256 for 64); `ours p16`: the same decode "
+             ("- ours: our grouped-query decode kernel alone (`build-native --decode-only`: `native/gqa_decode.cu`, "
+              "its own plan, the rule the cache's decode entry plans with), pages of 128 keys for head dim 128, 256 "
+              "for 64; `ours p16`: the same decode "
+              if (results.get("native_build") or {}).get("decode_only") else
+              "- ours: the C API our PagedKVCache wrappers call (`native/fa2_paged.h`; decode: our grouped-query "
+              "decode kernel, pages of 128 keys for head dim 128, 256 for 64); `ours p16`: the same decode ") +
              "kernel alone on pages of 16; `ours_fa4`: the hopper provider's ragged prefill (FA4's sm90 var-len "
              "forward through `native/fa4_ragged.cu`, its LSE checked against ours); FlashInfer: `BatchDecodeWithPagedKVCacheWrapper` (backend fa2, CUDA "
              "cores and tensor cores), `BatchPrefillWithPagedKVCacheWrapper` and "

@@ -726,3 +726,35 @@ def readback_claims() -> dict[str, str]:
 def test_paged_doc_readback_claim(name):
     text = " ".join(PAGED_DOC.read_text().split())
     assert readback_claims()[name] in text, f"docs/paged_kv_cache.md lacks {name}: {readback_claims()[name]!r}"
+
+
+PAGED_DECODE_FI = "2026-12-02-paged-decode-flashinfer.json"
+DECODE_BUILDS = "2026-12-02-decode-builds.json"
+
+
+def decode_rerun_claims() -> dict[str, str]:
+    """docs/paged_kv_cache.md on the decode kernel after its instruction cuts: the run of the two builds
+    and the decode-only run with FlashInfer."""
+    builds = _load(DECODE_BUILDS)
+    q = {s: [r["us"]["new"] / r["us"]["base"] for r in builds if r["shape"] == s] for s in ("71/1/64", "64/8/128", "32/8/128")}
+    cases = _load(PAGED_DECODE_FI)["cases"]
+    assert all(v for c in cases for k, v in c["ok"].items() if k.startswith("ours"))
+    gqa = [c for c in cases if c["shape"].startswith("gqa")]
+    r = [c["us"]["ours"] / _fi_fastest(c) for c in gqa]
+    mqa = [c["us"]["ours"] / _fi_fastest(c) for c in cases if c["shape"].startswith("mqa")]
+    at16k = [c["us"]["ours"] / c["bytes_us"] for c in gqa if all(n == 16384 for n in c["lengths"]) and c["batch"] > 1]
+    gqa_q = q["64/8/128"] + q["32/8/128"]
+    return {
+        "builds": f"took {min(q['71/1/64']):.2f}–{max(q['71/1/64']):.2f}x the time of the kernel before for MQA "
+                  f"71/1/64 and {min(gqa_q):.2f}–{max(gqa_q):.2f}x for GQA",
+        "gqa": f"GQA decode ran {min(r):.2f}–{max(r):.2f}x FlashInfer's fastest variant ({sum(x <= 1 for x in r)} of "
+               f"{len(r)} cases no slower)",
+        "bytes": f"{min(at16k):.2f}–{max(at16k):.2f}x the bytes limit with every sequence at 16k (batch 8 to 64)",
+        "mqa": f"MQA 71/1/64 {min(mqa):.2f}–{max(mqa):.2f}x",
+    }
+
+
+@pytest.mark.parametrize("name", sorted(decode_rerun_claims()))
+def test_paged_doc_decode_rerun_claim(name):
+    text = " ".join(PAGED_DOC.read_text().split())
+    assert decode_rerun_claims()[name] in text, f"docs/paged_kv_cache.md lacks {name}: {decode_rerun_claims()[name]!r}"

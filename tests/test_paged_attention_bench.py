@@ -195,3 +195,12 @@ def test_decode_only_build_runs_decode_alone(bench, tmp_path):
                     "--kinds", "decode", "ragged_prefill"])
     with pytest.raises(SystemExit, match="--kinds decode"):
         ours.paged(torch, None, None, None, None, torch.zeros(2), 1, 0.125, False)
+
+
+def test_report_says_what_ours_is(bench):
+    """A run on a decode-only build describes ours as the decode kernel alone; a full build as the C API."""
+    full = bench.report(_results(), {})
+    assert "ours: the C API our PagedKVCache wrappers call" in full
+    only = bench.report({**_results(), "native_build": {"decode_only": True}}, {})
+    assert "ours: our grouped-query decode kernel alone (`build-native --decode-only`" in only
+    assert "the C API our PagedKVCache" not in only

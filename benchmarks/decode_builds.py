@@ -1,0 +1,117 @@
+"""Two or more builds of our decode kernel (``native/gqa_decode.cu``, the same C API) side by side on
+TVM's pages in one run: MQA 71/1/64 (pages of 256 and 16) and GQA 64/8/128, 32/8/128 (pages of 128
+and 16), fp16, batch 1 (one 16k sequence), 8, 32 and 64 with lengths mixed over 1k-16k and every
+sequence at 16k. GPU kernel time per call from CUPTI, each build with its own plan; the outputs of
+the builds compared with each other (the decode kernel's GPU tests check one build against fp32).
+Build each library as ``testing/decode_kernel.library`` does (nvcc ... -shared gqa_decode.cu).
+
+    python benchmarks/decode_builds.py measure --out OUT.json before=OLD.so after=NEW.so
+    python benchmarks/decode_builds.py report OUT.json --out OUT.md --commit C --date D --command CMD
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SHAPES = ((71, 1, 64), (64, 8, 128), (32, 8, 128))
+
+
+def measure(out_path: str, libs_args: list[str]) -> list:
+    import torch
+
+    from decode_kernel import kernel_us
+    from paged_attention import MAX_LEN, PagedInputs, mixed_lengths
+    from mqa_byoc.testing import decode_kernel as dk
+
+    libs = {n: dk.load_library(p) for n, p in (a.split("=") for a in libs_args)}
+    res = []
+    for (h, hk, d) in SHAPES:
+        for page in ((256, 16) if d == 64 else (128, 16)):
+            for batch in (1, 8, 32, 64):
+                for kind in ("mixed", "uniform16k"):
+                    if kind == "uniform16k" and batch == 1:
+                        continue
+                    dtype = torch.float16
+                    lengths = mixed_lengths(batch) if kind == "mixed" else [MAX_LEN] * batch
+                    inputs = PagedInputs(torch, lengths, hk, d, dtype, (page,), seed=batch + 7 * h)
+                    paged = inputs.paged[page]
+                    q = torch.randn(batch, h, d, device="cuda").to(dtype)
+                    out = torch.empty_like(q)
+                    pages = paged["pages"]
+                    st = (pages.stride(0), pages.stride(3), pages.stride(2))
+                    rec = {"shape": f"{h}/{hk}/{d}", "page": page, "batch": batch, "kind": kind,
+                           "bytes_us": 2 * sum(lengths) * hk * d * 2 / 4.8e12 * 1e6, "us": {}}
+                    outs = {}
+                    for name, lib in libs.items():
+                        call = dk.Decode(q, pages[:, 0], pages[:, 1], out, None, k_stride=st, v_stride=st,
+                                         seqlen_k=0, num_heads_k=hk,
+                                         pages=(paged["indptr"], paged["values"], paged["last"], page), lib=lib)
+                        call()
+                        torch.cuda.synchronize()
+                        outs[name] = out.clone()
+                        rec["us"][name] = kernel_us(call, 30)
+                    ref = next(iter(outs.values()))
+                    rec["max_diff"] = max((o.float() - ref.float()).abs().max().item() for o in outs.values())
+                    print(json.dumps(rec), flush=True)
+                    res.append(rec)
+                    del inputs, paged, pages
+    Path(out_path).write_text(json.dumps(res, indent=1))
+    return res
+
+
+def report(rows: list, meta: dict) -> str:
+    """Markdown of a ``measure`` run: per case each build's µs, the later builds against the first, the
+    bytes limit (the K and V bytes read once at 4.8 TB/s)."""
+    names = list(rows[0]["us"])
+    base, others = names[0], names[1:]
+    lines = ["# Decode kernel builds on TVM's pages, one run", "",
+             f"- commit {meta.get('commit', '?')}; date {meta.get('date', '?')}; NVIDIA H200",
+             f"- command: `{meta.get('command', '?')}`",
+             "- GPU kernel time per call (µs, CUPTI, 30 calls), each build with its own plan; `max diff`: the "
+             "largest |difference| between the builds' outputs.", "",
+             "| shape (H/H_kv/D) | page | batch | lengths | " + " | ".join(f"{n} µs" for n in names) + " | "
+             + " | ".join(f"{n} / {base}" for n in others) + " | bytes limit µs | "
+             + " | ".join(f"{n} / bytes" for n in names) + " | max diff |",
+             "|---|---:|---:|---|" + "---:|" * (2 * len(names) + len(others) + 1) + "---:|"]
+    for r in rows:
+        u = r["us"]
+        lines.append(f"| {r['shape']} | {r['page']} | {r['batch']} | {r['kind']} | "
+                     + " | ".join(f"{u[n]:.1f}" for n in names) + " | "
+                     + " | ".join(f"{u[n] / u[base]:.3f}" for n in others) + f" | {r['bytes_us']:.1f} | "
+                     + " | ".join(f"{u[n] / r['bytes_us']:.2f}" for n in names) + f" | {r['max_diff']:.2g} |")
+    lines += ["", "## Per shape", ""]
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        for n in others:
+            q = [r["us"][n] / r["us"][base] for r in rows if r["shape"] == shape]
+            lines.append(f"- {shape}: {n} / {base} {min(q):.2f}-{max(q):.2f} over {len(q)} cases")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("measure", help="time the builds (GPU)")
+    m.add_argument("--out", required=True, help="results JSON")
+    m.add_argument("libs", nargs="+", metavar="NAME=LIB", help="the builds; the first is the baseline")
+    r = sub.add_parser("report", help="markdown of a measure run")
+    r.add_argument("results", type=Path)
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--commit", required=True)
+    r.add_argument("--date", required=True)
+    r.add_argument("--command", dest="run_command", required=True)
+    args = ap.parse_args(argv)
+    if args.command == "measure":
+        measure(args.out, args.libs)
+    else:
+        rows = json.loads(args.results.read_text())
+        args.out.write_text(report(rows, {"commit": args.commit, "date": args.date, "command": args.run_command}))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

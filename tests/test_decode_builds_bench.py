@@ -1,0 +1,45 @@
+"""benchmarks/decode_builds.py's report (no GPU): each build's time, the later builds against the first,
+the bytes limit, the range per shape; and its command line."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "decode_builds.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("decode_builds_bench", _SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _rows():
+    return [{"shape": "71/1/64", "page": 256, "batch": 8, "kind": "mixed", "bytes_us": 3.0,
+             "us": {"before": 30.0, "after": 24.0}, "max_diff": 3e-5},
+            {"shape": "71/1/64", "page": 16, "batch": 8, "kind": "mixed", "bytes_us": 3.0,
+             "us": {"before": 30.0, "after": 27.0}, "max_diff": 3e-5}]
+
+
+def test_report_rows_and_ranges(bench):
+    text = bench.report(_rows(), {"commit": "abc", "date": "d", "command": "python x"})
+    assert "| 71/1/64 | 256 | 8 | mixed | 30.0 | 24.0 | 0.800 | 3.0 | 10.00 | 8.00 | 3e-05 |" in text
+    assert "- 71/1/64: after / before 0.80-0.90 over 2 cases" in text and "commit abc" in text
+
+
+def test_command_line(bench, tmp_path, monkeypatch):
+    import json
+
+    seen = {}
+    monkeypatch.setattr(bench, "measure", lambda out, libs: seen.update(out=out, libs=libs))
+    bench.main(["measure", "--out", "r.json", "a=1.so", "b=2.so"])
+    assert seen == {"out": "r.json", "libs": ["a=1.so", "b=2.so"]}
+    (tmp_path / "r.json").write_text(json.dumps(_rows()))
+    bench.main(["report", str(tmp_path / "r.json"), "--out", str(tmp_path / "r.md"), "--commit", "c", "--date", "d",
+                "--command", "x"])
+    assert "after / before" in (tmp_path / "r.md").read_text()
