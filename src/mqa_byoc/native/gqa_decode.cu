@@ -57,6 +57,10 @@ constexpr int kWarpsPerSm = D <= 64 && MT == 1 ? 16 : 8;
 // from 2k keys on.
 template <int D, int MT = 1>
 constexpr int kStages = 1 + (D <= 64 ? 16 * 8192 / kWarpsPerSm<D, MT> : 8192) / (kTileKeys * D * 2 * 2);
+// A tile whose scores all lie within 2^kSlack of their rows' running max (log2 domain) keeps that max
+// as the base of its probabilities (at most 2^kSlack, fp16's range holds them): no max across the quad,
+// no correction; a larger score takes the exact max and rescales O.
+constexpr float kSlack = 8.f;
 constexpr int kMaxSplits = 128;  // splits per (sequence, K/V head): the merging CTA keeps their weights
 constexpr int kMaxCluster = 16;  // splits merged through distributed shared memory (non-portable size 16)
 
@@ -337,15 +341,15 @@ struct RowsAsM {
       }
     }
     const bool full_tile = key0 + kTileKeys <= k_end;
-    uint32_t pf[MT][4];
-    float corr[MT][2];
-    bool moved = false;  // some row's running max
+    // unscaled scores (the max of the scaled ones is the max of these times scale > 0); grow: some score
+    // beyond 2^kSlack x its row's running max
+    float x[MT][2][4];
+    bool grow = false;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       if (!on(mt)) continue;  // past the group
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        float x[4];  // unscaled scores: the max of the scaled ones is the max of these times scale > 0
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -353,36 +357,64 @@ struct RowsAsM {
             float sum = 0.f;
 #pragma unroll
             for (int c = 0; c < kChains; ++c) sum += s[mt][c][nt][half * 2 + e];
-            x[nt * 2 + e] = sum;
-            if (!full_tile && key0 + nt * 8 + 2 * t + e >= k_end) x[nt * 2 + e] = -INFINITY;  // warp-uniform test first
+            x[mt][half][nt * 2 + e] = sum;
+            if (!full_tile && key0 + nt * 8 + 2 * t + e >= k_end) x[mt][half][nt * 2 + e] = -INFINITY;  // warp-uniform test first
           }
-        float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m_run[mt][half], mx * scale);
-        const float base = m_new == -INFINITY ? 0.f : m_new;
-        corr[mt][half] = ex2(m_run[mt][half] - base);
-        m_run[mt][half] = m_new;
-        moved |= corr[mt][half] != 1.f;
-        float p[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) p[e] = ex2(fmaf(x[e], scale, -base));
-        l_run[mt][half] = l_run[mt][half] * corr[mt][half] + (p[0] + p[1]) + (p[2] + p[3]);
-        // A fragment of P (row x key): a0 (row g, keys 2t..), a1 (row g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)
-        pf[mt][half] = M::pack(p[0], p[1]);
-        pf[mt][2 + half] = M::pack(p[2], p[3]);
+        const float* xr = x[mt][half];
+        grow |= fmaxf(fmaxf(xr[0], xr[1]), fmaxf(xr[2], xr[3])) * scale > m_run[mt][half] + kSlack;
       }
     }
-    // rescale O only when some row's running max moved (after the first tiles it rarely does)
-    if (__any_sync(0xffffffffu, moved)) {
+    uint32_t pf[MT][4];
+    // the probabilities against `base` (the row's max the accumulators are scaled to), the row sum
+    // rescaled by corr; A fragment of P (row x key): a0 (row g, keys 2t..), a1 (row g+8, 2t..), a2 (g,
+    // 2t+8..), a3 (g+8, 2t+8..)
+    auto probs = [&](int mt, int half, float base, float corr) {
+      float p[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) p[e] = ex2(fmaf(x[mt][half][e], scale, -base));
+      l_run[mt][half] = l_run[mt][half] * corr + (p[0] + p[1]) + (p[2] + p[3]);
+      pf[mt][half] = M::pack(p[0], p[1]);
+      pf[mt][2 + half] = M::pack(p[2], p[3]);
+    };
+    if (__any_sync(0xffffffffu, grow)) {  // a new max: the rows' max across the quad, O rescaled
+      float corr[MT][2];
+      bool moved = false;  // some row's running max
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        if (on(mt)) {
+        if (!on(mt)) continue;
 #pragma unroll
-          for (int j = 0; j < D / 8; ++j) {
-            acc[mt][j][0] *= corr[mt][0], acc[mt][j][1] *= corr[mt][0];
-            acc[mt][j][2] *= corr[mt][1], acc[mt][j][3] *= corr[mt][1];
+        for (int half = 0; half < 2; ++half) {
+          const float* xr = x[mt][half];
+          float mx = fmaxf(fmaxf(xr[0], xr[1]), fmaxf(xr[2], xr[3]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float m_new = fmaxf(m_run[mt][half], mx * scale);
+          const float base = m_new == -INFINITY ? 0.f : m_new;
+          corr[mt][half] = ex2(m_run[mt][half] - base);
+          m_run[mt][half] = m_new;
+          moved |= corr[mt][half] != 1.f;
+          probs(mt, half, base, corr[mt][half]);
+        }
+      }
+      if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          if (on(mt)) {
+#pragma unroll
+            for (int j = 0; j < D / 8; ++j) {
+              acc[mt][j][0] *= corr[mt][0], acc[mt][j][1] *= corr[mt][0];
+              acc[mt][j][2] *= corr[mt][1], acc[mt][j][3] *= corr[mt][1];
+            }
           }
+        }
+      }
+    } else {  // every score within 2^kSlack of its row's running max: kept as the base (no max, no rescale)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if (!on(mt)) continue;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          probs(mt, half, m_run[mt][half] == -INFINITY ? 0.f : m_run[mt][half], 1.f);
         }
       }
     }
@@ -486,31 +518,45 @@ struct RowsAsN {
       x[e] = s[0][e] + s[1][e];  // unscaled (scale > 0), as RowsAsM's
       if (!full_tile && key0 + g + (e / 2) * 8 >= k_end) x[e] = -INFINITY;  // warp-uniform test first
     }
-    float p[4], corr[2];
+    float p[4];
+    bool grow = false;  // some score beyond 2^kSlack x its row's running max (RowsAsM's rule)
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = fmaxf(x[r], x[r + 2]);
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-      const float m_new = fmaxf(m_run[r], mx * scale);
-      const float base = m_new == -INFINITY ? 0.f : m_new;
-      corr[r] = ex2(m_run[r] - base);
-      m_run[r] = m_new;
-      p[r] = ex2(fmaf(x[r], scale, -base));
-      p[r + 2] = ex2(fmaf(x[r + 2], scale, -base));
-      l_run[r] = l_run[r] * corr[r] + (p[r] + p[r + 2]);
+    for (int r = 0; r < 2; ++r) grow |= fmaxf(x[r], x[r + 2]) * scale > m_run[r] + kSlack;
+    if (__any_sync(0xffffffffu, grow)) {
+      float corr[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = fmaxf(x[r], x[r + 2]);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+        const float m_new = fmaxf(m_run[r], mx * scale);
+        const float base = m_new == -INFINITY ? 0.f : m_new;
+        corr[r] = ex2(m_run[r] - base);
+        m_run[r] = m_new;
+        p[r] = ex2(fmaf(x[r], scale, -base));
+        p[r + 2] = ex2(fmaf(x[r + 2], scale, -base));
+        l_run[r] = l_run[r] * corr[r] + (p[r] + p[r + 2]);
+      }
+      if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
+#pragma unroll
+        for (int j = 0; j < D / 16; ++j) {
+          acc[j][0] *= corr[0], acc[j][1] *= corr[1];
+          acc[j][2] *= corr[0], acc[j][3] *= corr[1];
+        }
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float base = m_run[r] == -INFINITY ? 0.f : m_run[r];
+        p[r] = ex2(fmaf(x[r], scale, -base));
+        p[r + 2] = ex2(fmaf(x[r + 2], scale, -base));
+        l_run[r] += p[r] + p[r + 2];
+      }
     }
     // B fragments of P^T (key x row): (keys 2t, 2t+1; row g), (keys 2t+8, 2t+9; row g)
     const uint32_t b0 = movmatrix_trans(M::pack(p[0], p[1]));
     const uint32_t b1 = movmatrix_trans(M::pack(p[2], p[3]));
-    if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
-#pragma unroll
-      for (int j = 0; j < D / 16; ++j) {
-        acc[j][0] *= corr[0], acc[j][1] *= corr[1];
-        acc[j][2] *= corr[0], acc[j][3] *= corr[1];
-      }
-    }
     // O^T += V^T P^T: A fragments of V^T, transposed from the V tile by ldmatrix
 #pragma unroll
     for (int jj = 0; jj < D / 16; ++jj) {
