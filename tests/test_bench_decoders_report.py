@@ -4,11 +4,11 @@ same comparisons."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -16,9 +16,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 @pytest.fixture(scope="module")
 def decoders():
-    spec = importlib.util.spec_from_file_location("bench_decoders", ROOT / "benchmarks" / "decoders.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("decoders.py", "bench_decoders")
     return mod
 
 

@@ -3,19 +3,15 @@ the bytes limit, the range per shape; and its command line."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
+from bench_scripts import load_benchmark
 
-_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "decode_builds.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("decode_builds_bench", _SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("decode_builds.py", "decode_builds_bench")
     return mod
 
 

@@ -4,23 +4,19 @@ FLOP counts, the goals and the report, and the message when FlashInfer is missin
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
-from pathlib import Path
 
 import pytest
+from bench_scripts import load_benchmark
 
 torch = pytest.importorskip("torch")
 
-_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "paged_attention.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("paged_attention_bench", _SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("paged_attention.py", "paged_attention_bench")
     mod.DEVICE = "cpu"
     return mod
 
