@@ -535,8 +535,7 @@ int forward(const void* q, const void* k, const void* v, void* out, int64_t batc
   }
   if (batch == 0 || seqlen_q == 0) return 0;
   if (q == nullptr || k == nullptr || v == nullptr || out == nullptr) return fail("null data pointer");
-  // FA2 and our decode kernel take the running max of the unscaled scores: a positive scale only
-  if (!(softmax_scale > 0.f) || !std::isfinite(softmax_scale)) return fail("softmax scale is not a positive finite value");
+  if (!mqa_byoc_scale_ok(softmax_scale)) return fail(MQA_BYOC_SCALE_ERROR);
   if (!(softcap >= 0.f) || !std::isfinite(softcap)) return fail("soft-cap is not a finite value >= 0");
   const bool softcapped = softcap > 0.f;
 
@@ -766,8 +765,7 @@ extern "C" int mqa_byoc_fa2_varlen_forward(const void* q, const void* k, const v
       cu_seqlens_k == nullptr) {
     return fail("null data pointer");
   }
-  // FA2 and our decode kernel take the running max of the unscaled scores: a positive scale only
-  if (!(softmax_scale > 0.f) || !std::isfinite(softmax_scale)) return fail("softmax scale is not a positive finite value");
+  if (!mqa_byoc_scale_ok(softmax_scale)) return fail(MQA_BYOC_SCALE_ERROR);
 
   cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
   DeviceGuard guard;

@@ -221,8 +221,7 @@ int64_t longest_sequence(const int32_t* indptr, int64_t batch, int64_t total, cu
 
 int check_common(int64_t num_heads, int64_t num_heads_k, int64_t head_dim, int64_t batch, int64_t total_q,
                  float softmax_scale) {
-  // FA2 and our decode kernel take the running max of the unscaled scores: a positive scale only
-  if (!(softmax_scale > 0.f) || !std::isfinite(softmax_scale)) return fail("softmax scale is not a positive finite value");
+  if (!mqa_byoc_scale_ok(softmax_scale)) return fail(MQA_BYOC_SCALE_ERROR);
   if (num_heads <= 0 || num_heads_k <= 0 || num_heads % num_heads_k != 0) {
     return fail("H=" + std::to_string(num_heads) + " is not a positive multiple of H_kv=" +
                 std::to_string(num_heads_k));

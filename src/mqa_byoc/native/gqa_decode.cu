@@ -29,7 +29,6 @@
 #include <stdint.h>
 
 #include <algorithm>
-#include <cmath>
 #include <array>
 #include <map>
 #include <mutex>
@@ -1117,8 +1116,7 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_plan_split(const mqa_
                                                                       mqa_byoc_decode_plan* p) {
   if (!mqa_byoc_decode_supported(a->head_dim, a->num_heads, a->num_heads_k) || a->batch <= 0) return 2;
   if (keys_per_split <= 0 || keys_per_split % kTileKeys != 0) return 2;
-  // the running max is taken of the unscaled scores (RowsAsM::step): a positive, finite scale only
-  if (!(a->softmax_scale > 0.f) || !std::isfinite(a->softmax_scale)) return 2;
+  if (!mqa_byoc_scale_ok(a->softmax_scale)) return 2;  // the running max of the unscaled scores
   const int tiles = row_tiles_of(*a, row_tiles);
   if (tiles == 0) return 2;
   const int64_t splits = (longest_keys(*a) + keys_per_split - 1) / keys_per_split;

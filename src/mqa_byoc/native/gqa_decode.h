@@ -1,12 +1,19 @@
 // C API of mqa_byoc's grouped-query decode kernel (gqa_decode.cu): one query row per sequence and head,
 // K/V from a contiguous cache or from TVM's pages; split-KV and the combine in one launch.
 #pragma once
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+// The softmax scales the kernels take: FA2, FA4 and this decode kernel keep the running max of the
+// unscaled scores, which is the max of the scaled ones only for a positive scale. 1: a positive, finite
+// scale; the entries refuse others with MQA_BYOC_SCALE_ERROR.
+static inline int mqa_byoc_scale_ok(float scale) { return scale > 0.f && isfinite(scale); }
+#define MQA_BYOC_SCALE_ERROR "softmax scale is not a positive finite value"
 
 typedef struct {
   const void* q;     // (B, H, D): q_stride = (batch, head) in elements, dim contiguous
