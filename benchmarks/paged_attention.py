@@ -514,6 +514,7 @@ class Ours:
 
         self.ct = ctypes
         info = json.loads((lib_dir / "native.json").read_text()) if (lib_dir / "native.json").is_file() else {}
+        self.info = info  # what build-native wrote
         self.fa4_labels = list(info.get("fa4_ragged", []))
         from mqa_byoc.testing import decode_kernel as dk
 
@@ -594,20 +595,9 @@ class Ours:
         pages = paged["pages"]
         k, v = pages[:, 0], pages[:, 1]  # (num_pages, H_kv, page, D)
         st = (pages.stride(0), pages.stride(3), pages.stride(2))  # (page, row in page, head)
-        dec = _DecodeOn(self.dk, self.decode_lib, q, k, v, out, lse, st, hkv, scale,
-                        (paged["indptr"], paged["values"], paged["last"], paged["page_size"]))
-        return dec
-
-
-def _DecodeOn(dk, lib, q, k, v, out, lse, st, hkv, scale, pages):
-    """A :class:`mqa_byoc.testing.decode_kernel.Decode` on an already loaded library."""
-    orig = dk.library
-    dk.library = lambda *a, **kw: lib
-    try:
-        return dk.Decode(q, k, v, out, lse, k_stride=st, v_stride=st, seqlen_k=0, num_heads_k=hkv, scale=scale,
-                         pages=pages)
-    finally:
-        dk.library = orig
+        return self.dk.Decode(q, k, v, out, lse, k_stride=st, v_stride=st, seqlen_k=0, num_heads_k=hkv, scale=scale,
+                              pages=(paged["indptr"], paged["values"], paged["last"], paged["page_size"]),
+                              lib=self.decode_lib)
 
 
 def flashinfer_or_none(required: bool):
@@ -647,8 +637,7 @@ def bench_kernels(args) -> dict:
     ours = Ours(args.native)
     if ours.lib is None and set(args.kinds) - {"decode"}:
         raise SystemExit(DECODE_ONLY)
-    info = args.native / "native.json"
-    results = {"native_build": json.loads(info.read_text()) if info.is_file() else None,
+    results = {"native_build": ours.info or None,
                "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                "flashinfer": getattr(fi, "__version__", None), "hbm_bytes_per_s": HBM_BYTES_PER_S,
                "iters": args.iters, "cases": []}

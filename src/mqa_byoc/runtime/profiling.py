@@ -51,6 +51,11 @@ PAGED_ATTENTION_LABELS = {"fa2": "FA2 (UseFlashAttentionForPagedKVCache)", "tir"
 HOPPER_PAGED_LABEL = "FA4 for the ragged prefill, FA2 for the rest (UseFlashAttentionForPagedKVCache, hopper provider)"
 
 
+def _paged_kernels(rec: dict) -> tuple[str, str]:
+    """The kernel families a paged ``mqa=True`` library's entries run on, and the verb they take."""
+    return ("FA4 and FA2", "serve") if rec.get("provider") == "hopper" else ("FA2", "serves")
+
+
 class ProfileError(RuntimeError):
     """A profile run cannot start (reported as a one-line error by the CLI)."""
 
@@ -211,8 +216,8 @@ def _describe(rec: dict) -> str:
     if rec.get("offloaded"):
         words.append("offloaded " + ", ".join(f"{n} x {c}" for c, n in rec["offloaded"].items()))
     if rec.get("paged_served"):
-        words.append(("FA4 and FA2 serve " if rec.get("provider") == "hopper" else "FA2 serves ")
-                     + ", ".join(rec["paged_served"]))
+        kernels, verb = _paged_kernels(rec)
+        words.append(f"{kernels} {verb} " + ", ".join(rec["paged_served"]))
     return ", ".join(words)
 
 
@@ -276,8 +281,8 @@ def format_comparison(cmp: dict, modes: dict) -> str:
         return ""
     lines = ["== mqa=True vs mqa=False =="]
     if any(m.get("kv_cache") == "paged" for m in modes.values()):
-        ours = "FA4 and FA2" if modes.get("mqa", {}).get("provider") == "hopper" else "FA2"
-        lines[0] = f"== mqa=True vs mqa=False (paged KV cache: attention on {ours} vs on TVM's TIR kernels) =="
+        lines[0] = (f"== mqa=True vs mqa=False (paged KV cache: attention on {_paged_kernels(modes.get('mqa', {}))[0]} "
+                    "vs on TVM's TIR kernels) ==")
     if "decode_loop_tokens_per_s_ratio" in cmp:
         lines.append(f"decode tokens/s (back to back): {modes['mqa']['decode_loop_tokens_per_s']} with mqa=True vs "
                      f"{modes['repeat']['decode_loop_tokens_per_s']} with mqa=False "
