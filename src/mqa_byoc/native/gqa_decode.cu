@@ -158,15 +158,15 @@ __device__ __forceinline__ int swz(int row, int chunk) {
 }
 
 // A lane's byte offsets, in a swizzled tile, of the rows its ldmatrix reads at chunks 2 k + c (k = 0 ..
-// D / 16 - 1): the swizzle only permutes chunks within groups of 8, so four offsets serve every k.
+// D / 16 - 1): (2 k + c) ^ (row & 7) is ((c ^ row) & 7) ^ 2 (k % 4), plus 8 (k / 4), and a row starts at a
+// multiple of 128 bytes (D >= 64), so one offset and an XOR serve every k (no table of offsets that the
+// compiler rebuilds in the loop).
 template <int D>
 struct TileOffsets {
-  uint32_t off[4];
-  __device__ __forceinline__ void init(int row, int c) {
-#pragma unroll
-    for (int q = 0; q < 4; ++q) off[q] = 16u * uint32_t(swz<D>(row, 2 * q + c));
-  }
-  __device__ __forceinline__ uint32_t at(int k) const { return off[k % 4] + uint32_t(k / 4) * 128u; }
+  static_assert(D % 64 == 0, "rows of whole 128-byte swizzle periods");
+  uint32_t off0;
+  __device__ __forceinline__ void init(int row, int c) { off0 = 16u * uint32_t(swz<D>(row, c)); }
+  __device__ __forceinline__ uint32_t at(int k) const { return (off0 ^ (32u * uint32_t(k % 4))) + uint32_t(k / 4) * 128u; }
 };
 
 struct SeqRange {
@@ -329,7 +329,9 @@ struct RowsAsM {
     }
   }
 
-  // keys key0 .. key0 + 15 (those from k_end on are masked) from the tiles at shared addresses ks / vs
+  // keys key0 .. key0 + 15 from the tiles at shared addresses ks / vs; kMasked: the tile holds k_end (the
+  // keys from it on are masked), a separate instance so that whole tiles spend nothing on the test
+  template <bool kMasked>
   __device__ __forceinline__ void step(uint32_t ks, uint32_t vs, int key0, int k_end, float scale, int lane) {
     const int t = lane % 4;
     // S = Q K^T, 16 rows x 16 keys (two n-tiles of 8 keys) per tile
@@ -346,7 +348,6 @@ struct RowsAsM {
         }
       }
     }
-    const bool full_tile = key0 + kTileKeys <= k_end;
     // unscaled scores (the max of the scaled ones is the max of these times scale > 0); grow: some score
     // beyond 2^kSlack x its row's running max
     float x[MT][2][4];
@@ -360,11 +361,11 @@ struct RowsAsM {
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            float sum = 0.f;
+            float sum = s[mt][0][nt][half * 2 + e];
 #pragma unroll
-            for (int c = 0; c < kChains; ++c) sum += s[mt][c][nt][half * 2 + e];
+            for (int c = 1; c < kChains; ++c) sum += s[mt][c][nt][half * 2 + e];
             x[mt][half][nt * 2 + e] = sum;
-            if (!full_tile && key0 + nt * 8 + 2 * t + e >= k_end) x[mt][half][nt * 2 + e] = -INFINITY;  // warp-uniform test first
+            if (kMasked && key0 + nt * 8 + 2 * t + e >= k_end) x[mt][half][nt * 2 + e] = -INFINITY;
           }
         const float* xr = x[mt][half];
         grow |= fmaxf(fmaxf(xr[0], xr[1]), fmaxf(xr[2], xr[3])) * scale > m_run[mt][half] + kSlack;
@@ -506,6 +507,7 @@ struct RowsAsN {
     for (int j = 0; j < D / 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
   }
 
+  template <bool kMasked>
   __device__ __forceinline__ void step(uint32_t ks, uint32_t vs, int key0, int k_end, float scale, int lane) {
     const int g = lane / 4;
     // S^T = K Q^T: 16 keys x 8 rows, two chains over the dims
@@ -516,13 +518,12 @@ struct RowsAsN {
       ldmatrix_x4(ka, ks + k_off.at(kstep));
       M::run(s[kstep % 2], ka, qf[kstep][0], qf[kstep][1]);
     }
-    const bool full_tile = key0 + kTileKeys <= k_end;
     // this thread: keys g (x[0], x[1]) and g + 8 (x[2], x[3]) of rows 2t (x[0], x[2]) and 2t + 1
     float x[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       x[e] = s[0][e] + s[1][e];  // unscaled (scale > 0), as RowsAsM's
-      if (!full_tile && key0 + g + (e / 2) * 8 >= k_end) x[e] = -INFINITY;  // warp-uniform test first
+      if (kMasked && key0 + g + (e / 2) * 8 >= k_end) x[e] = -INFINITY;
     }
     float p[4];
     bool grow = false;  // some score beyond 2^kSlack x its row's running max (RowsAsM's rule)
@@ -685,8 +686,8 @@ __global__ void __launch_bounds__(W * 32, kWarpsPerSm<D, MT> / W)
   uint32_t dst0[kPeriod];
 #pragma unroll
   for (int p = 0; p < kPeriod; ++p) dst0[p] = dst_base + 16u * uint32_t(swz<D>(row_lane + p * kRowsPerIt, ch));
-  auto dst = [&](int stage, int it) {  // rows it and it + kPeriod * m differ by 8 m rows of D * 2 bytes
-    return dst0[it % kPeriod] + uint32_t(stage) * kStageBytes + uint32_t(it / kPeriod) * (8 * D * 2);
+  auto dst = [&](uint32_t stage_off, int it) {  // rows it and it + kPeriod * m differ by 8 m rows of D * 2 bytes
+    return dst0[it % kPeriod] + stage_off + uint32_t(it / kPeriod) * (8 * D * 2);
   };
   const int64_t k_step = kRowsPerIt * k_row, v_step = kRowsPerIt * v_row;  // between a lane's rows
   const bool rows_packed = k_row == D && v_row == D;  // TVM's pages, a contiguous cache of one K/V head
@@ -694,8 +695,30 @@ __global__ void __launch_bounds__(W * 32, kWarpsPerSm<D, MT> / W)
   const T* k_next = kbase + k_fixed + int64_t(k_begin + warp * kTileKeys + row_lane) * k_row;
   const T* v_next = vbase + v_fixed + int64_t(k_begin + warp * kTileKeys + row_lane) * v_row;
   const int64_t k_tile = int64_t(W) * kTileKeys * k_row, v_tile = int64_t(W) * kTileKeys * v_row;
-  auto load_tile = [&](int i, int stage, int page) {
+  // TVM's pages (a tile in one page, rows D apart, K and V a fixed distance apart, a page stride of 32
+  // bits): a tile's K rows from this lane's row of page 0 plus page x stride (one wide multiply), its V
+  // rows at a constant distance from them
+  const bool fast_pages = PAGED && tile_in_page && rows_packed && a.k_stride[0] == a.v_stride[0] &&
+                          a.k_stride[0] >= 0 && a.k_stride[0] * int64_t(sizeof(T)) <= 0xffffffffll;
+  // (bytes, unsigned: two wide multiply-adds a tile)
+  const uint32_t page_bytes = uint32_t(a.k_stride[0]) * uint32_t(sizeof(T));
+  const char* k_lane0 = reinterpret_cast<const char*>(kbase + k_fixed + row_lane * D);
+  const int64_t kv_delta = fast_pages ? reinterpret_cast<const char*>(vbase + v_fixed) -
+                                            reinterpret_cast<const char*>(kbase + k_fixed)
+                                      : 0;  // one allocation: the pages
+  auto load_tile = [&](int i, uint32_t stage, int page) {
     const int key0 = k_begin + (warp + i * W) * kTileKeys;
+    if (fast_pages && key0 + kTileKeys <= k_end) {
+      const char* kp = k_lane0 + uint64_t(uint32_t(page)) * page_bytes +
+                       uint64_t(uint32_t(row_in_page(key0))) * uint32_t(D * sizeof(T));
+      const char* vp = kp + kv_delta;
+#pragma unroll
+      for (int it = 0; it < kIters; ++it) {
+        cp_async16(dst(stage, it), kp + it * kRowsPerIt * D * sizeof(T));
+        cp_async16(dst(stage, it) + kVBytes, vp + it * kRowsPerIt * D * sizeof(T));
+      }
+      return;
+    }
     if (PAGED && !tile_in_page) {
 #pragma unroll
       for (int it = 0; it < kIters; ++it) {
@@ -752,25 +775,35 @@ __global__ void __launch_bounds__(W * 32, kWarpsPerSm<D, MT> / W)
   for (int i = 0; i < kStg - 1; ++i) {
     const int page = page_next;
     page_next = tile_in_page ? tile_page(i + 1) : 0;
-    if (i < my_tiles) load_tile(i, i, page);
+    if (i < my_tiles) load_tile(i, uint32_t(i) * kStageBytes, page);
     cp_async_commit();
   }
 
   const float scale = a.softmax_scale * 1.4426950408889634f;  // scores in the log2 domain
 
+  // byte offsets of the stage computed on and of the one loaded next, rotating (no modulo in the loop)
+  constexpr uint32_t kPipeBytes = kStg * kStageBytes;
+  uint32_t stage_c = 0, stage_l = (kStg - 1) * kStageBytes;
+  auto next_stage = [](uint32_t st) { return st + kStageBytes == kPipeBytes ? 0u : st + kStageBytes; };
   for (int i = 0; i < my_tiles; ++i) {
     {
       const int ahead = i + kStg - 1, page = page_next;
       page_next = tile_in_page ? tile_page(ahead + 1) : 0;
-      if (ahead < my_tiles) load_tile(ahead, ahead % kStg, page);
+      if (ahead < my_tiles) load_tile(ahead, stage_l, page);
+      stage_l = next_stage(stage_l);
     }
     cp_async_commit();
     cp_async_wait<kStg - 1>();
     __syncwarp();
-    const uint32_t ks = dst_base + uint32_t(i % kStg) * kStageBytes;
+    const uint32_t ks = dst_base + stage_c;
+    stage_c = next_stage(stage_c);
     const int key0 = k_begin + (warp + i * W) * kTileKeys;
 
-    w.step(ks, ks + kVBytes, key0, k_end, scale, lane);
+    if (key0 + kTileKeys <= k_end) {
+      w.template step<false>(ks, ks + kVBytes, key0, k_end, scale, lane);
+    } else {
+      w.template step<true>(ks, ks + kVBytes, key0, k_end, scale, lane);
+    }
     __syncwarp();
   }
   cp_async_wait<0>();
