@@ -5,7 +5,7 @@ sequence at 16k. GPU kernel time per call from CUPTI, each build with its own pl
 the builds compared with each other (the decode kernel's GPU tests check one build against fp32).
 Build each library as ``testing/decode_kernel.library`` does (nvcc ... -shared gqa_decode.cu).
 
-    python benchmarks/decode_builds.py measure --out OUT.json before=OLD.so after=NEW.so
+    python benchmarks/decode_builds.py measure --out OUT.json before=OLD.so after=NEW.so [--shapes 71/1/64]
     python benchmarks/decode_builds.py report OUT.json --out OUT.md --commit C --date D --command CMD
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 SHAPES = ((71, 1, 64), (64, 8, 128), (32, 8, 128))
 
 
-def measure(out_path: str, libs_args: list[str]) -> list:
+def measure(out_path: str, libs_args: list[str], shapes=SHAPES) -> list:
     import torch
 
     from decode_kernel import kernel_us
@@ -29,7 +29,7 @@ def measure(out_path: str, libs_args: list[str]) -> list:
 
     libs = {n: dk.load_library(p) for n, p in (a.split("=") for a in libs_args)}
     res = []
-    for (h, hk, d) in SHAPES:
+    for (h, hk, d) in shapes:
         for page in ((256, 16) if d == 64 else (128, 16)):
             for batch in (1, 8, 32, 64):
                 for kind in ("mixed", "uniform16k"):
@@ -97,6 +97,8 @@ def main(argv=None) -> int:
     m = sub.add_parser("measure", help="time the builds (GPU)")
     m.add_argument("--out", required=True, help="results JSON")
     m.add_argument("libs", nargs="+", metavar="NAME=LIB", help="the builds; the first is the baseline")
+    m.add_argument("--shapes", nargs="+", metavar="H/H_KV/D", default=[f"{h}/{hk}/{d}" for h, hk, d in SHAPES],
+                   help="the shapes to time (default: all three)")
     r = sub.add_parser("report", help="markdown of a measure run")
     r.add_argument("results", type=Path)
     r.add_argument("--out", type=Path, required=True)
@@ -105,7 +107,7 @@ def main(argv=None) -> int:
     r.add_argument("--command", dest="run_command", required=True)
     args = ap.parse_args(argv)
     if args.command == "measure":
-        measure(args.out, args.libs)
+        measure(args.out, args.libs, [tuple(int(x) for x in s.split("/")) for s in args.shapes])
     else:
         rows = json.loads(args.results.read_text())
         args.out.write_text(report(rows, {"commit": args.commit, "date": args.date, "command": args.run_command}))

@@ -168,3 +168,58 @@ def test_plan_for_given_row_tiles(lib, heads, heads_k, dim, tiles, ok):
             assert plan.row_tiles == tiles and plan.row_groups == -(-(heads // heads_k) // (16 * tiles))
             rows = 2 * plan.row_groups * plan.splits * 16 * tiles  # batch x row groups x splits x rows a CTA
             assert plan.workspace_bytes == (rows * (dim + 1) * 4 if plan.splits > 1 else 0)
+
+
+def _shared_layout(heads, heads_k):
+    group = heads // heads_k
+    warps = min(8, -(-group // 16))
+    return warps, -(-group // (16 * warps))
+
+
+@pytest.mark.parametrize("heads,heads_k", [(71, 1), (40, 2), (17, 1), (128, 1), (200, 1), (64, 8)])
+@pytest.mark.parametrize("batch", [1, 8, 31, 32, 64, 256])
+@pytest.mark.parametrize("paged", [False, True])
+def test_shared_tiles_plan(lib, heads, heads_k, batch, paged):
+    """The rule takes SharedTiles at head dim 64 for groups of more than 16 from 32 slots (sequences x K/V
+    heads x row groups) on: the group's row tiles as the warps of a CTA (at most 8, then row groups), at
+    most 64 splits a slot of whole 64-key tiles and at least 256 keys, about the CTAs the SMs hold (16 warps
+    an SM), and their scratch; otherwise the classic blocks."""
+    seqlen = 16384
+    pages = (batch * seqlen // 256, 256) if paged else None
+    rc, p = _plan(lib, heads=heads, heads_k=heads_k, dim=64, batch=batch, seqlen=0 if paged else seqlen, pages=pages)
+    assert rc == 0
+    warps, row_groups = _shared_layout(heads, heads_k)
+    slots = batch * heads_k * row_groups
+    shared = heads // heads_k > 16 and slots >= 32
+    assert p.shared_tiles == int(shared)
+    if not shared:
+        assert p.row_tiles == 1 and p.warps in (4, 8)
+        return
+    assert p.warps == warps and p.row_groups == row_groups and p.row_tiles == 1
+    assert p.keys_per_split % 64 == 0 and p.keys_per_split >= 256 and 1 <= p.splits <= 64
+    ctas_per_sm = min(16 // warps, 4)  # 16 warps, and about 50 KB of shared memory a CTA
+    assert slots * p.splits <= max(slots, ctas_per_sm * SMS)
+    assert p.splits * p.keys_per_split >= seqlen or p.splits == 64 or paged  # a sequence larger cuts bigger splits
+    rows = 16 * warps
+    per_split = slots * p.splits * rows
+    assert p.workspace_bytes == ((per_split * 64 + per_split) * 4 if p.splits > 1 else 0)
+    assert p.counters == (slots if p.splits > 1 else 0)
+
+
+def test_shared_tiles_asked_for(lib):
+    """row_tiles MQA_BYOC_DECODE_SHARED_TILES (-1): SharedTiles at any batch where it serves the call (head
+    dim 64, groups of more than 16), refused elsewhere; plan_split with whole 64-key tiles only."""
+    a = DecodeArgs()
+    a.softmax_scale = 0.125
+    a.batch, a.num_heads, a.num_heads_k, a.head_dim, a.seqlen_k, a.window_left = 1, 71, 1, 64, 4096, -1
+    p = DecodePlan()
+    assert lib.mqa_byoc_decode_make_plan(ctypes.byref(a), -1, SMS, None, ctypes.byref(p)) == 0
+    assert p.shared_tiles == 1 and p.warps == 5 and p.row_groups == 1
+    assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), 512, -1, ctypes.byref(p)) == 0
+    assert p.shared_tiles == 1 and p.splits == 8 and p.keys_per_split == 512
+    assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), 64, -1, ctypes.byref(p)) == 0 and p.splits == 64
+    assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), 80, -1, ctypes.byref(p)) == 2  # not whole 64-key tiles
+    for heads, heads_k, dim in ((64, 8, 64), (16, 1, 64), (71, 1, 128)):
+        a.num_heads, a.num_heads_k, a.head_dim = heads, heads_k, dim
+        assert lib.mqa_byoc_decode_make_plan(ctypes.byref(a), -1, SMS, None, ctypes.byref(p)) == 2
+        assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), 512, -1, ctypes.byref(p)) == 2

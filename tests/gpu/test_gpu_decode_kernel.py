@@ -1,7 +1,7 @@
 """The grouped-query decode kernel (native/gqa_decode.cu) alone, against fp32 attention, on the GPU:
 contiguous and paged K/V, fp16/bf16, head dims 64/128, GQA and MQA groupings, one split and many (the
 fused combine: through a thread-block cluster's shared memory and through the workspace), warps of 1-3
-16-row M tiles (groups of more than 16), strided query/output rows, sliding window, empty and ragged
+16-row M tiles (groups of more than 16), SharedTiles (a group's row tiles as one CTA's warps), strided query/output rows, sliding window, empty and ragged
 sequences, repeated calls (the arrival counters reset). Needs torch with CUDA and nvcc; no TVM."""
 from __future__ import annotations
 
@@ -95,6 +95,52 @@ def test_row_tiles(dtype, row_tiles, heads, heads_k, seqlen, merge):
         call()
     torch.cuda.synchronize()
     _check(out, lse, ref_o, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("heads,heads_k", [(71, 1), (40, 2), (17, 1), (128, 1), (200, 1), (96, 2)])
+@pytest.mark.parametrize("seqlen,merge,window_left", [(1, "auto", -1), (50, "auto", -1), (1000, "global", -1),
+                                                      (1000, "cluster", -1), (16411, "auto", -1),
+                                                      (5000, "auto", 300)])
+def test_shared_tiles(dtype, heads, heads_k, seqlen, merge, window_left):
+    """SharedTiles (groups of more than 16 at head dim 64) asked for at a small batch: the group's 16-row
+    tiles as the warps of one CTA (2-8 warps; 200 rows: two row groups, the second with warps past the
+    group), 64-key tiles loaded together (one K/V head: rows D apart; two: the general load), a last
+    tile part-filled; one split, a few merged in a cluster or through the workspace, 64 cut by each
+    sequence itself, a window that starts inside a tile; three sequences, repeated calls."""
+    call, out, lse, ref_o, ref_lse = _contiguous_case(3, heads, heads_k, 64, seqlen, dtype, window_left,
+                                                      merge=merge, row_tiles=dk.SHARED_TILES)
+    group = heads // heads_k
+    assert call.plan.shared_tiles == 1 and call.plan.warps == min(8, -(-group // 16))
+    assert call.plan.row_groups == -(-group // (16 * call.plan.warps))
+    assert (call.plan.splits == 1) == (seqlen <= 256), call.plan.splits
+    for _ in range(2):
+        out.zero_()
+        call()
+    torch.cuda.synchronize()
+    _check(out, lse, ref_o, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("batch,shared", [(1, 0), (8, 0), (32, 1), (64, 1)])
+def test_shared_tiles_by_the_rule(batch, shared):
+    """The plan's rule takes SharedTiles from 32 slots (sequences x K/V heads x row groups) on; the
+    output is right either way."""
+    call, out, lse, ref_o, ref_lse = _contiguous_case(batch, 71, 1, 64, 3000, torch.float16)
+    assert call.plan.shared_tiles == shared
+    call()
+    torch.cuda.synchronize()
+    _check(out, lse, ref_o, ref_lse, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("page_size", [16, 48, 64, 128, 256])
+@pytest.mark.parametrize("heads,heads_k", [(71, 1), (40, 2)])
+@pytest.mark.parametrize("merge", ["auto", "global"])
+def test_paged_shared_tiles(dtype, page_size, heads, heads_k, merge):
+    """SharedTiles on TVM's pages: tiles within one page (pages of a multiple of 64: one lookup a tile),
+    across pages (16, 48: a lookup a row), empty, one-key and ragged sequences."""
+    _paged_case(dtype, page_size, heads, heads_k, 64, merge, [0, 1, page_size, 5000, 777, 2 * page_size + 3,
+                                                             12000, 31], row_tiles=dk.SHARED_TILES)
 
 
 @pytest.mark.parametrize("merge", ["global", "auto"])

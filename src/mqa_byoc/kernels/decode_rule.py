@@ -10,7 +10,9 @@ DECODE_HEAD_DIMS = (64, 128)
 
 
 def rows_per_cta(head_dim: int) -> int:
-    """Query rows one CTA holds (one 16-row MMA block); a larger group takes several CTAs per split."""
+    """Query rows one CTA of the classic blocks holds (one 16-row MMA block); a larger group takes several
+    CTAs per split. (SharedTiles, which the plan takes for large groups at head dim 64 and many sequences,
+    holds up to 128: fewer CTAs, so the grid bound below holds for it too.)"""
     return 16
 
 

@@ -20,8 +20,11 @@
 // scheduler, DRAM and L2 well below their peaks), so it spends few: the running max of the unscaled
 // scores (the scale, positive, goes into the exponent's FMA), ex2.approx, no max across the quad and no
 // rescale for a tile within 2^kSlack of its rows' max, page and row by shift and mask for power-of-two
-// page sizes, K/V rows D apart loaded at constant offsets. Sharing one K/V tile among the warps of several
-// row tiles (the K/V head read once per 48 or 80 query rows) cut L2 traffic but not time: not kept.
+// page sizes, K/V rows D apart loaded at constant offsets, one wide multiply-add for a tile's page.
+// Sharing one K/V tile among the warps of several row tiles, the first warp loading it, cut L2 traffic
+// but not time: not kept. What pays for large groups at head dim 64 with many sequences is SharedTiles
+// (gqa_decode_shared_kernel): the group's row tiles are the warps of one CTA, and all of them load its
+// 64-key tiles (71/1/64, 64 sequences of 16k keys: 43% fewer instructions, 0.46x the time).
 #include <cuda_bf16.h>
 #include <cooperative_groups.h>
 #include <cuda_fp16.h>
@@ -229,15 +232,16 @@ __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.w
 // barrier, then each block merges from its own shared memory (s_o, no longer read by anyone, holds the
 // weights). The caller's first barrier phase (arrived at the start) is waited for here: DSMEM of a block is
 // only valid once every block of the cluster runs.
-template <typename T, int D, int W, int kRows, int kOStride>
+template <typename T, int D, int W, int kOStride>
 __device__ __forceinline__ void merge_in_cluster(const mqa_byoc_decode_args& a, float* s_o, const float* s_f,
-                                                 float4* recv, float* recv_l, int rows_here, int b, int head0) {
+                                                 float4* recv, float* recv_l, int rows_here, int b, int head0,
+                                                 int kRows, int n_threads) {
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   const int n = int(gridDim.x), me = int(blockIdx.x);
   const int n4 = rows_here * (D / 4), per = (n4 + n - 1) / n;
   cluster_wait();
-  for (int idx = threadIdx.x; idx < n4; idx += W * 32) {
+  for (int idx = threadIdx.x; idx < n4; idx += n_threads) {
     const int r = idx / (D / 4), d4 = idx % (D / 4), owner = idx / per;
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
@@ -247,7 +251,7 @@ __device__ __forceinline__ void merge_in_cluster(const mqa_byoc_decode_args& a, 
     }
     *cluster.map_shared_rank(recv + me * per + (idx - owner * per), owner) = v;
   }
-  for (int i = threadIdx.x; i < rows_here * n; i += W * 32) {
+  for (int i = threadIdx.x; i < rows_here * n; i += n_threads) {
     *cluster.map_shared_rank(recv_l + me * kRows + i % rows_here, i / rows_here) = s_f[i % rows_here];
   }
   cluster_arrive_release();
@@ -257,7 +261,7 @@ __device__ __forceinline__ void merge_in_cluster(const mqa_byoc_decode_args& a, 
   const int row_lo = first / (D / 4), rows = last > first ? (last - 1) / (D / 4) - row_lo + 1 : 0;
   float* s_w = s_o;  // [row of the slice][split], then 1 / sum per row at [rows * kMaxCluster + row]
   const int lane = threadIdx.x % 32;
-  for (int rr = threadIdx.x / 32; rr < rows; rr += W) {
+  for (int rr = threadIdx.x / 32; rr < rows; rr += n_threads / 32) {
     const int r = row_lo + rr;
     const float l = lane < n ? recv_l[lane * kRows + r] : -INFINITY;
     float mx = l;
@@ -274,7 +278,7 @@ __device__ __forceinline__ void merge_in_cluster(const mqa_byoc_decode_args& a, 
   __syncthreads();
   // one output element per thread: the weighted sum of the splits' shares
   const float* recv_f = reinterpret_cast<const float*>(recv);
-  for (int e = threadIdx.x; e < (last - first) * 4; e += W * 32) {
+  for (int e = threadIdx.x; e < (last - first) * 4; e += n_threads) {
     const int idx = first + e / 4, r = idx / (D / 4), d = (idx % (D / 4)) * 4 + e % 4;
     const float* w = s_w + (r - row_lo) * kMaxCluster;
     float v = 0.f;
@@ -603,6 +607,139 @@ struct RowsAsN {
   }
 };
 
+// The end of a block's work once s_o holds its rows' outputs ([kSumWarps][row][kOStride], fp32, normalized
+// by the block's LSE, summed over the kSumWarps shares) and s_f their base-2 LSEs: written out (one split),
+// merged in the cluster, or stored as a partial and merged by the slot's last block. kRows: rows a block
+// holds (the partials' row stride), n_threads: the block's threads.
+template <typename T, int D, bool CLUSTER, int kSumWarps, int kOStride>
+__device__ __forceinline__ void finish_block(const mqa_byoc_decode_args& a, unsigned char* smem, float* s_o,
+                                             const float* s_f, float* s_l, int* s_flag, float4* s_recv,
+                                             float* s_recv_l, int n_splits, int kRows, int group, int row0, int b,
+                                             int kvh, int rg, int row_groups, int split, float* o_part,
+                                             float* lse_part, int* counters, int n_threads) {
+  using M = Mma<T>;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const bool single = n_splits == 1;
+  const int rows_here = min(kRows, group - row0);
+  T* out = static_cast<T*>(a.out);
+  if constexpr (CLUSTER) {
+    if (!single) {
+      merge_in_cluster<T, D, kSumWarps, kOStride>(a, s_o, s_f, s_recv, s_recv_l, rows_here, b, kvh * group + row0, kRows, n_threads);
+      return;
+    }
+  }
+  const int64_t slot = (int64_t(b) * a.num_heads_k + kvh) * row_groups + rg;  // (sequence, K/V head, row group)
+  float* my_o = o_part + (slot * gridDim.x + split) * kRows * D;
+  for (int idx = threadIdx.x; idx < rows_here * D; idx += n_threads) {
+    const int r = idx / D, d = idx % D;
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < kSumWarps; ++w) v += s_o[(w * kRows + r) * kOStride + d];
+    if (single) {
+      out[int64_t(b) * a.o_stride[0] + int64_t(kvh * group + row0 + r) * a.o_stride[1] + d] = M::from_float(v);
+    } else {
+      my_o[r * D + d] = v;
+    }
+  }
+  if (single) {
+    if (a.lse != nullptr && threadIdx.x < rows_here) {
+      const float l = s_f[threadIdx.x];
+      a.lse[int64_t(b) * a.num_heads + kvh * group + row0 + threadIdx.x] = l == -INFINITY ? a.lse_empty : l;
+    }
+    return;
+  }
+  if (threadIdx.x < rows_here) lse_part[(slot * gridDim.x + split) * kRows + threadIdx.x] = s_f[threadIdx.x];
+
+  // ---- the last block of this slot to arrive merges the splits ----
+  // One acq_rel atomic by thread 0 after the barrier publishes this block's partial (release is cumulative
+  // over the barrier) and, for the last block, makes the others' partials visible (acquire, then barrier).
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int prev;
+    asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;\n" : "=r"(prev) : "l"(counters + slot) : "memory");
+    *s_flag = prev == n_splits - 1;
+  }
+  __syncthreads();
+  if (!*s_flag) return;
+  const float* all_o = o_part + slot * gridDim.x * kRows * D;
+  const float* all_l = lse_part + slot * gridDim.x * kRows;
+  const int kSplitStride4 = kRows * D / 4;  // float4s between two splits' partials
+  // this thread's first output element: its first kPre partials are loaded now, next to the LSEs (one
+  // round trip to L2 instead of two)
+  constexpr int kPre = 16;
+  const int n4 = rows_here * (D / 4);
+  const int r0 = threadIdx.x / (D / 4);
+  const float4* src0 = reinterpret_cast<const float4*>(all_o + r0 * D) + threadIdx.x % (D / 4);
+  float4 pre[kPre];
+#pragma unroll
+  for (int u = 0; u < kPre; ++u) {
+    pre[u] = (threadIdx.x < n4 && u < n_splits) ? __ldcg(src0 + u * kSplitStride4) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  
+  float* s_w = reinterpret_cast<float*>(smem);  // [split][row], n_splits <= kMaxSplits (the plan's bound)
+  for (int idx = threadIdx.x; idx < n_splits * rows_here; idx += n_threads) {
+    const int sp = idx / rows_here, r = idx % rows_here;
+    s_w[sp * kRows + r] = __ldcg(all_l + sp * kRows + r);
+  }
+  __syncthreads();
+  for (int r = warp; r < rows_here; r += n_threads / 32) {  // one warp per row: max, weights, sum
+    float mx = -INFINITY;
+    for (int sp = lane; sp < n_splits; sp += 32) mx = fmaxf(mx, s_w[sp * kRows + r]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    float tot = 0.f;
+    for (int sp = lane; sp < n_splits; sp += 32) {
+      const float l = s_w[sp * kRows + r];
+      const float w = l == -INFINITY ? 0.f : exp2f(l - mx);
+      s_w[sp * kRows + r] = w;
+      tot += w;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, off);
+    if (lane == 0) {
+      s_l[r] = tot > 0.f ? 1.f / tot : 0.f;
+      if (a.lse != nullptr) {
+        a.lse[int64_t(b) * a.num_heads + kvh * group + row0 + r] = tot > 0.f ? mx + log2f(tot) : a.lse_empty;
+      }
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < n4; idx += n_threads) {
+    const int r = idx / (D / 4), d4 = idx % (D / 4);
+    const float4* src = reinterpret_cast<const float4*>(all_o + r * D) + d4;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    int sp = 0;
+    if (idx == threadIdx.x) {  // the prefetched partials
+#pragma unroll
+      for (int u = 0; u < kPre; ++u) {
+        const float w = u < n_splits ? s_w[u * kRows + r] : 0.f;
+        v.x += w * pre[u].x, v.y += w * pre[u].y, v.z += w * pre[u].z, v.w += w * pre[u].w;
+      }
+      sp = kPre;
+    }
+    for (; sp + 8 <= n_splits; sp += 8) {
+      float4 x[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) x[u] = __ldcg(src + (sp + u) * kSplitStride4);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const float w = s_w[(sp + u) * kRows + r];
+        v.x += w * x[u].x, v.y += w * x[u].y, v.z += w * x[u].z, v.w += w * x[u].w;
+      }
+    }
+    for (; sp < n_splits; ++sp) {
+      const float4 x = __ldcg(src + sp * kSplitStride4);
+      const float w = s_w[sp * kRows + r];
+      v.x += w * x.x, v.y += w * x.y, v.z += w * x.z, v.w += w * x.w;
+    }
+    const float inv = s_l[r];
+    T* o = out + int64_t(b) * a.o_stride[0] + int64_t(kvh * group + row0 + r) * a.o_stride[1] + d4 * 4;
+    o[0] = M::from_float(v.x * inv), o[1] = M::from_float(v.y * inv);
+    o[2] = M::from_float(v.z * inv), o[3] = M::from_float(v.w * inv);
+  }
+  if (threadIdx.x == 0) counters[slot] = 0;  // ready for the next call on this stream
+}
+
 // CLUSTER: the grid's splits of a slot are one thread-block cluster and merge through distributed shared
 // memory (merge_in_cluster): no workspace round trip, no arrival atomic. Otherwise the last block of a
 // slot to arrive merges the partials in `o_part`.
@@ -827,125 +964,192 @@ __global__ void __launch_bounds__(W * 32, kWarpsPerSm<D, MT> / W)
   });
   __syncthreads();
 
-  const bool single = n_splits == 1;
-  const int rows_here = min(kRows, group - row0);
-  T* out = static_cast<T*>(a.out);
+  static_assert(kMaxSplits * kRows * 4 <= S::kMainBytes, "the split weights must fit the merge buffer");
+  finish_block<T, D, CLUSTER, W, S::kOStride>(a, smem, s_o, s_f, s_l, s_flag, s_recv, s_recv_l, n_splits, kRows, group,
+                                              row0, b, kvh, rg, row_groups, split, o_part, lse_part, counters,
+                                              kThreads);
+}
+
+// ---- Groups of more than 16 query rows at head dim 64 (Falcon's 71, StarCoder-like MQA): SharedTiles ----
+// The classic blocks above give each warp its own key tiles, so a group of R row tiles streams its K/V
+// head R times, every warp issuing the loads of every tile it computes on (at 71/1/64 about a quarter of
+// a 16-key step's instructions). Here the group's row tiles (up to 8, one a warp) are the warps of one
+// CTA: the CTA loads 64-key tiles of K and V together (each thread a few 16-byte chunks: one read of the
+// K/V head per 128 query rows), one barrier a tile, and every warp runs its 16 rows over the tile's four
+// 16-key steps (RowsAsM's step). The warps hold distinct rows over the same keys: no merge among them;
+// the splits merge as the classic blocks' do (finish_block).
+constexpr int kShTileKeys = 64;  // keys of a CTA tile
+constexpr int kShStages = 3;     // CTA tiles in flight (16 KB each at head dim 64)
+constexpr int kShMaxWarps = 8;   // row tiles of a CTA: 128 query rows
+
+template <int D>
+struct SharedSmem {
+  static constexpr int kMaxRows = 16 * kShMaxWarps;
+  static constexpr int kTileBytes = kShTileKeys * D * 2;  // the K (or V) rows of a CTA tile
+  static constexpr int kStageBytes = 2 * kTileBytes;
+  static constexpr int kPipeBytes = kShStages * kStageBytes;
+  static constexpr int kOStride = D + 8;  // RowsAsM's padded output rows (no bank conflicts)
+  static constexpr int kMergeBytes = kMaxRows * kOStride * 4;
+  static constexpr int kMainBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
+  static constexpr int kStatsBytes = 3 * kMaxRows * 4 + 64;
+  // the splits merged through the workspace: the last CTA's split weights live in the main buffer
+  static constexpr int max_splits(int rows) { return kMainBytes / (rows * 4) < kMaxSplits ? kMainBytes / (rows * 4) : kMaxSplits; }
+  static constexpr size_t bytes(int rows, bool cluster) {
+    return size_t(kMainBytes) + kStatsBytes +
+           (cluster ? size_t(rows * D / 4 + kMaxCluster) * 16 + size_t(kMaxCluster) * rows * 4 : 0);
+  }
+};
+
+template <typename T, int D, bool PAGED, bool CLUSTER>
+__global__ void __launch_bounds__(kShMaxWarps * 32, 2)
+    gqa_decode_shared_kernel(const mqa_byoc_decode_args a, int keys_per_split, int row_groups, float* o_part,
+                             float* lse_part, int* counters) {
+  using S = SharedSmem<D>;
+  using Warp = RowsAsM<T, D, 1>;
+  constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  constexpr int kTileChunks = kShTileKeys * kChunks;
+  constexpr uint32_t kSubTileBytes = kTileKeys * D * 2;  // 16 keys: one step of a warp
+  const int n_threads = int(blockDim.x), kRows = n_threads / 2;  // 16 rows a warp
+  extern __shared__ __align__(128) unsigned char smem[];
+  float* s_m = reinterpret_cast<float*>(smem + S::kMainBytes);  // [row]
+  float* s_l = s_m + S::kMaxRows;
+  float* s_f = s_l + S::kMaxRows;
+  int* s_flag = reinterpret_cast<int*>(s_f + S::kMaxRows);
+  float4* s_recv = reinterpret_cast<float4*>(smem + S::kMainBytes + S::kStatsBytes);
+  float* s_recv_l = reinterpret_cast<float*>(s_recv + kRows * D / 4 + kMaxCluster);
+
+  const int split = blockIdx.x, kvh = blockIdx.y / row_groups, rg = blockIdx.y % row_groups, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = int(a.num_heads / a.num_heads_k);
+  const int row0 = rg * kRows;
+  const SeqRange sr = seq_range(a, b);
+  // each sequence cuts its own keys into at most gridDim.x splits of whole tiles, at least keys_per_split
+  // each (the plan sizes the grid by the GPU, not by the longest sequence a call's pages could hold)
+  const int len = sr.end - sr.begin;
+  const int per_cta = (len + int(gridDim.x) * kShTileKeys - 1) / (int(gridDim.x) * kShTileKeys) * kShTileKeys;
+  const int kps = max(keys_per_split, per_cta);
+  const int n_splits = max(1, (len + kps - 1) / kps);
+  const bool active = split < n_splits;
+  if (!active && (!CLUSTER || n_splits == 1)) return;
+  const int k_begin = active ? sr.begin + split * kps : sr.end;
+  const int k_end = active ? min(sr.end, k_begin + kps) : sr.end;
   if constexpr (CLUSTER) {
-    if (!single) {
-      merge_in_cluster<T, D, W, kRows, S::kOStride>(a, s_o, s_f, s_recv, s_recv_l, rows_here, b, kvh * group + row0);
+    if (n_splits > 1) cluster_arrive_relaxed();  // waited for in merge_in_cluster
+  }
+  const T* kbase = static_cast<const T*>(a.k);
+  const T* vbase = static_cast<const T*>(a.v);
+
+  Warp w;  // rows row0 + 16 warp .. + 15 of the group (those past it zero, never written)
+  const int my_row0 = row0 + 16 * warp;
+  w.init(static_cast<const T*>(a.q) + int64_t(b) * a.q_stride[0] +
+             int64_t(kvh * group + min(my_row0, group - 1)) * a.q_stride[1],
+         a.q_stride[1], group - my_row0, lane / 4, lane % 4);
+
+  // ---- the CTA's tiles: keys k_begin + 64 t; thread x loads chunks x, x + n_threads, .. of K and of V ----
+  const int n_tiles = (k_end - k_begin + kShTileKeys - 1) / kShTileKeys;
+  const int page_size = PAGED ? int(a.page_size) : 1;
+  const int page_shift = (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
+  auto page_of = [&](int key) { return page_shift >= 0 ? key >> page_shift : key / page_size; };
+  auto row_in_page = [&](int key) { return page_shift >= 0 ? key & (page_size - 1) : key % page_size; };
+  const int* pages_of_b = PAGED ? a.page_values + a.page_indptr[b] : nullptr;
+  const int64_t k_row = a.k_stride[1], v_row = a.v_stride[1];
+  // a tile in one page with its rows D apart (TVM's pages; a one-head contiguous cache): its K rows are
+  // 64 D contiguous elements, chunk x at 16 x bytes; V at a constant distance where the strides agree
+  const bool contiguous_rows = k_row == D && v_row == D;
+  const bool tile_in_page = !PAGED || (page_size % kShTileKeys == 0 && k_begin % kShTileKeys == 0);
+  const bool fast = contiguous_rows && tile_in_page;
+  const int64_t k_head = int64_t(kvh) * a.k_stride[2], v_head = int64_t(kvh) * a.v_stride[2];
+  const uint32_t pipe = smem_addr(smem);
+  auto load = [&](int t, uint32_t stage_off) {
+    const int key0 = k_begin + t * kShTileKeys;
+    const uint32_t dst0 = pipe + stage_off;
+    if (fast) {
+      int64_t kt, vt;  // element offsets of the tile's first K / V row
+      if constexpr (PAGED) {
+        const int page = __ldg(pages_of_b + page_of(key0));
+        kt = int64_t(page) * a.k_stride[0] + int64_t(row_in_page(key0)) * D + k_head;
+        vt = int64_t(page) * a.v_stride[0] + int64_t(row_in_page(key0)) * D + v_head;
+      } else {
+        kt = int64_t(b) * a.k_stride[0] + int64_t(key0) * D + k_head;
+        vt = int64_t(b) * a.v_stride[0] + int64_t(key0) * D + v_head;
+      }
+      const char* kp = reinterpret_cast<const char*>(kbase + kt);
+      const char* vp = reinterpret_cast<const char*>(vbase + vt);
+      const int rows_left = k_end - key0;
+      for (int x = threadIdx.x; x < kTileChunks; x += n_threads) {
+        const int row = x / kChunks;
+        const uint32_t d = dst0 + 16u * uint32_t(x ^ (row & 7));
+        const bool ok = row < rows_left;  // rows past the end: zeros (no NaN from stale memory)
+        cp_async16(d, ok ? kp + 16 * x : kp, ok ? 16 : 0);
+        cp_async16(d + S::kTileBytes, ok ? vp + 16 * x : vp, ok ? 16 : 0);
+      }
       return;
     }
-  }
-  const int64_t slot = (int64_t(b) * a.num_heads_k + kvh) * row_groups + rg;  // (sequence, K/V head, row group)
-  float* my_o = o_part + (slot * gridDim.x + split) * kRows * D;
-  for (int idx = threadIdx.x; idx < rows_here * D; idx += kThreads) {
-    const int r = idx / D, d = idx % D;
-    float v = 0.f;
-#pragma unroll
-    for (int w = 0; w < W; ++w) v += s_o[(w * kRows + r) * S::kOStride + d];
-    if (single) {
-      out[int64_t(b) * a.o_stride[0] + int64_t(kvh * group + row0 + r) * a.o_stride[1] + d] = M::from_float(v);
-    } else {
-      my_o[r * D + d] = v;
+    for (int x = threadIdx.x; x < kTileChunks; x += n_threads) {
+      const int row = x / kChunks, ch = x % kChunks, key = key0 + row;
+      const uint32_t d = dst0 + 16u * uint32_t(x ^ (row & 7));
+      const bool ok = key < k_end;
+      int64_t ko = 0, vo = 0;
+      if (ok) {
+        if constexpr (PAGED) {
+          const int64_t page = __ldg(pages_of_b + page_of(key)), r = row_in_page(key);
+          ko = page * a.k_stride[0] + r * k_row + k_head + ch * 8;
+          vo = page * a.v_stride[0] + r * v_row + v_head + ch * 8;
+        } else {
+          ko = int64_t(b) * a.k_stride[0] + int64_t(key) * k_row + k_head + ch * 8;
+          vo = int64_t(b) * a.v_stride[0] + int64_t(key) * v_row + v_head + ch * 8;
+        }
+      }
+      cp_async16(d, kbase + ko, ok ? 16 : 0);
+      cp_async16(d + S::kTileBytes, vbase + vo, ok ? 16 : 0);
     }
-  }
-  if (single) {
-    if (a.lse != nullptr && threadIdx.x < rows_here) {
-      const float l = s_f[threadIdx.x];
-      a.lse[int64_t(b) * a.num_heads + kvh * group + row0 + threadIdx.x] = l == -INFINITY ? a.lse_empty : l;
-    }
-    return;
-  }
-  if (threadIdx.x < rows_here) lse_part[(slot * gridDim.x + split) * kRows + threadIdx.x] = s_f[threadIdx.x];
+  };
 
-  // ---- the last block of this slot to arrive merges the splits ----
-  // One acq_rel atomic by thread 0 after the barrier publishes this block's partial (release is cumulative
-  // over the barrier) and, for the last block, makes the others' partials visible (acquire, then barrier).
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int prev;
-    asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;\n" : "=r"(prev) : "l"(counters + slot) : "memory");
-    *s_flag = prev == n_splits - 1;
-  }
-  __syncthreads();
-  if (!*s_flag) return;
-  const float* all_o = o_part + slot * gridDim.x * kRows * D;
-  const float* all_l = lse_part + slot * gridDim.x * kRows;
-  constexpr int kSplitStride4 = kRows * D / 4;  // float4s between two splits' partials
-  // this thread's first output element: its first kPre partials are loaded now, next to the LSEs (one
-  // round trip to L2 instead of two)
-  constexpr int kPre = 16;
-  const int n4 = rows_here * (D / 4);
-  const int r0 = threadIdx.x / (D / 4);
-  const float4* src0 = reinterpret_cast<const float4*>(all_o + r0 * D) + threadIdx.x % (D / 4);
-  float4 pre[kPre];
 #pragma unroll
-  for (int u = 0; u < kPre; ++u) {
-    pre[u] = (threadIdx.x < n4 && u < n_splits) ? __ldcg(src0 + u * kSplitStride4) : make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int t = 0; t < kShStages - 1; ++t) {
+    if (t < n_tiles) load(t, uint32_t(t) * S::kStageBytes);
+    cp_async_commit();
   }
-  static_assert(kMaxSplits * kRows * 4 <= S::kMainBytes, "the split weights must fit the merge buffer");
-  float* s_w = reinterpret_cast<float*>(smem);  // [split][row], n_splits <= kMaxSplits (the plan's bound)
-  for (int idx = threadIdx.x; idx < n_splits * rows_here; idx += kThreads) {
-    const int sp = idx / rows_here, r = idx % rows_here;
-    s_w[sp * kRows + r] = __ldcg(all_l + sp * kRows + r);
-  }
-  __syncthreads();
-  for (int r = warp; r < rows_here; r += W) {  // one warp per row: max, weights, sum
-    float mx = -INFINITY;
-    for (int sp = lane; sp < n_splits; sp += 32) mx = fmaxf(mx, s_w[sp * kRows + r]);
+  const float scale = a.softmax_scale * 1.4426950408889634f;  // scores in the log2 domain
+  auto next_stage = [](uint32_t st) { return st + S::kStageBytes == S::kPipeBytes ? 0u : st + S::kStageBytes; };
+  uint32_t stage_c = 0, stage_l = (kShStages - 1) * S::kStageBytes;
+  for (int t = 0; t < n_tiles; ++t) {
+    cp_async_wait<kShStages - 2>();  // this thread's chunks of tile t
+    __syncthreads();                 // everyone's; and every warp is done with tile t - 1, whose stage is next
+    if (t + kShStages - 1 < n_tiles) load(t + kShStages - 1, stage_l);
+    cp_async_commit();
+    stage_l = next_stage(stage_l);
+    const uint32_t ks = pipe + stage_c;
+    stage_c = next_stage(stage_c);
+    const int key0 = k_begin + t * kShTileKeys;
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    float tot = 0.f;
-    for (int sp = lane; sp < n_splits; sp += 32) {
-      const float l = s_w[sp * kRows + r];
-      const float w = l == -INFINITY ? 0.f : exp2f(l - mx);
-      s_w[sp * kRows + r] = w;
-      tot += w;
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, off);
-    if (lane == 0) {
-      s_l[r] = tot > 0.f ? 1.f / tot : 0.f;
-      if (a.lse != nullptr) {
-        a.lse[int64_t(b) * a.num_heads + kvh * group + row0 + r] = tot > 0.f ? mx + log2f(tot) : a.lse_empty;
+    for (int j = 0; j < kShTileKeys / kTileKeys; ++j) {
+      const int key = key0 + j * kTileKeys;
+      if (key >= k_end) break;
+      const uint32_t kj = ks + uint32_t(j) * kSubTileBytes;
+      if (key + kTileKeys <= k_end) {
+        w.template step<false>(kj, kj + S::kTileBytes, key, k_end, scale, lane);
+      } else {
+        w.template step<true>(kj, kj + S::kTileBytes, key, k_end, scale, lane);
       }
     }
   }
+  cp_async_wait<0>();
+
+  // ---- each warp's rows are its own: normalized by their sums, the block's LSE per row ----
+  w.stats(s_m, s_l, warp, lane);  // [row of the CTA]: s_m[16 warp + r]
+  __syncthreads();                // also: every warp is done with the pipeline memory reused below
+  float* s_o = reinterpret_cast<float*>(smem);  // [row][S::kOStride]
+  w.template output<S::kOStride>(s_o, warp, lane, [&](int r, float mine) {
+    const float l = s_l[16 * warp + r];
+    const bool none = mine == -INFINITY || l == 0.f;
+    s_f[16 * warp + r] = none ? -INFINITY : mine + log2f(l);  // the block LSE (base 2)
+    return none ? 0.f : 1.f / l;
+  });
   __syncthreads();
-  for (int idx = threadIdx.x; idx < n4; idx += kThreads) {
-    const int r = idx / (D / 4), d4 = idx % (D / 4);
-    const float4* src = reinterpret_cast<const float4*>(all_o + r * D) + d4;
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    int sp = 0;
-    if (idx == threadIdx.x) {  // the prefetched partials
-#pragma unroll
-      for (int u = 0; u < kPre; ++u) {
-        const float w = u < n_splits ? s_w[u * kRows + r] : 0.f;
-        v.x += w * pre[u].x, v.y += w * pre[u].y, v.z += w * pre[u].z, v.w += w * pre[u].w;
-      }
-      sp = kPre;
-    }
-    for (; sp + 8 <= n_splits; sp += 8) {
-      float4 x[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) x[u] = __ldcg(src + (sp + u) * kSplitStride4);
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const float w = s_w[(sp + u) * kRows + r];
-        v.x += w * x[u].x, v.y += w * x[u].y, v.z += w * x[u].z, v.w += w * x[u].w;
-      }
-    }
-    for (; sp < n_splits; ++sp) {
-      const float4 x = __ldcg(src + sp * kSplitStride4);
-      const float w = s_w[sp * kRows + r];
-      v.x += w * x.x, v.y += w * x.y, v.z += w * x.z, v.w += w * x.w;
-    }
-    const float inv = s_l[r];
-    T* o = out + int64_t(b) * a.o_stride[0] + int64_t(kvh * group + row0 + r) * a.o_stride[1] + d4 * 4;
-    o[0] = M::from_float(v.x * inv), o[1] = M::from_float(v.y * inv);
-    o[2] = M::from_float(v.z * inv), o[3] = M::from_float(v.w * inv);
-  }
-  if (threadIdx.x == 0) counters[slot] = 0;  // ready for the next call on this stream
+  finish_block<T, D, CLUSTER, 1, S::kOStride>(a, smem, s_o, s_f, s_l, s_flag, s_recv, s_recv_l, n_splits, kRows,
+                                              group, row0, b, kvh, rg, row_groups, split, o_part, lse_part,
+                                              counters, n_threads);
 }
 
 // Per (device, stream): a zeroed arrival-counter array that every kernel leaves zeroed again.
@@ -1002,6 +1206,38 @@ int row_tiles_of(const mqa_byoc_decode_args& a, int asked) {
   return asked > 1 && asked <= kMaxRowTiles && a.head_dim == 64 && !rows_as_n(a) ? asked : 0;
 }
 
+// SharedTiles (gqa_decode_shared_kernel) by the rule (row_tiles 0): head dim 64 and more than 16 query
+// rows a K/V head, where the classic blocks stream the K/V head once per 16 rows.
+// Its warps: the group's row tiles, at most 8 (more rows: several row groups).
+int shared_warps(const mqa_byoc_decode_args& a) {
+  const int64_t tiles = (a.num_heads / a.num_heads_k + 15) / 16;
+  return int(std::min<int64_t>(kShMaxWarps, tiles));
+}
+constexpr int kShMaxGrid = 64;   // splits (CTAs) a slot at most: the last CTA's merge reads them all
+constexpr int kShMinKeys = 256;  // keys a split at least (the plan's)
+// Slots ((sequence, K/V head, row group)) from which the rule takes SharedTiles. Measured on the H200
+// (71/1/64 on TVM's pages, benchmarks/results/2026-12-02-decode-shared-tiles-sweep.md): 32 and 64
+// sequences 0.52-0.96x the classic blocks' time; 8 sequences 1.5-2.3x (one slot a sequence fills the GPU
+// only with many short splits, whose partials one CTA merges); one sequence runs the classic blocks.
+constexpr int kShMinSlots = 32;
+// Whether a call runs SharedTiles: asked for (row_tiles MQA_BYOC_DECODE_SHARED_TILES) or by the rule
+// (row_tiles 0), at head dim 64 for more than 16 query rows a K/V head.
+bool shared_rule(const mqa_byoc_decode_args& a, int asked) {
+  if ((asked != 0 && asked != MQA_BYOC_DECODE_SHARED_TILES) || a.head_dim != 64 ||
+      a.num_heads / a.num_heads_k <= 16) {
+    return false;
+  }
+  if (asked == MQA_BYOC_DECODE_SHARED_TILES) return true;
+  const int64_t rows = 16 * shared_warps(a);
+  return a.batch * a.num_heads_k * ((a.num_heads / a.num_heads_k + rows - 1) / rows) >= kShMinSlots;
+}
+// Its CTAs an SM holds: 16 warps of 128 registers, and the shared memory.
+int shared_ctas_per_sm(int warps, bool cluster) {
+  const int by_warps = 16 / warps;
+  const int by_smem = int((227 * 1024) / SharedSmem<64>::bytes(16 * warps, cluster));
+  return std::max(1, std::min(by_warps, by_smem));
+}
+
 template <typename T>
 struct Tag {
   using type = T;
@@ -1046,9 +1282,10 @@ cudaLaunchConfig_t cluster_launch(dim3 grid, int warps, int n, size_t smem, cuda
 template <typename K>
 int max_clusters(K kernel, int warps, int device, int n, size_t smem) {
   static std::mutex mutex;
-  static std::map<std::tuple<int, int, const void*>, int> known;
+  static std::map<std::tuple<int, int, const void*, int, size_t>, int> known;
   std::lock_guard<std::mutex> lock(mutex);
-  const std::tuple<int, int, const void*> key{device, n, reinterpret_cast<const void*>(kernel)};
+  const std::tuple<int, int, const void*, int, size_t> key{device, n, reinterpret_cast<const void*>(kernel), warps,
+                                                           smem};
   auto it = known.find(key);
   if (it != known.end()) return it->second;
   int count = 0;
@@ -1124,10 +1361,94 @@ int launch_typed(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, v
   return cudaGetLastError() == cudaSuccess ? 0 : 1;
 }
 
+template <typename T, int D>
+int launch_shared(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, void* ws, int* counters,
+                  cudaStream_t stream) {
+  using S = SharedSmem<D>;
+  static bool configured[2][2][64] = {};  // per kernel and device: the shared-memory (and cluster) opt-ins
+  const bool paged = a.page_values != nullptr;
+  const int rows = 16 * p.warps;
+  dim3 grid(p.splits, unsigned(a.num_heads_k * p.row_groups), unsigned(a.batch));
+  int device = 0;
+  cudaGetDevice(&device);
+  auto configure = [&](auto kernel, bool cluster) {
+    if (device >= 0 && device < 64 && configured[paged][cluster][device]) return true;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             int(S::bytes(S::kMaxRows, cluster))) != cudaSuccess) {
+      return false;
+    }
+    if (cluster && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+      return false;
+    }
+    if (device >= 0 && device < 64) configured[paged][cluster][device] = true;
+    return true;
+  };
+  auto ckernel = paged ? gqa_decode_shared_kernel<T, D, true, true> : gqa_decode_shared_kernel<T, D, false, true>;
+  bool cluster = false;
+  if (p.merge != MQA_BYOC_DECODE_MERGE_GLOBAL && p.splits > 1 && p.splits <= kMaxCluster) {
+    if (!configure(ckernel, true)) return 1;
+    cluster = int64_t(grid.y) * grid.z <= max_clusters(ckernel, p.warps, device, p.splits, S::bytes(rows, true));
+  }
+  if (p.merge == MQA_BYOC_DECODE_MERGE_CLUSTER && !cluster) return 4;
+  float* o_part = static_cast<float*>(ws);
+  float* lse_part = o_part + p.o_part_floats;
+  if (cluster) {
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = cluster_launch(grid, p.warps, p.splits, S::bytes(rows, true), stream, &attr);
+    return cudaLaunchKernelEx(&cfg, ckernel, a, p.keys_per_split, p.row_groups, o_part, lse_part, counters) ==
+                   cudaSuccess
+               ? 0
+               : 1;
+  }
+  auto kernel = paged ? gqa_decode_shared_kernel<T, D, true, false> : gqa_decode_shared_kernel<T, D, false, false>;
+  if (!configure(kernel, false)) return 1;
+  kernel<<<grid, p.warps * 32, S::bytes(rows, false), stream>>>(a, p.keys_per_split, p.row_groups, o_part, lse_part,
+                                                                counters);
+  return cudaGetLastError() == cudaSuccess ? 0 : 1;
+}
+
+// The co-resident clusters of n blocks of the shared-tiles kernel with `warps` warps (n = 1..kMaxCluster).
+template <typename T, int D>
+int shared_cluster_capacity(bool paged, int warps, int device, int* capacity) {
+  using S = SharedSmem<D>;
+  auto kernel = paged ? gqa_decode_shared_kernel<T, D, true, true> : gqa_decode_shared_kernel<T, D, false, true>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::bytes(S::kMaxRows, true))) !=
+          cudaSuccess ||
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+    cudaGetLastError();
+    return 1;
+  }
+  for (int n = 1; n <= kMaxCluster; ++n) capacity[n - 1] = max_clusters(kernel, warps, device, n, S::bytes(16 * warps, true));
+  return 0;
+}
+
 // Warps of a CTA streaming splits of kps keys: 4 where 8 would stream at most two tiles each. A CTA's fixed
 // costs (its first tiles' latency, the merge of its warps' outputs) then weigh most: on the H200, 4 warps
 // streaming twice the tiles were 3-10% faster there (1k-4k keys), 8 warps faster from four tiles a warp on.
 int warps_for(int64_t kps) { return kps <= 2 * kMaxWarps * kTileKeys ? kFewWarps : kMaxWarps; }
+
+// A SharedTiles plan: `splits` CTAs a slot (at most kShMaxGrid), each sequence's splits at least
+// keys_per_split keys (a multiple of 64).
+int shared_plan(const mqa_byoc_decode_args& a, int64_t keys_per_split, int64_t splits, mqa_byoc_decode_plan* p) {
+  if (keys_per_split % kShTileKeys != 0) return 2;
+  const int warps = shared_warps(a);
+  const int64_t rows = 16 * warps;
+  splits = std::max<int64_t>(1, std::min<int64_t>(splits, std::min<int64_t>(kShMaxGrid, SharedSmem<64>::max_splits(int(rows)))));
+  const int64_t row_groups = (a.num_heads / a.num_heads_k + rows - 1) / rows;
+  if (a.batch > 65535 || a.num_heads_k * row_groups > 65535) return 2;  // grid z and y
+  p->row_tiles = 1;
+  p->row_groups = int(row_groups);
+  p->keys_per_split = int(keys_per_split);
+  p->splits = int(splits);
+  p->warps = warps;
+  p->shared_tiles = 1;
+  const int64_t slots = a.batch * a.num_heads_k * row_groups;
+  p->o_part_floats = splits > 1 ? slots * splits * rows * a.head_dim : 0;
+  p->workspace_bytes = size_t(p->o_part_floats + (splits > 1 ? slots * splits * rows : 0)) * sizeof(float);
+  p->counters = splits > 1 ? slots : 0;
+  p->merge = MQA_BYOC_DECODE_MERGE_AUTO;
+  return 0;
+}
 
 }  // namespace
 
@@ -1150,6 +1471,11 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_plan_split(const mqa_
   if (!mqa_byoc_decode_supported(a->head_dim, a->num_heads, a->num_heads_k) || a->batch <= 0) return 2;
   if (keys_per_split <= 0 || keys_per_split % kTileKeys != 0) return 2;
   if (!mqa_byoc_scale_ok(a->softmax_scale)) return 2;  // the running max of the unscaled scores
+  if (shared_rule(*a, row_tiles)) {
+    // the grid: enough splits for the longest sequence, at most kShMaxGrid (a longer one cuts its keys
+    // into larger splits itself)
+    return shared_plan(*a, keys_per_split, (longest_keys(*a) + keys_per_split - 1) / keys_per_split, p);
+  }
   const int tiles = row_tiles_of(*a, row_tiles);
   if (tiles == 0) return 2;
   const int64_t splits = (longest_keys(*a) + keys_per_split - 1) / keys_per_split;
@@ -1162,6 +1488,7 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_plan_split(const mqa_
   p->keys_per_split = int(keys_per_split);
   p->splits = int(splits);
   p->warps = warps_for(keys_per_split);
+  p->shared_tiles = 0;
   const int64_t slots = a->batch * a->num_heads_k * p->row_groups;
   p->o_part_floats = splits > 1 ? slots * splits * rows * a->head_dim : 0;
   const int64_t lse_floats = splits > 1 ? slots * splits * rows : 0;
@@ -1175,7 +1502,8 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_cluster_capacity(cons
                                                                             int row_tiles, int device_id,
                                                                             int* capacity) {
   if (!mqa_byoc_decode_supported(a->head_dim, a->num_heads, a->num_heads_k)) return 2;
-  const int tiles = row_tiles_of(*a, row_tiles);
+  const bool shared = shared_rule(*a, row_tiles);
+  const int tiles = shared ? -shared_warps(*a) : row_tiles_of(*a, row_tiles);  // the key's: warps when shared
   if (tiles == 0) return 2;
   // asked on every decode call (the dispatcher plans each): the device's answers are kept per kernel
   using Key = std::tuple<int, int64_t, int, bool, bool, int>;  // device, head dim, bf16, swap, pages, tiles
@@ -1192,10 +1520,13 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_cluster_capacity(cons
       return 1;
     }
     std::array<int, kMaxCluster> found{};
-    const int rc = with_kernel_types(*a, tiles, [&](auto tag, auto d, auto swap, auto mt) {
-      return cluster_capacity<typename decltype(tag)::type, decltype(d)::value, decltype(swap)::value,
-                              decltype(mt)::value>(paged, device_id, found.data());
-    });
+    const int rc =
+        shared ? (a->is_bf16 ? shared_cluster_capacity<__nv_bfloat16, 64>(paged, -tiles, device_id, found.data())
+                             : shared_cluster_capacity<__half, 64>(paged, -tiles, device_id, found.data()))
+               : with_kernel_types(*a, tiles, [&](auto tag, auto d, auto swap, auto mt) {
+                   return cluster_capacity<typename decltype(tag)::type, decltype(d)::value, decltype(swap)::value,
+                                           decltype(mt)::value>(paged, device_id, found.data());
+                 });
     cudaSetDevice(previous);
     if (rc != 0) return rc;
     it = known.emplace(key, found).first;
@@ -1208,9 +1539,10 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_b
                                                                      int num_sms, const int* capacity,
                                                                      mqa_byoc_decode_plan* p) {
   if (!mqa_byoc_decode_supported(a->head_dim, a->num_heads, a->num_heads_k) || a->batch <= 0) return 2;
-  const int tiles = row_tiles_of(*a, row_tiles);
+  const bool shared = shared_rule(*a, row_tiles);
+  const int tiles = shared ? 1 : row_tiles_of(*a, row_tiles);
   if (tiles == 0) return 2;
-  const int64_t rows = 16 * tiles;
+  const int64_t rows = shared ? 16 * shared_warps(*a) : 16 * tiles;
   const int64_t row_groups = (a->num_heads / a->num_heads_k + rows - 1) / rows;
   const int64_t longest = longest_keys(*a);
   // pages: a typical sequence holds an even share of the pages
@@ -1221,6 +1553,23 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_b
   // merge reads every split: measured on the H200, more splits cost more there than they gain).
   const int64_t slots = a->batch * a->num_heads_k * row_groups;
   int64_t target = std::min<int64_t>(32, std::max<int64_t>(1, int64_t(std::max(num_sms, 1)) / slots));
+  if (shared) {  // SharedTiles: the SMs' CTAs (several a SM: 16 warps), splits of whole 64-key tiles
+    const int64_t per_sm = shared_ctas_per_sm(int(rows / 16), false), sms = std::max(num_sms, 1);
+    target = std::min<int64_t>(kShMaxGrid, std::max<int64_t>(1, per_sm * sms / slots));
+    int cluster = 0;
+    for (int n = kMaxCluster; capacity != nullptr && n >= 2 && cluster == 0; n /= 2) {
+      if (capacity[n - 1] >= slots) cluster = n;
+    }
+    if (cluster >= target) target = cluster;
+    target = std::min<int64_t>(target, kShMaxGrid);
+    // splits of at least kShMinKeys: the grid's x is about `target` for a typical sequence
+    const int64_t kps = std::max<int64_t>(kShMinKeys, (typical + target * kShTileKeys - 1) / (target * kShTileKeys) * kShTileKeys);
+    (void)longest;
+    if (!mqa_byoc_scale_ok(a->softmax_scale)) return 2;
+    // the grid's x: `target` (a sequence longer than typical cuts larger splits itself). Twice that, or
+    // kShMaxGrid, with the same split size were 1.07-1.7x slower at 32 and 64 sequences (H200).
+    return shared_plan(*a, kps, std::min<int64_t>(target, (longest + kps - 1) / kps), p);
+  }
   // Merged in a cluster (through the workspace takes 1.5-2.5 us more, measured on the H200): clusters of a
   // power of two blocks (clusters of 9 and splits of 912 keys ran 5-10% slower than 8 of 1024), the
   // largest of which every slot's can be co-resident. Worth its fewer splits (fitted to split/cluster
@@ -1263,6 +1612,11 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_launch(const mqa_byoc
   if (p->counters > 0) {
     counters = counters_for(device_id, stream, p->counters);
     if (counters == nullptr) return 3;
+  }
+  if (p->shared_tiles) {
+    if (a->head_dim != 64 || p->warps < 1 || p->warps > kShMaxWarps || p->keys_per_split % kShTileKeys != 0) return 2;
+    return a->is_bf16 ? launch_shared<__nv_bfloat16, 64>(*a, *p, workspace, counters, stream)
+                      : launch_shared<__half, 64>(*a, *p, workspace, counters, stream);
   }
   if (p->warps != kMaxWarps && p->warps != kFewWarps) return 2;
   if (p->row_tiles < 1 || row_tiles_of(*a, p->row_tiles) != p->row_tiles) return 2;

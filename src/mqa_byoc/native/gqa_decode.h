@@ -47,6 +47,11 @@ typedef struct {
   int merge;               // MQA_BYOC_DECODE_MERGE_*: the plan functions set AUTO
   int warps;               // of a CTA: 8, or 4 for splits of at most 256 keys (the plan functions set it)
   int row_tiles;           // M tiles of 16 query rows a warp carries: a CTA holds 16 x row_tiles query rows
+  // 1: the group's row tiles are the warps of one CTA (`warps` of them, 16 query rows each, up to 128 rows),
+  // which load 64-key tiles together and each run their rows over them (the rule's choice at head dim 64
+  // for more than 16 query rows a K/V head; splits of a multiple of 64 keys); 0: the CTA's warps split the
+  // keys of its 16 x row_tiles rows
+  int shared_tiles;
 } mqa_byoc_decode_plan;
 
 // Query rows (query heads of one K/V head) one CTA holds by the plan functions' rule (row_tiles 0): 16. A
@@ -57,9 +62,12 @@ int mqa_byoc_decode_supported(int64_t head_dim, int64_t num_heads, int64_t num_h
 // The most M tiles a warp carries in this build: 1, or 3 where gqa_decode.cu was compiled with
 // -DMQA_BYOC_DECODE_ROW_TILES=3 (the decode kernel's tests and benchmarks).
 int mqa_byoc_decode_max_row_tiles(void);
-// row_tiles below: 0 for the rule (mqa_byoc_decode_rows_per_cta / 16), else the M tiles of 16 query rows a
-// warp carries (1; 2 or 3 at head dim 64 for groups of more than 8 in a build with them; else the functions
-// return 2): a benchmark's sweep (CTAs of 16 x row_tiles query rows).
+// row_tiles below: 0 for the rule (mqa_byoc_decode_rows_per_cta / 16, or SharedTiles where the plan's
+// shared_tiles says so), else the M tiles of 16 query rows a warp carries (1; 2 or 3 at head dim 64 for
+// groups of more than 8 in a build with them; else the functions return 2): a benchmark's sweep (CTAs of
+// 16 x row_tiles query rows); or MQA_BYOC_DECODE_SHARED_TILES: SharedTiles wherever it serves the call
+// (head dim 64, more than 16 query rows a K/V head), whatever the batch; the functions return 2 elsewhere.
+#define MQA_BYOC_DECODE_SHARED_TILES (-1)
 // capacity[n - 1] (n = 1..16): how many thread-block clusters of n blocks of the kernel that serves `args`
 // (head dim, dtype, pages or not, row tiles) device_id holds at once; what make_plan sizes cluster merges
 // by. 0 on success (answers are cached per device and kernel); 1 CUDA error; 2 unsupported.

@@ -32,10 +32,14 @@ class DecodePlan(ctypes.Structure):
         ("splits", ctypes.c_int), ("keys_per_split", ctypes.c_int), ("row_groups", ctypes.c_int),
         ("o_part_floats", ctypes.c_int64), ("counters", ctypes.c_int64), ("workspace_bytes", ctypes.c_size_t),
         ("merge", ctypes.c_int), ("warps", ctypes.c_int), ("row_tiles", ctypes.c_int),
+        ("shared_tiles", ctypes.c_int),
     ]
 
 
 MERGES = {"auto": 0, "global": 1, "cluster": 2}  # gqa_decode.h's MQA_BYOC_DECODE_MERGE_*
+#: ``row_tiles`` asking for SharedTiles (gqa_decode.h's MQA_BYOC_DECODE_SHARED_TILES): the group's row tiles
+#: as the warps of one CTA, whatever the batch (head dim 64, more than 16 query rows a K/V head)
+SHARED_TILES = -1
 
 
 #: M tiles a warp may carry in this build (the packaged libraries compile one): the tests and benchmarks of
@@ -111,7 +115,7 @@ class Decode:
                  window_left=-1, pages=None, merge: str = "auto", row_tiles: int = 0, lib=None):
         """``merge``: how the splits merge (:data:`MERGES`; "cluster" fails the launch with rc 4 where the
         grid's clusters are not co-resident); ``row_tiles``: the M tiles of 16 query rows a warp carries
-        (0: the kernel's rule); ``lib``: a library of :func:`load_library` (default: :func:`library`)."""
+        (0: the kernel's rule; :data:`SHARED_TILES`: SharedTiles); ``lib``: a library of :func:`load_library` (default: :func:`library`)."""
         import torch
 
         self.lib = lib if lib is not None else library()
