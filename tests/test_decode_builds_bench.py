@@ -32,9 +32,11 @@ def test_command_line(bench, tmp_path, monkeypatch):
     import json
 
     seen = {}
-    monkeypatch.setattr(bench, "measure", lambda out, libs: seen.update(out=out, libs=libs))
+    monkeypatch.setattr(bench, "measure", lambda out, libs, shapes: seen.update(out=out, libs=libs, shapes=shapes))
     bench.main(["measure", "--out", "r.json", "a=1.so", "b=2.so"])
-    assert seen == {"out": "r.json", "libs": ["a=1.so", "b=2.so"]}
+    assert seen == {"out": "r.json", "libs": ["a=1.so", "b=2.so"], "shapes": list(bench.SHAPES)}
+    bench.main(["measure", "--out", "r.json", "a=1.so", "--shapes", "71/1/64", "32/8/128"])
+    assert seen["shapes"] == [(71, 1, 64), (32, 8, 128)] and seen["libs"] == ["a=1.so"]
     (tmp_path / "r.json").write_text(json.dumps(_rows()))
     bench.main(["report", str(tmp_path / "r.json"), "--out", str(tmp_path / "r.md"), "--commit", "c", "--date", "d",
                 "--command", "x"])
