@@ -764,3 +764,47 @@ def decode_rerun_claims() -> dict[str, str]:
 def test_paged_doc_decode_rerun_claim(name):
     text = " ".join(PAGED_DOC.read_text().split())
     assert decode_rerun_claims()[name] in text, f"docs/paged_kv_cache.md lacks {name}: {decode_rerun_claims()[name]!r}"
+
+
+PAGED_DECODE_FI_SHARED = "2026-12-02-paged-decode-flashinfer-shared.json"
+DECODE_BUILDS_LOADS = "2026-12-02-decode-builds-loads.json"
+DECODE_SHARED = "2026-12-02-decode-shared-tiles.json"
+
+
+def decode_shared_claims() -> dict[str, str]:
+    """docs/paged_kv_cache.md on the decode kernel's load cuts and SharedTiles: the two runs of builds and
+    the decode-only run with FlashInfer on the result."""
+    def ratios(name, new, old):
+        rows = _load(name)
+        q = {s: [r["us"][new] / r["us"][old] for r in rows if r["shape"] == s] for s in ("71/1/64", "64/8/128", "32/8/128")}
+        gqa = q["64/8/128"] + q["32/8/128"]
+        return f"{min(q['71/1/64']):.2f}–{max(q['71/1/64']):.2f}x", f"{min(gqa):.2f}–{max(gqa):.2f}x"
+    loads, shared = ratios(DECODE_BUILDS_LOADS, "after", "before"), ratios(DECODE_SHARED, "after", "before")
+    big = [r["us"]["after"] / r["us"]["before"] for r in _load(DECODE_SHARED) if r["shape"] == "71/1/64" and r["batch"] >= 32]
+    cases = _load(PAGED_DECODE_FI_SHARED)["cases"]
+    assert all(v for c in cases for k, v in c["ok"].items() if k.startswith("ours"))
+    mqa = {b: [c["us"]["ours"] / _fi_fastest(c) for c in cases if c["shape"].startswith("mqa") and c["batch"] == b]
+           for b in (1, 8, 32, 64)}
+    mqa16k = [c["us"]["ours"] / _fi_fastest(c) for c in cases if c["shape"].startswith("mqa") and c["batch"] >= 32
+              and all(n == 16384 for n in c["lengths"])]
+    gqa = [c["us"]["ours"] / _fi_fastest(c) for c in cases if c["shape"].startswith("gqa")]
+    every = [c["us"]["ours"] / _fi_fastest(c) for c in cases]
+    gqa_slow = [c["us"]["ours"] / _fi_fastest(c) for c in cases if c["shape"].startswith("gqa") and (
+        c["batch"] == 8 or (c["batch"] >= 32 and all(n == 16384 for n in c["lengths"])))]
+    return {
+        "gqa_slow": f"GQA at batch 8 and with every sequence at 16k ({min(gqa_slow):.2f}–{max(gqa_slow):.2f}x)",
+        "loads": f"{loads[0]} the time of the kernel before for MQA 71/1/64 and {loads[1]} for GQA",
+        "shared": f"both together {shared[0]} for MQA ({min(big):.2f}–{max(big):.2f}x at 32 and 64 sequences) and "
+                  f"{shared[1]} for GQA",
+        "mqa": f"MQA 71/1/64 ran {min(mqa[1]):.2f}x FlashInfer's fastest variant at batch 1, "
+               f"{min(mqa[8]):.2f}–{max(mqa[8]):.2f}x at 8, {min(mqa[32] + mqa[64]):.2f}–{max(mqa[32] + mqa[64]):.2f}x at "
+               f"32 and 64 ({min(mqa16k):.2f}–{max(mqa16k):.2f}x there with every sequence at 16k)",
+        "gqa": f"GQA {min(gqa):.2f}–{max(gqa):.2f}x",
+        "all": f"{sum(x <= 1 for x in every)} of {len(every)} cases no slower",
+    }
+
+
+@pytest.mark.parametrize("name", sorted(decode_shared_claims()))
+def test_paged_doc_decode_shared_claim(name):
+    text = " ".join(PAGED_DOC.read_text().split())
+    assert decode_shared_claims()[name] in text, f"docs/paged_kv_cache.md lacks {name}: {decode_shared_claims()[name]!r}"
