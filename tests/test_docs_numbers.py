@@ -804,6 +804,12 @@ def decode_shared_claims() -> dict[str, str]:
     }
 
 
+def test_performance_doc_shared_tiles_claim():
+    big = [r["us"]["after"] / r["us"]["before"] for r in _load(DECODE_SHARED) if r["shape"] == "71/1/64" and r["batch"] >= 32]
+    text = " ".join((ROOT / "docs" / "performance.md").read_text().split())
+    assert f"in {min(big):.2f}–{max(big):.2f}x the time of the classic blocks" in text
+
+
 @pytest.mark.parametrize("name", sorted(decode_shared_claims()))
 def test_paged_doc_decode_shared_claim(name):
     text = " ".join(PAGED_DOC.read_text().split())
