@@ -675,8 +675,9 @@ __device__ __forceinline__ void finish_block(const mqa_byoc_decode_args& a, unsi
   for (int u = 0; u < kPre; ++u) {
     pre[u] = (threadIdx.x < n4 && u < n_splits) ? __ldcg(src0 + u * kSplitStride4) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  
-  float* s_w = reinterpret_cast<float*>(smem);  // [split][row], n_splits <= kMaxSplits (the plan's bound)
+  // [split][row]: n_splits <= kMaxSplits, or SharedSmem's max_splits (the plans' bounds; the callers check
+  // that these fit the main buffer)
+  float* s_w = reinterpret_cast<float*>(smem);
   for (int idx = threadIdx.x; idx < n_splits * rows_here; idx += n_threads) {
     const int sp = idx / rows_here, r = idx % rows_here;
     s_w[sp * kRows + r] = __ldcg(all_l + sp * kRows + r);
@@ -1567,7 +1568,8 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_b
     (void)longest;
     if (!mqa_byoc_scale_ok(a->softmax_scale)) return 2;
     // the grid's x: `target` (a sequence longer than typical cuts larger splits itself). Twice that, or
-    // kShMaxGrid, with the same split size were 1.07-1.7x slower at 32 and 64 sequences (H200).
+    // kShMaxGrid, with the same split size were 1.06-1.71x slower at 32 and 64 sequences (H200,
+    // benchmarks/results/2026-12-02-decode-shared-tiles-grid.md).
     return shared_plan(*a, kps, std::min<int64_t>(target, (longest + kps - 1) / kps), p);
   }
   // Merged in a cluster (through the workspace takes 1.5-2.5 us more, measured on the H200): clusters of a
