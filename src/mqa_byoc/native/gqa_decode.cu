@@ -190,6 +190,19 @@ __device__ __forceinline__ SeqRange seq_range(const mqa_byoc_decode_args& a, int
   return {begin, len};
 }
 
+// The keys of split `split` of a sequence cut into splits of kps keys: [k_begin, k_end), and whether it
+// has any (a split past the sequence's end: empty, k_begin = k_end = the end).
+struct SplitKeys {
+  int n_splits, k_begin, k_end;
+  bool active;
+};
+__device__ __forceinline__ SplitKeys split_keys(const SeqRange& sr, int split, int kps) {
+  const int n_splits = max(1, (sr.end - sr.begin + kps - 1) / kps);
+  const bool active = split < n_splits;
+  const int k_begin = active ? sr.begin + split * kps : sr.end;
+  return {n_splits, k_begin, active ? min(sr.end, k_begin + kps) : sr.end, active};
+}
+
 // Element offset of key `row` of sequence b, K/V head h (without the K-or-V base).
 __device__ __forceinline__ int64_t row_offset(const mqa_byoc_decode_args& a, const int64_t* stride, int b, int row,
                                               int h) {
@@ -773,13 +786,11 @@ __global__ void __launch_bounds__(W * 32, kWarpsPerSm<D, MT> / W)
   const int group = int(a.num_heads / a.num_heads_k);
   const int row0 = rg * kRows;  // first query row (within the group) of this block
   const SeqRange sr = seq_range(a, b);
-  const int n_splits = max(1, (sr.end - sr.begin + keys_per_split - 1) / keys_per_split);
   // a sequence shorter than the grid (paged: sized for the longest) leaves splits without keys; in a
   // cluster they still take part in the merge (as empty partials) unless the sequence has one split
-  const bool active = split < n_splits;
-  if (!active && (!CLUSTER || n_splits == 1)) return;
-  const int k_begin = active ? sr.begin + split * keys_per_split : sr.end;
-  const int k_end = active ? min(sr.end, k_begin + keys_per_split) : sr.end;
+  const SplitKeys sk = split_keys(sr, split, keys_per_split);
+  const int n_splits = sk.n_splits, k_begin = sk.k_begin, k_end = sk.k_end;
+  if (!sk.active && (!CLUSTER || n_splits == 1)) return;
   if constexpr (CLUSTER) {
     if (n_splits > 1) cluster_arrive_relaxed();  // waited for in merge_in_cluster
   }
@@ -1028,12 +1039,9 @@ __global__ void __launch_bounds__(kShMaxWarps * 32, 2)
   // each (the plan sizes the grid by the GPU, not by the longest sequence a call's pages could hold)
   const int len = sr.end - sr.begin;
   const int per_cta = (len + int(gridDim.x) * kShTileKeys - 1) / (int(gridDim.x) * kShTileKeys) * kShTileKeys;
-  const int kps = max(keys_per_split, per_cta);
-  const int n_splits = max(1, (len + kps - 1) / kps);
-  const bool active = split < n_splits;
-  if (!active && (!CLUSTER || n_splits == 1)) return;
-  const int k_begin = active ? sr.begin + split * kps : sr.end;
-  const int k_end = active ? min(sr.end, k_begin + kps) : sr.end;
+  const SplitKeys sk = split_keys(sr, split, max(keys_per_split, per_cta));
+  const int n_splits = sk.n_splits, k_begin = sk.k_begin, k_end = sk.k_end;
+  if (!sk.active && (!CLUSTER || n_splits == 1)) return;
   if constexpr (CLUSTER) {
     if (n_splits > 1) cluster_arrive_relaxed();  // waited for in merge_in_cluster
   }
