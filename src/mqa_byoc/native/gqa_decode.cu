@@ -1224,11 +1224,13 @@ int shared_warps(const mqa_byoc_decode_args& a) {
 }
 constexpr int kShMaxGrid = 64;   // splits (CTAs) a slot at most: the last CTA's merge reads them all
 constexpr int kShMinKeys = 256;  // keys a split at least (the plan's)
-// Slots ((sequence, K/V head, row group)) from which the rule takes SharedTiles. Measured on the H200
-// (71/1/64 on TVM's pages, benchmarks/results/2026-12-02-decode-shared-tiles-sweep.md): 32 and 64
-// sequences 0.52-0.96x the classic blocks' time; 8 sequences 1.5-2.3x (one slot a sequence fills the GPU
-// only with many short splits, whose partials one CTA merges); one sequence runs the classic blocks.
-constexpr int kShMinSlots = 32;
+// Slots ((sequence, K/V head, row group)) from which the rule takes SharedTiles, and the most splits its
+// plan makes (a cluster's worth). Measured on the H200 (71/1/64 on TVM's pages,
+// benchmarks/results/2026-12-02-decode-shared-tiles-sweep.md, -mid.md): 32 and 64 sequences 0.52-0.96x the
+// classic blocks' time; 16 and 24 sequences in 16 splits 0.64-0.90x; 8 sequences at best 1.01-1.38x (one
+// slot a sequence fills the GPU only with short splits); one sequence runs the classic blocks.
+constexpr int kShMinSlots = 16;
+constexpr int kShMaxTarget = kMaxCluster;
 // Whether a call runs SharedTiles: asked for (row_tiles MQA_BYOC_DECODE_SHARED_TILES) or by the rule
 // (row_tiles 0), at head dim 64 for more than 16 query rows a K/V head.
 bool shared_rule(const mqa_byoc_decode_args& a, int asked) {
@@ -1564,13 +1566,12 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_b
   int64_t target = std::min<int64_t>(32, std::max<int64_t>(1, int64_t(std::max(num_sms, 1)) / slots));
   if (shared) {  // SharedTiles: the SMs' CTAs (several a SM: 16 warps), splits of whole 64-key tiles
     const int64_t per_sm = shared_ctas_per_sm(int(rows / 16), false), sms = std::max(num_sms, 1);
-    target = std::min<int64_t>(kShMaxGrid, std::max<int64_t>(1, per_sm * sms / slots));
+    target = std::min<int64_t>(kShMaxTarget, std::max<int64_t>(1, per_sm * sms / slots));
     int cluster = 0;
     for (int n = kMaxCluster; capacity != nullptr && n >= 2 && cluster == 0; n /= 2) {
       if (capacity[n - 1] >= slots) cluster = n;
     }
     if (cluster >= target) target = cluster;
-    target = std::min<int64_t>(target, kShMaxGrid);
     // splits of at least kShMinKeys: the grid's x is about `target` for a typical sequence
     const int64_t kps = std::max<int64_t>(kShMinKeys, (typical + target * kShTileKeys - 1) / (target * kShTileKeys) * kShTileKeys);
     (void)longest;

@@ -1,0 +1,111 @@
+"""SharedTiles (``native/gqa_decode.cu``: a large group's 16-row tiles as the warps of one CTA) against
+the decode kernel's classic blocks at few sequences, one build, one run: MQA 71/1/64 on TVM's pages of
+256, fp16, batch 8/16/24 (mixed 1k-16k, every sequence 16k); SharedTiles asked for
+(``row_tiles=SHARED_TILES``) with g splits a slot (a typical sequence's keys over g, whole 64-key tiles,
+at least 256), the classic blocks by the plan's rule. GPU kernel time per call from CUPTI; every output
+compared with the classic blocks'. What the plan's SharedTiles threshold and split cap were set from.
+
+    python benchmarks/decode_shared_tiles.py measure --lib LIB.so --out OUT.json
+    python benchmarks/decode_shared_tiles.py report OUT.json --out OUT.md --commit C --date D --command CMD
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+GRIDS = (8, 12, 16, 24, 32, 48)
+
+
+def measure(lib_path: str, out_path: str, batches=(8, 16, 24), grids=GRIDS) -> list:
+    import torch
+
+    from decode_kernel import kernel_us
+    from paged_attention import MAX_LEN, PagedInputs, mixed_lengths
+    from mqa_byoc.testing import decode_kernel as dk
+
+    lib = dk.load_library(lib_path)
+    h, hk, d, page = 71, 1, 64, 256
+    rows = []
+    for batch in batches:
+        for kind in ("mixed", "uniform16k"):
+            lengths = mixed_lengths(batch) if kind == "mixed" else [MAX_LEN] * batch
+            inputs = PagedInputs(torch, lengths, hk, d, torch.float16, (page,), seed=batch + 7 * h)
+            paged = inputs.paged[page]
+            pages = paged["pages"]
+            q = torch.randn(batch, h, d, device="cuda").half()
+            out = torch.empty_like(q)
+            st = (pages.stride(0), pages.stride(3), pages.stride(2))
+
+            def make(row_tiles):
+                return dk.Decode(q, pages[:, 0], pages[:, 1], out, None, k_stride=st, v_stride=st, seqlen_k=0,
+                                 num_heads_k=hk, pages=(paged["indptr"], paged["values"], paged["last"], page),
+                                 lib=lib, row_tiles=row_tiles)
+            classic = make(0)
+            rec = {"batch": batch, "lengths": kind, "classic_shared_tiles": classic.plan.shared_tiles,
+                   "classic": kernel_us(classic, 30), "max_diff": 0.0}
+            classic()
+            torch.cuda.synchronize()
+            ref = out.clone()
+            typical = sum(lengths) // batch
+            for g in grids:
+                call = make(dk.SHARED_TILES)
+                call.set_keys_per_split(max(256, -(-typical // (g * 64)) * 64))
+                call.plan.splits = min(g, call.plan.splits)  # the grid: g splits (the workspace fits 64)
+                rec[f"g{g}"] = kernel_us(call, 30)
+                call()
+                torch.cuda.synchronize()
+                rec["max_diff"] = max(rec["max_diff"], (out.float() - ref.float()).abs().max().item())
+            print(json.dumps(rec), flush=True)
+            rows.append(rec)
+            del inputs, paged, pages
+    Path(out_path).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def report(rows: list, meta: dict) -> str:
+    gs = [k for k in rows[0] if k.startswith("g") and k[1:].isdigit()]
+    lines = ["# SharedTiles at few sequences: split counts against the classic blocks", "",
+             f"- commit {meta.get('commit', '?')}; date {meta.get('date', '?')}; NVIDIA H200",
+             f"- command: `{meta.get('command', '?')}`",
+             "- MQA 71/1/64 on TVM's pages of 256, fp16; GPU kernel time per call (µs, CUPTI, 30 calls); "
+             "`gN`: SharedTiles asked for in N splits a slot; `max diff`: against the classic blocks' output.", "",
+             "| batch | lengths | classic µs | " + " | ".join(f"{g} µs" for g in gs) + " | best / classic | max diff |",
+             "|---:|---|---:|" + "---:|" * len(gs) + "---:|---:|"]
+    for r in rows:
+        best = min(r[g] for g in gs)
+        lines.append(f"| {r['batch']} | {r['lengths']} | {r['classic']:.1f} | " + " | ".join(f"{r[g]:.1f}" for g in gs)
+                     + f" | {best / r['classic']:.2f} | {r['max_diff']:.2g} |")
+    if "g16" in rows[0]:
+        lines += ["", "g16 / classic: " + ", ".join(f"batch {r['batch']} {r['lengths']} {r['g16'] / r['classic']:.2f}"
+                                                    for r in rows)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("measure", help="time the variants (GPU)")
+    m.add_argument("--lib", required=True, help="a build of gqa_decode.cu (testing/decode_kernel.library's command)")
+    m.add_argument("--out", required=True, help="results JSON")
+    r = sub.add_parser("report", help="markdown of a measure run")
+    r.add_argument("results", type=Path)
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--commit", required=True)
+    r.add_argument("--date", required=True)
+    r.add_argument("--command", dest="run_command", required=True)
+    args = ap.parse_args(argv)
+    if args.command == "measure":
+        measure(args.lib, args.out)
+    else:
+        rows = json.loads(args.results.read_text())
+        args.out.write_text(report(rows, {"commit": args.commit, "date": args.date, "command": args.run_command}))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

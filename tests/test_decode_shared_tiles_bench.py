@@ -1,0 +1,36 @@
+"""benchmarks/decode_shared_tiles.py's report (no GPU): per case the classic blocks' time, each split count's,
+the best against the classic blocks; and its command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from bench_scripts import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_benchmark("decode_shared_tiles.py", "decode_shared_tiles_bench")
+
+
+def _rows():
+    return [{"batch": 16, "lengths": "mixed", "classic_shared_tiles": 0, "classic": 40.0, "g8": 50.0, "g16": 36.0,
+             "max_diff": 1e-4}]
+
+
+def test_report(bench):
+    text = bench.report(_rows(), {"commit": "abc", "date": "d", "command": "python x"})
+    assert "| 16 | mixed | 40.0 | 50.0 | 36.0 | 0.90 | 0.0001 |" in text
+    assert "g16 / classic: batch 16 mixed 0.90" in text and "commit abc" in text
+
+
+def test_command_line(bench, tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(bench, "measure", lambda lib, out: seen.update(lib=lib, out=out))
+    bench.main(["measure", "--lib", "x.so", "--out", "r.json"])
+    assert seen == {"lib": "x.so", "out": "r.json"}
+    (tmp_path / "r.json").write_text(json.dumps(_rows()))
+    bench.main(["report", str(tmp_path / "r.json"), "--out", str(tmp_path / "r.md"), "--commit", "c", "--date", "d",
+                "--command", "x"])
+    assert "best / classic" in (tmp_path / "r.md").read_text()
