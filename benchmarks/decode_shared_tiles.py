@@ -2,7 +2,7 @@
 the decode kernel's classic blocks at few sequences, one build, one run: MQA 71/1/64 on TVM's pages of
 256, fp16, batch 8/16/24 (mixed 1k-16k, every sequence 16k); SharedTiles asked for
 (``row_tiles=SHARED_TILES``) with g splits a slot (a typical sequence's keys over g, whole 64-key tiles,
-at least 256), the classic blocks by the plan's rule. GPU kernel time per call from CUPTI; every output
+at least 256), the classic blocks (``row_tiles=1``) and the plan's rule (``row_tiles=0``). GPU kernel time per call from CUPTI; every output
 compared with the classic blocks'. What the plan's SharedTiles threshold and split cap were set from.
 
     python benchmarks/decode_shared_tiles.py measure --lib LIB.so --out OUT.json
@@ -44,12 +44,15 @@ def measure(lib_path: str, out_path: str, batches=(8, 16, 24), grids=GRIDS) -> l
                 return dk.Decode(q, pages[:, 0], pages[:, 1], out, None, k_stride=st, v_stride=st, seqlen_k=0,
                                  num_heads_k=hk, pages=(paged["indptr"], paged["values"], paged["last"], page),
                                  lib=lib, row_tiles=row_tiles)
-            classic = make(0)
-            rec = {"batch": batch, "lengths": kind, "classic_shared_tiles": classic.plan.shared_tiles,
-                   "classic": kernel_us(classic, 30), "max_diff": 0.0}
+            classic, rule = make(1), make(0)
+            rec = {"batch": batch, "lengths": kind, "rule_shared_tiles": rule.plan.shared_tiles,
+                   "classic": kernel_us(classic, 30), "rule": kernel_us(rule, 30), "max_diff": 0.0}
             classic()
             torch.cuda.synchronize()
             ref = out.clone()
+            rule()
+            torch.cuda.synchronize()
+            rec["max_diff"] = (out.float() - ref.float()).abs().max().item()
             typical = sum(lengths) // batch
             for g in grids:
                 call = make(dk.SHARED_TILES)
@@ -72,13 +75,16 @@ def report(rows: list, meta: dict) -> str:
              f"- commit {meta.get('commit', '?')}; date {meta.get('date', '?')}; NVIDIA H200",
              f"- command: `{meta.get('command', '?')}`",
              "- MQA 71/1/64 on TVM's pages of 256, fp16; GPU kernel time per call (µs, CUPTI, 30 calls); "
-             "`gN`: SharedTiles asked for in N splits a slot; `max diff`: against the classic blocks' output.", "",
-             "| batch | lengths | classic µs | " + " | ".join(f"{g} µs" for g in gs) + " | best / classic | max diff |",
-             "|---:|---|---:|" + "---:|" * len(gs) + "---:|---:|"]
+             "`classic`: the classic blocks; `rule`: the plan's choice (SharedTiles or not); `gN`: SharedTiles "
+             "asked for in N splits a slot; `max diff`: against the classic blocks' output.", "",
+             "| batch | lengths | classic µs | rule µs (SharedTiles) | " + " | ".join(f"{g} µs" for g in gs)
+             + " | best g / classic | rule / classic | max diff |",
+             "|---:|---|---:|---:|" + "---:|" * len(gs) + "---:|---:|---:|"]
     for r in rows:
         best = min(r[g] for g in gs)
-        lines.append(f"| {r['batch']} | {r['lengths']} | {r['classic']:.1f} | " + " | ".join(f"{r[g]:.1f}" for g in gs)
-                     + f" | {best / r['classic']:.2f} | {r['max_diff']:.2g} |")
+        lines.append(f"| {r['batch']} | {r['lengths']} | {r['classic']:.1f} | {r['rule']:.1f} ({r['rule_shared_tiles']}) | "
+                     + " | ".join(f"{r[g]:.1f}" for g in gs)
+                     + f" | {best / r['classic']:.2f} | {r['rule'] / r['classic']:.2f} | {r['max_diff']:.2g} |")
     if "g16" in rows[0]:
         lines += ["", "g16 / classic: " + ", ".join(f"batch {r['batch']} {r['lengths']} {r['g16'] / r['classic']:.2f}"
                                                     for r in rows)]

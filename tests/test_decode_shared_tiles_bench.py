@@ -15,13 +15,13 @@ def bench():
 
 
 def _rows():
-    return [{"batch": 16, "lengths": "mixed", "classic_shared_tiles": 0, "classic": 40.0, "g8": 50.0, "g16": 36.0,
-             "max_diff": 1e-4}]
+    return [{"batch": 16, "lengths": "mixed", "rule_shared_tiles": 1, "classic": 40.0, "rule": 34.0, "g8": 50.0,
+             "g16": 36.0, "max_diff": 1e-4}]
 
 
 def test_report(bench):
     text = bench.report(_rows(), {"commit": "abc", "date": "d", "command": "python x"})
-    assert "| 16 | mixed | 40.0 | 50.0 | 36.0 | 0.90 | 0.0001 |" in text
+    assert "| 16 | mixed | 40.0 | 34.0 (1) | 50.0 | 36.0 | 0.90 | 0.85 | 0.0001 |" in text
     assert "g16 / classic: batch 16 mixed 0.90" in text and "commit abc" in text
 
 
@@ -33,4 +33,4 @@ def test_command_line(bench, tmp_path, monkeypatch):
     (tmp_path / "r.json").write_text(json.dumps(_rows()))
     bench.main(["report", str(tmp_path / "r.json"), "--out", str(tmp_path / "r.md"), "--commit", "c", "--date", "d",
                 "--command", "x"])
-    assert "best / classic" in (tmp_path / "r.md").read_text()
+    assert "rule / classic" in (tmp_path / "r.md").read_text()
