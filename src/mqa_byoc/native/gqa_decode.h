@@ -54,8 +54,9 @@ typedef struct {
   int shared_tiles;
 } mqa_byoc_decode_plan;
 
-// Query rows (query heads of one K/V head) one CTA holds by the plan functions' rule (row_tiles 0): 16. A
-// larger group makes several row groups, each reading the K/V head (from L2 after the first).
+// Query rows (query heads of one K/V head) one CTA of the classic blocks holds by the plan functions' rule
+// (row_tiles 0): 16. A larger group makes several row groups, each reading the K/V head (from L2 after the
+// first), unless the plan takes SharedTiles (its shared_tiles: up to 128 rows a CTA, fewer CTAs).
 int mqa_byoc_decode_rows_per_cta(int64_t head_dim);
 // 1 when the kernel serves this head dim and head grouping (head dim 64 or 128, H a multiple of H_kv).
 int mqa_byoc_decode_supported(int64_t head_dim, int64_t num_heads, int64_t num_heads_k);
