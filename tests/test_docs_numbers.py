@@ -804,6 +804,14 @@ def decode_shared_claims() -> dict[str, str]:
     }
 
 
+def test_paged_doc_shared_tiles_instructions():
+    runs = _load("2026-12-02-decode-shared-tiles-ncu.json")["runs"]
+    classic, shared = (runs[k]["smsp__inst_executed_sum"] for k in ("classic (gqa_decode.cu of 7c0c1dc)",
+                                                                     "SharedTiles (first version)"))
+    text = " ".join(PAGED_DOC.read_text().split())
+    assert f"{round(100 * (1 - shared / classic))}% fewer instructions than the classic blocks" in text
+
+
 def test_performance_doc_shared_tiles_claim():
     big = [r["us"]["after"] / r["us"]["before"] for r in _load(DECODE_SHARED) if r["shape"] == "71/1/64" and r["batch"] >= 32]
     text = " ".join((ROOT / "docs" / "performance.md").read_text().split())
