@@ -99,20 +99,29 @@ def main(argv=None) -> int:
     m.add_argument("libs", nargs="+", metavar="NAME=LIB", help="the builds; the first is the baseline")
     m.add_argument("--shapes", nargs="+", metavar="H/H_KV/D", default=[f"{h}/{hk}/{d}" for h, hk, d in SHAPES],
                    help="the shapes to time (default: all three)")
+    add_report_command(sub)
+    args = ap.parse_args(argv)
+    if args.command == "measure":
+        measure(args.out, args.libs, [tuple(int(x) for x in s.split("/")) for s in args.shapes])
+    else:
+        write_report(args, report)
+    return 0
+
+
+def add_report_command(sub) -> None:
+    """The ``report`` subcommand of a decode benchmark: its results JSON, the markdown out, the run's facts."""
     r = sub.add_parser("report", help="markdown of a measure run")
     r.add_argument("results", type=Path)
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--commit", required=True)
     r.add_argument("--date", required=True)
     r.add_argument("--command", dest="run_command", required=True)
-    args = ap.parse_args(argv)
-    if args.command == "measure":
-        measure(args.out, args.libs, [tuple(int(x) for x in s.split("/")) for s in args.shapes])
-    else:
-        rows = json.loads(args.results.read_text())
-        args.out.write_text(report(rows, {"commit": args.commit, "date": args.date, "command": args.run_command}))
-        print(f"wrote {args.out}")
-    return 0
+
+
+def write_report(args, report_fn) -> None:
+    rows = json.loads(args.results.read_text())
+    args.out.write_text(report_fn(rows, {"commit": args.commit, "date": args.date, "command": args.run_command}))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from decode_builds import add_report_command, write_report  # noqa: E402
+
 GRIDS = (8, 12, 16, 24, 32, 48)
 
 
@@ -97,19 +99,12 @@ def main(argv=None) -> int:
     m = sub.add_parser("measure", help="time the variants (GPU)")
     m.add_argument("--lib", required=True, help="a build of gqa_decode.cu (testing/decode_kernel.library's command)")
     m.add_argument("--out", required=True, help="results JSON")
-    r = sub.add_parser("report", help="markdown of a measure run")
-    r.add_argument("results", type=Path)
-    r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--commit", required=True)
-    r.add_argument("--date", required=True)
-    r.add_argument("--command", dest="run_command", required=True)
+    add_report_command(sub)
     args = ap.parse_args(argv)
     if args.command == "measure":
         measure(args.lib, args.out)
     else:
-        rows = json.loads(args.results.read_text())
-        args.out.write_text(report(rows, {"commit": args.commit, "date": args.date, "command": args.run_command}))
-        print(f"wrote {args.out}")
+        write_report(args, report)
     return 0
 
 
