@@ -1574,7 +1574,6 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_b
     if (cluster >= target) target = cluster;
     // splits of at least kShMinKeys: the grid's x is about `target` for a typical sequence
     const int64_t kps = std::max<int64_t>(kShMinKeys, (typical + target * kShTileKeys - 1) / (target * kShTileKeys) * kShTileKeys);
-    (void)longest;
     if (!mqa_byoc_scale_ok(a->softmax_scale)) return 2;
     // the grid's x: `target` (a sequence longer than typical cuts larger splits itself). Twice that, or
     // kShMaxGrid, with the same split size were 1.06-1.71x slower at 32 and 64 sequences (H200,
