@@ -183,7 +183,8 @@ def test_shared_tiles_plan(lib, heads, heads_k, batch, paged):
     """The rule takes SharedTiles at head dim 64 for groups of more than 16 from 16 slots (sequences x K/V
     heads x row groups) on: the group's row tiles as the warps of a CTA (at most 8, then row groups), at
     most 16 splits a slot (a cluster's worth) of whole 64-key tiles and at least 256 keys, about the CTAs
-    the SMs hold (16 warps an SM), and their scratch; otherwise the classic blocks."""
+    the SMs hold (16 warps an SM), and their scratch; otherwise the classic blocks. On pages, where the
+    slots' splits would not merge in clusters of at most 16: packed splits (shared_tiles 2) instead."""
     seqlen = 16384
     pages = (batch * seqlen // 256, 256) if paged else None
     rc, p = _plan(lib, heads=heads, heads_k=heads_k, dim=64, batch=batch, seqlen=0 if paged else seqlen, pages=pages)
@@ -191,19 +192,79 @@ def test_shared_tiles_plan(lib, heads, heads_k, batch, paged):
     warps, row_groups = _shared_layout(heads, heads_k)
     slots = batch * heads_k * row_groups
     shared = heads // heads_k > 16 and slots >= 16
-    assert p.shared_tiles == int(shared)
-    if not shared:
-        assert p.row_tiles == 1 and p.warps in (4, 8)
-        return
-    assert p.warps == warps and p.row_groups == row_groups and p.row_tiles == 1
-    assert p.keys_per_split % 64 == 0 and p.keys_per_split >= 256 and 1 <= p.splits <= 16
     ctas_per_sm = min(16 // warps, 4)  # 16 warps, and about 50 KB of shared memory a CTA
+    if not shared:
+        assert p.shared_tiles == 0 and p.row_tiles == 1 and p.warps in (4, 8)
+        return
+    cap = H200_CAPACITY[(64, 1)]
+    target = min(16, max(1, ctas_per_sm * SMS // slots))
+    cluster = max((n for n in (2, 4, 8, 16) if cap[n - 1] >= slots), default=0)
+    target = max(target, cluster)
+    clustered = 1 < target <= 16 and cap[target - 1] >= slots
+    assert p.warps == warps and p.row_groups == row_groups and p.row_tiles == 1
+    if paged and not clustered:
+        _assert_packed(p, heads_k, batch, warps, row_groups, ctas_per_sm)
+        return
+    assert p.shared_tiles == 1
+    assert p.keys_per_split % 64 == 0 and p.keys_per_split >= 256 and 1 <= p.splits <= 16
     assert slots * p.splits <= max(slots, ctas_per_sm * SMS)
     assert p.splits * p.keys_per_split >= seqlen or paged  # (a sequence longer than typical cuts bigger splits)
     rows = 16 * warps
     per_split = slots * p.splits * rows
     assert p.workspace_bytes == ((per_split * 64 + per_split) * 4 if p.splits > 1 else 0)
     assert p.counters == (slots if p.splits > 1 else 0)
+
+
+def _assert_packed(p, heads_k, batch, warps, row_groups, ctas_per_sm):
+    """A packed SharedTiles plan: the grid's x the CTAs the SMs hold per (K/V head, row group), at least
+    one a sequence; splits of at least 256 keys (the kernel sizes them); one partial a CTA in the scratch,
+    one arrival counter a slot, merged through the workspace."""
+    grid = max(ctas_per_sm * SMS // (heads_k * row_groups), batch)
+    rows = 16 * warps
+    assert p.shared_tiles == 2 and p.splits == grid and p.keys_per_split == 256 and p.merge == 1
+    assert p.o_part_floats == heads_k * row_groups * grid * rows * 64
+    assert p.workspace_bytes == (heads_k * row_groups * grid * rows * 65) * 4
+    assert p.counters == batch * heads_k * row_groups
+
+
+@pytest.mark.parametrize("heads,heads_k", [(71, 1), (40, 2), (200, 1)])
+@pytest.mark.parametrize("batch", [16, 32, 64, 1000, 12288, 12289])
+def test_packed_splits_plan(lib, heads, heads_k, batch):
+    """Without the clusters' capacity (no cluster merge possible) every paged SharedTiles call whose
+    lengths fit the kernel's main buffer (12288 sequences) gets packed splits, whatever the lengths; past
+    that, and on contiguous K/V, the per-sequence splits."""
+    warps, row_groups = _shared_layout(heads, heads_k)
+    for seqlen in (64, 16384):
+        rc, p = _plan(lib, heads=heads, heads_k=heads_k, dim=64, batch=batch, pages=(batch * seqlen // 64, 64),
+                      seqlen=0, clusters=False)
+        assert rc == 0
+        if batch <= 12288:
+            _assert_packed(p, heads_k, batch, warps, row_groups, min(16 // warps, 4))
+        else:
+            assert p.shared_tiles == 1
+        rc, p = _plan(lib, heads=heads, heads_k=heads_k, dim=64, batch=batch, seqlen=seqlen, clusters=False)
+        assert rc == 0 and p.shared_tiles == 1
+
+
+def test_launch_refuses_a_packed_plan_it_cannot_run(lib):
+    """mqa_byoc_decode_launch checks a packed plan before it launches anything: more sequences than the
+    main buffer holds, fewer CTAs than sequences or splits below one tile (2), a cluster merge (4)."""
+    rc, p = _plan(lib, heads=71, heads_k=1, dim=64, batch=32, pages=(32 * 64, 256), seqlen=0, clusters=False)
+    assert rc == 0 and p.shared_tiles == 2
+    a = DecodeArgs()
+    a.softmax_scale = 0.125
+    a.batch, a.num_heads, a.num_heads_k, a.head_dim, a.window_left = 32, 71, 1, 64, -1
+    a.page_values, a.nnz_pages, a.page_size = 1, 32 * 64, 256
+    p.counters = 0  # (no counters: nothing asked of a GPU before the checks)
+    launch = lib.mqa_byoc_decode_launch
+    for field, value, rc in (("splits", 31, 2), ("keys_per_split", 0, 2), ("merge", 2, 4)):
+        q = DecodePlan.from_buffer_copy(p)
+        setattr(q, field, value)
+        assert launch(ctypes.byref(a), ctypes.byref(q), None, 0, None) == rc, field
+    a.batch = 12289
+    q = DecodePlan.from_buffer_copy(p)
+    q.splits = 20000
+    assert launch(ctypes.byref(a), ctypes.byref(q), None, 0, None) == 2
 
 
 def test_shared_tiles_asked_for(lib):

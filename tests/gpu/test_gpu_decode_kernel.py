@@ -200,6 +200,45 @@ def test_paged_one_sequence(page_size, length, merge):
     _paged_case(torch.float16, page_size, 64, 8, 128, merge, [length])
 
 
+def _mixed_lengths(batch, seed, longest=16384):
+    gen = torch.Generator().manual_seed(seed)
+    return [longest, 1] + torch.randint(0, longest, (batch - 2,), generator=gen).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("page_size", [16, 48, 256])
+@pytest.mark.parametrize("heads,heads_k,batch", [(71, 1, 40), (40, 2, 33), (200, 1, 24), (71, 1, 300)])
+def test_paged_packed_splits(dtype, page_size, heads, heads_k, batch):
+    """SharedTiles' packed splits (the rule's plan on pages where a slot's splits would not merge in a
+    cluster): a split size for the batch, found by each CTA from the lengths, each sequence cut into
+    its own number of splits of even size (whole tiles), CTAs numbered across the sequences (a prefix sum over more than one warp's
+    32 sequences), one and two K/V heads, two row groups (200 rows), many short sequences (300: a CTA a
+    sequence at least), empty and one-key sequences, pages within and across tiles."""
+    lengths = _mixed_lengths(batch, seed=batch, longest=6000 if batch > 100 else 16384)
+    lengths[3] = 0
+    call = _paged_case(dtype, page_size, heads, heads_k, 64, "auto", lengths)
+    assert call.plan.shared_tiles == 2, (call.plan.shared_tiles, call.plan.splits)
+    assert call.plan.splits >= batch
+
+
+@pytest.mark.parametrize("lengths", [[100_000] + [40] * 39, [0] * 40, [1] * 39 + [300_000]],
+                         ids=["one-long", "all-empty", "short-and-very-long"])
+def test_paged_packed_splits_extremes(lengths):
+    """Packed splits where one sequence holds nearly every key (its splits bounded by the merge's weights:
+    larger splits), where none has a key (zero outputs, the empty LSE), and where the split size grows
+    past the first guess (39 one-key sequences beside 300k keys); 40 sequences, too many for
+    cluster merges."""
+    call = _paged_case(torch.float16, 256, 71, 1, 64, "auto", lengths)
+    assert call.plan.shared_tiles == 2
+
+
+@pytest.mark.parametrize("window_left", [0, 700, 5000])
+def test_paged_packed_splits_window(window_left):
+    """Packed splits count and cut only the keys in a sliding window."""
+    call = _paged_case(torch.bfloat16, 128, 71, 1, 64, "auto", _mixed_lengths(32, seed=3), window_left=window_left)
+    assert call.plan.shared_tiles == 2
+
+
 @pytest.mark.parametrize("row_tiles", [1, 2, 3])
 @pytest.mark.parametrize("merge", ["cluster", "global"])
 def test_paged_row_tiles(row_tiles, merge):
@@ -208,7 +247,7 @@ def test_paged_row_tiles(row_tiles, merge):
     _paged_case(torch.bfloat16, 256, 71, 1, 64, merge, [3000], row_tiles=row_tiles)
 
 
-def _paged_case(dtype, page_size, heads, heads_k, dim, merge, lengths, row_tiles=0):
+def _paged_case(dtype, page_size, heads, heads_k, dim, merge, lengths, row_tiles=0, window_left=-1):
     gen = torch.Generator(device="cuda").manual_seed(1)
     batch = len(lengths)
     n_pages = [math.ceil(n / page_size) for n in lengths]
@@ -226,7 +265,8 @@ def _paged_case(dtype, page_size, heads, heads_k, dim, merge, lengths, row_tiles
     kview, vview = pages[:, 0], pages[:, 1]  # (page, H_kv, P, D)
     stride = (kview.stride(0), kview.stride(2), kview.stride(1))  # (page, row in page, head)
     call = dk.Decode(q, kview, vview, out, lse, k_stride=stride, v_stride=stride, seqlen_k=0, num_heads_k=heads_k,
-                     pages=(indptr, values, last, page_size), merge=merge, row_tiles=row_tiles)
+                     pages=(indptr, values, last, page_size), merge=merge, row_tiles=row_tiles,
+                     window_left=window_left)
     call()
     call()
     torch.cuda.synchronize()
@@ -237,8 +277,9 @@ def _paged_case(dtype, page_size, heads, heads_k, dim, merge, lengths, row_tiles
         vb = pages[ids, 1].permute(0, 2, 1, 3).reshape(-1, heads_k, dim)[: lengths[b]]
         ks.append(kb)
         vs.append(vb)
-    ref_o, ref_lse = dk.reference(q, ks, vs, lengths, heads_k)
+    ref_o, ref_lse = dk.reference(q, ks, vs, lengths, heads_k, window_left=window_left)
     _check(out, lse, ref_o, ref_lse, dtype)
+    return call
 
 
 @pytest.mark.parametrize("vectors", [1, 5, 4096 + 3, 1 << 20])

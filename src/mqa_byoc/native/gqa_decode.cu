@@ -628,8 +628,8 @@ template <typename T, int D, bool CLUSTER, int kSumWarps, int kOStride>
 __device__ __forceinline__ void finish_block(const mqa_byoc_decode_args& a, unsigned char* smem, float* s_o,
                                              const float* s_f, float* s_l, int* s_flag, float4* s_recv,
                                              float* s_recv_l, int n_splits, int kRows, int group, int row0, int b,
-                                             int kvh, int rg, int row_groups, int split, float* o_part,
-                                             float* lse_part, int* counters, int n_threads) {
+                                             int kvh, int rg, int row_groups, int64_t part0, int split,
+                                             float* o_part, float* lse_part, int* counters, int n_threads) {
   using M = Mma<T>;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const bool single = n_splits == 1;
@@ -642,7 +642,8 @@ __device__ __forceinline__ void finish_block(const mqa_byoc_decode_args& a, unsi
     }
   }
   const int64_t slot = (int64_t(b) * a.num_heads_k + kvh) * row_groups + rg;  // (sequence, K/V head, row group)
-  float* my_o = o_part + (slot * gridDim.x + split) * kRows * D;
+  // the slot's partials: part0 .. part0 + n_splits - 1 in the workspace
+  float* my_o = o_part + (part0 + split) * kRows * D;
   for (int idx = threadIdx.x; idx < rows_here * D; idx += n_threads) {
     const int r = idx / D, d = idx % D;
     float v = 0.f;
@@ -661,7 +662,7 @@ __device__ __forceinline__ void finish_block(const mqa_byoc_decode_args& a, unsi
     }
     return;
   }
-  if (threadIdx.x < rows_here) lse_part[(slot * gridDim.x + split) * kRows + threadIdx.x] = s_f[threadIdx.x];
+  if (threadIdx.x < rows_here) lse_part[(part0 + split) * kRows + threadIdx.x] = s_f[threadIdx.x];
 
   // ---- the last block of this slot to arrive merges the splits ----
   // One acq_rel atomic by thread 0 after the barrier publishes this block's partial (release is cumulative
@@ -674,8 +675,8 @@ __device__ __forceinline__ void finish_block(const mqa_byoc_decode_args& a, unsi
   }
   __syncthreads();
   if (!*s_flag) return;
-  const float* all_o = o_part + slot * gridDim.x * kRows * D;
-  const float* all_l = lse_part + slot * gridDim.x * kRows;
+  const float* all_o = o_part + part0 * kRows * D;
+  const float* all_l = lse_part + part0 * kRows;
   const int kSplitStride4 = kRows * D / 4;  // float4s between two splits' partials
   // this thread's first output element: its first kPre partials are loaded now, next to the LSEs (one
   // round trip to L2 instead of two)
@@ -977,9 +978,10 @@ __global__ void __launch_bounds__(W * 32, kWarpsPerSm<D, MT> / W)
   __syncthreads();
 
   static_assert(kMaxSplits * kRows * 4 <= S::kMainBytes, "the split weights must fit the merge buffer");
+  const int64_t part0 = (int64_t(b) * gridDim.y + blockIdx.y) * gridDim.x;  // the slot's gridDim.x partials
   finish_block<T, D, CLUSTER, W, S::kOStride>(a, smem, s_o, s_f, s_l, s_flag, s_recv, s_recv_l, n_splits, kRows, group,
-                                              row0, b, kvh, rg, row_groups, split, o_part, lse_part, counters,
-                                              kThreads);
+                                              row0, b, kvh, rg, row_groups, part0, split, o_part, lse_part,
+                                              counters, kThreads);
 }
 
 // ---- Groups of more than 16 query rows at head dim 64 (Falcon's 71, StarCoder-like MQA): SharedTiles ----
@@ -1012,10 +1014,86 @@ struct SharedSmem {
   }
 };
 
+// Packed splits (a SharedTiles plan's shared_tiles 2, on pages): every sequence is cut into splits of one
+// size for the whole batch, at least one a sequence, numbered across the sequences in their order; CTA x of
+// the grid's x (the CTAs the SMs hold, at least one a sequence) takes split x. So a long sequence gets more
+// CTAs than a short one and every CTA about the same work, where the per-slot plans give each sequence the
+// same CTAs (with lengths of 1k-16k the 16k sequences' CTAs then set the time). The split size: the
+// smallest multiple of 64 keys, at least `min_kps`, whose splits fit the grid and the merge's weights
+// (max_splits a sequence), from the total of the keys up in steps of 1/16. Every CTA finds it and its own
+// sequence from the lengths (in s_len, the batch's ints, before the pipeline uses that memory), by block
+// sums and one warp's prefix sum of the split counts. b = -1: a CTA past the last split.
+struct PackedWork {
+  int b, split, n_splits, first, kps;  // first: the number of the sequence's split 0
+};
+__device__ __forceinline__ PackedWork packed_work(const mqa_byoc_decode_args& a, int min_kps, int max_splits,
+                                                  int* s_len, int* s_red, PackedWork* s_work, int n_threads) {
+  const int batch = int(a.batch), x = int(blockIdx.x), grid = int(gridDim.x);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = n_threads / 32;
+  auto block_sum = [&](int v) {  // every thread's v summed (a count: at most the grid, or keys / 64)
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    if (lane == 0) s_red[warp] = v;
+    __syncthreads();
+    int tot = 0;
+    for (int w = 0; w < n_warps; ++w) tot += s_red[w];
+    __syncthreads();  // s_red free again
+    return tot;
+  };
+  int tiles = 0, longest = 0;  // 64-key tiles (the total's bound stays far from 2^31), the longest length
+  for (int j = threadIdx.x; j < batch; j += n_threads) {
+    const SeqRange sr = seq_range(a, j);
+    const int len = sr.end - sr.begin;
+    s_len[j] = len;
+    tiles += (len + kShTileKeys - 1) / kShTileKeys;
+    longest = max(longest, len);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) longest = max(longest, __shfl_xor_sync(0xffffffffu, longest, off));
+  if (lane == 0) s_red[kShMaxWarps + warp] = longest;
+  const int total_tiles = block_sum(tiles);  // (its barrier also publishes the maxima and s_len)
+  for (int w = 0; w < n_warps; ++w) longest = max(longest, s_red[kShMaxWarps + w]);
+  auto up = [](int k) { return (k + kShTileKeys - 1) / kShTileKeys * kShTileKeys; };
+  int kps = max(min_kps, max(up((longest + max_splits - 1) / max_splits), (total_tiles + grid - 1) / grid * kShTileKeys));
+  for (;;) {  // at most the longest sequence's keys (one split each: batch <= grid)
+    int count = 0;
+    for (int j = threadIdx.x; j < batch; j += n_threads) count += max(1, (s_len[j] + kps - 1) / kps);
+    if (block_sum(count) <= grid) break;
+    kps = up(kps + max(kShTileKeys, kps / 16));
+  }
+  if (threadIdx.x < 32) {
+    int carry = 0;
+    PackedWork w{-1, 0, 0, 0, kps};
+    for (int j0 = 0; j0 < batch; j0 += 32) {
+      const int j = j0 + lane, c = j < batch ? max(1, (s_len[j] + kps - 1) / kps) : 0;
+      int incl = c;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += y;
+      }
+      const int first = carry + incl - c;
+      const unsigned hit = __ballot_sync(0xffffffffu, c > 0 && x >= first && x < first + c);
+      if (hit != 0u) {
+        const int src = __ffs(hit) - 1, f = __shfl_sync(0xffffffffu, first, src);
+        const int n = __shfl_sync(0xffffffffu, c, src), len = s_len[j0 + src];
+        // the sequence's n splits of even size (whole tiles: still n of them, none over kps): a split of
+        // kps keys and a short last one would set the pace
+        w = {j0 + src, x - f, n, f, max(kShTileKeys, up((len + n - 1) / n))};
+        break;
+      }
+      carry += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (lane == 0) *s_work = w;
+  }
+  __syncthreads();  // also: s_len is read, the pipeline may take its memory
+  return *s_work;
+}
+
 template <typename T, int D, bool PAGED, bool CLUSTER>
 __global__ void __launch_bounds__(kShMaxWarps * 32, 2)
     gqa_decode_shared_kernel(const mqa_byoc_decode_args a, int keys_per_split, int row_groups, float* o_part,
-                             float* lse_part, int* counters) {
+                             float* lse_part, int* counters, int packed) {
   using S = SharedSmem<D>;
   using Warp = RowsAsM<T, D, 1>;
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
@@ -1030,16 +1108,31 @@ __global__ void __launch_bounds__(kShMaxWarps * 32, 2)
   float4* s_recv = reinterpret_cast<float4*>(smem + S::kMainBytes + S::kStatsBytes);
   float* s_recv_l = reinterpret_cast<float*>(s_recv + kRows * D / 4 + kMaxCluster);
 
-  const int split = blockIdx.x, kvh = blockIdx.y / row_groups, rg = blockIdx.y % row_groups, b = blockIdx.z;
+  const int kvh = blockIdx.y / row_groups, rg = blockIdx.y % row_groups;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = int(a.num_heads / a.num_heads_k);
   const int row0 = rg * kRows;
-  const SeqRange sr = seq_range(a, b);
-  // each sequence cuts its own keys into at most gridDim.x splits of whole tiles, at least keys_per_split
-  // each (the plan sizes the grid by the GPU, not by the longest sequence a call's pages could hold)
-  const int len = sr.end - sr.begin;
-  const int per_cta = (len + int(gridDim.x) * kShTileKeys - 1) / (int(gridDim.x) * kShTileKeys) * kShTileKeys;
-  const SplitKeys sk = split_keys(sr, split, max(keys_per_split, per_cta));
+  int split = blockIdx.x, b = blockIdx.z;
+  int64_t part0;  // the workspace index of the slot's first partial
+  SplitKeys sk;
+  if (!CLUSTER && packed) {
+    const int max_splits = min(S::kMainBytes / (kRows * 4), kMaxSplits);  // the merge's weights: SharedSmem's
+    const PackedWork pw = packed_work(a, keys_per_split, max_splits, reinterpret_cast<int*>(smem),
+                                      reinterpret_cast<int*>(s_m), reinterpret_cast<PackedWork*>(s_flag + 4),
+                                      n_threads);
+    if (pw.b < 0) return;
+    b = pw.b, split = pw.split;
+    part0 = int64_t(blockIdx.y) * gridDim.x + pw.first;
+    sk = split_keys(seq_range(a, b), split, pw.kps);
+  } else {
+    // each sequence cuts its own keys into at most gridDim.x splits of whole tiles, at least keys_per_split
+    // each (the plan sizes the grid by the GPU, not by the longest sequence a call's pages could hold)
+    const SeqRange sr = seq_range(a, b);
+    const int len = sr.end - sr.begin;
+    const int per_cta = (len + int(gridDim.x) * kShTileKeys - 1) / (int(gridDim.x) * kShTileKeys) * kShTileKeys;
+    sk = split_keys(sr, split, max(keys_per_split, per_cta));
+    part0 = (int64_t(b) * gridDim.y + blockIdx.y) * gridDim.x;
+  }
   const int n_splits = sk.n_splits, k_begin = sk.k_begin, k_end = sk.k_end;
   if (!sk.active && (!CLUSTER || n_splits == 1)) return;
   if constexpr (CLUSTER) {
@@ -1157,8 +1250,8 @@ __global__ void __launch_bounds__(kShMaxWarps * 32, 2)
   });
   __syncthreads();
   finish_block<T, D, CLUSTER, 1, S::kOStride>(a, smem, s_o, s_f, s_l, s_flag, s_recv, s_recv_l, n_splits, kRows,
-                                              group, row0, b, kvh, rg, row_groups, split, o_part, lse_part,
-                                              counters, n_threads);
+                                              group, row0, b, kvh, rg, row_groups, part0, split, o_part,
+                                              lse_part, counters, n_threads);
 }
 
 // Per (device, stream): a zeroed arrival-counter array that every kernel leaves zeroed again.
@@ -1379,7 +1472,8 @@ int launch_shared(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, 
   static bool configured[2][2][64] = {};  // per kernel and device: the shared-memory (and cluster) opt-ins
   const bool paged = a.page_values != nullptr;
   const int rows = 16 * p.warps;
-  dim3 grid(p.splits, unsigned(a.num_heads_k * p.row_groups), unsigned(a.batch));
+  const int packed = p.shared_tiles == 2;  // the grid's x: every sequence's splits (packed_work)
+  dim3 grid(p.splits, unsigned(a.num_heads_k * p.row_groups), packed ? 1u : unsigned(a.batch));
   int device = 0;
   cudaGetDevice(&device);
   auto configure = [&](auto kernel, bool cluster) {
@@ -1396,7 +1490,7 @@ int launch_shared(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, 
   };
   auto ckernel = paged ? gqa_decode_shared_kernel<T, D, true, true> : gqa_decode_shared_kernel<T, D, false, true>;
   bool cluster = false;
-  if (p.merge != MQA_BYOC_DECODE_MERGE_GLOBAL && p.splits > 1 && p.splits <= kMaxCluster) {
+  if (!packed && p.merge != MQA_BYOC_DECODE_MERGE_GLOBAL && p.splits > 1 && p.splits <= kMaxCluster) {
     if (!configure(ckernel, true)) return 1;
     cluster = int64_t(grid.y) * grid.z <= max_clusters(ckernel, p.warps, device, p.splits, S::bytes(rows, true));
   }
@@ -1406,7 +1500,7 @@ int launch_shared(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, 
   if (cluster) {
     cudaLaunchAttribute attr;
     const cudaLaunchConfig_t cfg = cluster_launch(grid, p.warps, p.splits, S::bytes(rows, true), stream, &attr);
-    return cudaLaunchKernelEx(&cfg, ckernel, a, p.keys_per_split, p.row_groups, o_part, lse_part, counters) ==
+    return cudaLaunchKernelEx(&cfg, ckernel, a, p.keys_per_split, p.row_groups, o_part, lse_part, counters, 0) ==
                    cudaSuccess
                ? 0
                : 1;
@@ -1414,7 +1508,7 @@ int launch_shared(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, 
   auto kernel = paged ? gqa_decode_shared_kernel<T, D, true, false> : gqa_decode_shared_kernel<T, D, false, false>;
   if (!configure(kernel, false)) return 1;
   kernel<<<grid, p.warps * 32, S::bytes(rows, false), stream>>>(a, p.keys_per_split, p.row_groups, o_part, lse_part,
-                                                                counters);
+                                                                counters, packed);
   return cudaGetLastError() == cudaSuccess ? 0 : 1;
 }
 
@@ -1458,6 +1552,31 @@ int shared_plan(const mqa_byoc_decode_args& a, int64_t keys_per_split, int64_t s
   p->workspace_bytes = size_t(p->o_part_floats + (splits > 1 ? slots * splits * rows : 0)) * sizeof(float);
   p->counters = splits > 1 ? slots : 0;
   p->merge = MQA_BYOC_DECODE_MERGE_AUTO;
+  return 0;
+}
+
+// A packed SharedTiles plan (shared_tiles 2, packed_work): a grid's x of `ctas` (at least one a sequence)
+// for every (K/V head, row group); the kernel sizes the splits (a size of at least kShMinKeys keys for the
+// batch, then evened out within each sequence: whole tiles, as many splits). The sequences'
+// lengths live in the main buffer while it does: at most kPackMaxBatch of them.
+constexpr int64_t kPackMaxBatch = SharedSmem<64>::kMainBytes / 4;
+int shared_packed_plan(const mqa_byoc_decode_args& a, int64_t ctas, mqa_byoc_decode_plan* p) {
+  const int warps = shared_warps(a);
+  const int64_t rows = 16 * warps;
+  const int64_t row_groups = (a.num_heads / a.num_heads_k + rows - 1) / rows;
+  const int64_t ys = a.num_heads_k * row_groups;
+  if (a.batch > kPackMaxBatch || ys > 65535) return 2;  // grid y
+  const int64_t grid = std::max<int64_t>(ctas, a.batch);
+  p->row_tiles = 1;
+  p->row_groups = int(row_groups);
+  p->keys_per_split = kShMinKeys;
+  p->splits = int(grid);
+  p->warps = warps;
+  p->shared_tiles = 2;
+  p->o_part_floats = ys * grid * rows * a.head_dim;
+  p->workspace_bytes = size_t(p->o_part_floats + ys * grid * rows) * sizeof(float);
+  p->counters = a.batch * ys;
+  p->merge = MQA_BYOC_DECODE_MERGE_GLOBAL;
   return 0;
 }
 
@@ -1572,9 +1691,15 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_b
       if (capacity[n - 1] >= slots) cluster = n;
     }
     if (cluster >= target) target = cluster;
+    if (!mqa_byoc_scale_ok(a->softmax_scale)) return 2;
+    // On pages, where the slots' splits would not merge in clusters: packed splits (every CTA about the
+    // same keys, whatever the lengths). The grid: the CTAs the SMs hold per (K/V head, row group).
+    const bool clustered = capacity != nullptr && target > 1 && target <= kMaxCluster && capacity[target - 1] >= slots;
+    if (a->page_values != nullptr && !clustered && a->batch <= kPackMaxBatch) {
+      return shared_packed_plan(*a, per_sm * sms / (a->num_heads_k * row_groups), p);
+    }
     // splits of at least kShMinKeys: the grid's x is about `target` for a typical sequence
     const int64_t kps = std::max<int64_t>(kShMinKeys, (typical + target * kShTileKeys - 1) / (target * kShTileKeys) * kShTileKeys);
-    if (!mqa_byoc_scale_ok(a->softmax_scale)) return 2;
     // the grid's x: `target` (a sequence longer than typical cuts larger splits itself). Twice that, or
     // kShMaxGrid, with the same split size were 1.06-1.71x slower at 32 and 64 sequences (H200,
     // benchmarks/results/2026-12-02-decode-shared-tiles-grid.md).
@@ -1625,6 +1750,10 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_launch(const mqa_byoc
   }
   if (p->shared_tiles) {
     if (a->head_dim != 64 || p->warps < 1 || p->warps > kShMaxWarps || p->keys_per_split % kShTileKeys != 0) return 2;
+    if (p->shared_tiles == 2) {  // packed: the lengths fit the main buffer, one split a sequence at least
+      if (a->batch > kPackMaxBatch || p->splits < a->batch || p->keys_per_split < kShTileKeys) return 2;
+      if (p->merge == MQA_BYOC_DECODE_MERGE_CLUSTER) return 4;
+    }
     return a->is_bf16 ? launch_shared<__nv_bfloat16, 64>(*a, *p, workspace, counters, stream)
                       : launch_shared<__half, 64>(*a, *p, workspace, counters, stream);
   }

@@ -44,13 +44,17 @@ typedef struct {
   int splits, keys_per_split, row_groups;
   int64_t o_part_floats, counters;
   size_t workspace_bytes;  // device scratch for mqa_byoc_decode_launch (0: none needed)
-  int merge;               // MQA_BYOC_DECODE_MERGE_*: the plan functions set AUTO
+  int merge;               // MQA_BYOC_DECODE_MERGE_*: the plan functions set AUTO (GLOBAL for packed splits)
   int warps;               // of a CTA: 8, or 4 for splits of at most 256 keys (the plan functions set it)
   int row_tiles;           // M tiles of 16 query rows a warp carries: a CTA holds 16 x row_tiles query rows
   // 1: the group's row tiles are the warps of one CTA (`warps` of them, 16 query rows each, up to 128 rows),
   // which load 64-key tiles together and each run their rows over them (the rule's choice at head dim 64
   // for more than 16 query rows a K/V head; splits of a multiple of 64 keys); 0: the CTA's warps split the
-  // keys of its 16 x row_tiles rows
+  // keys of its 16 x row_tiles rows; 2: SharedTiles with packed splits (on pages, where the per-sequence
+  // splits would not merge in clusters): one split size for the whole batch, found by the kernel from the
+  // lengths (at least keys_per_split keys), each sequence's splits numbered after the previous one's, and
+  // `splits` the grid's x for every (K/V head, row group), at least one CTA a sequence: a long sequence
+  // gets more CTAs than a short one (merge GLOBAL; at most 12288 sequences: their lengths fill the main buffer)
   int shared_tiles;
 } mqa_byoc_decode_plan;
 
