@@ -822,3 +822,37 @@ def test_performance_doc_shared_tiles_claim():
 def test_paged_doc_decode_shared_claim(name):
     text = " ".join(PAGED_DOC.read_text().split())
     assert decode_shared_claims()[name] in text, f"docs/paged_kv_cache.md lacks {name}: {decode_shared_claims()[name]!r}"
+
+
+DECODE_BUILDS_PACKED = "2026-12-03-decode-builds-packed.json"
+
+
+def decode_packed_claims() -> dict[str, str]:
+    """docs/paged_kv_cache.md on SharedTiles' packed splits: the run of the two builds, and its MQA cases
+    beside the decode-only FlashInfer run (the same cases and lengths, another run)."""
+    rows = _load(DECODE_BUILDS_PACKED)
+    assert all(r["max_diff"] < 1e-3 for r in rows)
+
+    def q(r):
+        return r["us"]["after"] / r["us"]["before"]
+
+    big = [r for r in rows if r["shape"] == "71/1/64" and r["batch"] >= 32]
+    mixed = [q(r) for r in big if r["kind"] == "mixed"]
+    uniform = [q(r) for r in big if r["kind"] == "uniform16k"]
+    rest = [q(r) for r in rows if r not in big]
+    fi = {(c["batch"], c["lengths_kind"]): _fi_fastest(c) for c in _load(PAGED_DECODE_FI_SHARED)["cases"]
+          if c["shape"] == "mqa71_1_d64" and c["dtype"] == "float16"}
+    ours = {(r["batch"], r["kind"]): r["us"]["after"] for r in big if r["page"] == 256}
+    return {
+        "mixed": f"{_range(mixed)} the time of the per-sequence splits",
+        "uniform": f"with every sequence at 16k {_range(uniform)}",
+        "rest": f"the other cases {_range(rest)}",
+        "fi": "; ".join(f"{b} sequences, {k}: {ours[(b, k)]:.1f} µs against FlashInfer's {fi[(b, k)]:.1f}"
+                        for b in (32, 64) for k in ("mixed", "uniform16k")),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(decode_packed_claims()))
+def test_paged_doc_decode_packed_claim(name):
+    text = " ".join(PAGED_DOC.read_text().split())
+    assert decode_packed_claims()[name] in text, f"docs/paged_kv_cache.md lacks {name}: {decode_packed_claims()[name]!r}"

@@ -256,7 +256,9 @@ def _paged_case(dtype, page_size, heads, heads_k, dim, merge, lengths, row_tiles
     pages = torch.randn(pool, 2, heads_k, page_size, dim, generator=gen, device="cuda").to(dtype)
     perm = torch.randperm(pool, generator=torch.Generator().manual_seed(2))[: sum(n_pages)]
     indptr = torch.tensor([0] + list(torch.tensor(n_pages).cumsum(0)), dtype=torch.int32, device="cuda")
-    values = perm.to(torch.int32).cuda()
+    # where no page is in use, one entry no sequence's indptr covers: an empty tensor's null pointer would
+    # read as contiguous K/V (TVM's page table is a buffer)
+    values = (perm if len(perm) else torch.zeros(1, dtype=torch.int64)).to(torch.int32).cuda()
     last = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(lengths, n_pages)],
                         dtype=torch.int32, device="cuda")
     q = torch.randn(batch, heads, dim, generator=gen, device="cuda").to(dtype)
