@@ -346,28 +346,37 @@ struct RowsAsM {
     }
   }
 
-  // keys key0 .. key0 + 15 from the tiles at shared addresses ks / vs; kMasked: the tile holds k_end (the
-  // keys from it on are masked), a separate instance so that whole tiles spend nothing on the test
-  template <bool kMasked>
+  // keys key0 .. key0 + 16 KC - 1 from the tiles at shared addresses ks / vs (KC chunks of 16 keys, each
+  // 16 D elements after the last); kMasked: the keys hold k_end (the keys from it on are masked), a
+  // separate instance so that whole tiles spend nothing on the test. KC = 2 (SharedTiles): one max, one
+  // rescale and twice the independent MMAs per softmax step
+  template <bool kMasked, int KC = 1>
   __device__ __forceinline__ void step(uint32_t ks, uint32_t vs, int key0, int k_end, float scale, int lane) {
+    constexpr uint32_t kChunkBytes = 16 * D * 2;  // 16 keys of K (or V)
+    constexpr int NT = 2 * KC;                     // n-tiles of 8 keys
+    // S's chains over the dims per n-tile: kChains for one chunk; with two, its 2 NT chains are enough
+    constexpr int kCh = KC == 1 ? kChains : 1;
     const int t = lane % 4;
-    // S = Q K^T, 16 rows x 16 keys (two n-tiles of 8 keys) per tile
-    float s[MT][kChains][2][4] = {};
+    // S = Q K^T, 16 rows x 16 KC keys (NT n-tiles of 8 keys) per tile
+    float s[MT][kCh][NT][4] = {};
 #pragma unroll
     for (int kstep = 0; kstep < D / 16; ++kstep) {
-      uint32_t kb[4];
-      ldmatrix_x4(kb, ks + k_off.at(kstep));
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        if (on(mt)) {
-          M::run(s[mt][kstep % kChains][0], qf[mt][kstep], kb[0], kb[1]);
-          M::run(s[mt][kstep % kChains][1], qf[mt][kstep], kb[2], kb[3]);
+      for (int c = 0; c < KC; ++c) {
+        uint32_t kb[4];
+        ldmatrix_x4(kb, ks + c * kChunkBytes + k_off.at(kstep));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          if (on(mt)) {
+            M::run(s[mt][kstep % kCh][2 * c], qf[mt][kstep], kb[0], kb[1]);
+            M::run(s[mt][kstep % kCh][2 * c + 1], qf[mt][kstep], kb[2], kb[3]);
+          }
         }
       }
     }
     // unscaled scores (the max of the scaled ones is the max of these times scale > 0); grow: some score
     // beyond 2^kSlack x its row's running max
-    float x[MT][2][4];
+    float x[MT][2][2 * NT];
     bool grow = false;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -375,30 +384,39 @@ struct RowsAsM {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             float sum = s[mt][0][nt][half * 2 + e];
 #pragma unroll
-            for (int c = 1; c < kChains; ++c) sum += s[mt][c][nt][half * 2 + e];
+            for (int c = 1; c < kCh; ++c) sum += s[mt][c][nt][half * 2 + e];
             x[mt][half][nt * 2 + e] = sum;
             if (kMasked && key0 + nt * 8 + 2 * t + e >= k_end) x[mt][half][nt * 2 + e] = -INFINITY;
           }
         const float* xr = x[mt][half];
-        grow |= fmaxf(fmaxf(xr[0], xr[1]), fmaxf(xr[2], xr[3])) * scale > m_run[mt][half] + kSlack;
+        float mx = fmaxf(fmaxf(xr[0], xr[1]), fmaxf(xr[2], xr[3]));
+#pragma unroll
+        for (int e = 4; e < 2 * NT; e += 2) mx = fmaxf(mx, fmaxf(xr[e], xr[e + 1]));
+        grow |= mx * scale > m_run[mt][half] + kSlack;
       }
     }
-    uint32_t pf[MT][4];
+    uint32_t pf[MT][KC][4];
     // the probabilities against `base` (the row's max the accumulators are scaled to), the row sum
-    // rescaled by corr; A fragment of P (row x key): a0 (row g, keys 2t..), a1 (row g+8, 2t..), a2 (g,
-    // 2t+8..), a3 (g+8, 2t+8..)
+    // rescaled by corr; A fragment of P (row x key) per 16 keys c: a0 (row g, keys 2t..), a1 (row g+8,
+    // 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)
     auto probs = [&](int mt, int half, float base, float corr) {
-      float p[4];
+      float p[2 * NT];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) p[e] = ex2(fmaf(x[mt][half][e], scale, -base));
-      l_run[mt][half] = l_run[mt][half] * corr + (p[0] + p[1]) + (p[2] + p[3]);
-      pf[mt][half] = M::pack(p[0], p[1]);
-      pf[mt][2 + half] = M::pack(p[2], p[3]);
+      for (int e = 0; e < 2 * NT; ++e) p[e] = ex2(fmaf(x[mt][half][e], scale, -base));
+      float sum = (p[0] + p[1]) + (p[2] + p[3]);
+#pragma unroll
+      for (int e = 4; e < 2 * NT; e += 2) sum += p[e] + p[e + 1];
+      l_run[mt][half] = l_run[mt][half] * corr + sum;
+#pragma unroll
+      for (int c = 0; c < KC; ++c) {
+        pf[mt][c][half] = M::pack(p[4 * c], p[4 * c + 1]);
+        pf[mt][c][2 + half] = M::pack(p[4 * c + 2], p[4 * c + 3]);
+      }
     };
     if (__any_sync(0xffffffffu, grow)) {  // a new max: the rows' max across the quad, O rescaled
       float corr[MT][2];
@@ -410,6 +428,8 @@ struct RowsAsM {
         for (int half = 0; half < 2; ++half) {
           const float* xr = x[mt][half];
           float mx = fmaxf(fmaxf(xr[0], xr[1]), fmaxf(xr[2], xr[3]));
+#pragma unroll
+          for (int e = 4; e < 2 * NT; e += 2) mx = fmaxf(mx, fmaxf(xr[e], xr[e + 1]));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           const float m_new = fmaxf(m_run[mt][half], mx * scale);
@@ -442,16 +462,19 @@ struct RowsAsM {
         }
       }
     }
-    // O += P V: the V tile (16 keys x D) as the B operand, transposed by ldmatrix
+    // O += P V: the V tile (16 keys x D a chunk) as the B operand, transposed by ldmatrix
 #pragma unroll
     for (int jj = 0; jj < D / 16; ++jj) {
-      uint32_t vb[4];
-      ldmatrix_x4_trans(vb, vs + v_off.at(jj));
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        if (on(mt)) {
-          M::run(acc[mt][2 * jj], pf[mt], vb[0], vb[1]);
-          M::run(acc[mt][2 * jj + 1], pf[mt], vb[2], vb[3]);
+      for (int c = 0; c < KC; ++c) {
+        uint32_t vb[4];
+        ldmatrix_x4_trans(vb, vs + c * kChunkBytes + v_off.at(jj));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          if (on(mt)) {
+            M::run(acc[mt][2 * jj], pf[mt][c], vb[0], vb[1]);
+            M::run(acc[mt][2 * jj + 1], pf[mt][c], vb[2], vb[3]);
+          }
         }
       }
     }
@@ -995,6 +1018,9 @@ __global__ void __launch_bounds__(W * 32, kWarpsPerSm<D, MT> / W)
 constexpr int kShTileKeys = 64;  // keys of a CTA tile
 constexpr int kShStages = 3;     // CTA tiles in flight (16 KB each at head dim 64)
 constexpr int kShMaxWarps = 8;   // row tiles of a CTA: 128 query rows
+// keys of a warp's softmax step (RowsAsM's step over two 16-key chunks: one max and one rescale per 32
+// keys, twice the independent MMAs between them)
+constexpr int kShStepKeys = 32;
 
 template <int D>
 struct SharedSmem {
@@ -1098,7 +1124,7 @@ __global__ void __launch_bounds__(kShMaxWarps * 32, 2)
   using Warp = RowsAsM<T, D, 1>;
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   constexpr int kTileChunks = kShTileKeys * kChunks;
-  constexpr uint32_t kSubTileBytes = kTileKeys * D * 2;  // 16 keys: one step of a warp
+  constexpr uint32_t kStepBytes = kShStepKeys * D * 2;  // the keys of one step of a warp
   const int n_threads = int(blockDim.x), kRows = n_threads / 2;  // 16 rows a warp
   extern __shared__ __align__(128) unsigned char smem[];
   float* s_m = reinterpret_cast<float*>(smem + S::kMainBytes);  // [row]
@@ -1225,14 +1251,14 @@ __global__ void __launch_bounds__(kShMaxWarps * 32, 2)
     stage_c = next_stage(stage_c);
     const int key0 = k_begin + t * kShTileKeys;
 #pragma unroll
-    for (int j = 0; j < kShTileKeys / kTileKeys; ++j) {
-      const int key = key0 + j * kTileKeys;
+    for (int j = 0; j < kShTileKeys / kShStepKeys; ++j) {
+      const int key = key0 + j * kShStepKeys;
       if (key >= k_end) break;
-      const uint32_t kj = ks + uint32_t(j) * kSubTileBytes;
-      if (key + kTileKeys <= k_end) {
-        w.template step<false>(kj, kj + S::kTileBytes, key, k_end, scale, lane);
+      const uint32_t kj = ks + uint32_t(j) * kStepBytes;
+      if (key + kShStepKeys <= k_end) {
+        w.template step<false, kShStepKeys / kTileKeys>(kj, kj + S::kTileBytes, key, k_end, scale, lane);
       } else {
-        w.template step<true>(kj, kj + S::kTileBytes, key, k_end, scale, lane);
+        w.template step<true, kShStepKeys / kTileKeys>(kj, kj + S::kTileBytes, key, k_end, scale, lane);
       }
     }
   }
