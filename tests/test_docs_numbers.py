@@ -825,11 +825,13 @@ def test_paged_doc_decode_shared_claim(name):
 
 
 DECODE_BUILDS_PACKED = "2026-12-03-decode-builds-packed.json"
+DECODE_BUILDS_STEP = "2026-12-03-decode-builds-step.json"
 
 
 def decode_packed_claims() -> dict[str, str]:
-    """docs/paged_kv_cache.md on SharedTiles' packed splits: the run of the two builds, and its MQA cases
-    beside the decode-only FlashInfer run (the same cases and lengths, another run)."""
+    """docs/paged_kv_cache.md on SharedTiles' packed splits and its 32-key step: the runs of the two builds
+    each, and the MQA cases of the latest beside the decode-only FlashInfer run (the same cases and
+    lengths, another run)."""
     rows = _load(DECODE_BUILDS_PACKED)
     assert all(r["max_diff"] < 1e-3 for r in rows)
 
@@ -842,11 +844,17 @@ def decode_packed_claims() -> dict[str, str]:
     rest = [q(r) for r in rows if r not in big]
     fi = {(c["batch"], c["lengths_kind"]): _fi_fastest(c) for c in _load(PAGED_DECODE_FI_SHARED)["cases"]
           if c["shape"] == "mqa71_1_d64" and c["dtype"] == "float16"}
-    ours = {(r["batch"], r["kind"]): r["us"]["after"] for r in big if r["page"] == 256}
+    step = _load(DECODE_BUILDS_STEP)
+    assert all(r["max_diff"] < 1e-3 for r in step)
+    step_big = [q(r) for r in step if r["shape"] == "71/1/64" and r["batch"] >= 32]
+    step_rest = [q(r) for r in step if not (r["shape"] == "71/1/64" and r["batch"] >= 32)]
+    ours = {(r["batch"], r["kind"]): r["us"]["after"] for r in step
+            if r["shape"] == "71/1/64" and r["batch"] >= 32 and r["page"] == 256}
     return {
         "mixed": f"{_range(mixed)} the time of the per-sequence splits",
         "uniform": f"with every sequence at 16k {_range(uniform)}",
         "rest": f"the other cases {_range(rest)}",
+        "step": f"MQA 71/1/64 at 32 and 64 sequences {_range(step_big)}, the other cases {_range(step_rest)}",
         "fi": "; ".join(f"{b} sequences, {k}: {ours[(b, k)]:.1f} µs against FlashInfer's {fi[(b, k)]:.1f}"
                         for b in (32, 64) for k in ("mixed", "uniform16k")),
     }
