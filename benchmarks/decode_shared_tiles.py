@@ -1,11 +1,12 @@
 """SharedTiles (``native/gqa_decode.cu``: a large group's 16-row tiles as the warps of one CTA) against
-the decode kernel's classic blocks at few sequences, one build, one run: MQA 71/1/64 on TVM's pages of
-256, fp16, batch 8/16/24 (mixed 1k-16k, every sequence 16k); SharedTiles asked for
-(``row_tiles=SHARED_TILES``) with g splits a slot (a typical sequence's keys over g, whole 64-key tiles,
-at least 256), the classic blocks (``row_tiles=1``) and the plan's rule (``row_tiles=0``). GPU kernel time per call from CUPTI; every output
+the decode kernel's classic blocks at few sequences, one build, one run: MQA 71/1/64 (or ``--shape``) on
+TVM's pages of 256, fp16, batch 8/16/24 (or ``--batches``; mixed 1k-16k, every sequence 16k); SharedTiles
+asked for (``row_tiles=SHARED_TILES``) with its own plan (``asked``) and with g splits a slot (a typical
+sequence's keys over g, whole 64-key tiles, at least 256), the classic blocks (``row_tiles=1``) and the
+plan's rule (``row_tiles=0``). GPU kernel time per call from CUPTI; every output
 compared with the classic blocks'. What the plan's SharedTiles threshold and split cap were set from.
 
-    python benchmarks/decode_shared_tiles.py measure --lib LIB.so --out OUT.json
+    python benchmarks/decode_shared_tiles.py measure --lib LIB.so --out OUT.json [--shape 40/2/64] [--batches 8 12]
     python benchmarks/decode_shared_tiles.py report OUT.json --out OUT.md --commit C --date D --command CMD
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from decode_builds import add_report_command, write_report  # noqa: E402
 GRIDS = (8, 12, 16, 24, 32, 48)
 
 
-def measure(lib_path: str, out_path: str, batches=(8, 16, 24), grids=GRIDS) -> list:
+def measure(lib_path: str, out_path: str, batches=(8, 16, 24), grids=GRIDS, shape=(71, 1, 64)) -> list:
     import torch
 
     from decode_kernel import kernel_us
@@ -30,7 +31,7 @@ def measure(lib_path: str, out_path: str, batches=(8, 16, 24), grids=GRIDS) -> l
     from mqa_byoc.testing import decode_kernel as dk
 
     lib = dk.load_library(lib_path)
-    h, hk, d, page = 71, 1, 64, 256
+    (h, hk, d), page = shape, 256
     rows = []
     for batch in batches:
         for kind in ("mixed", "uniform16k"):
@@ -47,14 +48,17 @@ def measure(lib_path: str, out_path: str, batches=(8, 16, 24), grids=GRIDS) -> l
                                  num_heads_k=hk, pages=(paged["indptr"], paged["values"], paged["last"], page),
                                  lib=lib, row_tiles=row_tiles)
             classic, rule = make(1), make(0)
-            rec = {"batch": batch, "lengths": kind, "rule_shared_tiles": rule.plan.shared_tiles,
-                   "classic": kernel_us(classic, 30), "rule": kernel_us(rule, 30), "max_diff": 0.0}
+            asked = make(dk.SHARED_TILES)
+            rec = {"shape": f"{h}/{hk}/{d}", "batch": batch, "lengths": kind, "rule_shared_tiles": rule.plan.shared_tiles,
+                   "classic": kernel_us(classic, 30), "rule": kernel_us(rule, 30), "asked": kernel_us(asked, 30),
+                   "asked_shared_tiles": asked.plan.shared_tiles, "max_diff": 0.0}
             classic()
             torch.cuda.synchronize()
             ref = out.clone()
-            rule()
-            torch.cuda.synchronize()
-            rec["max_diff"] = (out.float() - ref.float()).abs().max().item()
+            for call in (rule, asked):
+                call()
+                torch.cuda.synchronize()
+                rec["max_diff"] = max(rec["max_diff"], (out.float() - ref.float()).abs().max().item())
             typical = sum(lengths) // batch
             for g in grids:
                 call = make(dk.SHARED_TILES)
@@ -76,17 +80,23 @@ def report(rows: list, meta: dict) -> str:
     lines = ["# SharedTiles at few sequences: split counts against the classic blocks", "",
              f"- commit {meta.get('commit', '?')}; date {meta.get('date', '?')}; NVIDIA H200",
              f"- command: `{meta.get('command', '?')}`",
-             "- MQA 71/1/64 on TVM's pages of 256, fp16; GPU kernel time per call (µs, CUPTI, 30 calls); "
-             "`classic`: the classic blocks; `rule`: the plan's choice (SharedTiles or not); `gN`: SharedTiles "
+             "- TVM's pages of 256, fp16; GPU kernel time per call (µs, CUPTI, 30 calls); `classic`: the classic "
+             "blocks; `rule`: the plan's choice (its `shared_tiles`: 0 the classic blocks, 1 SharedTiles, 2 "
+             "SharedTiles with packed splits); `asked`: SharedTiles asked for, its own plan; `gN`: SharedTiles "
              "asked for in N splits a slot; `max diff`: against the classic blocks' output.", "",
-             "| batch | lengths | classic µs | rule µs (SharedTiles) | " + " | ".join(f"{g} µs" for g in gs)
-             + " | best g / classic | rule / classic | max diff |",
-             "|---:|---|---:|---:|" + "---:|" * len(gs) + "---:|---:|---:|"]
+             "| shape | batch | lengths | classic µs | rule µs (shared_tiles) | asked µs (shared_tiles) | "
+             + " | ".join(f"{g} µs" for g in gs) + " | best g / classic | rule / classic | asked / classic | max diff |",
+             "|---|---:|---|---:|---:|---:|" + "---:|" * len(gs) + "---:|---:|---:|---:|"]
+
     for r in rows:
         best = min(r[g] for g in gs)
-        lines.append(f"| {r['batch']} | {r['lengths']} | {r['classic']:.1f} | {r['rule']:.1f} ({r['rule_shared_tiles']}) | "
+        has = "asked" in r
+        asked_us = f"{r['asked']:.1f} ({r['asked_shared_tiles']})" if has else "–"
+        asked_q = f"{r['asked'] / r['classic']:.2f}" if has else "–"
+        lines.append(f"| {r.get('shape', '71/1/64')} | {r['batch']} | {r['lengths']} | {r['classic']:.1f} | "
+                     f"{r['rule']:.1f} ({r['rule_shared_tiles']}) | {asked_us} | "
                      + " | ".join(f"{r[g]:.1f}" for g in gs)
-                     + f" | {best / r['classic']:.2f} | {r['rule'] / r['classic']:.2f} | {r['max_diff']:.2g} |")
+                     + f" | {best / r['classic']:.2f} | {r['rule'] / r['classic']:.2f} | {asked_q} | {r['max_diff']:.2g} |")
     if "g16" in rows[0]:
         lines += ["", "g16 / classic: " + ", ".join(f"batch {r['batch']} {r['lengths']} {r['g16'] / r['classic']:.2f}"
                                                     for r in rows)]
@@ -99,10 +109,12 @@ def main(argv=None) -> int:
     m = sub.add_parser("measure", help="time the variants (GPU)")
     m.add_argument("--lib", required=True, help="a build of gqa_decode.cu (testing/decode_kernel.library's command)")
     m.add_argument("--out", required=True, help="results JSON")
+    m.add_argument("--shape", default="71/1/64", metavar="H/H_KV/D", help="a head dim 64 grouping (default 71/1/64)")
+    m.add_argument("--batches", nargs="+", type=int, default=[8, 16, 24], help="sequences a call (default 8 16 24)")
     add_report_command(sub)
     args = ap.parse_args(argv)
     if args.command == "measure":
-        measure(args.lib, args.out)
+        measure(args.lib, args.out, batches=tuple(args.batches), shape=tuple(int(x) for x in args.shape.split("/")))
     else:
         write_report(args, report)
     return 0

@@ -177,10 +177,10 @@ def _shared_layout(heads, heads_k):
 
 
 @pytest.mark.parametrize("heads,heads_k", [(71, 1), (40, 2), (17, 1), (128, 1), (200, 1), (64, 8)])
-@pytest.mark.parametrize("batch", [1, 8, 15, 16, 32, 64, 256])
+@pytest.mark.parametrize("batch", [1, 8, 11, 12, 15, 16, 32, 64, 256])
 @pytest.mark.parametrize("paged", [False, True])
 def test_shared_tiles_plan(lib, heads, heads_k, batch, paged):
-    """The rule takes SharedTiles at head dim 64 for groups of more than 16 from 16 slots (sequences x K/V
+    """The rule takes SharedTiles at head dim 64 for groups of more than 16 from 12 slots (sequences x K/V
     heads x row groups) on: the group's row tiles as the warps of a CTA (at most 8, then row groups), at
     most 16 splits a slot (a cluster's worth) of whole 64-key tiles and at least 256 keys, about the CTAs
     the SMs hold (16 warps an SM), and their scratch; otherwise the classic blocks. On pages, where the
@@ -191,7 +191,7 @@ def test_shared_tiles_plan(lib, heads, heads_k, batch, paged):
     assert rc == 0
     warps, row_groups = _shared_layout(heads, heads_k)
     slots = batch * heads_k * row_groups
-    shared = heads // heads_k > 16 and slots >= 16
+    shared = heads // heads_k > 16 and slots >= 12
     ctas_per_sm = min(16 // warps, 4)  # 16 warps, and about 50 KB of shared memory a CTA
     if not shared:
         assert p.shared_tiles == 0 and p.row_tiles == 1 and p.warps in (4, 8)

@@ -1347,8 +1347,9 @@ constexpr int kShMinKeys = 256;  // keys a split at least (the plan's)
 // plan makes (a cluster's worth). Measured on the H200 (71/1/64 on TVM's pages,
 // benchmarks/results/2026-12-02-decode-shared-tiles-sweep.md, -mid.md): 32 and 64 sequences 0.52-0.96x the
 // classic blocks' time; 16 and 24 sequences in 16 splits 0.64-0.90x; 8 sequences at best 1.01-1.38x (one
-// slot a sequence fills the GPU only with short splits); one sequence runs the classic blocks.
-constexpr int kShMinSlots = 16;
+// slot a sequence fills the GPU only with short splits); one sequence runs the classic blocks. With the
+// 32-key step (benchmarks/results/2026-12-03-decode-shared-tiles-few.md): from 12 slots on.
+constexpr int kShMinSlots = 12;
 constexpr int kShMaxTarget = kMaxCluster;
 // Whether a call runs SharedTiles: asked for (row_tiles MQA_BYOC_DECODE_SHARED_TILES) or by the rule
 // (row_tiles 0), at head dim 64 for more than 16 query rows a K/V head.
