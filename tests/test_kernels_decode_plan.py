@@ -176,12 +176,19 @@ def _shared_layout(heads, heads_k):
     return warps, -(-group // (16 * warps))
 
 
+def _rule_takes_shared(heads, heads_k, batch):
+    """The rule's SharedTiles threshold: groups of more than 16 at head dim 64, from 12 slots (sequences x
+    K/V heads x row groups) for CTAs of 4 warps or more, from 48 for fewer."""
+    warps, row_groups = _shared_layout(heads, heads_k)
+    return heads // heads_k > 16 and batch * heads_k * row_groups >= (12 if warps >= 4 else 48)
+
+
 @pytest.mark.parametrize("heads,heads_k", [(71, 1), (40, 2), (17, 1), (128, 1), (200, 1), (64, 8)])
-@pytest.mark.parametrize("batch", [1, 8, 11, 12, 15, 16, 32, 64, 256])
+@pytest.mark.parametrize("batch", [1, 8, 11, 12, 15, 16, 23, 24, 32, 64, 256])
 @pytest.mark.parametrize("paged", [False, True])
 def test_shared_tiles_plan(lib, heads, heads_k, batch, paged):
     """The rule takes SharedTiles at head dim 64 for groups of more than 16 from 12 slots (sequences x K/V
-    heads x row groups) on: the group's row tiles as the warps of a CTA (at most 8, then row groups), at
+    heads x row groups) on, from 48 for CTAs of fewer than 4 warps: the group's row tiles as the warps of a CTA (at most 8, then row groups), at
     most 16 splits a slot (a cluster's worth) of whole 64-key tiles and at least 256 keys, about the CTAs
     the SMs hold (16 warps an SM), and their scratch; otherwise the classic blocks. On pages, where the
     slots' splits would not merge in clusters of at most 16: packed splits (shared_tiles 2) instead."""
@@ -191,7 +198,7 @@ def test_shared_tiles_plan(lib, heads, heads_k, batch, paged):
     assert rc == 0
     warps, row_groups = _shared_layout(heads, heads_k)
     slots = batch * heads_k * row_groups
-    shared = heads // heads_k > 16 and slots >= 12
+    shared = _rule_takes_shared(heads, heads_k, batch)
     ctas_per_sm = min(16 // warps, 4)  # 16 warps, and about 50 KB of shared memory a CTA
     if not shared:
         assert p.shared_tiles == 0 and p.row_tiles == 1 and p.warps in (4, 8)
@@ -228,7 +235,7 @@ def _assert_packed(p, heads_k, batch, warps, row_groups, ctas_per_sm):
 
 
 @pytest.mark.parametrize("heads,heads_k", [(71, 1), (40, 2), (200, 1)])
-@pytest.mark.parametrize("batch", [16, 32, 64, 1000, 12288, 12289])
+@pytest.mark.parametrize("batch", [16, 24, 32, 64, 1000, 12288, 12289])
 def test_packed_splits_plan(lib, heads, heads_k, batch):
     """Without the clusters' capacity (no cluster merge possible) every paged SharedTiles call whose
     lengths fit the kernel's main buffer (12288 sequences) gets packed splits, whatever the lengths; past
@@ -238,12 +245,14 @@ def test_packed_splits_plan(lib, heads, heads_k, batch):
         rc, p = _plan(lib, heads=heads, heads_k=heads_k, dim=64, batch=batch, pages=(batch * seqlen // 64, 64),
                       seqlen=0, clusters=False)
         assert rc == 0
-        if batch <= 12288:
+        if not _rule_takes_shared(heads, heads_k, batch):
+            assert p.shared_tiles == 0
+        elif batch <= 12288:
             _assert_packed(p, heads_k, batch, warps, row_groups, min(16 // warps, 4))
         else:
             assert p.shared_tiles == 1
         rc, p = _plan(lib, heads=heads, heads_k=heads_k, dim=64, batch=batch, seqlen=seqlen, clusters=False)
-        assert rc == 0 and p.shared_tiles == 1
+        assert rc == 0 and p.shared_tiles == int(_rule_takes_shared(heads, heads_k, batch))
 
 
 def test_launch_refuses_a_packed_plan_it_cannot_run(lib):

@@ -121,11 +121,13 @@ def test_shared_tiles(dtype, heads, heads_k, seqlen, merge, window_left):
     _check(out, lse, ref_o, ref_lse, dtype)
 
 
-@pytest.mark.parametrize("batch,shared", [(1, 0), (8, 0), (11, 0), (12, 1), (16, 1), (32, 1), (64, 1)])
-def test_shared_tiles_by_the_rule(batch, shared):
-    """The plan's rule takes SharedTiles from 12 slots (sequences x K/V heads x row groups) on; the
-    output is right either way."""
-    call, out, lse, ref_o, ref_lse = _contiguous_case(batch, 71, 1, 64, 3000, torch.float16)
+@pytest.mark.parametrize("heads,heads_k,batch,shared", [(71, 1, 1, 0), (71, 1, 8, 0), (71, 1, 11, 0), (71, 1, 12, 1),
+                                                        (71, 1, 16, 1), (71, 1, 32, 1), (71, 1, 64, 1), (40, 2, 16, 0),
+                                                        (40, 2, 23, 0), (40, 2, 24, 1)])
+def test_shared_tiles_by_the_rule(heads, heads_k, batch, shared):
+    """The plan's rule takes SharedTiles from 12 slots (sequences x K/V heads x row groups) on, from 48
+    where a CTA has fewer than 4 warps (40/2/64: 3); the output is right either way."""
+    call, out, lse, ref_o, ref_lse = _contiguous_case(batch, heads, heads_k, 64, 3000, torch.float16)
     assert call.plan.shared_tiles == shared
     call()
     torch.cuda.synchronize()

@@ -1348,8 +1348,12 @@ constexpr int kShMinKeys = 256;  // keys a split at least (the plan's)
 // benchmarks/results/2026-12-02-decode-shared-tiles-sweep.md, -mid.md): 32 and 64 sequences 0.52-0.96x the
 // classic blocks' time; 16 and 24 sequences in 16 splits 0.64-0.90x; 8 sequences at best 1.01-1.38x (one
 // slot a sequence fills the GPU only with short splits); one sequence runs the classic blocks. With the
-// 32-key step (benchmarks/results/2026-12-03-decode-shared-tiles-few.md): from 12 slots on.
+// 32-key step (benchmarks/results/2026-12-03-decode-shared-tiles-few.md): CTAs of 4 warps or more (71/1/64:
+// 5) from 12 slots on (at 12-16 sequences 0.57-0.88x the classic blocks' time, at 10 1.03x with mixed
+// lengths); of fewer warps (40/2/64: 3, each CTA's K/V tile shared by fewer rows) from 48 (at 24-64
+// sequences, 48-128 slots, 0.62-0.95x; at 6-16 sequences 1.16-1.45x with mixed lengths).
 constexpr int kShMinSlots = 12;
+constexpr int kShMinSlotsFewWarps = 48;
 constexpr int kShMaxTarget = kMaxCluster;
 // Whether a call runs SharedTiles: asked for (row_tiles MQA_BYOC_DECODE_SHARED_TILES) or by the rule
 // (row_tiles 0), at head dim 64 for more than 16 query rows a K/V head.
@@ -1359,8 +1363,10 @@ bool shared_rule(const mqa_byoc_decode_args& a, int asked) {
     return false;
   }
   if (asked == MQA_BYOC_DECODE_SHARED_TILES) return true;
-  const int64_t rows = 16 * shared_warps(a);
-  return a.batch * a.num_heads_k * ((a.num_heads / a.num_heads_k + rows - 1) / rows) >= kShMinSlots;
+  const int warps = shared_warps(a);
+  const int64_t rows = 16 * warps;
+  return a.batch * a.num_heads_k * ((a.num_heads / a.num_heads_k + rows - 1) / rows) >=
+         (warps >= 4 ? kShMinSlots : kShMinSlotsFewWarps);
 }
 // Its CTAs an SM holds: 16 warps of 128 registers, and the shared memory.
 int shared_ctas_per_sm(int warps, bool cluster) {
