@@ -864,3 +864,32 @@ def decode_packed_claims() -> dict[str, str]:
 def test_paged_doc_decode_packed_claim(name):
     text = " ".join(PAGED_DOC.read_text().split())
     assert decode_packed_claims()[name] in text, f"docs/paged_kv_cache.md lacks {name}: {decode_packed_claims()[name]!r}"
+
+
+DECODE_SHARED_FEW = "2026-12-03-decode-shared-tiles-few.json"
+
+
+def decode_shared_few_claims() -> dict[str, str]:
+    """docs/paged_kv_cache.md on where the rule takes SharedTiles: SharedTiles asked for against the
+    classic blocks at few sequences, 71/1/64 (5 warps a CTA) and 40/2/64 (3)."""
+    rows = _load(DECODE_SHARED_FEW)
+    assert all(r["max_diff"] < 1e-3 for r in rows)
+
+    def q(shape, batches, kind=None):
+        return [r["asked"] / r["classic"] for r in rows if r["shape"] == shape and r["batch"] in batches
+                and (kind is None or r["lengths"] == kind)]
+    return {
+        "rule_71": f"71/1/64 at 12-16 sequences {_range(q('71/1/64', range(12, 17)))}",
+        "ten_71": f"at 10 sequences {_range(q('71/1/64', (10,), 'mixed'))} with mixed lengths",
+        "eight_71": f"at 8 {_range(q('71/1/64', (8,), 'mixed'))} and {_range(q('71/1/64', (8,), 'uniform16k'))}",
+        "few_40": f"took {_range(q('40/2/64', range(6, 17), 'mixed'))} the classic blocks' time with mixed lengths "
+                  "at 6-16 sequences",
+        "many_40": f"and {_range(q('40/2/64', range(24, 65)))} at 24-64",
+    }
+
+
+@pytest.mark.parametrize("name", sorted(decode_shared_few_claims()))
+def test_paged_doc_decode_shared_few_claim(name):
+    text = " ".join(PAGED_DOC.read_text().split())
+    claim = decode_shared_few_claims()[name]
+    assert claim in text, f"docs/paged_kv_cache.md lacks {name}: {claim!r}"

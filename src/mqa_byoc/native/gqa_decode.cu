@@ -1349,7 +1349,7 @@ constexpr int kShMinKeys = 256;  // keys a split at least (the plan's)
 // classic blocks' time; 16 and 24 sequences in 16 splits 0.64-0.90x; 8 sequences at best 1.01-1.38x (one
 // slot a sequence fills the GPU only with short splits); one sequence runs the classic blocks. With the
 // 32-key step (benchmarks/results/2026-12-03-decode-shared-tiles-few.md): CTAs of 4 warps or more (71/1/64:
-// 5) from 12 slots on (at 12-16 sequences 0.57-0.88x the classic blocks' time, at 10 1.03x with mixed
+// 5) from 12 slots on (at 12-16 sequences 0.57-0.89x the classic blocks' time, at 10 1.03x with mixed
 // lengths); of fewer warps (40/2/64: 3, each CTA's K/V tile shared by fewer rows) from 48 (at 24-64
 // sequences, 48-128 slots, 0.62-0.95x; at 6-16 sequences 1.16-1.45x with mixed lengths).
 constexpr int kShMinSlots = 12;
