@@ -377,6 +377,12 @@ struct RowsAsM {
     // unscaled scores (the max of the scaled ones is the max of these times scale > 0); grow: some score
     // beyond 2^kSlack x its row's running max
     float x[MT][2][2 * NT];
+    auto row_max = [](const float* xr) {  // of this thread's 2 NT scores of a row
+      float mx = fmaxf(fmaxf(xr[0], xr[1]), fmaxf(xr[2], xr[3]));
+#pragma unroll
+      for (int e = 4; e < 2 * NT; e += 2) mx = fmaxf(mx, fmaxf(xr[e], xr[e + 1]));
+      return mx;
+    };
     bool grow = false;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -393,11 +399,7 @@ struct RowsAsM {
             x[mt][half][nt * 2 + e] = sum;
             if (kMasked && key0 + nt * 8 + 2 * t + e >= k_end) x[mt][half][nt * 2 + e] = -INFINITY;
           }
-        const float* xr = x[mt][half];
-        float mx = fmaxf(fmaxf(xr[0], xr[1]), fmaxf(xr[2], xr[3]));
-#pragma unroll
-        for (int e = 4; e < 2 * NT; e += 2) mx = fmaxf(mx, fmaxf(xr[e], xr[e + 1]));
-        grow |= mx * scale > m_run[mt][half] + kSlack;
+        grow |= row_max(x[mt][half]) * scale > m_run[mt][half] + kSlack;
       }
     }
     uint32_t pf[MT][KC][4];
@@ -426,10 +428,7 @@ struct RowsAsM {
         if (!on(mt)) continue;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const float* xr = x[mt][half];
-          float mx = fmaxf(fmaxf(xr[0], xr[1]), fmaxf(xr[2], xr[3]));
-#pragma unroll
-          for (int e = 4; e < 2 * NT; e += 2) mx = fmaxf(mx, fmaxf(xr[e], xr[e + 1]));
+          float mx = row_max(x[mt][half]);
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           const float m_new = fmaxf(m_run[mt][half], mx * scale);
@@ -1040,13 +1039,14 @@ struct SharedSmem {
   }
 };
 
-// Packed splits (a SharedTiles plan's shared_tiles 2, on pages): every sequence is cut into splits of one
-// size for the whole batch, at least one a sequence, numbered across the sequences in their order; CTA x of
+// Packed splits (a SharedTiles plan's shared_tiles 2, on pages): every sequence is cut into splits, at
+// least one a sequence, numbered across the sequences in their order; CTA x of
 // the grid's x (the CTAs the SMs hold, at least one a sequence) takes split x. So a long sequence gets more
 // CTAs than a short one and every CTA about the same work, where the per-slot plans give each sequence the
 // same CTAs (with lengths of 1k-16k the 16k sequences' CTAs then set the time). The split size: the
 // smallest multiple of 64 keys, at least `min_kps`, whose splits fit the grid and the merge's weights
-// (max_splits a sequence), from the total of the keys up in steps of 1/16. Every CTA finds it and its own
+// (max_splits a sequence), from the total of the keys up in steps of 1/16; a sequence then cuts its keys
+// into as many splits of even size (whole tiles, none over that size). Every CTA finds it and its own
 // sequence from the lengths (in s_len, the batch's ints, before the pipeline uses that memory), by block
 // sums and one warp's prefix sum of the split counts. b = -1: a CTA past the last split.
 struct PackedWork {

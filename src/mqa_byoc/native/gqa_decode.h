@@ -51,8 +51,9 @@ typedef struct {
   // which load 64-key tiles together and each run their rows over them (the rule's choice at head dim 64
   // for more than 16 query rows a K/V head; splits of a multiple of 64 keys); 0: the CTA's warps split the
   // keys of its 16 x row_tiles rows; 2: SharedTiles with packed splits (on pages, where the per-sequence
-  // splits would not merge in clusters): one split size for the whole batch, found by the kernel from the
-  // lengths (at least keys_per_split keys), each sequence's splits numbered after the previous one's, and
+  // splits would not merge in clusters): a split size for the whole batch, found by the kernel from the
+  // lengths (at least keys_per_split keys) and evened out within each sequence (as many splits), each
+  // sequence's splits numbered after the previous one's, and
   // `splits` the grid's x for every (K/V head, row group), at least one CTA a sequence: a long sequence
   // gets more CTAs than a short one (merge GLOBAL; at most 12288 sequences: their lengths fill the main buffer)
   int shared_tiles;
