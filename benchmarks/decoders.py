@@ -415,7 +415,8 @@ def report(parts_dir: Path, out: Path, commit: str | None, command: str | None, 
                     cmp[f"{a}_vs_{b}_prefill_{pa['tokens']}"] = round(pb["ms"] / pa["ms"], 3)
     for name, base in (("paged-gemm-measure", "paged-gemm"), ("paged-gemm-graph", "paged-gemm"),
                        ("inplace-gemm-graph", "inplace-gemm"), ("inplace-gemm", "inplace-tvm"),
-                       ("paged-gemm", "paged-tvm")):
+                       ("paged-gemm", "paged-tvm"), ("paged", "paged-before"), ("paged-graph", "paged"),
+                       ("inplace-cublaslt", "inplace-dlight")):
         if name in parts and base in parts:
             for da in parts[name]["decode"]:
                 db = next((x for x in parts[base]["decode"]
@@ -456,6 +457,11 @@ LABELS = {"paged-gemm": "ours, PagedKVCache, GEMMs on cuBLASLt",
           "inplace-gemm": "ours, in-place cache, GEMMs on cuBLASLt (static M = 1: dlight's GEMV)",
           "inplace-gemm-graph": "ours, in-place cache, GEMMs on cuBLASLt, CUDA graphs (--cuda-graph)",
           "inplace-tvm": "ours, in-place cache, GEMMs on TVM's kernels (--no-gemm)",
+          "paged-before": "ours, PagedKVCache, cuBLASLt: heuristic's algorithms timed back to back (the choice before)",
+          "paged": "ours, PagedKVCache, cuBLASLt: with split-count-1 forms, from a cold L2 (the choice now)",
+          "paged-graph": "same, CUDA graphs (--cuda-graph)",
+          "inplace-dlight": "ours, in-place cache, static M = 1 on dlight's GEMV (the rule before)",
+          "inplace-cublaslt": "ours, in-place cache, static M = 1 on cuBLASLt (the rule now)",
           "hf-eager": "HF transformers, eager (SDPA, dynamic cache)",
           "hf-compile": "HF transformers, torch.compile (static cache)"}
 

@@ -38,8 +38,9 @@ CHOICES: dict[str, dict[str, str]] = {
         "never": "FA2 only",
     },
     "gemm_algorithm": {
-        "measure": "a cuBLASLt GEMM of at most 64 rows times up to 16 of the heuristic's algorithms once per "
-                   "shape and keeps the fastest; larger GEMMs keep the heuristic's first choice",
+        "measure": "a cuBLASLt GEMM of at most 64 rows times up to 16 of the heuristic's algorithms and the "
+                   "split-count-1 form of each split-K one, from a cold L2, once per shape, and keeps the fastest; "
+                   "larger GEMMs keep the heuristic's first choice",
         "heuristic": "every cuBLASLt GEMM keeps the heuristic's first choice",
     },
 }

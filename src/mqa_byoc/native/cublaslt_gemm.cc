@@ -14,11 +14,14 @@
 //
 // Algorithm: cuBLASLt's heuristic ranks its algorithms by a model. A plan of at most kMeasureMaxM rows
 // (decode: the weight is read once, and the heuristic's first choice is often a split-K algorithm with a
-// reduction kernel after it) times up to kCandidates of the heuristic's algorithms on the call's own
-// operands, on its stream (CUDA driver events, libcuda.so.1 opened the same way), and keeps the fastest;
-// the measurement costs a few ms per shape, once. Measured on the H200 (CodeLlama-34B shapes, the paged
-// decoder, benchmarks/results/2026-12-01-decoders.md): 1.5-4% less time per decode step at batch 1-32
-// than the heuristic's first choice. Larger M keeps the heuristic's choice (prefill GEMMs run at or above
+// reduction kernel after it) times up to kCandidates of the heuristic's algorithms, and each split-K one
+// of them again with its split count set to 1 (the same kernel reading all of K: the heuristic often
+// offers only the split form of the tile shape that streams a decode weight fastest), on the call's own
+// operands, on its stream (CUDA driver events, libcuda.so.1 opened the same way), each call from a cold
+// L2 (pick_fastest), and keeps the fastest; the measurement costs a few ms per shape, once. Measured on
+// the H200 (CodeLlama-34B shapes, the paged decoder): 1.5-4% less time per decode step at batch 1-32 than
+// the heuristic's first choice (benchmarks/results/2026-12-01-decoders.md); the split-count-1 forms and
+// the cold L2 took another 0.5-2.6% off a step at batch 1-32 (2026-12-03-decoders-gemm-measure.md). Larger M keeps the heuristic's choice (prefill GEMMs run at or above
 // torch.matmul's rate with it, and a new prompt length would measure again). The build option
 // kernel_options gemm_algorithm=heuristic (compiled into the library, mqa_byoc/compiler/kernel_options.py;
 // no environment variable) keeps the heuristic's first choice everywhere. A plan made while the
@@ -29,6 +32,7 @@
 #include <dlfcn.h>
 #include <tvm/runtime/c_backend_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -51,8 +55,9 @@ namespace {
 
 constexpr size_t kWorkspaceBytes = 32u << 20;  // what NVIDIA recommends for Hopper
 constexpr int kCandidates = 16;                 // heuristic results timed for a small-M plan
+constexpr int kTimed = 2 * kCandidates;         // with the split-count-1 form of each split-K one
 constexpr int64_t kMeasureMaxM = 64;            // rows up to which a plan is measured
-constexpr int kMeasureReps = 5;                 // timed calls per candidate (after one untimed)
+constexpr int kMeasureRounds = 5;               // timed calls per candidate (after one untimed), in turns
 
 // The CUDA driver's event calls, opened from libcuda.so.1 (already loaded by any CUDA process).
 struct Driver {
@@ -63,6 +68,12 @@ struct Driver {
   int (*event_elapsed)(float*, void*, void*) = nullptr;
   int (*event_destroy)(void*) = nullptr;
   int (*stream_is_capturing)(void*, int*) = nullptr;
+  // For the cold-L2 measurement (optional: without them the candidates are timed back to back).
+  int (*device_get)(int*, int) = nullptr;
+  int (*device_attribute)(int*, int, int) = nullptr;
+  int (*mem_alloc)(unsigned long long*, size_t) = nullptr;
+  int (*mem_free)(unsigned long long) = nullptr;
+  int (*memset_async)(unsigned long long, unsigned char, size_t, void*) = nullptr;
 };
 
 const Driver& driver() {
@@ -79,6 +90,12 @@ const Driver& driver() {
     d.stream_is_capturing = reinterpret_cast<int (*)(void*, int*)>(dlsym(lib, "cuStreamIsCapturing"));
     d.ok = d.event_create && d.event_record && d.event_sync && d.event_elapsed && d.event_destroy &&
            d.stream_is_capturing;
+    d.device_get = reinterpret_cast<int (*)(int*, int)>(dlsym(lib, "cuDeviceGet"));
+    d.device_attribute = reinterpret_cast<int (*)(int*, int, int)>(dlsym(lib, "cuDeviceGetAttribute"));
+    d.mem_alloc = reinterpret_cast<int (*)(unsigned long long*, size_t)>(dlsym(lib, "cuMemAlloc_v2"));
+    d.mem_free = reinterpret_cast<int (*)(unsigned long long)>(dlsym(lib, "cuMemFree_v2"));
+    d.memset_async =
+        reinterpret_cast<int (*)(unsigned long long, unsigned char, size_t, void*)>(dlsym(lib, "cuMemsetD8Async"));
   });
   return d;
 }
@@ -102,6 +119,10 @@ struct Api {
   decltype(&cublasLtMatmulAlgoGetHeuristic) heuristic = nullptr;
   decltype(&cublasLtMatmul) matmul = nullptr;
   decltype(&cublasLtGetStatusString) status_string = nullptr;
+  // Optional (no split-K variants without them).
+  decltype(&cublasLtMatmulAlgoConfigGetAttribute) config_get = nullptr;
+  decltype(&cublasLtMatmulAlgoConfigSetAttribute) config_set = nullptr;
+  decltype(&cublasLtMatmulAlgoCheck) algo_check = nullptr;
 };
 
 std::string self_dir() {
@@ -154,6 +175,9 @@ const Api& api() {
         bind(&a, &a.pref_destroy, "cublasLtMatmulPreferenceDestroy") &&
         bind(&a, &a.heuristic, "cublasLtMatmulAlgoGetHeuristic") && bind(&a, &a.matmul, "cublasLtMatmul") &&
         bind(&a, &a.status_string, "cublasLtGetStatusString");
+    a.config_get = reinterpret_cast<decltype(a.config_get)>(dlsym(a.lib, "cublasLtMatmulAlgoConfigGetAttribute"));
+    a.config_set = reinterpret_cast<decltype(a.config_set)>(dlsym(a.lib, "cublasLtMatmulAlgoConfigSetAttribute"));
+    a.algo_check = reinterpret_cast<decltype(a.algo_check)>(dlsym(a.lib, "cublasLtMatmulAlgoCheck"));
   });
   return a;
 }
@@ -208,6 +232,35 @@ cublasLtEpilogue_t epilogue_of(int epilogue) {
   }
 }
 
+// Appends, for each split-K candidate (split count > 1), the same algorithm with a split count of 1 when
+// cuBLASLt accepts it for this problem within the workspace; returns the new count (at most kTimed).
+int add_unsplit(const Api& a, cublasLtHandle_t handle, const Plan& plan, cublasLtMatmulHeuristicResult_t* candidates,
+                int found) {
+  if (a.config_get == nullptr || a.config_set == nullptr || a.algo_check == nullptr) return found;
+  int count = found;
+  for (int i = 0; i < found && count < kTimed; ++i) {
+    if (candidates[i].state != CUBLAS_STATUS_SUCCESS) continue;
+    int splits = 1;
+    size_t written = 0;
+    if (a.config_get(&candidates[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof(splits), &written) !=
+            CUBLAS_STATUS_SUCCESS || splits <= 1) {
+      continue;
+    }
+    cublasLtMatmulAlgo_t unsplit = candidates[i].algo;
+    const int one = 1;
+    if (a.config_set(&unsplit, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &one, sizeof(one)) != CUBLAS_STATUS_SUCCESS) continue;
+    cublasLtMatmulHeuristicResult_t checked;
+    if (a.algo_check(handle, plan.desc, plan.a, plan.b, plan.c, plan.d, &unsplit, &checked) !=
+            CUBLAS_STATUS_SUCCESS || checked.workspaceSize > kWorkspaceBytes) {
+      continue;
+    }
+    checked.algo = unsplit;
+    checked.state = CUBLAS_STATUS_SUCCESS;
+    candidates[count++] = checked;
+  }
+  return count;
+}
+
 int make_plan(const Api& a, cublasLtHandle_t handle, const Key& key, Plan* plan,
               cublasLtMatmulHeuristicResult_t* candidates, int* n_candidates) {
   const int is_bf16 = std::get<1>(key), transposed = std::get<2>(key), epilogue = std::get<3>(key);
@@ -252,35 +305,81 @@ int make_plan(const Api& a, cublasLtHandle_t handle, const Key& key, Plan* plan,
   }
   plan->algo = candidates[0].algo;
   *n_candidates = found;
+  if (wanted > 1) *n_candidates = add_unsplit(a, handle, *plan, candidates, found);
   return 0;
 }
 
+// A scratch buffer of twice the device's L2, written before each timed call so that the call reads its
+// operands from HBM as it does inside a model (where other weights passed through L2 in between); 0
+// when the driver calls are missing or the allocation fails (the calls are then timed back to back).
+struct L2Flush {
+  const Driver& d;
+  unsigned long long ptr = 0;
+  size_t bytes = 0;
+  L2Flush(const Driver& drv, int device_id) : d(drv) {
+    int dev = 0, l2 = 0;
+    if (!d.device_get || !d.device_attribute || !d.mem_alloc || !d.mem_free || !d.memset_async) return;
+    if (d.device_get(&dev, device_id) != 0 || d.device_attribute(&l2, 38 /* CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE */, dev) != 0 ||
+        l2 <= 0) {
+      return;
+    }
+    bytes = 2 * static_cast<size_t>(l2);
+    if (d.mem_alloc(&ptr, bytes) != 0) ptr = 0;
+  }
+  ~L2Flush() {
+    if (ptr != 0) d.mem_free(ptr);
+  }
+  void operator()(void* stream) const {
+    if (ptr != 0) d.memset_async(ptr, 0, bytes, stream);
+  }
+};
+
 // The fastest of `found` candidates on the call's operands (D is written; the call after this writes
-// it again). A candidate that fails to run is skipped; if every one fails the heuristic's first stays.
-void pick_fastest(const Api& a, const Device& dev, Plan* plan, const cublasLtMatmulHeuristicResult_t* candidates,
-                  int found, const void* alpha, const void* beta, const void* x, const void* w, const void* c,
-                  void* out, cudaStream_t stream) {
+// it again). Each candidate runs once untimed (a first call may load its kernel), then kMeasureRounds
+// times, in turns over all candidates, each call after an L2 flush and timed alone; a candidate counts
+// its median. (Timed back to back on the same weight, a kernel that ends reading where it starts again
+// finds part of it in L2 and looks faster than it runs in a model; turns spread clock drift over all
+// candidates.) A candidate that fails to run is skipped; if every one fails the heuristic's first stays.
+void pick_fastest(const Api& a, const Device& dev, int device_id, Plan* plan,
+                  const cublasLtMatmulHeuristicResult_t* candidates, int found, const void* alpha, const void* beta,
+                  const void* x, const void* w, const void* c, void* out, cudaStream_t stream) {
   const Driver& d = driver();
   void *start = nullptr, *stop = nullptr;
   if (d.event_create(&start, 0) != 0 || d.event_create(&stop, 0) != 0) return;
+  const L2Flush flush(d, device_id);
+  float times[kTimed][kMeasureRounds];
+  bool usable[kTimed];
+  for (int i = 0; i < found; ++i) usable[i] = candidates[i].state == CUBLAS_STATUS_SUCCESS;
+  auto run = [&](int i) {
+    return a.matmul(dev.handle, plan->desc, alpha, w, plan->a, x, plan->b, beta, c, plan->c, out, plan->d,
+                    &candidates[i].algo, dev.workspace, kWorkspaceBytes, stream);
+  };
+  for (int i = 0; i < found; ++i) {
+    if (usable[i] && run(i) != CUBLAS_STATUS_SUCCESS) usable[i] = false;
+  }
+  for (int round = 0; round < kMeasureRounds; ++round) {
+    for (int i = 0; i < found; ++i) {
+      if (!usable[i]) continue;
+      flush(stream);
+      d.event_record(start, stream);
+      const bool ok = run(i) == CUBLAS_STATUS_SUCCESS;
+      d.event_record(stop, stream);
+      float ms = 0.0f;
+      if (!ok || d.event_sync(stop) != 0 || d.event_elapsed(&ms, start, stop) != 0) {
+        usable[i] = false;
+        continue;
+      }
+      times[i][round] = ms;
+    }
+  }
   float best = -1.0f;
   for (int i = 0; i < found; ++i) {
-    if (candidates[i].state != CUBLAS_STATUS_SUCCESS) continue;
-    const cublasLtMatmulAlgo_t* algo = &candidates[i].algo;
-    auto run = [&] {
-      return a.matmul(dev.handle, plan->desc, alpha, w, plan->a, x, plan->b, beta, c, plan->c, out, plan->d, algo,
-                      dev.workspace, kWorkspaceBytes, stream);
-    };
-    if (run() != CUBLAS_STATUS_SUCCESS) continue;
-    d.event_record(start, stream);
-    bool ok = true;
-    for (int r = 0; r < kMeasureReps && ok; ++r) ok = run() == CUBLAS_STATUS_SUCCESS;
-    d.event_record(stop, stream);
-    float ms = 0.0f;
-    if (!ok || d.event_sync(stop) != 0 || d.event_elapsed(&ms, start, stop) != 0) continue;
-    if (best < 0.0f || ms < best) {
-      best = ms;
-      plan->algo = *algo;
+    if (!usable[i]) continue;
+    std::sort(times[i], times[i] + kMeasureRounds);
+    const float median = times[i][kMeasureRounds / 2];
+    if (best < 0.0f || median < best) {
+      best = median;
+      plan->algo = candidates[i].algo;
     }
   }
   d.event_destroy(start);
@@ -323,7 +422,7 @@ int mqa_byoc_cublaslt_gemm(int device_id, void* stream, int dtype, int transpose
   const void* c = residual != nullptr ? residual : out;
   auto it = g_plans.find(key);
   bool fresh = false;
-  cublasLtMatmulHeuristicResult_t candidates[kCandidates];
+  cublasLtMatmulHeuristicResult_t candidates[kTimed];
   int found = 0;
   if (it == g_plans.end()) {
     Plan plan;
@@ -337,7 +436,7 @@ int mqa_byoc_cublaslt_gemm(int device_id, void* stream, int dtype, int transpose
   }
   int capturing = 0;
   if (fresh && found > 1 && driver().stream_is_capturing(stream, &capturing) == 0 && capturing == 0) {
-    pick_fastest(a, dev, &plan, candidates, found, &alpha, &beta, x, w, c, out, static_cast<cudaStream_t>(stream));
+    pick_fastest(a, dev, device_id, &plan, candidates, found, &alpha, &beta, x, w, c, out, static_cast<cudaStream_t>(stream));
   }
   MQA_BYOC_LT(a.matmul(dev.handle, plan.desc, &alpha, w, plan.a, x, plan.b, &beta, c, plan.c, out, plan.d,
                        &plan.algo, dev.workspace, kWorkspaceBytes, static_cast<cudaStream_t>(stream)),

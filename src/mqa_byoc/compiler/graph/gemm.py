@@ -40,7 +40,6 @@ from mqa_byoc.contract import (GEMM_ACTIVATIONS, GEMM_CODEGEN, GEMM_COMPOSITES, 
                                parse_gemm_composite)
 
 __all__ = [
-    "DECODE_TVM_MAX_M",
     "GemmSite",
     "PartitionGemm",
     "gemm_patterns",
@@ -57,17 +56,12 @@ SUPPORTED_DTYPES = ("float16", "bfloat16")
 ALIGN_ELEMENTS = 8
 #: cuBLASLt takes int64 sizes but its leading dimensions and heuristics are int32 in practice
 MAX_DIM = 2**31 - 1
-#: A GEMM with a static M of at most this many rows (decode at a fixed batch) stays on TVM: dlight's GEMV
-#: rule applies to it (static shapes only) and reads the weight as fast as cuBLASLt. Measured on the H200
-#: (benchmarks/results/2026-12-01-gemm.md, CodeLlama-34B shapes, fp16): at M = 1 dlight's GEMV took
-#: 43.8 / 41.0 / 172.8 / 104.2 us for qkv / o_proj / gate_up / down, cuBLASLt 47.4 / 41.1 / 171.9 / 102.9;
-#: at a static M = 8 dlight's kernels took 378-1008 us, cuBLASLt 41-170 us. A symbolic M (a batch decided
-#: at run time) goes to cuBLASLt: no GEMV rule applies and TVM's kernel read the weight at 0.9-1.7 TB/s
-#: against cuBLASLt's 3.3-4.2 TB/s.
-DECODE_TVM_MAX_M = 1
-DECODE_RULE_REASON = (
-    "static M = {m} <= {limit}: dlight's GEMV schedule reads the weight as fast as cuBLASLt at this size "
-    "(measured on the H200: within 8% either way on CodeLlama-34B's GEMMs), so the site stays on TVM")
+# Every M goes to cuBLASLt, static decode rows too: with the measured algorithm choice
+# (native/cublaslt_gemm.cc) cuBLASLt read the weights faster than dlight's GEMV at M = 1 on the H200
+# (benchmarks/results/2026-12-03-decoders-gemm-measure.md, the in-place CodeLlama-34B decoder, kernel time
+# per call: qkv 41.2 vs 42.0 us, o_proj 34.2 vs 37.3, gate_up 168.9 vs 170.6, down 87.3 vs 87.5, lm_head
+# 123.9 vs 125.3; a decode step at 2k 1.638 vs 1.659 ms). Before that choice timed the split-count-1 forms
+# and flushed L2, dlight's GEMV had been as fast and the sites of a static M = 1 stayed on TVM.
 
 
 # ----------------------------------------------------------------------------- the patterns
@@ -214,14 +208,6 @@ def _residual_reason(res_ty, out_ty):
     return None
 
 
-def dispatch_reason(lhs_shape) -> str | None:
-    """The per-shape dispatch rule: why a GEMM cuBLASLt could compute stays on TVM (None: offload)."""
-    m = rows_of(lhs_shape)
-    if isinstance(m, int) and m <= DECODE_TVM_MAX_M:
-        return DECODE_RULE_REASON.format(m=m, limit=DECODE_TVM_MAX_M)
-    return None
-
-
 def _site_reason(composite: str, context: PatternCheckContext) -> str | None:
     fields = parse_gemm_composite(composite)
     ann = context.annotated_expr
@@ -234,7 +220,7 @@ def _site_reason(composite: str, context: PatternCheckContext) -> str | None:
         ann["bias"].ty if fields["bias"] else None,
         ann["residual"].ty if fields["residual"] else None,
     )
-    return reason or dispatch_reason(_shape(ann["lhs"].ty))
+    return reason
 
 
 def check_gemm(composite: str, context: PatternCheckContext) -> bool:
@@ -428,7 +414,7 @@ def _tvm_site(fname, var, call, bindings, users):
     reason = gemm_reason(lhs.ty, weight.ty, call.ty, transposed, axes)
     lshape, wshape = _shape(lhs.ty), _shape(weight.ty)
     if reason is None:
-        reason = dispatch_reason(lshape) or "an intermediate value of the pattern is used elsewhere"
+        reason = "an intermediate value of the pattern is used elsewhere"
     m = str(rows_of(lshape)) if lshape and len(lshape) >= 2 else None
     n = k = None
     if wshape is not None and len(wshape) == 2:
