@@ -21,7 +21,7 @@ def decoders():
 
 
 @pytest.mark.parametrize("stem", ["2026-12-01-decoders", "2026-12-01-decoders-prefill-gemms", "2026-12-02-decoders",
-                                  "2026-12-02-decoders-paged-hopper"])
+                                  "2026-12-02-decoders-paged-hopper", "2026-12-03-decoders-gemm-measure"])
 def test_committed_markdown_is_the_reports(decoders, stem):
     result = json.loads((RESULTS / f"{stem}.json").read_text())
     assert decoders.markdown(result) == (RESULTS / f"{stem}.md").read_text()
@@ -58,3 +58,27 @@ def test_report_merges_parts(decoders, tmp_path):
     assert cmp["paged-gemm_vs_hf-eager_decode_b1_2048"] == round(hf["decode"][0]["ms_per_step"] / pg["decode"][0]["ms_per_step"], 3)
     assert "inplace" not in " ".join(cmp)
     assert (tmp_path / "out.md").read_text() == decoders.markdown(result)
+
+
+def test_decode_only_run_compares_the_algorithm_choices_and_plots(decoders, tmp_path):
+    committed = json.loads((RESULTS / "2026-12-03-decoders-gemm-measure.json").read_text())
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for name in ("inplace-cublaslt", "paged", "paged-before", "inplace-dlight"):
+        (parts / f"{name}.json").write_text(json.dumps(committed["parts"][name]))
+    result = decoders.report(parts, tmp_path / "out", "abc1234", "cmd")
+    assert list(result["parts"]) == ["paged-before", "paged", "inplace-dlight", "inplace-cublaslt"]
+    cmp = result["comparisons"]
+    before, now = committed["parts"]["paged-before"]["decode"], committed["parts"]["paged"]["decode"]
+    for b, n in zip(before, now):
+        key = f"paged_vs_paged-before_decode_b{n['batch']}_{n['context']}"
+        assert cmp[key] == round(b["ms_per_step"] / n["ms_per_step"], 3)
+    d, c = (committed["parts"][k]["decode"][0] for k in ("inplace-dlight", "inplace-cublaslt"))
+    assert cmp["inplace-cublaslt_vs_inplace-dlight_decode_b1_2048"] == round(d["ms_per_step"] / c["ms_per_step"], 3)
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "out.png"
+    assert png.is_file() and png.stat().st_size > 10_000  # decode only: one panel, each step against its limit
+    for p in result["parts"].values():
+        p["decode"] = []
+    with pytest.raises(ValueError, match="decode rows"):
+        decoders.plot(result, tmp_path / "none.png")
