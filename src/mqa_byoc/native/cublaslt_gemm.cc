@@ -18,7 +18,8 @@
 // of them again with its split count set to 1 (the same kernel reading all of K: the heuristic often
 // offers only the split form of the tile shape that streams a decode weight fastest), on the call's own
 // operands, on its stream (CUDA driver events, libcuda.so.1 opened the same way), each call from a cold
-// L2 (pick_fastest), and keeps the fastest; the measurement costs a few ms per shape, once. Measured on
+// L2 (pick_fastest), and keeps the fastest; the measurement runs at most kTimed x (1 + kMeasureRounds)
+// calls, once per shape (tens of ms for a weight of several hundred MB). Measured on
 // the H200 (CodeLlama-34B shapes, the paged decoder): 1.5-4% less time per decode step at batch 1-32 than
 // the heuristic's first choice (benchmarks/results/2026-12-01-decoders.md); the split-count-1 forms and
 // the cold L2 took another 0.5-2.6% off a step at batch 1-32 (2026-12-03-decoders-gemm-measure.md). Larger M keeps the heuristic's choice (prefill GEMMs run at or above
