@@ -19,13 +19,14 @@
 // offers only the split form of the tile shape that streams a decode weight fastest), on the call's own
 // operands, on its stream (CUDA driver events, libcuda.so.1 opened the same way), each call from a cold
 // L2 (pick_fastest), and keeps the fastest; the measurement runs at most kTimed x (1 + kMeasureRounds)
-// calls, once per shape (tens of ms for a weight of several hundred MB). Measured on
-// the H200 (CodeLlama-34B shapes, the paged decoder): 1.5-4% less time per decode step at batch 1-32 than
-// the heuristic's first choice (benchmarks/results/2026-12-01-decoders.md); the split-count-1 forms and
-// the cold L2 took another 0.5-2.6% off a step at batch 1-32 (2026-12-03-decoders-gemm-measure.md). Larger M keeps the heuristic's choice (prefill GEMMs run at or above
-// torch.matmul's rate with it, and a new prompt length would measure again). The build option
-// kernel_options gemm_algorithm=heuristic (compiled into the library, mqa_byoc/compiler/kernel_options.py;
-// no environment variable) keeps the heuristic's first choice everywhere. A plan made while the
+// calls, once per shape (tens of ms for a weight of several hundred MB). Measured on the H200
+// (CodeLlama-34B shapes, the paged decoder): 1.5-4% less time per decode step at batch 1-32 than the
+// heuristic's first choice (benchmarks/results/2026-12-01-decoders.md); the split-count-1 forms and the
+// cold L2 took another 0.5-2.6% off a step at batch 1-32 (2026-12-03-decoders-gemm-measure.md). Larger M
+// keeps the heuristic's choice (prefill GEMMs run at or above torch.matmul's rate with it, and a new
+// prompt length would measure again). The build option kernel_options gemm_algorithm=heuristic
+// (compiled into the library, mqa_byoc/compiler/kernel_options.py; no environment variable) keeps the
+// heuristic's first choice everywhere. A plan made while the
 // stream is being captured into a CUDA graph keeps it too: nothing may synchronize there. TVM's
 // relax.backend.use_cuda_graph runs each captured region once outside the capture first, so its GEMMs are
 // measured in that call and the graph replays the measured algorithm.
@@ -320,10 +321,8 @@ struct L2Flush {
   L2Flush(const Driver& drv, int device_id) : d(drv) {
     int dev = 0, l2 = 0;
     if (!d.device_get || !d.device_attribute || !d.mem_alloc || !d.mem_free || !d.memset_async) return;
-    if (d.device_get(&dev, device_id) != 0 || d.device_attribute(&l2, 38 /* CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE */, dev) != 0 ||
-        l2 <= 0) {
-      return;
-    }
+    const int l2_size = 38;  // CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE
+    if (d.device_get(&dev, device_id) != 0 || d.device_attribute(&l2, l2_size, dev) != 0 || l2 <= 0) return;
     bytes = 2 * static_cast<size_t>(l2);
     if (d.mem_alloc(&ptr, bytes) != 0) ptr = 0;
   }
@@ -437,7 +436,8 @@ int mqa_byoc_cublaslt_gemm(int device_id, void* stream, int dtype, int transpose
   }
   int capturing = 0;
   if (fresh && found > 1 && driver().stream_is_capturing(stream, &capturing) == 0 && capturing == 0) {
-    pick_fastest(a, dev, device_id, &plan, candidates, found, &alpha, &beta, x, w, c, out, static_cast<cudaStream_t>(stream));
+    pick_fastest(a, dev, device_id, &plan, candidates, found, &alpha, &beta, x, w, c, out,
+                 static_cast<cudaStream_t>(stream));
   }
   MQA_BYOC_LT(a.matmul(dev.handle, plan.desc, &alpha, w, plan.a, x, plan.b, &beta, c, plan.c, out, plan.d,
                        &plan.algo, dev.workspace, kWorkspaceBytes, static_cast<cudaStream_t>(stream)),
