@@ -614,6 +614,37 @@ def test_third_decoders_run_claim(name):
     assert claim in " ".join(PERF.read_text().split()), f"performance.md lacks {name}: {claim!r}"
 
 
+def gemm_doc_claims() -> dict[str, str]:
+    """docs/gemm.md's figures of the third decoders run: the dispatch rule and the algorithm choice."""
+    parts = _load(DECODERS_RUN3)["parts"]
+
+    def per_call(name, batch=1, context=2048):
+        return {r["gemm"]: r["us_per_call"] for r in _decode_rec(parts, name, batch, context)["gemms"]["rows"]}
+
+    lt, dl = per_call("inplace-cublaslt"), per_call("inplace-dlight")
+    names = (("qkv_proj", "qkv"), ("o_proj", "o_proj"), ("gate_up_proj", "gate_up"), ("down_proj", "down"),
+             ("lm_head", "lm_head"))
+    pairs = ", ".join(f"{label} {lt[g]:.1f} vs {dl[g]:.1f}" + (" µs" if i == 0 else "") for i, (g, label) in enumerate(names))
+    step = {n: {c: _decode_rec(parts, n, 1, c)["ms_per_step"] for c in (2048, 16384)} for n in ("inplace-cublaslt", "inplace-dlight")}
+    saved = [1 - _decode_rec(parts, "paged", b, c)["ms_per_step"] / _decode_rec(parts, "paged-before", b, c)["ms_per_step"]
+             for b, c in DECODE_CASES]
+    gate_up = {n: per_call(n)["gate_up_proj"] for n in ("paged", "paged-graph", "inplace-cublaslt")}
+    return {
+        "dispatch": f"kernel time per call at M = 1 {pairs}, and a decode step at 2k context "
+                    f"{step['inplace-cublaslt'][2048]:.3f} vs {step['inplace-dlight'][2048]:.3f} ms (at 16k "
+                    f"{step['inplace-cublaslt'][16384]:.3f} vs {step['inplace-dlight'][16384]:.3f})",
+        "choice": f"The split-count-1 forms and the cold L2 then took another {_range([100 * x for x in saved], 1, '%')} off a decode step",
+        "spread": f"took {gate_up['paged']:.1f} µs per call in the paged build, {gate_up['paged-graph']:.1f} in its CUDA graph "
+                  f"build and {gate_up['inplace-cublaslt']:.1f} in the in-place one",
+    }
+
+
+@pytest.mark.parametrize("name", sorted(gemm_doc_claims()))
+def test_gemm_doc_claim(name):
+    claim = gemm_doc_claims()[name]
+    assert claim in " ".join(GEMM_DOC.read_text().split()), f"gemm.md lacks {name}: {claim!r}"
+
+
 # docs/paged_kv_cache.md: our paged attention against FlashInfer (benchmarks/paged_attention.py kernels)
 
 PAGED_FLASHINFER = "2026-12-01-paged-attention-flashinfer.json"
