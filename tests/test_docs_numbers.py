@@ -608,12 +608,6 @@ def decoders3_claims() -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("name", sorted(decoders3_claims()))
-def test_third_decoders_run_claim(name):
-    claim = decoders3_claims()[name]
-    assert claim in " ".join(PERF.read_text().split()), f"performance.md lacks {name}: {claim!r}"
-
-
 def gemm_doc_claims() -> dict[str, str]:
     """docs/gemm.md's figures of the third decoders run: the dispatch rule and the algorithm choice."""
     parts = _load(DECODERS_RUN3)["parts"]
@@ -639,10 +633,14 @@ def gemm_doc_claims() -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("name", sorted(gemm_doc_claims()))
-def test_gemm_doc_claim(name):
-    claim = gemm_doc_claims()[name]
-    assert claim in " ".join(GEMM_DOC.read_text().split()), f"gemm.md lacks {name}: {claim!r}"
+RUN3_DOCS = {"performance.md": (PERF, decoders3_claims), "gemm.md": (GEMM_DOC, gemm_doc_claims)}
+
+
+@pytest.mark.parametrize("doc,name", [(d, n) for d, (_, claims) in RUN3_DOCS.items() for n in sorted(claims())])
+def test_third_decoders_run_claim(doc, name):
+    path, claims = RUN3_DOCS[doc]
+    claim = claims()[name]
+    assert claim in " ".join(path.read_text().split()), f"{doc} lacks {name}: {claim!r}"
 
 
 # docs/paged_kv_cache.md: our paged attention against FlashInfer (benchmarks/paged_attention.py kernels)
