@@ -416,6 +416,7 @@ def report(parts_dir: Path, out: Path, commit: str | None, command: str | None, 
     for name, base in (("paged-gemm-measure", "paged-gemm"), ("paged-gemm-graph", "paged-gemm"),
                        ("inplace-gemm-graph", "inplace-gemm"), ("inplace-gemm", "inplace-tvm"),
                        ("paged-gemm", "paged-tvm"), ("paged", "paged-before"), ("paged-graph", "paged"),
+                       ("paged-unsplit-warm", "paged-before"),
                        ("inplace-cublaslt", "inplace-dlight")):
         if name in parts and base in parts:
             for da in parts[name]["decode"]:
@@ -458,6 +459,7 @@ LABELS = {"paged-gemm": "ours, PagedKVCache, GEMMs on cuBLASLt",
           "inplace-gemm-graph": "ours, in-place cache, GEMMs on cuBLASLt, CUDA graphs (--cuda-graph)",
           "inplace-tvm": "ours, in-place cache, GEMMs on TVM's kernels (--no-gemm)",
           "paged-before": "ours, PagedKVCache, cuBLASLt: heuristic's algorithms timed back to back (the choice before)",
+          "paged-unsplit-warm": "ours, PagedKVCache, cuBLASLt: with split-count-1 forms, timed back to back",
           "paged": "ours, PagedKVCache, cuBLASLt: with split-count-1 forms, from a cold L2 (the choice now)",
           "paged-graph": "same, CUDA graphs (--cuda-graph)",
           "inplace-dlight": "ours, in-place cache, static M = 1 on dlight's GEMV (the rule before)",

@@ -623,7 +623,15 @@ def gemm_doc_claims() -> dict[str, str]:
     saved = [1 - _decode_rec(parts, "paged", b, c)["ms_per_step"] / _decode_rec(parts, "paged-before", b, c)["ms_per_step"]
              for b, c in DECODE_CASES]
     gate_up = {n: per_call(n)["gate_up_proj"] for n in ("paged", "paged-graph", "inplace-cublaslt")}
+    warm = _load("2026-12-03-decoders-gemm-unsplit-warm.json")["parts"]
+    rows = {n: next(r for r in _decode_rec(warm, n, 1, 2048)["gemms"]["rows"] if r["gemm"] == "gate_up_proj")
+            for n in ("paged-before", "paged-unsplit-warm")}
+    assert rows["paged-before"]["kernels"] == rows["paged-unsplit-warm"]["kernels"]
     return {
+        "back to back": f"kept the kernel of the choice before (`{rows['paged-before']['kernels'][0]}`, "
+                        f"{rows['paged-unsplit-warm']['us_per_call']:.1f} µs a call against "
+                        f"{rows['paged-before']['us_per_call']:.1f}, `2026-12-03-decoders-gemm-unsplit-warm.md`); timed "
+                        f"from a cold L2 it takes a faster one ({gate_up['paged']:.1f} µs in",
         "dispatch": f"kernel time per call at M = 1 {pairs}, and a decode step at 2k context "
                     f"{step['inplace-cublaslt'][2048]:.3f} vs {step['inplace-dlight'][2048]:.3f} ms (at 16k "
                     f"{step['inplace-cublaslt'][16384]:.3f} vs {step['inplace-dlight'][16384]:.3f})",

@@ -337,9 +337,9 @@ struct L2Flush {
 // The fastest of `found` candidates on the call's operands (D is written; the call after this writes
 // it again). Each candidate runs once untimed (a first call may load its kernel), then kMeasureRounds
 // times, in turns over all candidates, each call after an L2 flush and timed alone; a candidate counts
-// its median. (Timed back to back on the same weight, a kernel that ends reading where it starts again
-// finds part of it in L2 and looks faster than it runs in a model; turns spread clock drift over all
-// candidates.) A candidate that fails to run is skipped; if every one fails the heuristic's first stays.
+// its median. (Timed back to back on the same weight, part of it can still be in L2 from the call
+// before, and the ranking differed from the kernels' speed in a model, docs/gemm.md; turns spread clock
+// drift over all candidates.) A candidate that fails to run is skipped; if every one fails the heuristic's first stays.
 void pick_fastest(const Api& a, const Device& dev, int device_id, Plan* plan,
                   const cublasLtMatmulHeuristicResult_t* candidates, int found, const void* alpha, const void* beta,
                   const void* x, const void* w, const void* c, void* out, cudaStream_t stream) {
