@@ -523,6 +523,21 @@ def markdown(result) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _panel(ax, labels, bars, marks, bar_label, mark_label, color, title, ylim=None):
+    """One bar panel with a black marker per bar (its limit, or its kernels' share): log scale, or a linear
+    one from ``ylim[0]`` when given."""
+    x = range(len(labels))
+    ax.bar(x, bars, color=color, label=bar_label)
+    ax.scatter(x, marks, color="black", marker="_", s=400, label=mark_label, zorder=3)
+    ax.set_xticks(list(x), labels, rotation=90, fontsize=7)
+    if ylim is None:
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(*ylim)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+
+
 def plot(result, png: Path):
     import matplotlib
 
@@ -532,52 +547,23 @@ def plot(result, png: Path):
     parts = result["parts"]
     if not any(p.get("decode") for p in parts.values()):
         raise ValueError("the plot needs decode rows")
-    if not any(p.get("prefill") for p in parts.values()):  # a decode-only run: each step against its limit
+    decode = [(f"{name}\nb{d['batch']} {d['context'] // 1024}k", d) for name, p in parts.items() for d in p.get("decode", [])]
+    prefill = [(f"{name}\n{d['tokens'] // 1024}k", d) for name, p in parts.items() for d in p.get("prefill", [])]
+    labels = [lb for lb, _ in decode]
+    if not prefill:  # a decode-only run: each step against its limit
         fig, ax = plt.subplots(figsize=(12, 6))
-        labels, steps, kernels = [], [], []
-        for name, p in parts.items():
-            for d in p.get("decode", []):
-                labels.append(f"{name}\nb{d['batch']} {d['context'] // 1024}k")
-                steps.append(d.get("vs_limit", float("nan")))
-                kernels.append(d.get("kernels_vs_limit", float("nan")))
-        x = range(len(labels))
-        ax.bar(x, steps, color="tab:blue", label="decode step / bytes limit (4.8 TB/s)")
-        ax.scatter(x, kernels, color="black", marker="_", s=400, label="its kernels alone / limit", zorder=3)
-        ax.set_xticks(list(x), labels, rotation=90, fontsize=7)
-        ax.set_ylim(1.0, max(v for v in steps if v == v) * 1.05)
-        ax.set_title("decode: time over the bytes limit")
-        ax.legend(fontsize=8)
-        fig.suptitle(f"CodeLlama-34B shapes, 4 layers, fp16, {result['gpu']}")
-        fig.tight_layout()
-        fig.savefig(png, dpi=110)
-        return
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 6))
-    labels, vals, lims = [], [], []
-    for name, p in parts.items():
-        for d in p.get("decode", []):
-            labels.append(f"{name}\nb{d['batch']} {d['context'] // 1024}k")
-            vals.append(d["ms_per_step"] / d["batch"])
-            lims.append(d.get("limit_ms", float("nan")) / d["batch"])
-    x = range(len(labels))
-    ax1.bar(x, vals, color="tab:blue", label="ms per token (step / batch)")
-    ax1.scatter(x, lims, color="black", marker="_", s=400, label="bytes limit (4.8 TB/s)", zorder=3)
-    ax1.set_xticks(list(x), labels, rotation=90, fontsize=7)
-    ax1.set_yscale("log")
-    ax1.set_title("decode: ms per token")
-    ax1.legend(fontsize=8)
-    labels, vals, lims = [], [], []
-    for name, p in parts.items():
-        for d in p.get("prefill", []):
-            labels.append(f"{name}\n{d['tokens'] // 1024}k")
-            vals.append(d["ms"])
-            lims.append(d.get("limit_ms", float("nan")))
-    x = range(len(labels))
-    ax2.bar(x, vals, color="tab:orange", label="prefill ms")
-    ax2.scatter(x, lims, color="black", marker="_", s=400, label="FLOP limit (989 TFLOP/s)", zorder=3)
-    ax2.set_xticks(list(x), labels, rotation=90, fontsize=7)
-    ax2.set_yscale("log")
-    ax2.set_title("prefill: ms")
-    ax2.legend(fontsize=8)
+        steps = [d.get("vs_limit", float("nan")) for _, d in decode]
+        _panel(ax, labels, steps, [d.get("kernels_vs_limit", float("nan")) for _, d in decode],
+               "decode step / bytes limit (4.8 TB/s)", "its kernels alone / limit", "tab:blue",
+               "decode: time over the bytes limit", ylim=(1.0, max(v for v in steps if v == v) * 1.05))
+    else:
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 6))
+        _panel(ax1, labels, [d["ms_per_step"] / d["batch"] for _, d in decode],
+               [d.get("limit_ms", float("nan")) / d["batch"] for _, d in decode],
+               "ms per token (step / batch)", "bytes limit (4.8 TB/s)", "tab:blue", "decode: ms per token")
+        _panel(ax2, [lb for lb, _ in prefill], [d["ms"] for _, d in prefill],
+               [d.get("limit_ms", float("nan")) for _, d in prefill],
+               "prefill ms", "FLOP limit (989 TFLOP/s)", "tab:orange", "prefill: ms")
     fig.suptitle(f"CodeLlama-34B shapes, 4 layers, fp16, {result['gpu']}")
     fig.tight_layout()
     fig.savefig(png, dpi=110)

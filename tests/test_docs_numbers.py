@@ -403,11 +403,12 @@ def _decode_rec(parts, name, batch, context):
     return next((d for d in parts[name]["decode"] if (d["batch"], d["context"]) == (batch, context)), None)
 
 
-def _decode_cells(parts, name) -> list[str]:
-    """A decode table row: ms per step and, in brackets, over the bytes limit, per DECODE_CASES."""
+def _decode_cells(parts, name, limits="paged-gemm") -> list[str]:
+    """A decode table row: ms per step and, in brackets, over the bytes limit, per DECODE_CASES (the limits
+    of the part ``limits``: HF's parts have none, and the limit is the model's, the same for every build)."""
     cells = []
     for b, c in DECODE_CASES:
-        d, ref = _decode_rec(parts, name, b, c), _decode_rec(parts, "paged-gemm", b, c)
+        d, ref = _decode_rec(parts, name, b, c), _decode_rec(parts, limits, b, c)
         cells.append("–" if d is None else f"{d['ms_per_step']:.3f} ({d['ms_per_step'] / ref['limit_ms']:.2f}x)")
     return cells
 
@@ -571,31 +572,26 @@ DECODE_ROWS3 = {"paged, cuBLASLt choice before |": "paged-before", "paged, cuBLA
                 "in-place, static M = 1 on cuBLASLt |": "inplace-cublaslt"}
 
 
-def _run3_cells(parts, name) -> list[str]:
-    cells = []
-    for b, c in DECODE_CASES:
-        d = _decode_rec(parts, name, b, c)
-        cells.append("–" if d is None else f"{d['ms_per_step']:.3f} ({d['ms_per_step'] / d['limit_ms']:.2f}x)")
-    return cells
-
-
 def test_performance_third_decoder_run_table():
-    parts = _load(DECODERS_RUN3)["parts"]
-    lines = [ln for ln in PERF.read_text().splitlines() if ln.startswith("| ")]
+    parts, text = _load(DECODERS_RUN3)["parts"], PERF.read_text()
     for label, name in DECODE_ROWS3.items():
-        rows = [[c.strip() for c in ln.strip().strip("|").split("|")[1:]] for ln in lines if ln.startswith("| " + label)]
-        assert _run3_cells(parts, name) in rows, (label, rows)
+        assert _table_row(text, label) == _decode_cells(parts, name, limits="paged"), label
+
+
+def _gemm_us(parts, name, batch=1, context=2048) -> dict[str, float]:
+    """µs per call of each GEMM of a decode case (the part's GEMM table)."""
+    return {r["gemm"]: r["us_per_call"] for r in _decode_rec(parts, name, batch, context)["gemms"]["rows"]}
 
 
 def decoders3_claims() -> dict[str, str]:
     parts = _load(DECODERS_RUN3)["parts"]
-    before, now, graph = (_decode_rec(parts, n, 1, 2048) for n in ("paged-before", "paged", "paged-graph"))
+    now, graph = (_decode_rec(parts, n, 1, 2048) for n in ("paged", "paged-graph"))
     ratios = [_decode_rec(parts, "paged-before", b, c)["ms_per_step"] / _decode_rec(parts, "paged", b, c)["ms_per_step"]
               for b, c in DECODE_CASES]
     inplace = [_decode_rec(parts, "inplace-dlight", 1, c)["ms_per_step"] / _decode_rec(parts, "inplace-cublaslt", 1, c)["ms_per_step"]
                for c in (2048, 16384)]
     host, host_graph = ((d["ms_per_step"] - d["kernel_ms_per_step"]) * 1e3 for d in (now, graph))
-    us = {n: {r["gemm"]: r["us_per_call"] for r in d["gemms"]["rows"]} for n, d in (("before", before), ("now", now))}
+    us = {"before": _gemm_us(parts, "paged-before"), "now": _gemm_us(parts, "paged")}
     return {
         "choice": f"The new choice makes a paged decode step {_range(ratios)} faster than the choice before in the same run; at "
                   f"batch 1 and 2k context its kernels take {now['kernels_vs_limit']:.2f}x the bytes limit, the step itself "
@@ -612,17 +608,14 @@ def gemm_doc_claims() -> dict[str, str]:
     """docs/gemm.md's figures of the third decoders run: the dispatch rule and the algorithm choice."""
     parts = _load(DECODERS_RUN3)["parts"]
 
-    def per_call(name, batch=1, context=2048):
-        return {r["gemm"]: r["us_per_call"] for r in _decode_rec(parts, name, batch, context)["gemms"]["rows"]}
-
-    lt, dl = per_call("inplace-cublaslt"), per_call("inplace-dlight")
+    lt, dl = _gemm_us(parts, "inplace-cublaslt"), _gemm_us(parts, "inplace-dlight")
     names = (("qkv_proj", "qkv"), ("o_proj", "o_proj"), ("gate_up_proj", "gate_up"), ("down_proj", "down"),
              ("lm_head", "lm_head"))
     pairs = ", ".join(f"{label} {lt[g]:.1f} vs {dl[g]:.1f}" + (" µs" if i == 0 else "") for i, (g, label) in enumerate(names))
     step = {n: {c: _decode_rec(parts, n, 1, c)["ms_per_step"] for c in (2048, 16384)} for n in ("inplace-cublaslt", "inplace-dlight")}
     saved = [1 - _decode_rec(parts, "paged", b, c)["ms_per_step"] / _decode_rec(parts, "paged-before", b, c)["ms_per_step"]
              for b, c in DECODE_CASES]
-    gate_up = {n: per_call(n)["gate_up_proj"] for n in ("paged", "paged-graph", "inplace-cublaslt")}
+    gate_up = {n: _gemm_us(parts, n)["gate_up_proj"] for n in ("paged", "paged-graph", "inplace-cublaslt")}
     warm = _load("2026-12-03-decoders-gemm-unsplit-warm.json")["parts"]
     rows = {n: next(r for r in _decode_rec(warm, n, 1, 2048)["gemms"]["rows"] if r["gemm"] == "gate_up_proj")
             for n in ("paged-before", "paged-unsplit-warm")}

@@ -214,13 +214,12 @@ def _site_reason(composite: str, context: PatternCheckContext) -> str | None:
     if has_leaking_intermediate_variables(context):
         return "an intermediate value of the pattern is used elsewhere"
     permute = ann.get("permute")
-    reason = gemm_reason(
+    return gemm_reason(
         ann["lhs"].ty, ann["weight"].ty, ann["matmul"].ty, fields["transposed"],
         permute.attrs.axes if permute is not None and permute.attrs.axes is not None else None,
         ann["bias"].ty if fields["bias"] else None,
         ann["residual"].ty if fields["residual"] else None,
     )
-    return reason
 
 
 def check_gemm(composite: str, context: PatternCheckContext) -> bool:
