@@ -83,6 +83,40 @@ def test_operand_order_of_the_adds_and_bias_spellings():
                                rtol=1e-3, atol=1e-3)
 
 
+def _two_projections_graph():
+    """Two GEMMs of one input whose epilogues come after both matmuls, the second fed by the first's
+    fused output (the order a graph importer may emit)."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([8, 64], "float16"))
+    wq = relax.Var("wq", relax.TensorType([64, 64], "float16"))
+    wk = relax.Var("wk", relax.TensorType([64, 64], "float16"))
+    bq = relax.Var("bq", relax.TensorType([64], "float16"))
+    with bb.function("main", [x, wq, wk, bq]):
+        with bb.dataflow():
+            q = bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(wq), "wq_t")), "q_proj")
+            k = bb.emit(relax.op.matmul(x, wk), "k_proj")
+            qb = bb.emit(relax.op.add(q, bq), "q_biased")
+            kr = bb.emit(relax.op.add(k, x), "k_residual")
+            o = bb.emit(relax.op.matmul(qb, bb.emit(relax.op.permute_dims(wk), "wk_t")), "o_proj")
+            y = bb.emit_output(bb.emit(relax.op.add(o, kr), "out"))
+        bb.emit_func_output(y)
+    return bb.get()
+
+
+def test_report_names_each_offloaded_site_by_its_matmul_in_the_users_graph():
+    mod = _two_projections_graph()
+    sites = gemm.gemm_report(mod)
+    assert all(s.offloaded for s in sites), gemm.format_gemm_report(sites)
+    by_name = {s.output: s for s in sites}
+    assert set(by_name) == {"q_proj", "k_proj", "o_proj"}, gemm.format_gemm_report(sites)
+    assert by_name["q_proj"].epilogue == "bias" and by_name["q_proj"].transposed
+    assert by_name["k_proj"].epilogue == "residual" and not by_name["k_proj"].transposed
+    assert by_name["o_proj"].epilogue == "residual"  # its input is q_proj's fused output
+    assert "main/q_proj:" in gemm.format_gemm_report(sites)
+    # the same names through offload_report, after the attention partition rebound the module
+    assert {s.output for s in mqa_byoc.offload_report(mod, gemm=True)} == set(by_name)
+
+
 def test_bf16_and_static_shapes_and_constant_weights():
     # a static M of one row (decode at batch 1) too: cuBLASLt's measured choice outruns dlight's GEMV there
     for kw in (dict(dtype="bfloat16"), dict(rows=(4, 33)), dict(rows=("b", "s")), dict(weight_const=True),

@@ -369,7 +369,9 @@ def gemm_report(mod: tvm.IRModule) -> list[GemmSite]:
                         use(arg)
                 elif isinstance(b.value, relax.TupleGetItem):
                     use(b.value.tuple_value)
+        names = _OriginalNames(next((f for g, f in mod.functions.items() if g.name_hint == gv.name_hint), None))
         for var, value in bindings.items():
+            names.see(var, value, codegen_funcs)
             if not isinstance(value, relax.Call):
                 continue
             if isinstance(value.op, relax.GlobalVar) and value.op in codegen_funcs:
@@ -377,7 +379,7 @@ def gemm_report(mod: tvm.IRModule) -> list[GemmSite]:
                 fields = parse_gemm_composite(name)
                 mm = matmul_of(comp)
                 lhs, w = _shape(mm.args[0].ty), _shape(mm.args[1].ty)
-                sites.append(GemmSite(gv.name_hint, var.name, True, "cuBLASLt", name, str(rows_of(lhs)),
+                sites.append(GemmSite(gv.name_hint, names.matmul_name(var), True, "cuBLASLt", name, str(rows_of(lhs)),
                                       int(w[1]), int(lhs[-1]), str(mm.ty.dtype), fields["transposed"],
                                       _epilogue(fields), None, _followed_by(users, var, bindings)))
             elif getattr(value.op, "name", None) == "relax.matmul":
@@ -390,6 +392,99 @@ def gemm_report(mod: tvm.IRModule) -> list[GemmSite]:
                     f"already lowered to TVM's {value.args[0].name_hint} (relax.transform.FuseTransposeMatmul or "
                     "LegalizeOps ran first): partition before the build pipeline, as mqa_byoc.build does"))
     return sites
+
+
+class _OriginalNames:
+    """The names the partitioned module's GEMM calls had in the graph the user wrote.
+
+    The partition binds each codegen call to a new variable (``lv``, ``lv1``, ...); the report names an
+    offloaded site by its matmul's variable in ``original`` instead, the one the user's graph printed. A
+    call's matmul is found there by its operands (each traced back to ``original``'s variables: the ones
+    the partition kept, and earlier calls' fused outputs), its fused output by following the
+    composite's epilogue ops from that matmul.
+    """
+
+    def __init__(self, original):
+        self.bindings, self.users, self.of = {}, {}, {}
+        self.matmul_of_call = {}
+        if not isinstance(original, relax.Function):
+            return
+        for block in original.body.blocks:
+            for b in block.bindings:
+                if isinstance(b, relax.VarBinding):
+                    self.bindings[b.var] = b.value
+                    if isinstance(b.value, relax.Call):
+                        for arg in b.value.args:
+                            if isinstance(arg, relax.Var):
+                                self.users.setdefault(arg, []).append(b.var)
+
+    def see(self, var, value, codegen_funcs):
+        if var in self.bindings:
+            self.of[var] = var
+            return
+        if not (isinstance(value, relax.Call) and isinstance(value.op, relax.GlobalVar) and value.op in codegen_funcs):
+            return
+        found = self._match(value, codegen_funcs[value.op])
+        if found is not None:
+            self.matmul_of_call[var], self.of[var] = found
+
+    def matmul_name(self, var) -> str:
+        found = self.matmul_of_call.get(var)
+        return found.name if found is not None else var.name
+
+    def _match(self, call, codegen_func):
+        _, comp = _composite_of(codegen_func)
+        inner = next((b.value for block in codegen_func.body.blocks for b in block.bindings
+                      if isinstance(b.value, relax.Call) and isinstance(b.value.op, relax.Var)), None)
+        if comp is None or inner is None:
+            return None
+        outer = {p: i for i, p in enumerate(codegen_func.params)}
+        arg_of = {}  # composite parameter -> the original variable it is bound to
+        for param, a in zip(comp.params, inner.args):
+            if a in outer:
+                arg = call.args[outer[a]]
+                arg_of[param] = self.of.get(arg, arg)
+        local = {b.var: b.value for block in comp.body.blocks for b in block.bindings}
+        mm = matmul_of(comp)
+
+        def operand(e):
+            if e in arg_of:
+                return arg_of[e], False
+            v = local.get(e)
+            if isinstance(v, relax.Call) and getattr(v.op, "name", None) == "relax.permute_dims" and v.args[0] in arg_of:
+                return arg_of[v.args[0]], True
+            return None, False
+
+        x, _ = operand(mm.args[0])
+        w, transposed = operand(mm.args[1])
+        if x is None or w is None:
+            return None
+        for var, value in self.bindings.items():
+            if not (isinstance(value, relax.Call) and getattr(value.op, "name", None) == "relax.matmul"
+                    and value.args[0].same_as(x)):
+                continue
+            rhs = value.args[1]
+            producer = self.bindings.get(rhs) if isinstance(rhs, relax.Var) else None
+            if transposed and not (isinstance(producer, relax.Call) and producer.args and producer.args[0].same_as(w)):
+                continue
+            if not transposed and not rhs.same_as(w):
+                continue
+            return var, self._fused_output(var, comp, mm)
+        return None
+
+    def _fused_output(self, matmul_var, comp, mm):
+        """``matmul_var`` followed through the ops the composite fuses after its matmul."""
+        ops = [getattr(b.value.op, "name", None) for block in comp.body.blocks for b in block.bindings
+               if isinstance(b.value, relax.Call)]
+        names = [getattr(o, "name", o) for o in ops]
+        after = names[names.index("relax.matmul") + 1:] if "relax.matmul" in names else []
+        out = matmul_var
+        for op in after:
+            nxt = [u for u in self.users.get(out, ()) if getattr(getattr(self.bindings[u], "op", None), "name", None) == op]
+            if len(nxt) != 1:
+                return out
+            out = nxt[0]
+        return out
 
 
 def _lowered_matmul(call) -> bool:
