@@ -166,6 +166,17 @@ def _batched_rhs_graph():
     return bb.get()
 
 
+def _vector_rhs_graph():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([16, 64], "float16"))
+    w = relax.Var("w", relax.TensorType([64], "float16"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit_output(bb.emit(relax.op.matmul(x, w)))
+        bb.emit_func_output(y)
+    return bb.get()
+
+
 def _symbolic_k_graph():
     k = tirx.Var("k", "int64")
     bb = relax.BlockBuilder()
@@ -195,6 +206,7 @@ BAD = {
     "k_unaligned": (lambda: gemm_graph(k=60)[0], "K = 60 is not a multiple of 8"),
     "n_unaligned": (lambda: gemm_graph(n=100)[0], "N = 100 is not a multiple of 8"),
     "batched_rhs": (_batched_rhs_graph, "batched product of two activations"),
+    "vector_rhs": (_vector_rhs_graph, "matrix-vector product"),
     "symbolic_k": (_symbolic_k_graph, "symbolic size"),
     "fp32_output": (_fp32_out_graph, "out_dtype"),
 }

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import gpu_common
+from mqa_byoc.runtime.gemm_rates import SPLIT_K_REDUCE, is_gemm_kernel  # noqa: E402
 from mqa_byoc.testing.cupti import is_attention_kernel  # noqa: E402
 
 ARTIFACTS = gpu_common.ROOT / ".gpu-artifacts" / "inplace"
@@ -57,9 +58,10 @@ def test_inplace_decoder_matches_tvm(rt, runners, name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(MANIFEST) or ["(no artifacts)"])
 def test_inplace_decode_step_copies_no_cache(rt, runners, name):
-    """Under CUPTI, mqa=True decode steps launch our attention kernels and kernels of the decode's own PrimFuncs only
-    (the build proved none of those reads the cache), and copy memory only for the appends: one
-    device-to-device copy of the new token's row per layer and K/V."""
+    """Under CUPTI, mqa=True decode steps launch our attention kernels, cuBLASLt's kernels for the offloaded GEMMs
+    (one GEMM kernel per call) and kernels of the decode's own PrimFuncs only (the build proved none of those reads
+    the cache), and copy memory only for the appends: one device-to-device copy of the new token's row per layer
+    and K/V."""
     torch = rt.torch
     from mqa_byoc.testing import capture_kernels
 
@@ -79,9 +81,14 @@ def test_inplace_decode_step_copies_no_cache(rt, runners, name):
     copies = [n for n in names if n.startswith("Memcpy")]
     kernels = [n for n in names if not n.startswith(("Memcpy", "Memset"))]
     assert any(is_attention_kernel(n) for n in kernels), sorted(set(kernels))
-    own = [c for c in case["decode_calls"]["mqa"] if "flash" not in c]
-    foreign = sorted({n for n in kernels
-                      if not is_attention_kernel(n) and not any(n.startswith(f"{c}_kernel") for c in own)})
+    own = [c for c in case["decode_calls"]["mqa"] if "flash" not in c and not c.endswith("_cublaslt")]
+    gemm_calls = [c for c in case["decode_calls"]["mqa"] if c.endswith("_cublaslt")]
+    tvm_kernels = [n for n in kernels if any(n.startswith(f"{c}_kernel") for c in own)]
+    # the offloaded GEMMs launch cuBLASLt's kernels: one GEMM per call (and maybe its split-K reduction)
+    cublaslt = [n for n in kernels if n not in tvm_kernels and (is_gemm_kernel(n) or SPLIT_K_REDUCE.search(n))]
+    assert gemm_calls, case["decode_calls"]["mqa"]
+    assert len([n for n in cublaslt if is_gemm_kernel(n)]) == len(gemm_calls) * DECODE_STEPS, sorted(set(cublaslt))
+    foreign = sorted({n for n in kernels if not is_attention_kernel(n) and n not in tvm_kernels and n not in cublaslt})
     assert not foreign, (foreign, own)
     assert not [n for n in kernels if any(w in n for w in ("repeat", "broadcast_to", "expand_dims"))]
     dtod = [n for n in copies if "DtoD" in n]

@@ -149,6 +149,8 @@ def gemm_reason(lhs_ty, rhs_ty, out_ty, transposed: bool, permute_axes=None, bia
     lhs, rhs = _shape(lhs_ty), _shape(rhs_ty)
     if len(lhs) < 2:
         return f"x is {len(lhs)}-D: a vector-matrix product (matmul drops the axis), left to TVM"
+    if len(rhs) == 1:
+        return f"the right-hand side is 1-D {_fmt(rhs)}: a matrix-vector product (matmul drops the axis), left to TVM"
     if len(rhs) != 2:
         return (f"the right-hand side is {len(rhs)}-D {_fmt(rhs)}: a batched product of two activations "
                 "(e.g. attention's scores), not a GEMM with a weight; left to TVM")
