@@ -3,16 +3,18 @@ the decode kernel's classic blocks at few sequences, one build, one run: MQA 71/
 TVM's pages of 256, fp16, batch 8/16/24 (or ``--batches``; mixed 1k-16k, every sequence 16k); SharedTiles
 asked for (``row_tiles=SHARED_TILES``) with its own plan (``asked``) and with g splits a slot (a typical
 sequence's keys over g, whole 64-key tiles, at least 256), the classic blocks (``row_tiles=1``) and the
-plan's rule (``row_tiles=0``). GPU kernel time per call from CUPTI; every output
-compared with the classic blocks'. What the plan's SharedTiles threshold and split cap were set from.
+plan's rule (``row_tiles=0``); with ``--key-groups 2`` SharedTiles' plans with one key group and with two.
+GPU kernel time per call from CUPTI; every output compared with the classic blocks'. What the plan's
+SharedTiles threshold, split cap and key groups were set from.
 
-    python benchmarks/decode_shared_tiles.py measure --lib LIB.so --out OUT.json [--shape 40/2/64] [--batches 8 12]
+    python benchmarks/decode_shared_tiles.py measure --lib LIB.so --out OUT.json [--shape 40/2/64] [--batches 8 12] [--key-groups 2]
     python benchmarks/decode_shared_tiles.py report OUT.json --out OUT.md --commit C --date D --command CMD
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from decode_builds import add_report_command, write_report  # noqa: E402
 GRIDS = (8, 12, 16, 24, 32, 48)
 
 
-def measure(lib_path: str, out_path: str, batches=(8, 16, 24), grids=GRIDS, shape=(71, 1, 64)) -> list:
+def measure(lib_path: str, out_path: str, batches=(8, 16, 24), grids=GRIDS, shape=(71, 1, 64), key_groups=1) -> list:
     import torch
 
     from decode_kernel import kernel_us
@@ -50,24 +52,39 @@ def measure(lib_path: str, out_path: str, batches=(8, 16, 24), grids=GRIDS, shap
             classic, rule = make(1), make(0)
             asked = make(dk.SHARED_TILES)
             rec = {"shape": f"{h}/{hk}/{d}", "batch": batch, "lengths": kind, "rule_shared_tiles": rule.plan.shared_tiles,
-                   "classic": kernel_us(classic, 30), "rule": kernel_us(rule, 30), "asked": kernel_us(asked, 30),
-                   "asked_shared_tiles": asked.plan.shared_tiles, "max_diff": 0.0}
+                   "rule_warps": rule.plan.warps, "classic": kernel_us(classic, 30), "rule": kernel_us(rule, 30),
+                   "asked": kernel_us(asked, 30), "asked_shared_tiles": asked.plan.shared_tiles, "max_diff": 0.0}
             classic()
             torch.cuda.synchronize()
             ref = out.clone()
-            for call in (rule, asked):
+
+            def check(call):
                 call()
                 torch.cuda.synchronize()
                 rec["max_diff"] = max(rec["max_diff"], (out.float() - ref.float()).abs().max().item())
+
+            check(rule)
+            if key_groups == 2:  # SharedTiles' own plan with one key group, then with two
+                asked.set_key_groups(1)
+                rec["asked"] = kernel_us(asked, 30)
+            check(asked)
+            if key_groups == 2:
+                asked.set_key_groups(2)
+                rec["asked_k2"] = kernel_us(asked, 30)
+                check(asked)
             typical = sum(lengths) // batch
             for g in grids:
                 call = make(dk.SHARED_TILES)
                 call.set_keys_per_split(max(256, -(-typical // (g * 64)) * 64))
                 call.plan.splits = min(g, call.plan.splits)  # the grid: g splits (the workspace fits 64)
+                if key_groups == 2:
+                    call.set_key_groups(1)
                 rec[f"g{g}"] = kernel_us(call, 30)
-                call()
-                torch.cuda.synchronize()
-                rec["max_diff"] = max(rec["max_diff"], (out.float() - ref.float()).abs().max().item())
+                check(call)
+                if key_groups == 2:
+                    call.set_key_groups(2)
+                    rec[f"g{g}k2"] = kernel_us(call, 30)
+                    check(call)
             print(json.dumps(rec), flush=True)
             rows.append(rec)
             del inputs, paged, pages
@@ -76,17 +93,21 @@ def measure(lib_path: str, out_path: str, batches=(8, 16, 24), grids=GRIDS, shap
 
 
 def report(rows: list, meta: dict) -> str:
-    gs = [k for k in rows[0] if k.startswith("g") and k[1:].isdigit()]
+    gs = [k for k in rows[0] if re.fullmatch(r"g\d+(k2)?", k)]
+    k2 = "asked_k2" in rows[0]
     lines = ["# SharedTiles at few sequences: split counts against the classic blocks", "",
              f"- commit {meta.get('commit', '?')}; date {meta.get('date', '?')}; NVIDIA H200",
              f"- command: `{meta.get('command', '?')}`",
              "- TVM's pages of 256, fp16; GPU kernel time per call (µs, CUPTI, 30 calls); `classic`: the classic "
              "blocks; `rule`: the plan's choice (its `shared_tiles`: 0 the classic blocks, 1 SharedTiles, 2 "
              "SharedTiles with packed splits); `asked`: SharedTiles asked for, its own plan; `gN`: SharedTiles "
-             "asked for in N splits a slot; `max diff`: against the classic blocks' output.", "",
+             "asked for in N splits a slot"
+             + ("; `asked` and `gN` with one key group, `k2`: the same with two (twice the warps, each group on "
+                "one of a tile's two 32-key steps)" if k2 else "") + "; `max diff`: against the classic blocks' output.", "",
              "| shape | batch | lengths | classic µs | rule µs (shared_tiles) | asked µs (shared_tiles) | "
+             + ("asked k2 µs | " if k2 else "")
              + " | ".join(f"{g} µs" for g in gs) + " | best g / classic | rule / classic | asked / classic | max diff |",
-             "|---|---:|---|---:|---:|---:|" + "---:|" * len(gs) + "---:|---:|---:|---:|"]
+             "|---|---:|---|---:|---:|---:|" + ("---:|" if k2 else "") + "---:|" * len(gs) + "---:|---:|---:|---:|"]
 
     for r in rows:
         best = min(r[g] for g in gs)
@@ -95,6 +116,7 @@ def report(rows: list, meta: dict) -> str:
         asked_q = f"{r['asked'] / r['classic']:.2f}" if has else "–"
         lines.append(f"| {r.get('shape', '71/1/64')} | {r['batch']} | {r['lengths']} | {r['classic']:.1f} | "
                      f"{r['rule']:.1f} ({r['rule_shared_tiles']}) | {asked_us} | "
+                     + (f"{r['asked_k2']:.1f} | " if k2 else "")
                      + " | ".join(f"{r[g]:.1f}" for g in gs)
                      + f" | {best / r['classic']:.2f} | {r['rule'] / r['classic']:.2f} | {asked_q} | {r['max_diff']:.2g} |")
     if "g16" in rows[0]:
@@ -111,10 +133,13 @@ def main(argv=None) -> int:
     m.add_argument("--out", required=True, help="results JSON")
     m.add_argument("--shape", default="71/1/64", metavar="H/H_KV/D", help="a head dim 64 grouping (default 71/1/64)")
     m.add_argument("--batches", nargs="+", type=int, default=[8, 16, 24], help="sequences a call (default 8 16 24)")
+    m.add_argument("--key-groups", type=int, choices=(1, 2), default=1,
+                   help="2: also time SharedTiles' plans with two key groups")
     add_report_command(sub)
     args = ap.parse_args(argv)
     if args.command == "measure":
-        measure(args.lib, args.out, batches=tuple(args.batches), shape=tuple(int(x) for x in args.shape.split("/")))
+        measure(args.lib, args.out, batches=tuple(args.batches), shape=tuple(int(x) for x in args.shape.split("/")),
+                key_groups=args.key_groups)
     else:
         write_report(args, report)
     return 0

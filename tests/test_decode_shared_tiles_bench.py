@@ -29,13 +29,23 @@ def test_report(bench):
     assert "g16 / classic: batch 16 mixed 0.90" in text and "commit abc" in text
 
 
+def test_report_with_key_groups(bench):
+    rows = [{"shape": "71/1/64", "batch": 8, "lengths": "mixed", "rule_shared_tiles": 0, "classic": 20.0,
+             "rule": 20.0, "asked": 26.0, "asked_shared_tiles": 1, "asked_k2": 16.0, "g16": 26.0, "g16k2": 15.0,
+             "max_diff": 0.0}]
+    text = bench.report(rows, {"commit": "abc", "date": "d", "command": "python x"})
+    assert "| asked k2 µs | g16 µs | g16k2 µs |" in text and "one key group" in text
+    assert "| 71/1/64 | 8 | mixed | 20.0 | 20.0 (0) | 26.0 (1) | 16.0 | 26.0 | 15.0 | 0.75 | 1.00 | 1.30 | 0 |" in text
+
+
 def test_command_line(bench, tmp_path, monkeypatch):
     seen = {}
     monkeypatch.setattr(bench, "measure", lambda lib, out, **kw: seen.update(lib=lib, out=out, **kw))
     bench.main(["measure", "--lib", "x.so", "--out", "r.json"])
-    assert seen == {"lib": "x.so", "out": "r.json", "batches": (8, 16, 24), "shape": (71, 1, 64)}
-    bench.main(["measure", "--lib", "x.so", "--out", "r.json", "--shape", "40/2/64", "--batches", "4", "6"])
-    assert seen["batches"] == (4, 6) and seen["shape"] == (40, 2, 64)
+    assert seen == {"lib": "x.so", "out": "r.json", "batches": (8, 16, 24), "shape": (71, 1, 64), "key_groups": 1}
+    bench.main(["measure", "--lib", "x.so", "--out", "r.json", "--shape", "40/2/64", "--batches", "4", "6",
+                "--key-groups", "2"])
+    assert seen["batches"] == (4, 6) and seen["shape"] == (40, 2, 64) and seen["key_groups"] == 2
     (tmp_path / "r.json").write_text(json.dumps(_rows()))
     bench.main(["report", str(tmp_path / "r.json"), "--out", str(tmp_path / "r.md"), "--commit", "c", "--date", "d",
                 "--command", "x"])

@@ -176,19 +176,22 @@ def _shared_layout(heads, heads_k):
     return warps, -(-group // (16 * warps))
 
 
-def _rule_takes_shared(heads, heads_k, batch):
+def _rule_takes_shared(heads, heads_k, batch, tile_pages):
     """The rule's SharedTiles threshold: groups of more than 16 at head dim 64, from 12 slots (sequences x
-    K/V heads x row groups) for CTAs of 4 warps or more, from 48 for fewer."""
+    K/V heads x row groups) for CTAs of 4 row tiles or more; for fewer from 48, or from 16 where they run
+    two key groups (at most 2 row tiles) on pages of a multiple of 64 keys."""
     warps, row_groups = _shared_layout(heads, heads_k)
-    return heads // heads_k > 16 and batch * heads_k * row_groups >= (12 if warps >= 4 else 48)
+    least = 12 if warps >= 4 else 16 if warps <= 2 and tile_pages else 48
+    return heads // heads_k > 16 and batch * heads_k * row_groups >= least
 
 
-@pytest.mark.parametrize("heads,heads_k", [(71, 1), (40, 2), (17, 1), (128, 1), (200, 1), (64, 8)])
-@pytest.mark.parametrize("batch", [1, 8, 11, 12, 15, 16, 23, 24, 32, 64, 256])
+@pytest.mark.parametrize("heads,heads_k", [(71, 1), (40, 2), (17, 1), (48, 1), (128, 1), (200, 1), (64, 8)])
+@pytest.mark.parametrize("batch", [1, 8, 11, 12, 15, 16, 23, 24, 32, 48, 64, 256])
 @pytest.mark.parametrize("paged", [False, True])
 def test_shared_tiles_plan(lib, heads, heads_k, batch, paged):
     """The rule takes SharedTiles at head dim 64 for groups of more than 16 from 12 slots (sequences x K/V
-    heads x row groups) on, from 48 for CTAs of fewer than 4 warps: the group's row tiles as the warps of a CTA (at most 8, then row groups), at
+    heads x row groups) on, for CTAs of fewer than 4 row tiles from 48 (16 with two key groups on pages of 256): the group's row tiles as the
+    warps of a CTA (at most 8, then row groups; up to 2 of them in two key groups: twice the warps), at
     most 16 splits a slot (a cluster's worth) of whole 64-key tiles and at least 256 keys, about the CTAs
     the SMs hold (16 warps an SM), and their scratch; otherwise the classic blocks. On pages, where the
     slots' splits would not merge in clusters of at most 16: packed splits (shared_tiles 2) instead."""
@@ -198,7 +201,7 @@ def test_shared_tiles_plan(lib, heads, heads_k, batch, paged):
     assert rc == 0
     warps, row_groups = _shared_layout(heads, heads_k)
     slots = batch * heads_k * row_groups
-    shared = _rule_takes_shared(heads, heads_k, batch)
+    shared = _rule_takes_shared(heads, heads_k, batch, paged)
     ctas_per_sm = min(16 // warps, 4)  # 16 warps, and about 50 KB of shared memory a CTA
     if not shared:
         assert p.shared_tiles == 0 and p.row_tiles == 1 and p.warps in (4, 8)
@@ -208,7 +211,7 @@ def test_shared_tiles_plan(lib, heads, heads_k, batch, paged):
     cluster = max((n for n in (2, 4, 8, 16) if cap[n - 1] >= slots), default=0)
     target = max(target, cluster)
     clustered = 1 < target <= 16 and cap[target - 1] >= slots
-    assert p.warps == warps and p.row_groups == row_groups and p.row_tiles == 1
+    assert p.warps == warps * (2 if warps <= 2 else 1) and p.row_groups == row_groups and p.row_tiles == 1
     if paged and not clustered:
         _assert_packed(p, heads_k, batch, warps, row_groups, ctas_per_sm)
         return
@@ -229,6 +232,7 @@ def _assert_packed(p, heads_k, batch, warps, row_groups, ctas_per_sm):
     grid = max(ctas_per_sm * SMS // (heads_k * row_groups), batch)
     rows = 16 * warps
     assert p.shared_tiles == 2 and p.splits == grid and p.keys_per_split == 256 and p.merge == 1
+    assert p.warps == warps * (2 if warps <= 2 else 1)  # two key groups up to 2 row tiles
     assert p.o_part_floats == heads_k * row_groups * grid * rows * 64
     assert p.workspace_bytes == (heads_k * row_groups * grid * rows * 65) * 4
     assert p.counters == batch * heads_k * row_groups
@@ -245,14 +249,14 @@ def test_packed_splits_plan(lib, heads, heads_k, batch):
         rc, p = _plan(lib, heads=heads, heads_k=heads_k, dim=64, batch=batch, pages=(batch * seqlen // 64, 64),
                       seqlen=0, clusters=False)
         assert rc == 0
-        if not _rule_takes_shared(heads, heads_k, batch):
+        if not _rule_takes_shared(heads, heads_k, batch, True):
             assert p.shared_tiles == 0
         elif batch <= 12288:
             _assert_packed(p, heads_k, batch, warps, row_groups, min(16 // warps, 4))
         else:
             assert p.shared_tiles == 1
         rc, p = _plan(lib, heads=heads, heads_k=heads_k, dim=64, batch=batch, seqlen=seqlen, clusters=False)
-        assert rc == 0 and p.shared_tiles == int(_rule_takes_shared(heads, heads_k, batch))
+        assert rc == 0 and p.shared_tiles == int(_rule_takes_shared(heads, heads_k, batch, False))
 
 
 def test_launch_refuses_a_packed_plan_it_cannot_run(lib):
@@ -293,3 +297,13 @@ def test_shared_tiles_asked_for(lib):
         a.num_heads, a.num_heads_k, a.head_dim = heads, heads_k, dim
         assert lib.mqa_byoc_decode_make_plan(ctypes.byref(a), -1, SMS, None, ctypes.byref(p)) == 2
         assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), 512, -1, ctypes.byref(p)) == 2
+
+
+@pytest.mark.parametrize("batch,shared", [(8, 0), (23, 0), (24, 2)])
+def test_key_group_threshold_keeps_48_slots_on_small_pages(lib, batch, shared):
+    """On pages of 16 (a tile's rows from several pages) the rule takes SharedTiles for 2 row tiles from
+    48 slots as before two key groups, and then with two key groups."""
+    rc, p = _plan(lib, heads=40, heads_k=2, dim=64, batch=batch, seqlen=0, pages=(batch * 16384 // 16, 16))
+    assert rc == 0 and p.shared_tiles == shared
+    if shared:
+        assert p.warps == 4

@@ -111,7 +111,8 @@ def test_shared_tiles(dtype, heads, heads_k, seqlen, merge, window_left):
     call, out, lse, ref_o, ref_lse = _contiguous_case(3, heads, heads_k, 64, seqlen, dtype, window_left,
                                                       merge=merge, row_tiles=dk.SHARED_TILES)
     group = heads // heads_k
-    assert call.plan.shared_tiles == 1 and call.plan.warps == min(8, -(-group // 16))
+    row_tiles = min(8, -(-group // 16))
+    assert call.plan.shared_tiles == 1 and call.plan.warps == row_tiles * (2 if row_tiles <= 2 else 1)  # key groups
     assert call.plan.row_groups == -(-group // (16 * call.plan.warps))
     assert (call.plan.splits == 1) == (seqlen <= 256), call.plan.splits
     for _ in range(2):
@@ -121,12 +122,50 @@ def test_shared_tiles(dtype, heads, heads_k, seqlen, merge, window_left):
     _check(out, lse, ref_o, ref_lse, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("heads,heads_k", [(71, 1), (40, 2), (17, 1), (96, 2)])
+@pytest.mark.parametrize("batch,seqlen,merge,window_left", [(3, 50, "auto", -1), (3, 1000, "global", -1),
+                                                            (3, 1000, "cluster", -1), (3, 16411, "auto", -1),
+                                                            (3, 5000, "auto", 300), (9, 3001, "auto", -1)])
+def test_shared_tiles_key_groups(dtype, heads, heads_k, batch, seqlen, merge, window_left):
+    """SharedTiles with two key groups (twice the row tiles' warps, each group on one of a tile's two
+    32-key steps, their shares weighted by the block's softmax): a last tile whose second step is empty
+    or part-filled, one split, merged in a cluster or through the workspace, a window."""
+    call, out, lse, ref_o, ref_lse = _contiguous_case(batch, heads, heads_k, 64, seqlen, dtype, window_left,
+                                                      merge=merge, row_tiles=dk.SHARED_TILES)
+    call.set_key_groups(2)
+    assert call.plan.warps == 2 * -(-(heads // heads_k) // 16)
+    for _ in range(2):
+        out.zero_()
+        call()
+    torch.cuda.synchronize()
+    _check(out, lse, ref_o, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("page_size", [16, 256])
+@pytest.mark.parametrize("packed", [False, True])
+def test_paged_shared_tiles_key_groups(page_size, packed):
+    """Two key groups on TVM's pages, with per-sequence and packed splits (empty, one-key, ragged sequences)."""
+    _paged_case(torch.float16, page_size, 71, 1, 64, "global" if packed else "auto",
+                [0, 1, page_size, 5000, 777, 2 * page_size + 3, 12000, 31], row_tiles=dk.SHARED_TILES,
+                key_groups=2, packed=packed)
+
+
+def test_key_groups_past_five_row_tiles_are_refused():
+    """Two key groups of 8 row tiles would not fit the kernel's main buffer: the launch refuses the plan."""
+    call, *_ = _contiguous_case(1, 128, 1, 64, 1000, torch.float16, row_tiles=dk.SHARED_TILES)
+    call.set_key_groups(2)
+    with pytest.raises(AssertionError, match="launch rc=2"):
+        call()
+
+
 @pytest.mark.parametrize("heads,heads_k,batch,shared", [(71, 1, 1, 0), (71, 1, 8, 0), (71, 1, 11, 0), (71, 1, 12, 1),
                                                         (71, 1, 16, 1), (71, 1, 32, 1), (71, 1, 64, 1), (40, 2, 16, 0),
                                                         (40, 2, 23, 0), (40, 2, 24, 1)])
 def test_shared_tiles_by_the_rule(heads, heads_k, batch, shared):
     """The plan's rule takes SharedTiles from 12 slots (sequences x K/V heads x row groups) on, from 48
-    where a CTA has fewer than 4 warps (40/2/64: 3); the output is right either way."""
+    on contiguous K/V where a CTA has fewer than 4 row tiles (40/2/64: 2; on pages of a multiple of 64 keys
+    from 16, the plan tests); the output is right either way."""
     call, out, lse, ref_o, ref_lse = _contiguous_case(batch, heads, heads_k, 64, 3000, torch.float16)
     assert call.plan.shared_tiles == shared
     call()
@@ -249,7 +288,8 @@ def test_paged_row_tiles(row_tiles, merge):
     _paged_case(torch.bfloat16, 256, 71, 1, 64, merge, [3000], row_tiles=row_tiles)
 
 
-def _paged_case(dtype, page_size, heads, heads_k, dim, merge, lengths, row_tiles=0, window_left=-1):
+def _paged_case(dtype, page_size, heads, heads_k, dim, merge, lengths, row_tiles=0, window_left=-1, key_groups=1,
+                packed=False):
     gen = torch.Generator(device="cuda").manual_seed(1)
     batch = len(lengths)
     n_pages = [math.ceil(n / page_size) for n in lengths]
@@ -271,6 +311,13 @@ def _paged_case(dtype, page_size, heads, heads_k, dim, merge, lengths, row_tiles
     call = dk.Decode(q, kview, vview, out, lse, k_stride=stride, v_stride=stride, seqlen_k=0, num_heads_k=heads_k,
                      pages=(indptr, values, last, page_size), merge=merge, row_tiles=row_tiles,
                      window_left=window_left)
+    if packed:  # packed splits, as the rule makes them for many sequences (a grid of a few CTAs a sequence)
+        rc = call.lib.mqa_byoc_decode_make_plan(dk.ctypes.byref(call.args), row_tiles, 132, None,
+                                                dk.ctypes.byref(call.plan))
+        assert rc == 0 and call.plan.shared_tiles == 2, (rc, call.plan.shared_tiles)
+        call.ws = torch.empty(max(1, call.plan.workspace_bytes), dtype=torch.uint8, device="cuda")
+    if key_groups != 1:
+        call.set_key_groups(key_groups)
     call()
     call()
     torch.cuda.synchronize()

@@ -1116,8 +1116,8 @@ __device__ __forceinline__ PackedWork packed_work(const mqa_byoc_decode_args& a,
   return *s_work;
 }
 
-template <typename T, int D, bool PAGED, bool CLUSTER>
-__global__ void __launch_bounds__(kShMaxWarps * 32, 2)
+template <typename T, int D, bool PAGED, bool CLUSTER, int KG>
+__global__ void __launch_bounds__(KG * kShMaxWarps * 32, 2 / KG)
     gqa_decode_shared_kernel(const mqa_byoc_decode_args a, int keys_per_split, int row_groups, float* o_part,
                              float* lse_part, int* counters, int packed) {
   using S = SharedSmem<D>;
@@ -1125,7 +1125,10 @@ __global__ void __launch_bounds__(kShMaxWarps * 32, 2)
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   constexpr int kTileChunks = kShTileKeys * kChunks;
   constexpr uint32_t kStepBytes = kShStepKeys * D * 2;  // the keys of one step of a warp
-  const int n_threads = int(blockDim.x), kRows = n_threads / 2;  // 16 rows a warp
+  // the row tiles (16 rows a warp), KG key groups of them (KG 2: warp w runs row tile w % row_warps over
+  // step w / row_warps of each tile's two 32-key steps; the plan's `warps` are KG times the row tiles)
+  const int n_threads = int(blockDim.x), kRows = n_threads / (2 * KG), row_warps = kRows / 16;
+  const int group = int(a.num_heads / a.num_heads_k);
   extern __shared__ __align__(128) unsigned char smem[];
   float* s_m = reinterpret_cast<float*>(smem + S::kMainBytes);  // [row]
   float* s_l = s_m + S::kMaxRows;
@@ -1136,7 +1139,7 @@ __global__ void __launch_bounds__(kShMaxWarps * 32, 2)
 
   const int kvh = blockIdx.y / row_groups, rg = blockIdx.y % row_groups;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int group = int(a.num_heads / a.num_heads_k);
+  const int wr = KG == 1 ? warp : warp % row_warps, kgi = KG == 1 ? 0 : warp / row_warps;
   const int row0 = rg * kRows;
   int split = blockIdx.x, b = blockIdx.z;
   int64_t part0;  // the workspace index of the slot's first partial
@@ -1168,7 +1171,7 @@ __global__ void __launch_bounds__(kShMaxWarps * 32, 2)
   const T* vbase = static_cast<const T*>(a.v);
 
   Warp w;  // rows row0 + 16 warp .. + 15 of the group (those past it zero, never written)
-  const int my_row0 = row0 + 16 * warp;
+  const int my_row0 = row0 + 16 * wr;
   w.init(static_cast<const T*>(a.q) + int64_t(b) * a.q_stride[0] +
              int64_t(kvh * group + min(my_row0, group - 1)) * a.q_stride[1],
          a.q_stride[1], group - my_row0, lane / 4, lane % 4);
@@ -1251,7 +1254,8 @@ __global__ void __launch_bounds__(kShMaxWarps * 32, 2)
     stage_c = next_stage(stage_c);
     const int key0 = k_begin + t * kShTileKeys;
 #pragma unroll
-    for (int j = 0; j < kShTileKeys / kShStepKeys; ++j) {
+    for (int jj = 0; jj < kShTileKeys / kShStepKeys / KG; ++jj) {
+      const int j = jj * KG + kgi;
       const int key = key0 + j * kShStepKeys;
       if (key >= k_end) break;
       const uint32_t kj = ks + uint32_t(j) * kStepBytes;
@@ -1263,21 +1267,42 @@ __global__ void __launch_bounds__(kShMaxWarps * 32, 2)
     }
   }
   cp_async_wait<0>();
-
-  // ---- each warp's rows are its own: normalized by their sums, the block's LSE per row ----
-  w.stats(s_m, s_l, warp, lane);  // [row of the CTA]: s_m[16 warp + r]
-  __syncthreads();                // also: every warp is done with the pipeline memory reused below
-  float* s_o = reinterpret_cast<float*>(smem);  // [row][S::kOStride]
+  float* s_o = reinterpret_cast<float*>(smem);  // [key group][row][S::kOStride]
+  if constexpr (KG == 1) {
+    // ---- each warp's rows are its own: normalized by their sums, the block's LSE per row ----
+    w.stats(s_m, s_l, warp, lane);  // [row of the CTA]: s_m[16 warp + r]
+    __syncthreads();                // also: every warp is done with the pipeline memory reused below
+    w.template output<S::kOStride>(s_o, warp, lane, [&](int r, float mine) {
+      const float l = s_l[16 * warp + r];
+      const bool none = mine == -INFINITY || l == 0.f;
+      s_f[16 * warp + r] = none ? -INFINITY : mine + log2f(l);  // the block LSE (base 2)
+      return none ? 0.f : 1.f / l;
+    });
+    __syncthreads();
+    finish_block<T, D, CLUSTER, 1, S::kOStride>(a, smem, s_o, s_f, s_l, s_flag, s_recv, s_recv_l, n_splits, kRows,
+                                                group, row0, b, kvh, rg, row_groups, part0, split, o_part,
+                                                lse_part, counters, n_threads);
+  } else {
+  // ---- two key groups: each row's two shares weighted by the block's softmax (as the classic blocks'
+  // warps); key group 1's statistics after both groups' outputs in the main buffer, once every warp is
+  // done with the pipeline ----
+  float* t_m = s_o + 2 * kRows * S::kOStride;
+  float* t_l = t_m + kRows;
+  __syncthreads();
+  w.stats(kgi == 0 ? s_m : t_m, kgi == 0 ? s_l : t_l, wr, lane);
+  __syncthreads();
   w.template output<S::kOStride>(s_o, warp, lane, [&](int r, float mine) {
-    const float l = s_l[16 * warp + r];
-    const bool none = mine == -INFINITY || l == 0.f;
-    s_f[16 * warp + r] = none ? -INFINITY : mine + log2f(l);  // the block LSE (base 2)
-    return none ? 0.f : 1.f / l;
+    const int cr = 16 * wr + r;
+    const float m0 = s_m[cr], m1 = t_m[cr], mx = fmaxf(m0, m1);
+    const float l_tot = (m0 == -INFINITY ? 0.f : exp2f(m0 - mx) * s_l[cr]) + (m1 == -INFINITY ? 0.f : exp2f(m1 - mx) * t_l[cr]);
+    if (kgi == 0) s_f[cr] = l_tot > 0.f ? mx + log2f(l_tot) : -INFINITY;  // the block LSE (base 2)
+    return (mine == -INFINITY || l_tot == 0.f) ? 0.f : exp2f(mine - mx) / l_tot;
   });
   __syncthreads();
-  finish_block<T, D, CLUSTER, 1, S::kOStride>(a, smem, s_o, s_f, s_l, s_flag, s_recv, s_recv_l, n_splits, kRows,
+  finish_block<T, D, CLUSTER, 2, S::kOStride>(a, smem, s_o, s_f, s_l, s_flag, s_recv, s_recv_l, n_splits, kRows,
                                               group, row0, b, kvh, rg, row_groups, part0, split, o_part,
                                               lse_part, counters, n_threads);
+  }
 }
 
 // Per (device, stream): a zeroed arrival-counter array that every kernel leaves zeroed again.
@@ -1341,6 +1366,12 @@ int shared_warps(const mqa_byoc_decode_args& a) {
   const int64_t tiles = (a.num_heads / a.num_heads_k + 15) / 16;
   return int(std::min<int64_t>(kShMaxWarps, tiles));
 }
+// Two key groups (a plan's `warps` twice its row tiles: warp w runs row tile w % row tiles over one of each
+// tile's two 32-key steps): both groups' outputs and group 1's row statistics fit the main buffer (up to 5
+// row tiles: Falcon's 71 query rows).
+constexpr bool shared_key_groups_fit(int row_warps) {
+  return 2 * 16 * row_warps * (SharedSmem<64>::kOStride * 4 + 4) <= SharedSmem<64>::kMainBytes;
+}
 constexpr int kShMaxGrid = 64;   // splits (CTAs) a slot at most: the last CTA's merge reads them all
 constexpr int kShMinKeys = 256;  // keys a split at least (the plan's)
 // Slots ((sequence, K/V head, row group)) from which the rule takes SharedTiles, and the most splits its
@@ -1350,10 +1381,25 @@ constexpr int kShMinKeys = 256;  // keys a split at least (the plan's)
 // slot a sequence fills the GPU only with short splits); one sequence runs the classic blocks. With the
 // 32-key step (benchmarks/results/2026-12-03-decode-shared-tiles-few.md): CTAs of 4 warps or more (71/1/64:
 // 5) from 12 slots on (at 12-16 sequences 0.57-0.89x the classic blocks' time, at 10 1.03x with mixed
-// lengths); of fewer warps (40/2/64: 3, each CTA's K/V tile shared by fewer rows) from 48 (at 24-64
-// sequences, 48-128 slots, 0.62-0.95x; at 6-16 sequences 1.16-1.45x with mixed lengths).
+// lengths); of fewer warps (40/2/64: 2, each CTA's K/V tile shared by fewer rows) from 48 (at 24-64
+// sequences, 48-128 slots, 0.62-0.95x; at 6-16 sequences 1.16-1.45x with mixed lengths). With two key
+// groups (below), on pages whose size is a multiple of a 64-key tile (a tile's rows from one page), from
+// 16 slots (benchmarks/results/2026-12-04-decode-shared-tiles-key-groups.md, 40/2/64 on pages of 256: at 8
+// sequences 0.73-0.94x the classic blocks' time, at 12-64 0.59-0.98x; at 6, 12 slots, 1.04x with mixed
+// lengths); on pages of 16 the 8 sequences of mixed lengths took 1.22x the classic blocks' time, so other
+// K/V (and contiguous K/V of several heads, whose rows are loaded one by one too) keep 48.
 constexpr int kShMinSlots = 12;
 constexpr int kShMinSlotsFewWarps = 48;
+constexpr int kShMinSlotsKeyGroups = 16;
+// Key groups of a SharedTiles plan: two for CTAs of at most 2 row tiles (each warp's chain of steps
+// halved, twice the warps an SM): 40/2/64 on pages of 256 at 4-64 sequences 0.70-0.96x the time of one
+// group (same grid; the same file). At 5 row tiles (Falcon's 71/1/64: 10 warps, one CTA an SM) two
+// were faster only where the grid held about a CTA an SM or fewer (0.83-0.88x at 6-8 sequences of 16k
+// keys), slower with mixed lengths at 8 and from 10 sequences on, which a plan cannot tell from lengths
+// it does not see (2026-12-04-decode-shared-tiles-key-groups-71.md): one there; 3 and 4 row tiles were not
+// measured: one.
+constexpr int kShKeyGroupsMaxRowTiles = 2;
+int shared_key_groups(int row_warps) { return row_warps <= kShKeyGroupsMaxRowTiles ? 2 : 1; }
 constexpr int kShMaxTarget = kMaxCluster;
 // Whether a call runs SharedTiles: asked for (row_tiles MQA_BYOC_DECODE_SHARED_TILES) or by the rule
 // (row_tiles 0), at head dim 64 for more than 16 query rows a K/V head.
@@ -1365,8 +1411,11 @@ bool shared_rule(const mqa_byoc_decode_args& a, int asked) {
   if (asked == MQA_BYOC_DECODE_SHARED_TILES) return true;
   const int warps = shared_warps(a);
   const int64_t rows = 16 * warps;
-  return a.batch * a.num_heads_k * ((a.num_heads / a.num_heads_k + rows - 1) / rows) >=
-         (warps >= 4 ? kShMinSlots : kShMinSlotsFewWarps);
+  const bool tile_pages = a.page_values != nullptr && a.page_size % kShTileKeys == 0;
+  const int min_slots = warps >= 4                                          ? kShMinSlots
+                        : shared_key_groups(warps) == 2 && tile_pages ? kShMinSlotsKeyGroups
+                                                                      : kShMinSlotsFewWarps;
+  return a.batch * a.num_heads_k * ((a.num_heads / a.num_heads_k + rows - 1) / rows) >= min_slots;
 }
 // Its CTAs an SM holds: 16 warps of 128 registers, and the shared memory.
 int shared_ctas_per_sm(int warps, bool cluster) {
@@ -1498,13 +1547,13 @@ int launch_typed(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, v
   return cudaGetLastError() == cudaSuccess ? 0 : 1;
 }
 
-template <typename T, int D>
-int launch_shared(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, void* ws, int* counters,
-                  cudaStream_t stream) {
+template <typename T, int D, int KG>
+int launch_shared_groups(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, void* ws, int* counters,
+                         cudaStream_t stream) {
   using S = SharedSmem<D>;
   static bool configured[2][2][64] = {};  // per kernel and device: the shared-memory (and cluster) opt-ins
   const bool paged = a.page_values != nullptr;
-  const int rows = 16 * p.warps;
+  const int rows = 16 * shared_warps(a);
   const int packed = p.shared_tiles == 2;  // the grid's x: every sequence's splits (packed_work)
   dim3 grid(p.splits, unsigned(a.num_heads_k * p.row_groups), packed ? 1u : unsigned(a.batch));
   int device = 0;
@@ -1521,7 +1570,7 @@ int launch_shared(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, 
     if (device >= 0 && device < 64) configured[paged][cluster][device] = true;
     return true;
   };
-  auto ckernel = paged ? gqa_decode_shared_kernel<T, D, true, true> : gqa_decode_shared_kernel<T, D, false, true>;
+  auto ckernel = paged ? gqa_decode_shared_kernel<T, D, true, true, KG> : gqa_decode_shared_kernel<T, D, false, true, KG>;
   bool cluster = false;
   if (!packed && p.merge != MQA_BYOC_DECODE_MERGE_GLOBAL && p.splits > 1 && p.splits <= kMaxCluster) {
     if (!configure(ckernel, true)) return 1;
@@ -1538,25 +1587,39 @@ int launch_shared(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, 
                ? 0
                : 1;
   }
-  auto kernel = paged ? gqa_decode_shared_kernel<T, D, true, false> : gqa_decode_shared_kernel<T, D, false, false>;
+  auto kernel = paged ? gqa_decode_shared_kernel<T, D, true, false, KG> : gqa_decode_shared_kernel<T, D, false, false, KG>;
   if (!configure(kernel, false)) return 1;
   kernel<<<grid, p.warps * 32, S::bytes(rows, false), stream>>>(a, p.keys_per_split, p.row_groups, o_part, lse_part,
                                                                 counters, packed);
   return cudaGetLastError() == cudaSuccess ? 0 : 1;
 }
 
-// The co-resident clusters of n blocks of the shared-tiles kernel with `warps` warps (n = 1..kMaxCluster).
+// A SharedTiles launch: one key group (`warps` the row tiles) or two (twice them, up to 5 row tiles).
 template <typename T, int D>
+int launch_shared(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, void* ws, int* counters,
+                  cudaStream_t stream) {
+  const int row_warps = shared_warps(a);
+  if (p.warps == row_warps) return launch_shared_groups<T, D, 1>(a, p, ws, counters, stream);
+  if (p.warps == 2 * row_warps && shared_key_groups_fit(row_warps)) {
+    return launch_shared_groups<T, D, 2>(a, p, ws, counters, stream);
+  }
+  return 2;
+}
+
+// The co-resident clusters of n blocks of the shared-tiles kernel with `warps` warps (n = 1..kMaxCluster).
+template <typename T, int D, int KG = 1>
 int shared_cluster_capacity(bool paged, int warps, int device, int* capacity) {
   using S = SharedSmem<D>;
-  auto kernel = paged ? gqa_decode_shared_kernel<T, D, true, true> : gqa_decode_shared_kernel<T, D, false, true>;
+  auto kernel = paged ? gqa_decode_shared_kernel<T, D, true, true, KG> : gqa_decode_shared_kernel<T, D, false, true, KG>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::bytes(S::kMaxRows, true))) !=
           cudaSuccess ||
       cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
     cudaGetLastError();
     return 1;
   }
-  for (int n = 1; n <= kMaxCluster; ++n) capacity[n - 1] = max_clusters(kernel, warps, device, n, S::bytes(16 * warps, true));
+  for (int n = 1; n <= kMaxCluster; ++n) {
+    capacity[n - 1] = max_clusters(kernel, KG * warps, device, n, S::bytes(16 * warps, true));
+  }
   return 0;
 }
 
@@ -1578,7 +1641,7 @@ int shared_plan(const mqa_byoc_decode_args& a, int64_t keys_per_split, int64_t s
   p->row_groups = int(row_groups);
   p->keys_per_split = int(keys_per_split);
   p->splits = int(splits);
-  p->warps = warps;
+  p->warps = warps * shared_key_groups(warps);
   p->shared_tiles = 1;
   const int64_t slots = a.batch * a.num_heads_k * row_groups;
   p->o_part_floats = splits > 1 ? slots * splits * rows * a.head_dim : 0;
@@ -1604,7 +1667,7 @@ int shared_packed_plan(const mqa_byoc_decode_args& a, int64_t ctas, mqa_byoc_dec
   p->row_groups = int(row_groups);
   p->keys_per_split = kShMinKeys;
   p->splits = int(grid);
-  p->warps = warps;
+  p->warps = warps * shared_key_groups(warps);
   p->shared_tiles = 2;
   p->o_part_floats = ys * grid * rows * a.head_dim;
   p->workspace_bytes = size_t(p->o_part_floats + ys * grid * rows) * sizeof(float);
@@ -1782,7 +1845,7 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_launch(const mqa_byoc
     if (counters == nullptr) return 3;
   }
   if (p->shared_tiles) {
-    if (a->head_dim != 64 || p->warps < 1 || p->warps > kShMaxWarps || p->keys_per_split % kShTileKeys != 0) return 2;
+    if (a->head_dim != 64 || p->warps < 1 || p->warps > 2 * kShMaxWarps || p->keys_per_split % kShTileKeys != 0) return 2;
     if (p->shared_tiles == 2) {  // packed: the lengths fit the main buffer, one split a sequence at least
       if (a->batch > kPackMaxBatch || p->splits < a->batch || p->keys_per_split < kShTileKeys) return 2;
       if (p->merge == MQA_BYOC_DECODE_MERGE_CLUSTER) return 4;

@@ -145,6 +145,14 @@ class Decode:
         self.plan.merge = self.merge
         self.ws = torch.empty(max(1, self.plan.workspace_bytes), dtype=torch.uint8, device=self.ws.device)
 
+    def set_key_groups(self, n: int) -> None:
+        """SharedTiles with ``n`` key groups (1 or 2): the CTA's warps ``n`` times its row tiles, warp w running
+        row tile w % tiles over one of each 64-key tile's two 32-key steps; the launch refuses 2 past 5 row
+        tiles (rc 2: both groups' outputs must fit the kernel's main buffer)."""
+        assert self.plan.shared_tiles in (1, 2) and n in (1, 2), (self.plan.shared_tiles, n)
+        group = self.args.num_heads // self.args.num_heads_k
+        self.plan.warps = min(8, -(-group // 16)) * n
+
     def __call__(self):
         import torch
 
