@@ -953,7 +953,7 @@ DECODE_SHARED_FEW = "2026-12-03-decode-shared-tiles-few.json"
 
 def decode_shared_few_claims() -> dict[str, str]:
     """docs/paged_kv_cache.md on where the rule takes SharedTiles: SharedTiles asked for against the
-    classic blocks at few sequences, 71/1/64 (5 warps a CTA) and 40/2/64 (3)."""
+    classic blocks at few sequences, 71/1/64 (5 warps a CTA) and 40/2/64 (2)."""
     rows = _load(DECODE_SHARED_FEW)
     assert all(r["max_diff"] < 1e-3 for r in rows)
 
@@ -974,4 +974,40 @@ def decode_shared_few_claims() -> dict[str, str]:
 def test_paged_doc_decode_shared_few_claim(name):
     text = " ".join(PAGED_DOC.read_text().split())
     claim = decode_shared_few_claims()[name]
+    assert claim in text, f"docs/paged_kv_cache.md lacks {name}: {claim!r}"
+
+
+DECODE_KEY_GROUPS = "2026-12-04-decode-shared-tiles-key-groups.json"
+DECODE_KEY_GROUPS_71 = "2026-12-04-decode-shared-tiles-key-groups-71.json"
+DECODE_BUILDS_KEY_GROUPS = "2026-12-04-decode-builds-key-groups.json"
+
+
+def decode_key_groups_claims() -> dict[str, str]:
+    """docs/paged_kv_cache.md on SharedTiles' two key groups: one group against two on the same grid
+    (40/2/64, and Falcon's 71/1/64 from 10 sequences), and the builds before and after the rule."""
+    kg = _load(DECODE_KEY_GROUPS)
+    kg71 = _load(DECODE_KEY_GROUPS_71)
+    assert all(r["max_diff"] < 1e-3 for r in kg + kg71)
+    builds = _load(DECODE_BUILDS_KEY_GROUPS)
+    assert all(r["max_diff"] < 1e-3 for r in builds)
+
+    def q(r):
+        return r["us"]["after"] / r["us"]["before"]
+
+    eight = {r["kind"]: q(r) for r in builds if r["shape"] == "40/2/64" and r["batch"] == 8 and r["page"] == 256}
+    return {
+        "k2_40": f"two key groups took {_range([r['asked_k2'] / r['asked'] for r in kg])} the time of one",
+        "k2_71": f"took {_range([r['asked_k2'] / r['asked'] for r in kg71 if r['batch'] >= 10])} the time of one "
+                 "from 10 sequences on",
+        "builds_40": "40/2/64 at 32 and 64 sequences "
+                     f"{_range([q(r) for r in builds if r['shape'] == '40/2/64' and r['batch'] >= 32])}",
+        "eight_40": f"on pages of 256 {_range([eight['uniform16k']])} ({_range([eight['mixed']])} with mixed lengths)",
+        "others": f"other shapes (71/1/64, 64/8/128) {_range([q(r) for r in builds if r['shape'] != '40/2/64'])}",
+    }
+
+
+@pytest.mark.parametrize("name", sorted(decode_key_groups_claims()))
+def test_paged_doc_decode_key_groups_claim(name):
+    text = " ".join(PAGED_DOC.read_text().split())
+    claim = decode_key_groups_claims()[name]
     assert claim in text, f"docs/paged_kv_cache.md lacks {name}: {claim!r}"
