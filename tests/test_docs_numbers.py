@@ -44,6 +44,11 @@ def _range(values, digits=2, unit="x"):
     lo, hi = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
     return f"{lo}{unit}" if lo == hi else f"{lo}–{hi}{unit}"
 
+def _assert_in_paged_doc(claims: dict, name: str) -> None:
+    """docs/paged_kv_cache.md (whitespace folded) states ``claims[name]``."""
+    text = " ".join(PAGED_DOC.read_text().split())
+    assert claims[name] in text, f"docs/paged_kv_cache.md lacks {name}: {claims[name]!r}"
+
 
 def _ratios(cases, num, den, where=lambda k: True):
     return [v[num] / v[den] for k, v in cases.items() if where(k) and num in v and den in v]
@@ -715,8 +720,7 @@ def test_paged_doc_flashinfer_table():
 
 @pytest.mark.parametrize("name", sorted(flashinfer_claims()))
 def test_paged_doc_flashinfer_claim(name):
-    text = " ".join(PAGED_DOC.read_text().split())
-    assert flashinfer_claims()[name] in text, f"docs/paged_kv_cache.md lacks {name}: {flashinfer_claims()[name]!r}"
+    _assert_in_paged_doc(flashinfer_claims(), name)
 
 
 def cuda_binary_claim() -> str:
@@ -782,8 +786,7 @@ def test_paged_doc_fa4_ragged_table():
 
 @pytest.mark.parametrize("name", sorted(fa4_ragged_claims()))
 def test_paged_doc_fa4_ragged_claim(name):
-    text = " ".join(PAGED_DOC.read_text().split())
-    assert fa4_ragged_claims()[name] in text, f"docs/paged_kv_cache.md lacks {name}: {fa4_ragged_claims()[name]!r}"
+    _assert_in_paged_doc(fa4_ragged_claims(), name)
 
 
 PAGED_READBACK = "2026-12-02-paged-prefill-readback.json"
@@ -806,8 +809,7 @@ def readback_claims() -> dict[str, str]:
 
 @pytest.mark.parametrize("name", sorted(readback_claims()))
 def test_paged_doc_readback_claim(name):
-    text = " ".join(PAGED_DOC.read_text().split())
-    assert readback_claims()[name] in text, f"docs/paged_kv_cache.md lacks {name}: {readback_claims()[name]!r}"
+    _assert_in_paged_doc(readback_claims(), name)
 
 
 PAGED_DECODE_FI = "2026-12-02-paged-decode-flashinfer.json"
@@ -844,8 +846,7 @@ def decode_rerun_claims() -> dict[str, str]:
 
 @pytest.mark.parametrize("name", sorted(decode_rerun_claims()))
 def test_paged_doc_decode_rerun_claim(name):
-    text = " ".join(PAGED_DOC.read_text().split())
-    assert decode_rerun_claims()[name] in text, f"docs/paged_kv_cache.md lacks {name}: {decode_rerun_claims()[name]!r}"
+    _assert_in_paged_doc(decode_rerun_claims(), name)
 
 
 PAGED_DECODE_FI_SHARED = "2026-12-02-paged-decode-flashinfer-shared.json"
@@ -902,8 +903,7 @@ def test_performance_doc_shared_tiles_claim():
 
 @pytest.mark.parametrize("name", sorted(decode_shared_claims()))
 def test_paged_doc_decode_shared_claim(name):
-    text = " ".join(PAGED_DOC.read_text().split())
-    assert decode_shared_claims()[name] in text, f"docs/paged_kv_cache.md lacks {name}: {decode_shared_claims()[name]!r}"
+    _assert_in_paged_doc(decode_shared_claims(), name)
 
 
 DECODE_BUILDS_PACKED = "2026-12-03-decode-builds-packed.json"
@@ -944,8 +944,7 @@ def decode_packed_claims() -> dict[str, str]:
 
 @pytest.mark.parametrize("name", sorted(decode_packed_claims()))
 def test_paged_doc_decode_packed_claim(name):
-    text = " ".join(PAGED_DOC.read_text().split())
-    assert decode_packed_claims()[name] in text, f"docs/paged_kv_cache.md lacks {name}: {decode_packed_claims()[name]!r}"
+    _assert_in_paged_doc(decode_packed_claims(), name)
 
 
 DECODE_SHARED_FEW = "2026-12-03-decode-shared-tiles-few.json"
@@ -972,9 +971,7 @@ def decode_shared_few_claims() -> dict[str, str]:
 
 @pytest.mark.parametrize("name", sorted(decode_shared_few_claims()))
 def test_paged_doc_decode_shared_few_claim(name):
-    text = " ".join(PAGED_DOC.read_text().split())
-    claim = decode_shared_few_claims()[name]
-    assert claim in text, f"docs/paged_kv_cache.md lacks {name}: {claim!r}"
+    _assert_in_paged_doc(decode_shared_few_claims(), name)
 
 
 DECODE_KEY_GROUPS = "2026-12-04-decode-shared-tiles-key-groups.json"
@@ -1008,6 +1005,4 @@ def decode_key_groups_claims() -> dict[str, str]:
 
 @pytest.mark.parametrize("name", sorted(decode_key_groups_claims()))
 def test_paged_doc_decode_key_groups_claim(name):
-    text = " ".join(PAGED_DOC.read_text().split())
-    claim = decode_key_groups_claims()[name]
-    assert claim in text, f"docs/paged_kv_cache.md lacks {name}: {claim!r}"
+    _assert_in_paged_doc(decode_key_groups_claims(), name)
