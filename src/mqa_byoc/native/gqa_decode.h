@@ -45,9 +45,11 @@ typedef struct {
   int64_t o_part_floats, counters;
   size_t workspace_bytes;  // device scratch for mqa_byoc_decode_launch (0: none needed)
   int merge;               // MQA_BYOC_DECODE_MERGE_*: the plan functions set AUTO (GLOBAL for packed splits)
-  int warps;               // of a CTA: 8, or 4 for splits of at most 256 keys (the plan functions set it)
+  int warps;               // of a CTA: 8, or 4 for splits of at most 256 keys (the plan functions set it);
+                           // SharedTiles: its row tiles, or twice them for two key groups (at most 5 row tiles)
   int row_tiles;           // M tiles of 16 query rows a warp carries: a CTA holds 16 x row_tiles query rows
-  // 1: the group's row tiles are the warps of one CTA (`warps` of them, 16 query rows each, up to 128 rows),
+  // 1: the group's row tiles are the warps of one CTA (`warps` of them, or half with two key groups, which
+  // take one of each tile's two 32-key steps each; 16 query rows a row tile, up to 128 rows),
   // which load 64-key tiles together and each run their rows over them (the rule's choice at head dim 64
   // for more than 16 query rows a K/V head; splits of a multiple of 64 keys); 0: the CTA's warps split the
   // keys of its 16 x row_tiles rows; 2: SharedTiles with packed splits (on pages, where the per-sequence
