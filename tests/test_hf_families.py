@@ -133,15 +133,24 @@ def test_falcon_new_architecture_runs_on_the_expanded_heads(mode):
     """Falcon-40B's form: K/V sliced from the fused qkv as (B, S, H_kv, 1, D) and broadcast to every query
     head; V reaches attention through the broadcast (traced to its unit axis), K through the rotary
     embedding applied after it. The site runs as attention over the expanded heads and says why; decode
-    reads a cache HF keeps with every head."""
+    reads a cache HF keeps with every head. Where transformers keeps K/V (and its cache) at num_kv_heads,
+    the site is offloaded on those heads with no expansion left."""
     model = _falcon("sdpa", num_kv_heads=KV_HEADS, new_decoder_architecture=True)
     imp = _import(model, mode)
     report = offload_report(imp.mod)
     assert len(report) == LAYERS
+    # newer transformers (5.2x) keep Falcon-40B's K/V at num_kv_heads, in its cache too, and attend through
+    # the shared attention functions (repeat_kv): then the site is plain GQA on the native K/V heads
+    with torch.no_grad():
+        cache = model(torch.zeros(1, 3, dtype=torch.long), use_cache=True).past_key_values
+    cached_heads = cache.layers[0].keys.shape[1] if hasattr(cache, "layers") else cache[0][0].shape[1]
+    assert cached_heads in (HEADS, KV_HEADS), cached_heads
     for site in report:
-        assert site.offloaded and (site.num_q_heads, site.num_kv_heads) == (HEADS, HEADS)
-        if mode == "prefill":
+        assert site.offloaded and (site.num_q_heads, site.num_kv_heads) == (HEADS, cached_heads)
+        if mode == "prefill" and cached_heads == HEADS:
             assert "V is expanded (repeat x4) but no expansion of K" in site.note, site.note
+    if cached_heads == KV_HEADS:
+        assert not hf.kv_expansions_left(partition_for_cutlass(imp.mod))
     _falcon_numerics(model, mode)
 
 

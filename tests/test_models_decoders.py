@@ -400,6 +400,30 @@ def test_fixes_map_takes_negative_list_indices_from_the_end(hf):
     np.testing.assert_allclose(got, Index()(x, i).numpy(), rtol=1e-5, atol=1e-5)
 
 
+def test_fixes_convert_map_selects_a_negative_index_as_torch_does(hf):
+    """``x[..., -2, :]`` (Falcon-40B's K from its grouped qkv in newer transformers): the frontend's
+    ``R.take(mode="fast")`` of the negative constant reads out of bounds; with our convert map it is
+    torch's row (static axes counted from the end, a symbolic one wrapped); non-negative ones unchanged."""
+    torch = pytest.importorskip("torch")
+    from tvm.relax.frontend.torch import from_exported_program
+
+    from mqa_byoc.testing import graphs as G
+
+    class Select(torch.nn.Module):
+        def forward(self, x):
+            return x[..., -2, :] * 2 + x.select(0, -1).sum() + x.select(3, 1).sum()
+
+    x = torch.randn(2, 3, 4, 5, 6)
+    ep = torch.export.export(Select(), (x,))
+    mod = from_exported_program(ep, custom_convert_map=hf.fixes_convert_map())
+    np.testing.assert_allclose(G.run_llvm(mod, [x.numpy()]), Select()(x).numpy(), rtol=1e-5, atol=1e-5)
+    seq = torch.export.Dim("seq", min=2, max=64)
+    ep = torch.export.export(Select(), (torch.randn(2, 3, 4, 5, 6),), dynamic_shapes=({0: seq},))
+    mod = from_exported_program(ep, custom_convert_map=hf.fixes_convert_map())
+    x = torch.randn(7, 3, 4, 5, 6)
+    np.testing.assert_allclose(G.run_llvm(mod, [x.numpy()]), Select()(x).numpy(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind,fused", [("llama", True), ("mistral", True), ("llama", False)])
 def test_builder_matches_hf(hf, kind, fused):
     """build_decoder with HF's weights computes HF's logits (RoPE, RMSNorm, SwiGLU, window); fused

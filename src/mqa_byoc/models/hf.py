@@ -280,6 +280,10 @@ def fixes_convert_map() -> dict:
     ``index.Tensor``: indexing one axis with a list (Falcon's ``qkv[:, :, :, [-2]]``) becomes
     ``R.take(mode="fast")``, which reads out of bounds for a negative index; taken with ``mode="wrap"``
     instead (torch counts a negative index from the end). Other index forms keep the frontend's converter.
+
+    ``select.int``: ``x[..., -2, :]`` (Falcon-40B's K from its grouped qkv in transformers 5.2x) becomes the
+    same ``R.take(mode="fast")`` of a negative constant (NaN or another row's values on the GPU and the
+    CPU); the index is counted from the end of its (static) axis as torch does, else taken with ``mode="wrap"``.
     """
     from tvm import relax, tirx
 
@@ -320,10 +324,21 @@ def fixes_convert_map() -> dict:
         axis, idx = given[0]
         return importer.block_builder.emit(relax.op.take(args[0], idx, axis=axis, mode="wrap"))
 
+    def select(node, importer):
+        x = importer.env[node.args[0]]
+        dim, idx = node.args[1], node.args[2]
+        if not isinstance(idx, int) or idx >= 0:
+            return importer._select(node)
+        dim = dim % x.ty.ndim
+        size = x.ty.shape.values[dim] if x.ty.shape is not None else None
+        if isinstance(size, tirx.IntImm):
+            return importer.block_builder.emit(relax.op.take(x, relax.const(idx + int(size), "int64"), axis=dim))
+        return importer.block_builder.emit(relax.op.take(x, relax.const(idx, "int64"), axis=dim, mode="wrap"))
+
     from .hf_static import index_put_converter
 
     return {"cumsum.default": cumsum, "cat.default": cat, "index_put.default": index_put_converter,
-            "index.Tensor": index}
+            "index.Tensor": index, "select.int": select}
 
 
 def params_from_hf(model, param_spec) -> list[np.ndarray]:
