@@ -355,22 +355,7 @@ def gemm_report(mod: tvm.IRModule) -> list[GemmSite]:
         if not isinstance(func, relax.Function) or gv in codegen_funcs or (
                 func.attrs is not None and ("Codegen" in func.attrs or "Composite" in func.attrs)):
             continue
-        bindings, users = {}, {}
-        for block in func.body.blocks:
-            for b in block.bindings:
-                if not isinstance(b, relax.VarBinding):
-                    continue
-                bindings[b.var] = b.value
-
-                def use(e, var=b.var):
-                    if isinstance(e, relax.Var):
-                        users.setdefault(e, []).append(var)
-
-                if isinstance(b.value, relax.Call):
-                    for arg in b.value.args:
-                        use(arg)
-                elif isinstance(b.value, relax.TupleGetItem):
-                    use(b.value.tuple_value)
+        bindings, users = _bindings_and_users(func)
         names = _OriginalNames(next((f for g, f in mod.functions.items() if g.name_hint == gv.name_hint), None))
         for var, value in bindings.items():
             names.see(var, value, codegen_funcs)
@@ -396,6 +381,26 @@ def gemm_report(mod: tvm.IRModule) -> list[GemmSite]:
     return sites
 
 
+def _bindings_and_users(func):
+    """``func``'s variable bindings {var: value} and their users {var: [vars whose call or tuple item reads it]}."""
+    bindings, users = {}, {}
+    for block in func.body.blocks:
+        for b in block.bindings:
+            if not isinstance(b, relax.VarBinding):
+                continue
+            bindings[b.var] = b.value
+            if isinstance(b.value, relax.Call):
+                read = b.value.args
+            elif isinstance(b.value, relax.TupleGetItem):
+                read = [b.value.tuple_value]
+            else:
+                read = []
+            for e in read:
+                if isinstance(e, relax.Var):
+                    users.setdefault(e, []).append(b.var)
+    return bindings, users
+
+
 class _OriginalNames:
     """The names the partitioned module's GEMM calls had in the graph the user wrote.
 
@@ -407,18 +412,12 @@ class _OriginalNames:
     """
 
     def __init__(self, original):
-        self.bindings, self.users, self.of = {}, {}, {}
-        self.matmul_of_call = {}
-        if not isinstance(original, relax.Function):
-            return
-        for block in original.body.blocks:
-            for b in block.bindings:
-                if isinstance(b, relax.VarBinding):
-                    self.bindings[b.var] = b.value
-                    if isinstance(b.value, relax.Call):
-                        for arg in b.value.args:
-                            if isinstance(arg, relax.Var):
-                                self.users.setdefault(arg, []).append(b.var)
+        self.bindings, self.users = _bindings_and_users(original) if isinstance(original, relax.Function) else ({}, {})
+        self.of, self.matmul_of_call = {}, {}
+        self.matmuls_of_x = {}  # the original's matmuls by their left operand
+        for var, value in self.bindings.items():
+            if isinstance(value, relax.Call) and getattr(value.op, "name", None) == "relax.matmul":
+                self.matmuls_of_x.setdefault(value.args[0], []).append((var, value))
 
     def see(self, var, value, codegen_funcs):
         if var in self.bindings:
@@ -461,25 +460,21 @@ class _OriginalNames:
         w, transposed = operand(mm.args[1])
         if x is None or w is None:
             return None
-        for var, value in self.bindings.items():
-            if not (isinstance(value, relax.Call) and getattr(value.op, "name", None) == "relax.matmul"
-                    and value.args[0].same_as(x)):
-                continue
+        for var, value in self.matmuls_of_x.get(x, ()):
             rhs = value.args[1]
             producer = self.bindings.get(rhs) if isinstance(rhs, relax.Var) else None
             if transposed and not (isinstance(producer, relax.Call) and producer.args and producer.args[0].same_as(w)):
                 continue
             if not transposed and not rhs.same_as(w):
                 continue
-            return var, self._fused_output(var, comp, mm)
+            return var, self._fused_output(var, comp)
         return None
 
-    def _fused_output(self, matmul_var, comp, mm):
+    def _fused_output(self, matmul_var, comp):
         """``matmul_var`` followed through the ops the composite fuses after its matmul."""
         ops = [getattr(b.value.op, "name", None) for block in comp.body.blocks for b in block.bindings
                if isinstance(b.value, relax.Call)]
-        names = [getattr(o, "name", o) for o in ops]
-        after = names[names.index("relax.matmul") + 1:] if "relax.matmul" in names else []
+        after = ops[ops.index("relax.matmul") + 1:] if "relax.matmul" in ops else []
         out = matmul_var
         for op in after:
             nxt = [u for u in self.users.get(out, ()) if getattr(getattr(self.bindings[u], "op", None), "name", None) == op]
