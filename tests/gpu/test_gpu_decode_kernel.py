@@ -113,7 +113,7 @@ def test_shared_tiles(dtype, heads, heads_k, seqlen, merge, window_left):
     group = heads // heads_k
     row_tiles = min(8, -(-group // 16))
     assert call.plan.shared_tiles == 1 and call.plan.warps == row_tiles * (2 if row_tiles <= 2 else 1)  # key groups
-    assert call.plan.row_groups == -(-group // (16 * call.plan.warps))
+    assert call.plan.row_groups == -(-group // (16 * row_tiles))
     assert (call.plan.splits == 1) == (seqlen <= 256), call.plan.splits
     for _ in range(2):
         out.zero_()

@@ -1278,31 +1278,28 @@ __global__ void __launch_bounds__(KG * kShMaxWarps * 32, 2 / KG)
       s_f[16 * warp + r] = none ? -INFINITY : mine + log2f(l);  // the block LSE (base 2)
       return none ? 0.f : 1.f / l;
     });
-    __syncthreads();
-    finish_block<T, D, CLUSTER, 1, S::kOStride>(a, smem, s_o, s_f, s_l, s_flag, s_recv, s_recv_l, n_splits, kRows,
-                                                group, row0, b, kvh, rg, row_groups, part0, split, o_part,
-                                                lse_part, counters, n_threads);
   } else {
-  // ---- two key groups: each row's two shares weighted by the block's softmax (as the classic blocks'
-  // warps); key group 1's statistics after both groups' outputs in the main buffer, once every warp is
-  // done with the pipeline ----
-  float* t_m = s_o + 2 * kRows * S::kOStride;
-  float* t_l = t_m + kRows;
-  __syncthreads();
-  w.stats(kgi == 0 ? s_m : t_m, kgi == 0 ? s_l : t_l, wr, lane);
-  __syncthreads();
-  w.template output<S::kOStride>(s_o, warp, lane, [&](int r, float mine) {
-    const int cr = 16 * wr + r;
-    const float m0 = s_m[cr], m1 = t_m[cr], mx = fmaxf(m0, m1);
-    const float l_tot = (m0 == -INFINITY ? 0.f : exp2f(m0 - mx) * s_l[cr]) + (m1 == -INFINITY ? 0.f : exp2f(m1 - mx) * t_l[cr]);
-    if (kgi == 0) s_f[cr] = l_tot > 0.f ? mx + log2f(l_tot) : -INFINITY;  // the block LSE (base 2)
-    return (mine == -INFINITY || l_tot == 0.f) ? 0.f : exp2f(mine - mx) / l_tot;
-  });
-  __syncthreads();
-  finish_block<T, D, CLUSTER, 2, S::kOStride>(a, smem, s_o, s_f, s_l, s_flag, s_recv, s_recv_l, n_splits, kRows,
-                                              group, row0, b, kvh, rg, row_groups, part0, split, o_part,
-                                              lse_part, counters, n_threads);
+    // ---- two key groups: each row's two shares weighted by the block's softmax (as the classic blocks'
+    // warps); key group 1's statistics after both groups' outputs in the main buffer, once every warp is
+    // done with the pipeline ----
+    float* t_m = s_o + 2 * kRows * S::kOStride;
+    float* t_l = t_m + kRows;
+    __syncthreads();
+    w.stats(kgi == 0 ? s_m : t_m, kgi == 0 ? s_l : t_l, wr, lane);
+    __syncthreads();
+    w.template output<S::kOStride>(s_o, warp, lane, [&](int r, float mine) {
+      const int cr = 16 * wr + r;
+      const float m0 = s_m[cr], m1 = t_m[cr], mx = fmaxf(m0, m1);
+      const float l_tot = (m0 == -INFINITY ? 0.f : exp2f(m0 - mx) * s_l[cr]) +
+                          (m1 == -INFINITY ? 0.f : exp2f(m1 - mx) * t_l[cr]);
+      if (kgi == 0) s_f[cr] = l_tot > 0.f ? mx + log2f(l_tot) : -INFINITY;  // the block LSE (base 2)
+      return (mine == -INFINITY || l_tot == 0.f) ? 0.f : exp2f(mine - mx) / l_tot;
+    });
   }
+  __syncthreads();
+  finish_block<T, D, CLUSTER, KG, S::kOStride>(a, smem, s_o, s_f, s_l, s_flag, s_recv, s_recv_l, n_splits, kRows,
+                                               group, row0, b, kvh, rg, row_groups, part0, split, o_part,
+                                               lse_part, counters, n_threads);
 }
 
 // Per (device, stream): a zeroed arrival-counter array that every kernel leaves zeroed again.
@@ -1607,19 +1604,18 @@ int launch_shared(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, 
 }
 
 // The co-resident clusters of n blocks of the shared-tiles kernel with `warps` warps (n = 1..kMaxCluster).
-template <typename T, int D, int KG = 1>
+// Plans are sized by the kernel of one key group (two key groups' launches check their clusters themselves).
+template <typename T, int D>
 int shared_cluster_capacity(bool paged, int warps, int device, int* capacity) {
   using S = SharedSmem<D>;
-  auto kernel = paged ? gqa_decode_shared_kernel<T, D, true, true, KG> : gqa_decode_shared_kernel<T, D, false, true, KG>;
+  auto kernel = paged ? gqa_decode_shared_kernel<T, D, true, true, 1> : gqa_decode_shared_kernel<T, D, false, true, 1>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::bytes(S::kMaxRows, true))) !=
           cudaSuccess ||
       cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
     cudaGetLastError();
     return 1;
   }
-  for (int n = 1; n <= kMaxCluster; ++n) {
-    capacity[n - 1] = max_clusters(kernel, KG * warps, device, n, S::bytes(16 * warps, true));
-  }
+  for (int n = 1; n <= kMaxCluster; ++n) capacity[n - 1] = max_clusters(kernel, warps, device, n, S::bytes(16 * warps, true));
   return 0;
 }
 
