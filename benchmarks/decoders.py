@@ -417,7 +417,8 @@ def report(parts_dir: Path, out: Path, commit: str | None, command: str | None, 
                        ("inplace-gemm-graph", "inplace-gemm"), ("inplace-gemm", "inplace-tvm"),
                        ("paged-gemm", "paged-tvm"), ("paged", "paged-before"), ("paged-graph", "paged"),
                        ("paged-unsplit-warm", "paged-before"),
-                       ("inplace-cublaslt", "inplace-dlight")):
+                       ("inplace-cublaslt", "inplace-dlight"), ("paged-grid", "paged-grid-before"),
+                       ("paged-grid-2", "paged-grid-before-2")):
         if name in parts and base in parts:
             for da in parts[name]["decode"]:
                 db = next((x for x in parts[base]["decode"]
@@ -464,6 +465,11 @@ LABELS = {"paged-gemm": "ours, PagedKVCache, GEMMs on cuBLASLt",
           "paged-graph": "same, CUDA graphs (--cuda-graph)",
           "inplace-dlight": "ours, in-place cache, static M = 1 on dlight's GEMV (the rule before)",
           "inplace-cublaslt": "ours, in-place cache, static M = 1 on cuBLASLt (the rule now)",
+          "paged-grid-before": "ours, PagedKVCache: the decode kernel's grid sized for the longest sequence the pages hold "
+                               "(before)",
+          "paged-grid": "ours, PagedKVCache: the decode kernel's grid sized for twice a typical sequence (now)",
+          "paged-grid-2": "the build now, timed again (a second pass, now first)",
+          "paged-grid-before-2": "the build before, timed again (the second pass)",
           "hf-eager": "HF transformers, eager (SDPA, dynamic cache)",
           "hf-compile": "HF transformers, torch.compile (static cache)"}
 

@@ -106,9 +106,47 @@ def test_window_limits_the_split_count(lib):
     assert rc == 0 and full.splits > 1 and win.splits == 1 and win.workspace_bytes == 0
 
 
-def test_paged_plan_is_sized_for_the_longest_possible_sequence(lib):
-    rc, p = _plan(lib, batch=8, seqlen=0, pages=(8 * 64, 256))  # 8 sequences, 16k keys each on average
-    assert rc == 0 and p.splits <= 128 and p.splits * p.keys_per_split >= 8 * 64 * 256
+@pytest.mark.parametrize("batch,pages,page", [(8, 8 * 64, 256), (32, 32 * 16, 128), (4, 4 * 8, 128), (64, 64 * 128, 16)])
+def test_paged_grid_covers_twice_a_typical_sequence(lib, batch, pages, page):
+    """On pages the plan cannot see the lengths: its grid covers twice a typical sequence (an even share of
+    the pages) at its split size (a sequence of up to twice the mean keeps it), not the longest one the
+    pages could hold (all of them: a grid mostly of CTAs without keys); the kernel cuts a longer sequence
+    into larger splits. The scratch is the grid's."""
+    rc, p = _plan(lib, batch=batch, seqlen=0, pages=(pages, page))
+    typical = pages * page // batch
+    assert rc == 0 and p.splits == -(-2 * typical // p.keys_per_split)
+    assert p.splits * p.keys_per_split < pages * page  # not the longest possible sequence's
+    slots = batch * 8 * p.row_groups
+    assert p.workspace_bytes == slots * p.splits * 16 * (128 + 1) * 4 and p.counters == slots
+
+
+@pytest.mark.parametrize("batch,seqlen", [(4, 2048), (8, 2048), (8, 16384), (16, 2048), (32, 2048), (64, 4096)])
+def test_paged_plan_takes_the_contiguous_split_in_twice_its_grid(lib, batch, seqlen):
+    """Pages of sequences that all hold `seqlen` keys against the same K/V contiguous (lengths known): the
+    same split size, in a grid of twice a sequence's keys (on pages a sequence may be longer than the mean);
+    one sequence on pages (its length known) gets the contiguous plan."""
+    _, c = _plan(lib, batch=batch, seqlen=seqlen)
+    _, p = _plan(lib, batch=batch, seqlen=0, pages=(batch * seqlen // 128, 128))
+    assert p.keys_per_split == c.keys_per_split and p.splits == -(-2 * seqlen // c.keys_per_split)
+    _, c1 = _plan(lib, batch=1, seqlen=seqlen)
+    _, p1 = _plan(lib, batch=1, seqlen=0, pages=(seqlen // 128, 128))
+    assert (p1.splits, p1.keys_per_split) == (c1.splits, c1.keys_per_split)
+
+
+def test_plan_for_a_given_grid(lib):
+    """plan_grid (the benchmark's sweep of grids): the split size and grid asked for, the scratch for that
+    grid; refused past the merging CTA's 128 splits, or for no splits."""
+    a = DecodeArgs()
+    a.softmax_scale = 128 ** -0.5
+    a.batch, a.num_heads, a.num_heads_k, a.head_dim, a.seqlen_k, a.window_left = 4, 64, 8, 128, 0, -1
+    a.page_values, a.nnz_pages, a.page_size = 1, 4 * 16, 128  # 4 sequences of 2k keys on average
+    p = DecodePlan()
+    assert lib.mqa_byoc_decode_plan_grid(ctypes.byref(a), 1024, 4, 0, ctypes.byref(p)) == 0
+    assert (p.splits, p.keys_per_split, p.counters) == (4, 1024, 4 * 8)
+    assert p.workspace_bytes == 4 * 8 * 4 * 16 * (128 + 1) * 4
+    assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), 1024, 0, ctypes.byref(p)) == 0 and p.splits == 2
+    assert lib.mqa_byoc_decode_plan_grid(ctypes.byref(a), 1024, 129, 0, ctypes.byref(p)) == 2
+    assert lib.mqa_byoc_decode_plan_grid(ctypes.byref(a), 1024, 0, 0, ctypes.byref(p)) == 2
 
 
 @pytest.mark.parametrize("heads,heads_k,dim,batch", [(64, 8, 96, 1), (64, 8, 256, 1), (10, 4, 128, 1), (64, 8, 128, 0)])

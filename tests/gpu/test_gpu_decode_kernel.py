@@ -241,6 +241,18 @@ def test_paged_one_sequence(page_size, length, merge):
     _paged_case(torch.float16, page_size, 64, 8, 128, merge, [length])
 
 
+@pytest.mark.parametrize("lengths", [[40000] + [10] * 31, [3000] * 30 + [0, 50000], [2048] * 32])
+@pytest.mark.parametrize("heads,heads_k,dim", [(64, 8, 128), (48, 1, 128), (8, 1, 64)])
+@pytest.mark.parametrize("merge", ["auto", "global"])
+def test_paged_sequence_longer_than_the_grid(lengths, heads, heads_k, dim, merge):
+    """The classic blocks' grid on pages covers a typical sequence (an even share of the pages), not the
+    longest the pages could hold: a longer sequence cuts its keys into the grid's splits, larger ones."""
+    call = _paged_case(torch.float16, 128, heads, heads_k, dim, merge, lengths)
+    assert call.plan.shared_tiles == 0
+    if max(lengths) > 2 * sum(lengths) / len(lengths):  # beyond what the grid covers
+        assert call.plan.splits * call.plan.keys_per_split < max(lengths), (call.plan.splits, call.plan.keys_per_split)
+
+
 def _mixed_lengths(batch, seed, longest=16384):
     gen = torch.Generator().manual_seed(seed)
     return [longest, 1] + torch.randint(0, longest, (batch - 2,), generator=gen).tolist()

@@ -809,9 +809,12 @@ __global__ void __launch_bounds__(W * 32, kWarpsPerSm<D, MT> / W)
   const int group = int(a.num_heads / a.num_heads_k);
   const int row0 = rg * kRows;  // first query row (within the group) of this block
   const SeqRange sr = seq_range(a, b);
-  // a sequence shorter than the grid (paged: sized for the longest) leaves splits without keys; in a
-  // cluster they still take part in the merge (as empty partials) unless the sequence has one split
-  const SplitKeys sk = split_keys(sr, split, keys_per_split);
+  // each sequence cuts its keys into at most gridDim.x splits of at least keys_per_split keys (a longer
+  // one than the plan's grid was sized for: larger splits, of whole 16-key tiles); a shorter one leaves
+  // splits without keys, which in a cluster still take part in the merge (as empty partials) unless the
+  // sequence has one split
+  const int per_cta = (sr.end - sr.begin + int(gridDim.x) * kTileKeys - 1) / (int(gridDim.x) * kTileKeys) * kTileKeys;
+  const SplitKeys sk = split_keys(sr, split, max(keys_per_split, per_cta));
   const int n_splits = sk.n_splits, k_begin = sk.k_begin, k_end = sk.k_end;
   if (!sk.active && (!CLUSTER || n_splits == 1)) return;
   if constexpr (CLUSTER) {
@@ -1076,9 +1079,10 @@ __device__ __forceinline__ PackedWork packed_work(const mqa_byoc_decode_args& a,
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) longest = max(longest, __shfl_xor_sync(0xffffffffu, longest, off));
-  if (lane == 0) s_red[kShMaxWarps + warp] = longest;
+  // the warps' maxima after the block sums' ints: a CTA has up to 2 kShMaxWarps warps (two key groups)
+  if (lane == 0) s_red[2 * kShMaxWarps + warp] = longest;
   const int total_tiles = block_sum(tiles);  // (its barrier also publishes the maxima and s_len)
-  for (int w = 0; w < n_warps; ++w) longest = max(longest, s_red[kShMaxWarps + w]);
+  for (int w = 0; w < n_warps; ++w) longest = max(longest, s_red[2 * kShMaxWarps + w]);
   auto up = [](int k) { return (k + kShTileKeys - 1) / kShTileKeys * kShTileKeys; };
   int kps = max(min_kps, max(up((longest + max_splits - 1) / max_splits), (total_tiles + grid - 1) / grid * kShTileKeys));
   for (;;) {  // at most the longest sequence's keys (one split each: batch <= grid)
@@ -1330,6 +1334,24 @@ int64_t longest_keys(const mqa_byoc_decode_args& a) {
   int64_t longest = a.page_values != nullptr ? a.nnz_pages * a.page_size : a.seqlen_k;
   if (a.window_left >= 0) longest = std::min<int64_t>(longest, a.window_left + 1);
   return std::max<int64_t>(longest, 1);
+}
+
+// Keys of a typical sequence of a call: contiguous, all alike; on pages, an even share of the call's
+// pages (within the window).
+int64_t typical_keys(const mqa_byoc_decode_args& a) {
+  int64_t typical = a.page_values != nullptr ? (a.nnz_pages * a.page_size + a.batch - 1) / a.batch : a.seqlen_k;
+  if (a.window_left >= 0) typical = std::min<int64_t>(typical, a.window_left + 1);
+  return std::max<int64_t>(typical, 1);
+}
+
+// Splits (the grid's x) of a plan with splits of kps keys: enough for the longest sequence a call can
+// hold; on pages, where that is all the call's pages, at most `slack` times a typical sequence's (a
+// longer sequence cuts its keys into larger splits itself). Sized for the longest, a batch's grid was
+// mostly CTAs without keys: 32 sequences of 2k keys (64/8/128) ran 256 CTAs with keys among 8192.
+int64_t grid_splits(const mqa_byoc_decode_args& a, int64_t kps, int64_t slack = 1) {
+  const int64_t longest = (longest_keys(a) + kps - 1) / kps;
+  if (a.page_values == nullptr) return longest;
+  return std::max<int64_t>(1, std::min<int64_t>(longest, (slack * typical_keys(a) + kps - 1) / kps));
 }
 
 // Whether a call's group (query heads per K/V head) runs as the MMAs' N (RowsAsN): at most 8.
@@ -1687,20 +1709,15 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_supported(int64_t hea
   return (head_dim == 64 || head_dim == 128) && num_heads_k > 0 && num_heads % num_heads_k == 0 ? 1 : 0;
 }
 
-__attribute__((visibility("default"))) int mqa_byoc_decode_plan_split(const mqa_byoc_decode_args* a,
-                                                                      int64_t keys_per_split, int row_tiles,
-                                                                      mqa_byoc_decode_plan* p) {
+__attribute__((visibility("default"))) int mqa_byoc_decode_plan_grid(const mqa_byoc_decode_args* a,
+                                                                     int64_t keys_per_split, int64_t splits,
+                                                                     int row_tiles, mqa_byoc_decode_plan* p) {
   if (!mqa_byoc_decode_supported(a->head_dim, a->num_heads, a->num_heads_k) || a->batch <= 0) return 2;
-  if (keys_per_split <= 0 || keys_per_split % kTileKeys != 0) return 2;
+  if (keys_per_split <= 0 || keys_per_split % kTileKeys != 0 || splits <= 0) return 2;
   if (!mqa_byoc_scale_ok(a->softmax_scale)) return 2;  // the running max of the unscaled scores
-  if (shared_rule(*a, row_tiles)) {
-    // the grid: enough splits for the longest sequence, at most kShMaxGrid (a longer one cuts its keys
-    // into larger splits itself)
-    return shared_plan(*a, keys_per_split, (longest_keys(*a) + keys_per_split - 1) / keys_per_split, p);
-  }
+  if (shared_rule(*a, row_tiles)) return shared_plan(*a, keys_per_split, splits, p);
   const int tiles = row_tiles_of(*a, row_tiles);
   if (tiles == 0) return 2;
-  const int64_t splits = (longest_keys(*a) + keys_per_split - 1) / keys_per_split;
   if (splits > kMaxSplits) return 2;  // the merging CTA's weights live in shared memory
   const int64_t rows = 16 * tiles;
   const int64_t row_groups = (a->num_heads / a->num_heads_k + rows - 1) / rows;
@@ -1718,6 +1735,13 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_plan_split(const mqa_
   p->counters = splits > 1 ? slots : 0;
   p->merge = MQA_BYOC_DECODE_MERGE_AUTO;
   return 0;
+}
+
+__attribute__((visibility("default"))) int mqa_byoc_decode_plan_split(const mqa_byoc_decode_args* a,
+                                                                      int64_t keys_per_split, int row_tiles,
+                                                                      mqa_byoc_decode_plan* p) {
+  if (keys_per_split <= 0) return 2;
+  return mqa_byoc_decode_plan_grid(a, keys_per_split, grid_splits(*a, keys_per_split), row_tiles, p);
 }
 
 __attribute__((visibility("default"))) int mqa_byoc_decode_cluster_capacity(const mqa_byoc_decode_args* a,
@@ -1767,10 +1791,7 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_b
   const int64_t rows = shared ? 16 * shared_warps(*a) : 16 * tiles;
   const int64_t row_groups = (a->num_heads / a->num_heads_k + rows - 1) / rows;
   const int64_t longest = longest_keys(*a);
-  // pages: a typical sequence holds an even share of the pages
-  int64_t typical = a->page_values != nullptr ? (a->nnz_pages * a->page_size + a->batch - 1) / a->batch : a->seqlen_k;
-  if (a->window_left >= 0) typical = std::min<int64_t>(typical, a->window_left + 1);
-  typical = std::max<int64_t>(typical, 1);
+  const int64_t typical = typical_keys(*a);
   // Merged through the workspace: at most one CTA per SM (one wave) and 32 splits per slot (the last CTA's
   // merge reads every split: measured on the H200, more splits cost more there than they gain).
   const int64_t slots = a->batch * a->num_heads_k * row_groups;
@@ -1828,7 +1849,18 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_b
   };
   int64_t kps = split_keys(kMaxWarps);
   if (warps_for(kps) == kFewWarps && kps < longest) kps = split_keys(kFewWarps);
-  return mqa_byoc_decode_plan_split(a, kps, tiles, p);
+  // On pages of several sequences the plan cannot see their lengths, only their mean (typical): the grid
+  // covers twice a typical sequence (a sequence of up to twice the mean keeps the split size; a longer
+  // one cuts its keys into larger splits; a shorter one leaves CTAs without keys). On the H200
+  // (64/8/128, pages of 128, 4-64 sequences of 1k-16k keys each or mixed over 1k-16k, K/V from HBM;
+  // benchmarks/results/2026-12-04-decode-grid.md), against the grid of the longest sequence the pages
+  // could hold (the plan before: mostly CTAs without keys) 0.30-0.99x with every sequence alike,
+  // 0.97-1.08x mixed; against a grid of one typical sequence 0.98-1.20x alike (the empty half of a
+  // cluster waits for its merge) and 0.81-1.01x mixed (there a 16k sequence's few large splits set the
+  // pace), so twice.
+  const bool batch_pages = a->page_values != nullptr && a->batch > 1;
+  const int64_t grid = grid_splits(*a, kps, batch_pages ? 2 : 1);
+  return mqa_byoc_decode_plan_grid(a, kps, grid, tiles, p);
 }
 
 __attribute__((visibility("default"))) int mqa_byoc_decode_launch(const mqa_byoc_decode_args* a,

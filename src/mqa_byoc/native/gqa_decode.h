@@ -85,9 +85,14 @@ int mqa_byoc_decode_cluster_capacity(const mqa_byoc_decode_args* args, int row_t
 int mqa_byoc_decode_make_plan(const mqa_byoc_decode_args* args, int row_tiles, int num_sms, const int* capacity,
                               mqa_byoc_decode_plan* plan);
 // The plan with a given split size (a multiple of 16 keys, at most 128 splits; else 2): what make_plan
-// ends with, for a benchmark's sweep of split sizes.
+// ends with, for a benchmark's sweep of split sizes. Its grid: enough splits for the longest sequence the
+// call can hold, on pages at most a typical sequence's (a longer sequence cuts larger splits itself).
 int mqa_byoc_decode_plan_split(const mqa_byoc_decode_args* args, int64_t keys_per_split, int row_tiles,
                                mqa_byoc_decode_plan* plan);
+// The same with the grid's x given: `splits` a (sequence, K/V head, row group), each sequence's keys cut
+// into at most that many splits of at least keys_per_split keys (a benchmark's sweep of grids).
+int mqa_byoc_decode_plan_grid(const mqa_byoc_decode_args* args, int64_t keys_per_split, int64_t splits,
+                              int row_tiles, mqa_byoc_decode_plan* plan);
 // Launches on `stream` (a cudaStream_t of device_id, current); workspace: plan->workspace_bytes (also when
 // the splits merge in a cluster: the fallback needs it). 0 on success; 1 CUDA error; 2 unsupported;
 // 3 no counters; 4 MQA_BYOC_DECODE_MERGE_CLUSTER asked for a grid whose clusters are not co-resident.

@@ -70,6 +70,9 @@ def set_plan_argtypes(lib: ctypes.CDLL) -> None:
                                               ctypes.POINTER(ctypes.c_int), ctypes.POINTER(DecodePlan)]
     lib.mqa_byoc_decode_plan_split.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int64, ctypes.c_int,
                                                ctypes.POINTER(DecodePlan)]
+    if hasattr(lib, "mqa_byoc_decode_plan_grid"):  # a build from before it (a benchmark's baseline) has none
+        lib.mqa_byoc_decode_plan_grid.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int64, ctypes.c_int64,
+                                                  ctypes.c_int, ctypes.POINTER(DecodePlan)]
     lib.mqa_byoc_decode_rows_per_cta.argtypes = [ctypes.c_int64]
     lib.mqa_byoc_decode_supported.argtypes = [ctypes.c_int64] * 3
 
@@ -142,6 +145,17 @@ class Decode:
 
         rc = self.lib.mqa_byoc_decode_plan_split(ctypes.byref(self.args), kps, self.row_tiles, ctypes.byref(self.plan))
         assert rc == 0, f"plan_split({kps}) rc={rc}"
+        self.plan.merge = self.merge
+        self.ws = torch.empty(max(1, self.plan.workspace_bytes), dtype=torch.uint8, device=self.ws.device)
+
+    def set_grid(self, kps: int, splits: int) -> None:
+        """Splits of ``kps`` keys in a grid of ``splits`` a slot (a sequence longer than that covers cuts
+        larger splits): the benchmark's sweep of grids."""
+        import torch
+
+        rc = self.lib.mqa_byoc_decode_plan_grid(ctypes.byref(self.args), kps, splits, self.row_tiles,
+                                                ctypes.byref(self.plan))
+        assert rc == 0, f"plan_grid({kps}, {splits}) rc={rc}"
         self.plan.merge = self.merge
         self.ws = torch.empty(max(1, self.plan.workspace_bytes), dtype=torch.uint8, device=self.ws.device)
 
