@@ -468,8 +468,8 @@ LABELS = {"paged-gemm": "ours, PagedKVCache, GEMMs on cuBLASLt",
           "paged-grid-before": "ours, PagedKVCache: the decode kernel's grid sized for the longest sequence the pages hold "
                                "(before)",
           "paged-grid": "ours, PagedKVCache: the decode kernel's grid sized for twice a typical sequence (now)",
-          "paged-grid-2": "the build now, timed again (a second pass, now first)",
-          "paged-grid-before-2": "the build before, timed again (the second pass)",
+          "paged-grid-2": "the build now, timed again (third of four)",
+          "paged-grid-before-2": "the build before, timed again (last)",
           "hf-eager": "HF transformers, eager (SDPA, dynamic cache)",
           "hf-compile": "HF transformers, torch.compile (static cache)"}
 

@@ -1006,3 +1006,92 @@ def decode_key_groups_claims() -> dict[str, str]:
 @pytest.mark.parametrize("name", sorted(decode_key_groups_claims()))
 def test_paged_doc_decode_key_groups_claim(name):
     _assert_in_paged_doc(decode_key_groups_claims(), name)
+
+
+DECODE_GRID = "2026-12-04-decode-grid.json"
+DECODE_BUILDS_GRID = "2026-12-04-decode-builds-grid.json"
+DECODERS_GRID = "2026-12-04-decoders-decode-grid.json"
+
+
+def decode_grid_claims() -> dict[str, str]:
+    """docs/paged_kv_cache.md on the decode kernel's grid on pages: the plan against the same split in the
+    grid before (the longest sequence the pages could hold) and in a grid of one typical sequence, the
+    builds before and after, and the whole paged decoder's decode kernels and steps."""
+    rows = [r for r in _load(DECODE_GRID) if r["batch"] >= 4]
+    assert all(r["max_diff"] < 1e-3 and r["rule_err"] < 1e-3 for r in rows)
+
+    def same(r, **match):
+        ru = r["rule"]
+        v = [v["us"] for v in r["variants"] if v["kps"] == ru["kps"] and v["warps"] == ru["warps"]
+             and v["merge"] == "auto" and all(v[k] == x for k, x in match.items())]
+        assert len(v) == 1, (r["batch"], r["keys"], match)
+        return v[0]
+
+    def vs_before(r):
+        return r["rule"]["us"] / same(r, grid="longest")
+
+    def one_vs_rule(r):
+        return same(r, splits=-(-r["typical"] // r["rule"]["kps"])) / r["rule"]["us"]
+
+    alike = [r for r in rows if r["keys"] != "mixed"]
+    mixed = [r for r in rows if r["keys"] == "mixed"]
+    b32_2k = next(r for r in alike if (r["batch"], r["keys"]) == (32, "2048"))
+    builds = _load(DECODE_BUILDS_GRID)
+    assert all(r["max_diff"] < 1e-3 for r in builds)
+
+    def q(r):
+        return r["us"]["after"] / r["us"]["before"]
+
+    falcon8 = next(r for r in builds if (r["shape"], r["page"], r["batch"], r["kind"]) == ("71/1/64", 256, 8, "mixed"))
+    dec = _load(DECODERS_GRID)["parts"]
+
+    def attention_us(name, batch):
+        rec = next(r for r in dec[name]["decode"] if r["batch"] == batch)
+        return [k["us_per_step"] for k in rec["top_kernels"] if "gqa_decode" in k["name"]][0]
+
+    def gap_us(name):
+        rec = next(r for r in dec[name]["decode"] if r["batch"] == 32)
+        return (rec["ms_per_step"] - rec["kernel_ms_per_step"]) * 1e3
+
+    steps = [dec[a]["decode"][i]["ms_per_step"] / dec[b]["decode"][i]["ms_per_step"]
+             for a, b in (("paged-grid", "paged-grid-before"), ("paged-grid-2", "paged-grid-before-2"))
+             for i in range(len(dec[a]["decode"]))]
+    now = [attention_us(n, b) for n in ("paged-grid", "paged-grid-2") for b in (32, 8)]
+    before = [attention_us(n, b) for n in ("paged-grid-before", "paged-grid-before-2") for b in (32, 8)]
+    assert max(now[0], now[2]) < min(before[0], before[2]) and max(now[1], now[3]) < min(before[1], before[3])
+    return {
+        "alike": f"the plan took {_range([vs_before(r) for r in alike])} the time of the same split in the grid "
+                 f"before with every sequence alike ({_range([vs_before(b32_2k)])} at 32 sequences of 2k keys), "
+                 f"{_range([vs_before(r) for r in mixed])} with mixed lengths",
+        "one_typical": f"A grid of one typical sequence took {_range([one_vs_rule(r) for r in alike])} the plan's "
+                       f"time with every sequence alike, but "
+                       f"{_range([one_vs_rule(r) for r in mixed if r['batch'] in (4, 16)])} at 4 and 16 sequences",
+        "builds": "64/8/128 and 32/8/128 "
+                  f"{_range([q(r) for r in builds if r['shape'] != '71/1/64'])} the time of the build before, "
+                  f"Falcon's 71/1/64 {_range([q(r) for r in builds if r['shape'] == '71/1/64'])} "
+                  f"({_range([q(falcon8)])} at 8 sequences of mixed lengths: {falcon8['us']['after']:.1f} µs)",
+        "decoder": f"the decode kernels took {round(now[0])} µs a step at batch 32 and {round(now[1])} µs at batch 8, "
+                   f"against {round(before[0])} and {round(before[1])} µs before, but the steps took "
+                   f"{_range(steps)} the time: at batch 32 the time between kernels grew from "
+                   f"{_range([gap_us('paged-grid-before'), gap_us('paged-grid-before-2')], 0, '')} µs a step to "
+                   f"{_range([gap_us('paged-grid'), gap_us('paged-grid-2')], 0, '')} µs",
+    }
+
+
+@pytest.mark.parametrize("name", sorted(decode_grid_claims()))
+def test_paged_doc_decode_grid_claim(name):
+    _assert_in_paged_doc(decode_grid_claims(), name)
+
+
+def test_performance_decode_grid_table():
+    """docs/performance.md's table of the paged decoder before and after the decode kernel's grid on pages
+    (the first pass of each build), and its sentence on the batch-32 and batch-8 decode kernels."""
+    parts = _load(DECODERS_GRID)["parts"]
+    text = PERF.read_text()
+    for label, name in (("paged, the grid before", "paged-grid-before"), ("paged, the grid now", "paged-grid")):
+        assert _table_row(text, label) == _decode_cells(parts, name, limits=name), label
+    claims = decode_grid_claims()["decoder"]
+    b32_now, b8_now, b32_before, b8_before = re.search(
+        r"took (\d+) µs a step at batch 32 and (\d+) µs at batch 8, against (\d+) and (\d+) µs", claims).groups()
+    assert (f"The decode kernels of a batch-32 step took {b32_now} µs instead of {b32_before}, of a batch-8 step "
+            f"{b8_now} instead of {b8_before}") in " ".join(text.split())
