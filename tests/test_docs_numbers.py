@@ -1072,9 +1072,10 @@ def decode_grid_claims() -> dict[str, str]:
                   f"({_range([q(falcon8)])} at 8 sequences of mixed lengths: {falcon8['us']['after']:.1f} µs)",
         "decoder": f"the decode kernels took {round(now[0])} µs a step at batch 32 and {round(now[1])} µs at batch 8, "
                    f"against {round(before[0])} and {round(before[1])} µs before, but the steps took "
-                   f"{_range(steps)} the time: at batch 32 the time between kernels grew from "
-                   f"{_range([gap_us('paged-grid-before'), gap_us('paged-grid-before-2')], 0, '')} µs a step to "
-                   f"{_range([gap_us('paged-grid'), gap_us('paged-grid-2')], 0, '')} µs",
+                   f"{_range(steps)} the time. At batch 32 the step time (CUDA events, a pass of its own) was "
+                   f"{_range([gap_us('paged-grid-before'), gap_us('paged-grid-before-2')], 0, '')} µs above the "
+                   f"kernels' sum (CUPTI, the next pass) before and "
+                   f"{_range([gap_us('paged-grid'), gap_us('paged-grid-2')], 0, '')} µs above it now",
     }
 
 
