@@ -108,6 +108,17 @@ def main(argv=None) -> int:
     return 0
 
 
+def lib_measure_parser(doc: str):
+    """The command line of a benchmark of one decode-kernel build: (parser, its subparsers, the ``measure``
+    subparser with --lib and --out); the caller adds its own options and ``add_report_command``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("measure", help="time the variants (GPU)")
+    m.add_argument("--lib", required=True, help="a build of gqa_decode.cu (testing/decode_kernel.library's command)")
+    m.add_argument("--out", required=True, help="results JSON")
+    return ap, sub, m
+
+
 def add_report_command(sub) -> None:
     """The ``report`` subcommand of a decode benchmark: its results JSON, the markdown out, the run's facts."""
     r = sub.add_parser("report", help="markdown of a measure run")

@@ -13,7 +13,6 @@ grid for these groups was set from.
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_builds import add_report_command, write_report  # noqa: E402
+from decode_builds import add_report_command, lib_measure_parser, write_report  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12  # H200
 PAGE = 128  # the decoders' pages at head dim 128
@@ -162,11 +161,7 @@ def report(rows: list, meta: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="command", required=True)
-    m = sub.add_parser("measure", help="time the variants (GPU)")
-    m.add_argument("--lib", required=True, help="a build of gqa_decode.cu (testing/decode_kernel.library's command)")
-    m.add_argument("--out", required=True, help="results JSON")
+    ap, sub, m = lib_measure_parser(__doc__)
     m.add_argument("--shape", default="64/8/128", metavar="H/H_KV/D", help="a group of at most 8 (default 64/8/128)")
     m.add_argument("--batches", nargs="+", type=int, default=[1, 4, 8, 16, 32, 64])
     m.add_argument("--lengths", nargs="+", default=["1024", "2048", "4096", "16384", "mixed"],

@@ -12,7 +12,6 @@ SharedTiles threshold, split cap and key groups were set from.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_builds import add_report_command, write_report  # noqa: E402
+from decode_builds import add_report_command, lib_measure_parser, write_report  # noqa: E402
 
 GRIDS = (8, 12, 16, 24, 32, 48)
 
@@ -126,11 +125,7 @@ def report(rows: list, meta: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="command", required=True)
-    m = sub.add_parser("measure", help="time the variants (GPU)")
-    m.add_argument("--lib", required=True, help="a build of gqa_decode.cu (testing/decode_kernel.library's command)")
-    m.add_argument("--out", required=True, help="results JSON")
+    ap, sub, m = lib_measure_parser(__doc__)
     m.add_argument("--shape", default="71/1/64", metavar="H/H_KV/D", help="a head dim 64 grouping (default 71/1/64)")
     m.add_argument("--batches", nargs="+", type=int, default=[8, 16, 24], help="sequences a call (default 8 16 24)")
     m.add_argument("--key-groups", type=int, choices=(1, 2), default=1,
