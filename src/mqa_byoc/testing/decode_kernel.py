@@ -135,29 +135,27 @@ class Decode:
         assert rc == 0, f"cluster_capacity rc={rc}"
         rc = self.lib.mqa_byoc_decode_make_plan(ctypes.byref(self.args), row_tiles, sms, self.capacity,
                                                 ctypes.byref(self.plan))
-        assert rc == 0, f"make_plan rc={rc}"
+        self._take_plan(rc, "make_plan", q.device)
+
+    def _take_plan(self, rc: int, what: str, device) -> None:
+        """The plan a plan function just wrote (rc its return code): this call's merge, a workspace for it."""
+        import torch
+
+        assert rc == 0, f"{what} rc={rc}"
         self.plan.merge = self.merge
-        self.ws = torch.empty(max(1, self.plan.workspace_bytes), dtype=torch.uint8, device=q.device)
+        self.ws = torch.empty(max(1, self.plan.workspace_bytes), dtype=torch.uint8, device=device)
 
     def set_keys_per_split(self, kps: int) -> None:
         """Replaces the plan's split size (the benchmark's sweep; the kernel's own rule for the rest)."""
-        import torch
-
         rc = self.lib.mqa_byoc_decode_plan_split(ctypes.byref(self.args), kps, self.row_tiles, ctypes.byref(self.plan))
-        assert rc == 0, f"plan_split({kps}) rc={rc}"
-        self.plan.merge = self.merge
-        self.ws = torch.empty(max(1, self.plan.workspace_bytes), dtype=torch.uint8, device=self.ws.device)
+        self._take_plan(rc, f"plan_split({kps})", self.ws.device)
 
     def set_grid(self, kps: int, splits: int) -> None:
         """Splits of ``kps`` keys in a grid of ``splits`` a slot (a sequence longer than that covers cuts
         larger splits): the benchmark's sweep of grids."""
-        import torch
-
         rc = self.lib.mqa_byoc_decode_plan_grid(ctypes.byref(self.args), kps, splits, self.row_tiles,
                                                 ctypes.byref(self.plan))
-        assert rc == 0, f"plan_grid({kps}, {splits}) rc={rc}"
-        self.plan.merge = self.merge
-        self.ws = torch.empty(max(1, self.plan.workspace_bytes), dtype=torch.uint8, device=self.ws.device)
+        self._take_plan(rc, f"plan_grid({kps}, {splits})", self.ws.device)
 
     def set_key_groups(self, n: int) -> None:
         """SharedTiles with ``n`` key groups (1 or 2): the CTA's warps ``n`` times its row tiles, warp w running
