@@ -286,16 +286,6 @@ def test_the_decoders_gemm_sites():
     assert len(by_fn["batch_prefill"]) == len(by_fn["prefill"]) and all(s.offloaded for s in by_fn["batch_prefill"])
 
 
-def test_a_module_after_fuse_transpose_matmul_says_to_partition_first():
-    mod, _ = gemm_graph(True, False, None, False, rows=(4, 16))
-    lowered = relax.transform.FuseTransposeMatmul()(mod)
-    [site] = gemm.gemm_report(lowered)
-    assert not site.offloaded and site.transposed
-    assert "NT_matmul" in site.reason and "partition before the build pipeline" in site.reason
-    # the decoder pipeline runs it after the partition: the same graph partitioned first is offloaded
-    assert gemm.gemm_report(mod)[0].offloaded
-
-
 def test_codegen_errors_are_typed():
     mod, _ = gemm_graph(True, False, None, False)
     with pytest.raises(GemmCodegenError, match="exactly one composite call"):

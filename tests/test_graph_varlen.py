@@ -388,3 +388,13 @@ def test_hopper_provider_exports_and_links_the_fa4_var_len_object(tmp_path):
     import re
 
     assert not re.findall(r" U (mqa_byoc_\w+|__tvm_ffi_mqa_byoc_\w+)", syms)  # nothing of ours left unresolved
+
+
+def test_two_constant_seqstarts_are_the_same_sequences_only_when_their_values_are():
+    from tvm import relax as rx
+
+    from mqa_byoc.compiler.graph.varlen import same_sequences
+
+    a, b = rx.const(np.array([0, 5, 6], "int32")), rx.const(np.array([0, 5, 6], "int32"))
+    assert not a.same_as(b) and same_sequences(a, b)
+    assert not same_sequences(a, rx.const(np.array([0, 4, 6], "int32")))

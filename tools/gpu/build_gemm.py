@@ -40,20 +40,34 @@ def pattern_cases():
         cases.append((f"f{i}_bf16_sym", form, dict(dtype="bfloat16", rows=("n",), k=256, n=256)))
     cases.append(("static_fp16", FORMS[3], dict(dtype="float16", rows=(4, 33), k=128, n=256)))
     cases.append(("const_fp16", FORMS[5], dict(dtype="float16", rows=("n",), k=256, n=512, weight_const=True)))
+    # the same sites after TVM lowered their matmuls (FuseTransposeMatmul's NT_matmul, LegalizeOps' matmul)
+    for i, form in enumerate(FORMS[:6]):
+        cases.append((f"f{i}_fp16_nt_matmul", form, dict(dtype="float16", rows=(2, "n"), k=128, n=256,
+                                                         lowered="FuseTransposeMatmul")))
+    cases.append(("legalized_bf16", FORMS[0], dict(dtype="bfloat16", rows=("n",), k=256, n=256, lowered="LegalizeOps")))
     return cases
 
 
-def merged(cases, dtype=None):
+def merged(cases, dtype=None, lower=True):
+    """One module of every case's function; a case with ``lowered`` has been through that TVM pass
+    (``lower=False``: the graph before it, as the reference computes it)."""
     import tvm
+    from tvm import relax
 
     from mqa_byoc.testing.gemm_graphs import gemm_graph
 
-    funcs, specs = {}, {}
+    groups, specs = {}, {}
     for name, form, kw in cases:
+        kw = dict(kw)
+        how = kw.pop("lowered", None)
         mod, spec = gemm_graph(*form, function=name, **{**kw, **({"dtype": dtype} if dtype else {})})
-        funcs[name] = mod[name]
+        groups.setdefault(how if lower else None, {})[name] = mod[name]
         specs[name] = spec
-    return tvm.IRModule({tvm.ir.GlobalVar(n): f.with_attr("global_symbol", n) for n, f in funcs.items()}), specs
+    functions = {}
+    for how, funcs in groups.items():
+        mod = tvm.IRModule({tvm.ir.GlobalVar(n): f.with_attr("global_symbol", n) for n, f in funcs.items()})
+        functions.update((getattr(relax.transform, how)()(mod) if how else mod).functions)
+    return tvm.IRModule(functions), specs
 
 
 def build_patterns(out: Path, arch: str):
@@ -79,7 +93,7 @@ def build_patterns(out: Path, arch: str):
     # the reference: the unpartitioned graph as TVM builds it for the CPU, in float32 on the inputs rounded
     # to their type (TVM's llvm matmul sums in the operands' type, a bf16 sum is off by a few %; TVM's CUDA
     # default pipeline fails in dlight's Matmul rule on the fused transposed-weight + bias forms)
-    ref_mod, _ = merged(cases, dtype="float32")
+    ref_mod, _ = merged(cases, dtype="float32", lower=False)
     ref_vm = tvm.runtime.vm.VirtualMachine(tvm.compile(ref_mod, target="llvm"), tvm.cpu())
     manifest = {"functions": {}}
     arrays = {}

@@ -1,7 +1,9 @@
 """``partition_for_cutlass(mod, mqa=True)``: offload attention to FA2 with native K/V heads.
 
-A ``tvm.transform.Sequential`` of five module passes, each usable alone:
+A ``tvm.transform.Sequential`` of module passes, each usable alone:
 
+0. :class:`~.graph.lowered_matmul.RestoreLoweredMatmul`: matmuls TVM already lowered (``FuseTransposeMatmul``'s
+   ``NT_matmul``, ``LegalizeOps``' ``matmul``) become ``R.matmul`` again, so that the steps below see them;
 1. :class:`~.canonicalize.CanonicalizeAttention`: every attention site that FA2 computes exactly
    (see :mod:`.analysis`) becomes ``R.nn.attention`` on the pre-expansion K/V (with ``mqa=True``);
    rejected sites are left alone;
@@ -11,7 +13,9 @@ A ``tvm.transform.Sequential`` of five module passes, each usable alone:
    step 1 into a function of its own) its composite (``flash_attn.attention_mqa_sink``);
 4. :class:`AnnotateProvider` records the kernel provider, when one is asked for;
 5. :class:`~.gqa_legalize.LegalizeGroupedAttention` makes any attention left with fewer K/V heads
-   (or a window) correct for TVM's own lowering.
+   (or a window) correct for TVM's own lowering;
+6. (``gemm=True``) :class:`~.graph.gemm.PartitionGemm` groups the GEMM sites into ``cublaslt`` composites;
+7. when step 0 restored an ``NT_matmul``, ``FuseTransposeMatmul`` again, for the sites nothing offloaded.
 
 :func:`offload_report` runs the same analysis and says what happens to each site, and why.
 """
@@ -30,6 +34,7 @@ from mqa_byoc.compiler.graph import varlen
 from mqa_byoc.compiler.graph.canonicalize import CanonicalizeAttention, analyze_module, canonicalize_attention
 from mqa_byoc.compiler.graph.exprs import is_flash_attn_function
 from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
+from mqa_byoc.compiler.graph.lowered_matmul import RestoreLoweredMatmul, has_lowered_nt_matmul
 from mqa_byoc.compiler.graph.patterns import flash_attn_patterns
 from mqa_byoc.compiler.graph.sink_attention import OffloadSinkAttention
 from mqa_byoc.compiler.graph.site import FUSED_FORMS, require_module
@@ -121,6 +126,7 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
     """
     report = []
     require_module(mod, "offload_report")
+    mod = RestoreLoweredMatmul()(mod)  # as the partition reads it
     from mqa_byoc.compiler.codegen import hopper as hopper_codegen
     from mqa_byoc.compiler.provider import build_provider
     from mqa_byoc.compiler.kernel_options import KernelOptions
@@ -211,7 +217,7 @@ def partition_for_cutlass(
     """Partition ``mod`` so that attention runs in Flash Attention v2 and GEMMs on cuBLASLt.
 
     The passes, in a ``tvm.transform.Sequential`` like upstream's CUTLASS partition:
-    :class:`CanonicalizeAttention`, ``FuseOpsByPattern`` with :func:`flash_attn_patterns`,
+    :class:`~mqa_byoc.compiler.graph.lowered_matmul.RestoreLoweredMatmul`, :class:`CanonicalizeAttention`, ``FuseOpsByPattern`` with :func:`flash_attn_patterns`,
     :class:`OffloadSinkAttention`, :class:`AnnotateProvider`, :class:`LegalizeGroupedAttention`, then
     (``gemm=True``) :class:`~mqa_byoc.compiler.graph.gemm.PartitionGemm`.
 
@@ -235,8 +241,8 @@ def partition_for_cutlass(
     gemm : bool
         Also offload the matmul sites with a 2-D weight (nn.Linear and friends, with bias / relu /
         gelu_tanh / residual epilogues) to cuBLASLt (``cublaslt.*`` composites, ``Codegen="cublaslt"``),
-        like upstream's partition offloads matmuls to CUTLASS; decode-sized static GEMMs stay on TVM's
-        GEMV. :func:`mqa_byoc.compiler.graph.gemm.gemm_report` (or ``offload_report(..., gemm=True)``)
+        like upstream's partition offloads matmuls to CUTLASS, static decode rows too (the measured choice,
+        docs/gemm.md). :func:`mqa_byoc.compiler.graph.gemm.gemm_report` (or ``offload_report(..., gemm=True)``)
         says what each GEMM runs on and why. False: attention only.
     use_flash_mqa : bool, optional
         Upstream TVM's name of the same switch (``tvm.relax.backend.cuda.cutlass.partition_for_cutlass``);
@@ -268,6 +274,7 @@ def partition_for_cutlass(
         if isinstance(func, relax.Function):
             facts.update(Bindings(func).length_facts)
     passes = [
+        RestoreLoweredMatmul(),
         CanonicalizeAttention(mqa=mqa),
         relax.transform.FuseOpsByPattern(flash_attn_patterns(length_facts=facts), bind_constants=bind_constants,
                                          annotate_codegen=annotate_codegen),
@@ -282,5 +289,8 @@ def partition_for_cutlass(
         # Without the annotation the attention composites stay plain global functions, and TVM's
         # FuseOpsByPattern fails inside such a function (the sink attention's); the GEMMs are grouped first
         # then (the attention matmuls are never GEMM sites: their right-hand side is not a 2-D weight).
-        passes = passes + [gemms] if annotate_codegen else [gemms] + passes
+        passes = passes + [gemms] if annotate_codegen else passes[:1] + [gemms] + passes[1:]
+    if has_lowered_nt_matmul(mod):
+        # the module had been through FuseTransposeMatmul: what neither offload took becomes NT_matmul again
+        passes.append(relax.transform.FuseTransposeMatmul())
     return tvm.transform.Sequential(passes, name="PartitionForFlashAttention")(mod)

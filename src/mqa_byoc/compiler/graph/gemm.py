@@ -19,7 +19,8 @@ elementwise kernel. The patterns are registered with TVM's pattern registry unde
 Every check that keeps a site on TVM has a readable reason, and :func:`gemm_report` lists each matmul
 of a module with what it runs on and why. The partition runs before the build pipeline's
 ``FuseTransposeMatmul`` (which would turn the transposed form into TVM's ``NT_matmul`` kernels), so the
-patterns see ``permute_dims`` + ``matmul``; the report says so for sites left to TVM.
+patterns see ``permute_dims`` + ``matmul``; a module that has been through it (or ``LegalizeOps``) first
+has its ``NT_matmul`` / ``matmul`` calls read back as matmuls (:mod:`.lowered_matmul`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from tvm.relax.dpl import is_op, wildcard
 from tvm.relax.transform import PatternCheckContext
 from tvm.sym import Analyzer
 
+from mqa_byoc.compiler.graph.lowered_matmul import RestoreLoweredMatmul, lowered_matmul_reason
 from mqa_byoc.contract import (GEMM_ACTIVATIONS, GEMM_CODEGEN, GEMM_COMPOSITES, gemm_composite_name,
                                parse_gemm_composite)
 
@@ -346,6 +348,7 @@ def gemm_report(mod: tvm.IRModule) -> list[GemmSite]:
     sites name their composite and epilogue; every matmul left in the graph says why
     (:func:`gemm_reason`, the dispatch rule, or an intermediate used elsewhere).
     """
+    mod = RestoreLoweredMatmul()(mod)
     part = PartitionGemm(annotate_codegen=True)(mod)
     codegen_funcs = {gv: f for gv, f in part.functions.items()
                      if isinstance(f, relax.Function) and f.attrs is not None
@@ -371,13 +374,14 @@ def gemm_report(mod: tvm.IRModule) -> list[GemmSite]:
                                       _epilogue(fields), None, _followed_by(users, var, bindings)))
             elif getattr(value.op, "name", None) == "relax.matmul":
                 sites.append(_tvm_site(gv.name_hint, var, value, bindings, users))
-            elif _lowered_matmul(value):
+            else:
+                form, reason = lowered_matmul_reason(mod, value)
+                if form is None:
+                    continue
                 out_ty = value.ty if isinstance(value.ty, relax.TensorType) else None
                 sites.append(GemmSite(
                     gv.name_hint, var.name, False, "TVM", None, None, None, None,
-                    str(out_ty.dtype) if out_ty is not None else None, "NT_" in value.args[0].name_hint, None,
-                    f"already lowered to TVM's {value.args[0].name_hint} (relax.transform.FuseTransposeMatmul or "
-                    "LegalizeOps ran first): partition before the build pipeline, as mqa_byoc.build does"))
+                    str(out_ty.dtype) if out_ty is not None else None, form == "NT_matmul", None, reason))
     return sites
 
 
@@ -482,15 +486,6 @@ class _OriginalNames:
                 return out
             out = nxt[0]
         return out
-
-
-def _lowered_matmul(call) -> bool:
-    """A ``call_tir`` of a PrimFunc that FuseTransposeMatmul / LegalizeOps made from a matmul."""
-    if getattr(call.op, "name", None) != "relax.call_tir" or not call.args:
-        return False
-    callee = call.args[0]
-    name = getattr(callee, "name_hint", "")
-    return isinstance(callee, tvm.ir.GlobalVar) and (name.startswith("NT_matmul") or name.startswith("matmul"))
 
 
 def _tvm_site(fname, var, call, bindings, users):

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import tvm
+import tvm_ffi
 from tvm import relax, tirx
 from tvm.ir.expr import Constant
 
@@ -124,7 +125,7 @@ def same_sequences(seqstart_q, seqstart_k) -> bool:
     if seqstart_q.same_as(seqstart_k):
         return True
     if isinstance(seqstart_q, Constant) and isinstance(seqstart_k, Constant):
-        return tvm.ir.structural_equal(seqstart_q, seqstart_k)
+        return tvm_ffi.structural_equal(seqstart_q, seqstart_k)
     return False
 
 

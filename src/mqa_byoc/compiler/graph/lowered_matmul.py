@@ -1,0 +1,179 @@
+"""Matmuls that TVM already lowered, read back as the Relax matmuls they compute.
+
+``relax.transform.FuseTransposeMatmul`` turns ``R.matmul(x, R.permute_dims(w))`` into a ``call_tir`` of
+its own ``NT_matmul`` PrimFunc, and ``LegalizeOps`` turns ``R.matmul(x, w)`` into one of a ``matmul``
+PrimFunc. A module that has been through either before the partition has no ``R.matmul`` left for the
+GEMM and attention patterns. :class:`RestoreLoweredMatmul` makes each such call the Relax matmul again,
+but only when its PrimFunc is, up to attributes, the very function TVM's pass makes for these operands
+(the reference is built by the same pass on the same struct info and compared with
+``tvm_ffi.structural_equal``): a PrimFunc of the same name that was fused with an epilogue, scheduled or
+edited is left alone, and :func:`lowered_matmul_reason` says why.
+
+The partition then offloads the matmuls it can and leaves the others in the graph, where
+``FuseTransposeMatmul`` makes the transposed ones ``NT_matmul`` calls again
+(:func:`mqa_byoc.compiler.partition.partition_for_cutlass`), and the build's ``LegalizeOps`` the others.
+"""
+
+from __future__ import annotations
+
+import tvm
+import tvm_ffi
+from tvm import relax, tirx
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+__all__ = ["RestoreLoweredMatmul", "lowered_matmul_reason", "restored_matmul"]
+
+#: the two forms: TVM's pass that makes the PrimFunc, and whether the weight is transposed
+FORMS = {"NT_matmul": ("FuseTransposeMatmul", True), "matmul": ("LegalizeOps", False)}
+
+
+def _callee(call):
+    """The PrimFunc's GlobalVar of a ``call_tir``, else None."""
+    if not isinstance(call, relax.Call) or getattr(call.op, "name", None) != "relax.call_tir":
+        return None
+    gv = call.args[0]
+    return gv if isinstance(gv, tvm.ir.GlobalVar) and isinstance(call.args[1], relax.Tuple) else None
+
+
+def _candidate_form(name: str) -> str | None:
+    """The form a PrimFunc's name says it is (``fused_`` ones too: FuseOps + FuseTIR keep the name)."""
+    for form in FORMS:  # NT_matmul first: "matmul" is a suffix of it
+        if name == form or (name.startswith(form) and name[len(form):].isdigit()):
+            return form
+    if name.startswith("fused_"):
+        return next((form for form in FORMS if form in name), None)
+    return None
+
+
+def _without_attrs(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    for key in list(func.attrs.keys()) if func.attrs is not None else []:
+        func = func.without_attr(key)
+    return func
+
+
+def _reference(form: str, x_ty, w_ty, out_dtype: str):
+    """The PrimFunc TVM's pass makes for ``form`` on operands of these struct infos, or None."""
+    x, w = relax.Var("x", x_ty), relax.Var("w", w_ty)
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            rhs = w
+            if FORMS[form][1]:
+                ndim = len(w_ty.shape.values)
+                axes = None if ndim == 2 else list(range(ndim - 2)) + [ndim - 1, ndim - 2]
+                rhs = bb.emit(relax.op.permute_dims(w, axes))
+            out = bb.emit_output(bb.emit(relax.op.matmul(x, rhs, out_dtype=out_dtype)))
+        bb.emit_func_output(out)
+    lowered = (relax.transform.FuseTransposeMatmul() if form == "NT_matmul" else relax.transform.LegalizeOps())(bb.get())
+    funcs = [f for f in lowered.functions.values() if isinstance(f, tirx.PrimFunc)]
+    return funcs[0] if len(funcs) == 1 else None
+
+
+def lowered_matmul_reason(mod: tvm.IRModule, call, _cache=None) -> tuple[str | None, str | None]:
+    """Whether ``call`` (a binding's value in ``mod``) is a matmul TVM lowered, and can be read back.
+
+    Returns
+    -------
+    (form, reason)
+        ``form`` is ``"NT_matmul"`` or ``"matmul"`` for a call of a PrimFunc of that name (None: not a
+        lowered matmul at all); ``reason`` is None when the PrimFunc is exactly TVM's for these operands
+        (:class:`RestoreLoweredMatmul` restores it), else why it is not.
+    """
+    gv = _callee(call)
+    form = _candidate_form(gv.name_hint) if gv is not None else None
+    if form is None:
+        return None, None
+    if gv.name_hint.startswith("fused_") or len(call.args[1].fields) != 2:
+        return form, (f"TVM's {gv.name_hint} is a matmul fused with other ops (FuseOps + FuseTIR ran first): "
+                      "partition before the build pipeline, as mqa_byoc.build does")
+    x, w = call.args[1].fields
+    out_ty = call.ty
+    if not all(isinstance(t, relax.TensorType) and t.shape is not None and isinstance(t.shape, relax.ShapeExpr)
+               for t in (x.ty, w.ty, out_ty)):
+        return form, f"TVM's {gv.name_hint}: its operands or output have no known shape"
+    if len(call.args) > 2:
+        return form, f"TVM's {gv.name_hint} takes symbolic values as extra arguments (tir_vars)"
+    func = mod[gv] if gv in mod.functions else None
+    if not isinstance(func, tirx.PrimFunc):
+        return form, f"{gv.name_hint} is not a PrimFunc of the module"
+    key = (gv, str(x.ty), str(w.ty), str(out_ty.dtype))
+    cache = {} if _cache is None else _cache
+    if key not in cache:
+        try:
+            ref = _reference(form, x.ty, w.ty, str(out_ty.dtype))
+        except tvm.TVMError:
+            ref = None
+        cache[key] = ref is not None and tvm_ffi.structural_equal(_without_attrs(ref), _without_attrs(func))
+    if not cache[key]:
+        return form, (f"TVM's {gv.name_hint} is not the PrimFunc {FORMS[form][0]} makes for these operands (fused with "
+                      "another op, scheduled or edited): partition before the build pipeline, as mqa_byoc.build does")
+    return form, None
+
+
+def restored_matmul(call, form: str, bb: relax.BlockBuilder):
+    """The Relax matmul ``call`` computes (the weight's permute emitted into ``bb`` for ``NT_matmul``)."""
+    x, w = call.args[1].fields
+    rhs = w
+    if FORMS[form][1]:
+        ndim = len(w.ty.shape.values)
+        rhs = bb.emit(relax.op.permute_dims(w, None if ndim == 2 else list(range(ndim - 2)) + [ndim - 1, ndim - 2]),
+                      name_hint=f"{w.name}_T" if isinstance(w, relax.Var) else "weight_T")
+    return relax.op.matmul(x, rhs, out_dtype=str(call.ty.dtype))
+
+
+@mutator
+class _Restorer(PyExprMutator):  # pylint: disable=abstract-method
+    def __init__(self, mod):
+        super().__init__(mod)
+        self.mod, self.cache, self.restored = mod, {}, 0
+
+    def visit_call_(self, call):  # pylint: disable=arguments-renamed
+        call = super().visit_call_(call)
+        form, reason = lowered_matmul_reason(self.mod, call, self.cache)
+        if form is None or reason is not None:
+            return call
+        self.restored += 1
+        return restored_matmul(call, form, self.builder_)
+
+
+@tvm.transform.module_pass(opt_level=0, name="RestoreLoweredMatmul")
+class RestoreLoweredMatmul:
+    """Module pass: every ``call_tir`` of TVM's own ``NT_matmul`` / ``matmul`` PrimFunc (exactly what
+    ``FuseTransposeMatmul`` / ``LegalizeOps`` make for its operands) becomes ``R.matmul`` again, with
+    ``R.permute_dims`` of the weight for ``NT_matmul``; PrimFuncs no call uses any more are dropped."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        restorer = _Restorer(mod)
+        changed = False
+        for gv, func in mod.functions.items():
+            if isinstance(func, relax.Function):
+                new = restorer.visit_expr(func)
+                if not new.same_as(func):
+                    restorer.builder_.update_func(gv, new)
+                    changed = True
+        if not changed or not restorer.restored:
+            return mod
+        out = restorer.builder_.get()
+        used = set()
+        for func in out.functions.values():
+            if isinstance(func, relax.Function):
+                relax.analysis.post_order_visit(
+                    func, lambda e: used.add(e) if isinstance(e, tvm.ir.GlobalVar) else None)
+        for gv in list(out.functions.keys()):
+            if isinstance(out[gv], tirx.PrimFunc) and _candidate_form(gv.name_hint) and gv not in used:
+                del out[gv]
+        return out
+
+
+def has_lowered_nt_matmul(mod: tvm.IRModule) -> bool:
+    """Whether ``mod`` calls a ``NT_matmul`` PrimFunc that :class:`RestoreLoweredMatmul` restores."""
+    cache, found = {}, []
+
+    def visit(e):
+        if not found and lowered_matmul_reason(mod, e, cache) == ("NT_matmul", None):
+            found.append(e)
+
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func, visit)
+    return bool(found)

@@ -1,0 +1,187 @@
+"""Matmuls that TVM lowered before the partition (``FuseTransposeMatmul``'s ``NT_matmul``, ``LegalizeOps``'
+``matmul``): read back as Relax matmuls, offloaded like the graph before the lowering, numerics on llvm;
+PrimFuncs that only carry the name stay on TVM with a reason."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+from tvm.script import tirx as T
+
+import mqa_byoc
+from mqa_byoc.compiler.graph import gemm
+from mqa_byoc.compiler.graph.lowered_matmul import RestoreLoweredMatmul, lowered_matmul_reason
+from mqa_byoc.contract import GEMM_CODEGEN, gemm_composite_name
+from mqa_byoc.testing.gemm_graphs import FORMS, draw_inputs, gemm_graph, run_llvm
+
+LOWERINGS = {"FuseTransposeMatmul": relax.transform.FuseTransposeMatmul, "LegalizeOps": relax.transform.LegalizeOps}
+
+
+def _codegen_funcs(mod):
+    return [f for f in mod.functions.values()
+            if isinstance(f, relax.Function) and f.attrs is not None and str(f.attrs.get("Codegen", "")) == GEMM_CODEGEN]
+
+
+def _prim_names(mod):
+    return sorted(gv.name_hint for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc))
+
+
+@pytest.mark.parametrize("form", FORMS, ids=[gemm_composite_name(*f) for f in FORMS])
+def test_after_fuse_transpose_matmul_every_pattern_is_offloaded_as_before(form):
+    mod, specs = gemm_graph(*form, rows=(2, "n"))
+    lowered = relax.transform.FuseTransposeMatmul()(mod)
+    if form[0]:
+        assert "NT_matmul" in _prim_names(lowered)  # the pass did lower it: the test is about that form
+    part = mqa_byoc.partition_for_cutlass(lowered)
+    [func] = _codegen_funcs(part)
+    assert str(func.attrs["global_symbol"]).endswith("cublaslt")
+    [site] = gemm.gemm_report(lowered)
+    assert site.offloaded and site.composite == gemm_composite_name(*form), gemm.format_gemm_report([site])
+    [before] = gemm.gemm_report(mod)
+    assert (site.m, site.n, site.k, site.transposed, site.epilogue) == \
+        (before.m, 128, 64, form[0], before.epilogue) and "n" in site.m
+    assert "NT_matmul" not in _prim_names(part)  # nothing of TVM's kernel is left to call
+    arrays = draw_inputs(specs, {"n": 5})
+    np.testing.assert_allclose(run_llvm(gemm.inline_gemm_composites(part), arrays), run_llvm(mod, arrays),
+                               rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+def test_after_legalize_ops_the_matmul_is_offloaded_and_its_epilogue_stays_on_tvm(transposed):
+    mod, specs = gemm_graph(transposed, True, None, True, rows=(3, "n"))
+    lowered = relax.transform.LegalizeOps()(mod)
+    part = mqa_byoc.partition_for_cutlass(lowered)
+    [func] = _codegen_funcs(part)
+    [site] = gemm.gemm_report(lowered)
+    # LegalizeOps lowered the bias and residual adds (and the transpose) too: only the matmul is read back
+    assert site.offloaded and site.composite == "cublaslt.matmul" and site.epilogue is None
+    assert "matmul" not in _prim_names(part) and "add" in _prim_names(part)
+    arrays = draw_inputs(specs, {"n": 4})
+    np.testing.assert_allclose(run_llvm(gemm.inline_gemm_composites(part), arrays), run_llvm(mod, arrays),
+                               rtol=1e-3, atol=1e-3)
+
+
+def test_a_site_neither_offload_takes_becomes_nt_matmul_again():
+    mod, specs = gemm_graph(True, False, None, False, dtype="float32")
+    lowered = relax.transform.FuseTransposeMatmul()(mod)
+    part = mqa_byoc.partition_for_cutlass(lowered)
+    assert not _codegen_funcs(part)
+    assert "NT_matmul" in _prim_names(part)
+    assert not [b for blk in part["main"].body.blocks for b in blk.bindings
+                if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", None) == "relax.matmul"]
+    [site] = gemm.gemm_report(lowered)
+    assert not site.offloaded and "float32 GEMM" in site.reason
+    arrays = draw_inputs(specs)
+    np.testing.assert_allclose(run_llvm(part, arrays), run_llvm(mod, arrays), rtol=1e-5, atol=1e-5)
+    # without GEMM offload, the module keeps TVM's kernel too
+    assert "NT_matmul" in _prim_names(mqa_byoc.partition_for_cutlass(relax.transform.FuseTransposeMatmul()(
+        gemm_graph(True, False, None, False)[0]), gemm=False))
+
+
+def _swap_in(mod, name, prim):
+    """``mod`` with its PrimFunc ``name`` replaced by ``prim`` (same signature, other body)."""
+    out = tvm.IRModule(dict(mod.functions), attrs=mod.attrs)
+    gv = mod.get_global_var(name)
+    out[gv] = prim
+    return out
+
+
+# x @ w^T with the weight read untransposed: a PrimFunc named NT_matmul that computes something else
+@T.prim_func(private=True, s_tir=True)
+def _not_transposed(x: T.Buffer((T.int64(2), T.int64(64)), "float16"), w: T.Buffer((T.int64(64), T.int64(64)), "float16"),
+                    out: T.Buffer((T.int64(2), T.int64(64)), "float16")):
+    T.func_attr({"tirx.noalias": True})
+    for i0, i1, k in T.grid(T.int64(2), T.int64(64), T.int64(64)):
+        with T.sblock("NT_matmul"):
+            v_i0, v_i1, v_k = T.axis.remap("SSR", [i0, i1, k])
+            with T.init():
+                out[v_i0, v_i1] = T.float16(0.0)
+            out[v_i0, v_i1] = out[v_i0, v_i1] + x[v_i0, v_k] * w[v_k, v_i1]
+
+
+def test_a_primfunc_that_only_carries_the_name_stays_on_tvm_with_a_reason():
+    mod, _ = gemm_graph(True, False, None, False, rows=(2,), k=64, n=64)
+    lowered = relax.transform.FuseTransposeMatmul()(mod)
+    edited = _swap_in(lowered, "NT_matmul", _not_transposed)
+    part = mqa_byoc.partition_for_cutlass(edited)
+    assert not _codegen_funcs(part)
+    tvm.ir.assert_structural_equal(part["main"], edited["main"])
+    [site] = gemm.gemm_report(edited)
+    assert not site.offloaded and "is not the PrimFunc FuseTransposeMatmul makes" in site.reason
+    # the same module with TVM's own PrimFunc is read back (the check is not the name)
+    call = next(b.value for blk in lowered["main"].body.blocks for b in blk.bindings
+                if getattr(b.value, "op", None) is not None and getattr(b.value.op, "name", "") == "relax.call_tir")
+    assert lowered_matmul_reason(lowered, call) == ("NT_matmul", None)
+    assert lowered_matmul_reason(edited, call)[1] is not None
+
+
+def test_a_matmul_fused_with_its_epilogue_by_tvm_stays_on_tvm_with_a_reason():
+    mod, _ = gemm_graph(True, True, None, False, rows=(2, 8))
+    lowered = relax.transform.FuseTransposeMatmul()(mod)
+    fused = tvm.transform.Sequential([relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+                                      relax.transform.FuseOps(), relax.transform.FuseTIR()])(lowered)
+    names = _prim_names(fused)
+    assert any(n.startswith("fused_NT_matmul") for n in names), names
+    assert not _codegen_funcs(mqa_byoc.partition_for_cutlass(fused))
+    [site] = gemm.gemm_report(fused)
+    assert not site.offloaded and site.transposed and "fused with other ops" in site.reason, site.reason
+
+
+def test_restore_keeps_primfuncs_still_called_and_drops_the_others():
+    mod, _ = gemm_graph(True, False, None, False, dtype="float32")
+    lowered = relax.transform.FuseTransposeMatmul()(mod)
+    restored = RestoreLoweredMatmul()(lowered)
+    assert "NT_matmul" not in _prim_names(restored)
+    ops = [b.value.op.name for blk in restored["main"].body.blocks for b in blk.bindings
+           if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op)]
+    assert ops == ["relax.permute_dims", "relax.matmul"]
+    edited = _swap_in(relax.transform.FuseTransposeMatmul()(gemm_graph(True, False, None, False, rows=(2,), k=64,
+                                                                        n=64)[0]), "NT_matmul", _not_transposed)
+    assert RestoreLoweredMatmul()(edited).same_as(edited)
+
+
+def test_decoder_after_fuse_transpose_matmul_offloads_every_gemm_and_its_attention():
+    from mqa_byoc.models.llama import build_decoder
+    from mqa_byoc.models.presets import scaled
+
+    cfg = scaled("llama3-8b", num_layers=1, vocab_size=256, hidden_size=256, intermediate_size=512)
+    mod = build_decoder(cfg)[0]
+    before = gemm.gemm_report(mod)
+    lowered = relax.transform.FuseTransposeMatmul()(mod)
+    assert any(n.startswith("NT_matmul") for n in _prim_names(lowered))
+    after = gemm.gemm_report(lowered)
+    assert [(s.function, s.offloaded, s.composite) for s in after] == \
+        [(s.function, s.offloaded, s.composite) for s in before], gemm.format_gemm_report(after)
+    attn_before = [s for s in mqa_byoc.offload_report(mod) if s.offloaded]
+    attn_after = [s for s in mqa_byoc.offload_report(lowered) if s.offloaded]
+    assert attn_before and sorted((s.function, s.output, s.composite) for s in attn_after) == \
+        sorted((s.function, s.output, s.composite) for s in attn_before)
+
+
+CHAINS = ["mlc_4d_chain", "upstream_3d_chain", "sink_chain", "softcap_chain", "safe_softmax_chain", "bsh_chain"]
+
+
+@pytest.mark.parametrize("chain", CHAINS)
+def test_an_attention_chain_after_fuse_transpose_matmul_is_offloaded_as_before(chain):
+    from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
+    from mqa_byoc.compiler.partition import canonicalize_attention
+    from mqa_byoc.testing import graphs
+
+    mod = getattr(graphs, chain)()
+    lowered = relax.transform.FuseTransposeMatmul()(mod)
+    assert any(n.startswith("NT_matmul") for n in _prim_names(lowered))  # Q @ K^T became TVM's kernel
+    [site] = mqa_byoc.offload_report(lowered)
+    [expected] = mqa_byoc.offload_report(mod)
+    assert site.offloaded and (site.composite, site.num_kv_heads, site.scale, site.causal, site.window) == \
+        (expected.composite, expected.num_kv_heads, expected.scale, expected.causal, expected.window)
+    part = mqa_byoc.partition_for_cutlass(lowered)
+    assert any(f.attrs is not None and str(f.attrs.get("Codegen", "")) == "flash_attn"
+               for f in part.functions.values() if isinstance(f, relax.Function))
+    # the rewrite of the lowered module computes what it computed (TVM's grouped lowering, on llvm)
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal([int(d) for d in p.ty.shape.values]).astype(str(p.ty.dtype))
+            for p in lowered["main"].params]
+    rewritten = LegalizeGroupedAttention()(canonicalize_attention(RestoreLoweredMatmul()(lowered)))
+    np.testing.assert_allclose(graphs.run_llvm(rewritten, args), graphs.run_llvm(lowered, args), rtol=2e-2, atol=2e-2)
