@@ -189,13 +189,13 @@ def _symbolic_k_graph():
     return bb.get()
 
 
-def _fp32_out_graph():
+def _fp16_out_of_bf16_graph():
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType([16, 64], "float16"))
-    w = relax.Var("w", relax.TensorType([64, 64], "float16"))
+    x = relax.Var("x", relax.TensorType([16, 64], "bfloat16"))
+    w = relax.Var("w", relax.TensorType([64, 64], "bfloat16"))
     with bb.function("main", [x, w]):
         with bb.dataflow():
-            y = bb.emit_output(bb.emit(relax.op.matmul(x, w, out_dtype="float32")))
+            y = bb.emit_output(bb.emit(relax.op.matmul(x, w, out_dtype="float16")))
         bb.emit_func_output(y)
     return bb.get()
 
@@ -208,7 +208,7 @@ BAD = {
     "batched_rhs": (_batched_rhs_graph, "batched product of two activations"),
     "vector_rhs": (_vector_rhs_graph, "matrix-vector product"),
     "symbolic_k": (_symbolic_k_graph, "symbolic size"),
-    "fp32_output": (_fp32_out_graph, "out_dtype"),
+    "fp16_output_of_bf16": (_fp16_out_of_bf16_graph, "writes bfloat16 or float32"),
 }
 
 
@@ -302,8 +302,9 @@ def test_generated_source_and_dispatcher_compile(tmp_path):
     import dataclasses
 
     sources = []
-    for i, form in enumerate(FORMS):
-        part = mqa_byoc.partition_for_cutlass(gemm_graph(*form, dtype="bfloat16" if form[1] else "float16")[0])
+    for i, (form, out) in enumerate([(f, None) for f in FORMS] + [(f, "float32") for f in FORMS[:6]]):
+        part = mqa_byoc.partition_for_cutlass(gemm_graph(*form, dtype="bfloat16" if form[1] else "float16",
+                                                         out_dtype=out)[0])
         site = find_gemm_site(next(iter(_codegen_funcs(part).values())))
         sources.append(emit_gemm_source(dataclasses.replace(site, symbol=f"{site.symbol}_{i}"), prelude=not sources))
     src = tmp_path / "gemm.cc"
@@ -352,3 +353,36 @@ def test_export_links_the_dispatcher(tmp_path):
     mqa_byoc.export_library(bare, linked, progress=None)
     syms = subprocess.run(["nm", str(linked)], capture_output=True, text=True).stdout
     assert " t mqa_byoc_cublaslt_gemm" in syms or " T mqa_byoc_cublaslt_gemm" in syms
+
+
+@pytest.mark.parametrize("form", FORMS, ids=[gemm_composite_name(*f) for f in FORMS])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_float32_output_of_every_pattern_is_offloaded_and_computes_the_original(form, dtype):
+    # R.matmul(x, w, out_dtype="float32") on fp16/bf16 operands, bias and residual in float32 (cuBLASLt's C/D)
+    mod, specs = gemm_graph(*form, dtype=dtype, out_dtype="float32")
+    part = mqa_byoc.partition_for_cutlass(mod)
+    [func] = _codegen_funcs(part).values()
+    site = find_gemm_site(func)
+    assert (site.dtype, site.out_dtype, site.composite_name) == (dtype, "float32", gemm_composite_name(*form))
+    [report] = gemm.gemm_report(mod)
+    assert report.offloaded and (report.dtype, report.out_dtype) == (dtype, "float32")
+    if dtype == "float16":  # numpy has no bfloat16 for the llvm run
+        arrays = draw_inputs(specs, {"n": 5})
+        got = run_llvm(gemm.inline_gemm_composites(part), arrays)
+        np.testing.assert_allclose(got, run_llvm(mod, arrays), rtol=1e-3, atol=1e-3)
+    src = emit_gemm_source(site)
+    code = 2 + (dtype == "bfloat16")
+    assert f"gemm_call(s, dev, {code}, " in src and '"out", kDLFloat, 32' in src
+    assert ("kDLFloat, 32, dev, 128, 1)" in src) == form[1]  # the bias checked as float32
+
+
+def test_to_mixed_precision_default_output_type_is_offloaded():
+    # TVM's ToMixedPrecision() keeps out_dtype="float32": every matmul becomes fp16 x fp16 -> fp32
+    mod, specs = gemm_graph(True, True, None, True, dtype="float32", rows=(3, "n"))
+    mixed = relax.transform.ToMixedPrecision()(mod)
+    [site] = gemm.gemm_report(mixed)
+    assert site.offloaded and (site.dtype, site.out_dtype) == ("float16", "float32"), gemm.format_gemm_report([site])
+    part = mqa_byoc.partition_for_cutlass(mixed)
+    arrays = draw_inputs(specs, {"n": 4})
+    np.testing.assert_allclose(run_llvm(gemm.inline_gemm_composites(part), arrays), run_llvm(mixed, arrays),
+                               rtol=1e-3, atol=1e-3)

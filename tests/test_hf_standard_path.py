@@ -157,3 +157,24 @@ def test_frontend_cannot_import_hf_lazy_cache():
         ep = torch.export.export(wrapper, (torch.zeros(1, 4, dtype=torch.long),))
     with pytest.raises(ValueError, match="Concat expects all input tensors to have same ndim"):
         from_exported_program(ep)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_standard_default_mixed_precision_offloads_attention_and_every_gemm(mode):
+    """TVM's ``ToMixedPrecision()`` with its default ``out_dtype="float32"``: every matmul is fp16 x fp16 ->
+    fp32. Attention is offloaded as with ``out_dtype="float16"``, and every nn.Linear GEMM too (cuBLASLt
+    writes the float32 output); the GEMM rewrite computes what the graph does, on the CPU."""
+    from mqa_byoc.compiler.graph import gemm
+
+    model = _model("llama", "eager")
+    imp = hf.import_hf(model, mode=mode, batch=1, seq_len=12, past_len=6, convert="standard")
+    mod = relax.transform.ToMixedPrecision()(imp.mod)
+    _check_offloaded(mod, "llama", mode, None)
+    sites = [s for s in offload_report(mod, gemm=True) if isinstance(s, gemm.GemmSite)]  # attention's offloaded
+    assert len(sites) == 7 * LAYERS + 1  # q, k, v, o, gate, up, down a layer; lm_head
+    assert all(s.offloaded and (s.dtype, s.out_dtype) == ("float16", "float32") for s in sites), \
+        gemm.format_gemm_report(sites)
+    inputs = hf.example_inputs(model, mode=mode, seq_len=12, past_len=6, seed=1)
+    args = [inputs[0], *[x.astype("float32") for x in inputs[1:]], *imp.params]
+    got = G.run_llvm(gemm.inline_gemm_composites(gemm.PartitionGemm()(mod)), args)
+    np.testing.assert_allclose(got, G.run_llvm(mod, args), rtol=1e-3, atol=1e-3)

@@ -40,6 +40,10 @@ def pattern_cases():
         cases.append((f"f{i}_bf16_sym", form, dict(dtype="bfloat16", rows=("n",), k=256, n=256)))
     cases.append(("static_fp16", FORMS[3], dict(dtype="float16", rows=(4, 33), k=128, n=256)))
     cases.append(("const_fp16", FORMS[5], dict(dtype="float16", rows=("n",), k=256, n=512, weight_const=True)))
+    # float32 output (R.matmul(..., out_dtype="float32"), ToMixedPrecision's default): C, D and bias in float32
+    for i, form in enumerate(FORMS[:6]):
+        cases.append((f"f{i}_{'bf16' if i % 2 else 'fp16'}_out_fp32", form,
+                      dict(dtype="bfloat16" if i % 2 else "float16", rows=(2, "n"), k=128, n=256, out_dtype="float32")))
     # the same sites after TVM lowered their matmuls (FuseTransposeMatmul's NT_matmul, LegalizeOps' matmul)
     for i, form in enumerate(FORMS[:6]):
         cases.append((f"f{i}_fp16_nt_matmul", form, dict(dtype="float16", rows=(2, "n"), k=128, n=256,

@@ -265,10 +265,13 @@ int add_unsplit(const Api& a, cublasLtHandle_t handle, const Plan& plan, cublasL
 
 int make_plan(const Api& a, cublasLtHandle_t handle, const Key& key, Plan* plan,
               cublasLtMatmulHeuristicResult_t* candidates, int* n_candidates) {
-  const int is_bf16 = std::get<1>(key), transposed = std::get<2>(key), epilogue = std::get<3>(key);
+  const int dtype = std::get<1>(key), transposed = std::get<2>(key), epilogue = std::get<3>(key);
   const int residual = std::get<4>(key), align = std::get<8>(key);
   const int64_t m = std::get<5>(key), n = std::get<6>(key), k = std::get<7>(key);
+  const int is_bf16 = dtype & 1, out_f32 = dtype & 2;
   const cudaDataType_t type = is_bf16 ? CUDA_R_16BF : CUDA_R_16F;
+  // C, D (and the bias, whose type cuBLASLt takes from D's) in the operands' type or in float32
+  const cudaDataType_t out_type = out_f32 ? CUDA_R_32F : type;
   MQA_BYOC_LT(a.desc_create(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
   // cuBLASLt's A is W: (N x K) col-major. Row-major (K, N) W is that with op N; row-major (N, K) W^T
   // reads as (K x N) col-major, so op T.
@@ -283,8 +286,8 @@ int make_plan(const Api& a, cublasLtHandle_t handle, const Key& key, Plan* plan,
     MQA_BYOC_LT(a.layout_create(&plan->a, type, n, k, n), "layout W");
   }
   MQA_BYOC_LT(a.layout_create(&plan->b, type, k, m, k), "layout X");
-  MQA_BYOC_LT(a.layout_create(&plan->c, type, n, m, n), "layout C");
-  MQA_BYOC_LT(a.layout_create(&plan->d, type, n, m, n), "layout D");
+  MQA_BYOC_LT(a.layout_create(&plan->c, out_type, n, m, n), "layout C");
+  MQA_BYOC_LT(a.layout_create(&plan->d, out_type, n, m, n), "layout D");
 
   cublasLtMatmulPreference_t pref = nullptr;
   MQA_BYOC_LT(a.pref_create(&pref), "cublasLtMatmulPreferenceCreate");
@@ -302,8 +305,8 @@ int make_plan(const Api& a, cublasLtHandle_t handle, const Key& key, Plan* plan,
   a.pref_destroy(pref);
   if (s != CUBLAS_STATUS_SUCCESS || found == 0) {
     return fail("cuBLASLt has no algorithm for M=" + std::to_string(m) + " N=" + std::to_string(n) +
-                " K=" + std::to_string(k) + (is_bf16 ? " bf16" : " fp16") + " epilogue " + std::to_string(epilogue) +
-                (residual ? " + residual" : "") + ": " + status(a, s));
+                " K=" + std::to_string(k) + (is_bf16 ? " bf16" : " fp16") + (out_f32 ? " -> fp32" : "") +
+                " epilogue " + std::to_string(epilogue) + (residual ? " + residual" : "") + ": " + status(a, s));
   }
   plan->algo = candidates[0].algo;
   *n_candidates = found;
@@ -394,8 +397,9 @@ extern "C" {
 const char* mqa_byoc_cublaslt_last_error(void) { return g_error.c_str(); }
 
 // D = epilogue(X @ op(W) + bias) + residual, all row-major and contiguous, on `stream` (a cudaStream_t).
-// dtype: 0 fp16, 1 bf16. epilogue: 0 none, 1 bias, 2 relu(bias), 3 gelu_tanh(bias). bias: N elements or
-// null; residual: (M, N) or null (not with an activation). Returns 0, or -1 with the message in
+// dtype: 0 fp16, 1 bf16; plus 2 for a float32 output (then bias and residual are float32 too). epilogue:
+// 0 none, 1 bias, 2 relu(bias), 3 gelu_tanh(bias). bias: N elements or null; residual: (M, N) or null
+// (not with an activation). Returns 0, or -1 with the message in
 // mqa_byoc_cublaslt_last_error().
 int mqa_byoc_cublaslt_gemm(int device_id, void* stream, int dtype, int transposed, int epilogue, int64_t m,
                            int64_t n, int64_t k, const void* x, const void* w, const void* bias,
@@ -404,6 +408,7 @@ int mqa_byoc_cublaslt_gemm(int device_id, void* stream, int dtype, int transpose
   if (a.lib == nullptr || !a.error.empty()) return fail(a.error);
   if (m == 0) return 0;
   if (m < 0 || n <= 0 || k <= 0) return fail("invalid GEMM sizes");
+  if (dtype < 0 || dtype > 3) return fail("unknown GEMM type code " + std::to_string(dtype));
   if ((epilogue != 0) != (bias != nullptr)) return fail("a bias epilogue needs a bias pointer and vice versa");
   int align = alignment_of(x);
   for (const void* p : {w, residual, static_cast<const void*>(out), bias}) {

@@ -16,10 +16,12 @@ ACTIVATION_OPS = {"gelu_tanh": relax.op.nn.gelu_tanh, "relu": relax.op.nn.relu, 
 
 def gemm_graph(transposed=True, bias=False, activation=None, residual=False, *, dtype="float16",
                rows=(2, "n"), k=64, n=128, weight_const=False, seed=0, bias_shape=None, residual_first=True,
-               function="main"):
+               function="main", out_dtype=None):
     """``main(x, [w], [b], [r])`` computing one GEMM site: x (*rows, K) @ w (K, N) or permute_dims(w (N, K)),
     ``+ b``, activation, ``+ r``. ``rows``: ints or names of symbolic axes. ``weight_const``: w is a constant
-    (drawn with ``seed``). Returns (module, parameter specs [(name, shape, dtype)])."""
+    (drawn with ``seed``). ``out_dtype``: the matmul's (and the bias' and residual's) type, default ``dtype``.
+    Returns (module, parameter specs [(name, shape, dtype)])."""
+    out_dtype = out_dtype or dtype
     syms = {}
     row_dims = [syms.setdefault(d, tirx.Var(d, "int64")) if isinstance(d, str) else d for d in rows]
     bb = relax.BlockBuilder()
@@ -37,17 +39,17 @@ def gemm_graph(transposed=True, bias=False, activation=None, residual=False, *, 
         specs.append(("w", w_shape, dtype))
     b = r = None
     if bias:
-        b = relax.Var("b", relax.TensorType(bias_shape or (n,), dtype))
+        b = relax.Var("b", relax.TensorType(bias_shape or (n,), out_dtype))
         params.append(b)
-        specs.append(("b", bias_shape or (n,), dtype))
+        specs.append(("b", bias_shape or (n,), out_dtype))
     if residual:
-        r = relax.Var("r", relax.TensorType([*row_dims, n], dtype))
+        r = relax.Var("r", relax.TensorType([*row_dims, n], out_dtype))
         params.append(r)
-        specs.append(("r", (*rows, n), dtype))
+        specs.append(("r", (*rows, n), out_dtype))
     with bb.function(function, params):
         with bb.dataflow():
             rhs = bb.emit(relax.op.permute_dims(w)) if transposed else w
-            y = bb.emit(relax.op.matmul(x, rhs))
+            y = bb.emit(relax.op.matmul(x, rhs, out_dtype=None if out_dtype == dtype else out_dtype))
             if b is not None:
                 y = bb.emit(relax.op.add(y, b))
             if activation is not None:

@@ -54,6 +54,9 @@ __all__ = [
 
 #: element types cuBLASLt runs here (fp32 accumulate, ``CUBLAS_COMPUTE_32F``)
 SUPPORTED_DTYPES = ("float16", "bfloat16")
+#: the output types it writes for each: the operands' own, or float32 (``R.matmul(..., out_dtype="float32")``,
+#: what ``ToMixedPrecision``'s default ``out_dtype`` makes of every matmul); bias and residual are of the output's
+OUTPUT_DTYPES = {dt: (dt, "float32") for dt in SUPPORTED_DTYPES}
 #: operand and output rows must start on 16 bytes: K and N a multiple of this many 2-byte elements
 ALIGN_ELEMENTS = 8
 #: cuBLASLt takes int64 sizes but its leading dimensions and heuristics are int32 in practice
@@ -146,8 +149,9 @@ def gemm_reason(lhs_ty, rhs_ty, out_ty, transposed: bool, permute_axes=None, bia
             return ("float32 GEMM: only fp16/bf16 (fp32 accumulate) are offloaded; cast the model to fp16 "
                     "(relax.transform.ToMixedPrecision) to offload it")
         return f"{dtypes[0]} GEMM: only {SUPPORTED_DTYPES} are offloaded"
-    if dtypes[2] != dtypes[0]:
-        return f"the output is {dtypes[2]} from {dtypes[0]} operands (out_dtype): only same-type output is offloaded"
+    if dtypes[2] not in OUTPUT_DTYPES[dtypes[0]]:
+        return (f"the output is {dtypes[2]} from {dtypes[0]} operands (out_dtype): cuBLASLt here writes "
+                f"{' or '.join(OUTPUT_DTYPES[dtypes[0]])}")
     lhs, rhs = _shape(lhs_ty), _shape(rhs_ty)
     if len(lhs) < 2:
         return f"x is {len(lhs)}-D: a vector-matrix product (matmul drops the axis), left to TVM"
@@ -178,7 +182,7 @@ def gemm_reason(lhs_ty, rhs_ty, out_ty, transposed: bool, permute_axes=None, bia
     if isinstance(m, int) and m == 0:
         return "empty GEMM (M = 0)"
     if bias_ty is not None:
-        reason = _bias_reason(bias_ty, n, dtypes[0])
+        reason = _bias_reason(bias_ty, n, dtypes[2])
         if reason:
             return reason
     if residual_ty is not None:
@@ -193,7 +197,7 @@ def _bias_reason(bias_ty, n, dtype):
     if shape is None:
         return "the added operand has no known shape"
     if str(bias_ty.dtype) != dtype:
-        return f"the bias is {bias_ty.dtype}, the GEMM {dtype}"
+        return f"the bias is {bias_ty.dtype}, the GEMM's output {dtype}"
     if not shape or _static(shape[-1]) != n or any(_static(d) != 1 for d in shape[:-1]):
         return f"the added operand {_fmt(shape)} is not a bias vector of N = {n} (cuBLASLt's bias epilogue)"
     return None
@@ -279,6 +283,7 @@ class GemmSite:
     epilogue: str | None  # "bias", "bias+gelu_tanh", "residual", ... (offloaded sites)
     reason: str | None  # why the site stays on TVM; None when offloaded
     note: str | None = None
+    out_dtype: str | None = None  # the output's type (``dtype`` is the operands')
 
     def as_dict(self) -> dict:
         """Returns
@@ -370,18 +375,19 @@ def gemm_report(mod: tvm.IRModule) -> list[GemmSite]:
                 mm = matmul_of(comp)
                 lhs, w = _shape(mm.args[0].ty), _shape(mm.args[1].ty)
                 sites.append(GemmSite(gv.name_hint, names.matmul_name(var), True, "cuBLASLt", name, str(rows_of(lhs)),
-                                      int(w[1]), int(lhs[-1]), str(mm.ty.dtype), fields["transposed"],
-                                      _epilogue(fields), None, _followed_by(users, var, bindings)))
+                                      int(w[1]), int(lhs[-1]), str(mm.args[0].ty.dtype), fields["transposed"],
+                                      _epilogue(fields), None, _followed_by(users, var, bindings), str(mm.ty.dtype)))
             elif getattr(value.op, "name", None) == "relax.matmul":
                 sites.append(_tvm_site(gv.name_hint, var, value, bindings, users))
             else:
                 form, reason = lowered_matmul_reason(mod, value)
                 if form is None:
                     continue
-                out_ty = value.ty if isinstance(value.ty, relax.TensorType) else None
+                x_ty = value.args[1].fields[0].ty if value.args[1].fields else None
                 sites.append(GemmSite(
                     gv.name_hint, var.name, False, "TVM", None, None, None, None,
-                    str(out_ty.dtype) if out_ty is not None else None, form == "NT_matmul", None, reason))
+                    str(x_ty.dtype) if isinstance(x_ty, relax.TensorType) else None, form == "NT_matmul", None, reason,
+                    None, str(value.ty.dtype) if isinstance(value.ty, relax.TensorType) else None))
     return sites
 
 
@@ -505,19 +511,21 @@ def _tvm_site(fname, var, call, bindings, users):
     n = k = None
     if wshape is not None and len(wshape) == 2:
         n, k = (_static(wshape[0]), _static(wshape[1])) if transposed else (_static(wshape[1]), _static(wshape[0]))
-    dtype = str(call.ty.dtype) if isinstance(call.ty, relax.TensorType) else None
+    dtype = str(lhs.ty.dtype) if isinstance(lhs.ty, relax.TensorType) else None
+    out_dtype = str(call.ty.dtype) if isinstance(call.ty, relax.TensorType) else None
     note = _followed_by(users, var, bindings)
     if transposed:
         extra = "the build pipeline's FuseTransposeMatmul makes it TVM's NT_matmul kernel"
         note = extra if note is None else f"{note}; {extra}"
-    return GemmSite(fname, var.name, False, "TVM", None, m, n, k, dtype, transposed, None, reason, note)
+    return GemmSite(fname, var.name, False, "TVM", None, m, n, k, dtype, transposed, None, reason, note, out_dtype)
 
 
 def format_gemm_report(sites) -> str:
     """One line per GEMM site (what ``mqa-byoc`` prints)."""
     lines = []
     for s in sites:
-        shape = f"M={s.m} N={s.n} K={s.k} {s.dtype}{' W^T' if s.transposed else ''}"
+        types = s.dtype if s.out_dtype in (None, s.dtype) else f"{s.dtype}->{s.out_dtype}"
+        shape = f"M={s.m} N={s.n} K={s.k} {types}{' W^T' if s.transposed else ''}"
         what = f"{s.composite} ({s.epilogue or 'no epilogue'})" if s.offloaded else s.reason
         lines.append(f"{s.function}/{s.output}: {shape} -> {s.runs_on}: {what}" + (f" [{s.note}]" if s.note else ""))
     return "\n".join(lines)
