@@ -14,7 +14,7 @@ from tvm import relax, tirx
 from tvm.relax.backend.pattern_registry import get_patterns_with_prefix
 
 import mqa_byoc
-from mqa_byoc.testing.gemm_graphs import FORMS, draw_inputs, gemm_graph, run_llvm
+from mqa_byoc.testing.gemm_graphs import FORMS, batched_gemm_graph, draw_inputs, gemm_graph, run_llvm
 from mqa_byoc.compiler import cublaslt_build
 from mqa_byoc.compiler.codegen.cublaslt import GemmCodegenError, emit_gemm_source, find_gemm_site
 from mqa_byoc.compiler.graph import gemm
@@ -155,10 +155,10 @@ def _int8_graph():
     return bb.get()
 
 
-def _batched_rhs_graph():
+def _batched_rhs_graph(x_shape=(2, 16, 64), w_shape=(1, 64, 32)):
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType([2, 16, 64], "float16"))
-    w = relax.Var("w", relax.TensorType([2, 64, 32], "float16"))
+    x = relax.Var("x", relax.TensorType(list(x_shape), "float16"))
+    w = relax.Var("w", relax.TensorType(list(w_shape), "float16"))
     with bb.function("main", [x, w]):
         with bb.dataflow():
             y = bb.emit_output(bb.emit(relax.op.matmul(x, w)))
@@ -205,7 +205,8 @@ BAD = {
     "fp32": (lambda: gemm_graph(dtype="float32")[0], "float32 GEMM"),
     "k_unaligned": (lambda: gemm_graph(k=60)[0], "K = 60 is not a multiple of 8"),
     "n_unaligned": (lambda: gemm_graph(n=100)[0], "N = 100 is not a multiple of 8"),
-    "batched_rhs": (_batched_rhs_graph, "batched product of two activations"),
+    "broadcast_batch": (_batched_rhs_graph, "not provably equal (a broadcast batch)"),
+    "batch_rank": (lambda: _batched_rhs_graph((16, 64), (2, 64, 32)), "another rank: a broadcast batch"),
     "vector_rhs": (_vector_rhs_graph, "matrix-vector product"),
     "symbolic_k": (_symbolic_k_graph, "symbolic size"),
     "fp16_output_of_bf16": (_fp16_out_of_bf16_graph, "writes bfloat16 or float32"),
@@ -386,3 +387,75 @@ def test_to_mixed_precision_default_output_type_is_offloaded():
     arrays = draw_inputs(specs, {"n": 4})
     np.testing.assert_allclose(run_llvm(gemm.inline_gemm_composites(part), arrays), run_llvm(mixed, arrays),
                                rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("transposed, bias, residual, batch, rows", [
+    (True, False, False, (2, 3), "m"), (False, True, True, (4,), 5), (True, True, False, ("b",), "m"),
+    (False, False, True, (2, "h"), 1)])
+def test_batched_gemm_is_offloaded_and_computes_the_original(transposed, bias, residual, batch, rows):
+    # both operands batched over the same axes: one cuBLASLt strided-batched call (upstream's cuBLAS
+    # partition takes these too); e.g. attention's scores when the attention itself stays on TVM
+    mod, specs = batched_gemm_graph(transposed, bias, residual, batch=batch, rows=rows)
+    [site] = gemm.gemm_report(mod)
+    assert site.offloaded and site.composite == gemm_composite_name(transposed, bias, None, residual), \
+        gemm.format_gemm_report([site])
+    assert (site.n, site.k) == (32, 64) and site.batch is not None and "batch=" in gemm.format_gemm_report([site])
+    part = mqa_byoc.partition_for_cutlass(mod)
+    [func] = _codegen_funcs(part).values()
+    code = find_gemm_site(func)
+    assert code.batch_axes == len(batch)
+    src = emit_gemm_source(code)
+    assert f"gemm_batch(in{code.weight}, in{code.x}, s, \"the weight\", {len(batch)})" in src
+    args = draw_inputs(specs, {"m": 7, "b": 3, "h": 2})
+    np.testing.assert_allclose(run_llvm(gemm.inline_gemm_composites(part), args), run_llvm(mod, args),
+                               rtol=1e-3, atol=1e-3)
+
+
+def test_a_permute_that_is_no_transpose_of_a_batched_weight_offloads_its_output():
+    # permute_dims(w, [1, 0, 2]) swaps batch axes: the GEMM reads the permuted tensor (TVM computes it)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([3, 8, 64], "float16"))
+    w = relax.Var("w", relax.TensorType([64, 3, 32], "float16"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit_output(bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(w, [1, 0, 2])))))
+        bb.emit_func_output(y)
+    mod = bb.get()
+    [site] = gemm.gemm_report(mod)
+    assert site.offloaded and site.composite == "cublaslt.matmul" and not site.transposed
+    part = mqa_byoc.partition_for_cutlass(mod)
+    rng = np.random.default_rng(1)
+    args = [rng.standard_normal((3, 8, 64)).astype("float16"), rng.standard_normal((64, 3, 32)).astype("float16")]
+    np.testing.assert_allclose(run_llvm(gemm.inline_gemm_composites(part), args), run_llvm(mod, args),
+                               rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("annotate_codegen", [True, False])
+@pytest.mark.parametrize("chain", ["mlc_4d_chain", "upstream_3d_chain", "sink_chain", "softcap_chain"])
+def test_an_offloaded_attention_keeps_its_matmuls(chain, annotate_codegen):
+    # the attention's Q @ K^T and P @ V are batched GEMMs, but the attention partition runs first and
+    # takes them (with or without the codegen annotation); no cublaslt composite may hold them
+    from mqa_byoc.testing import graphs
+
+    mod = getattr(graphs, chain)()
+    part = mqa_byoc.partition_for_cutlass(mod, annotate_codegen=annotate_codegen)
+    names = [gv.name_hint for gv in part.get_global_vars()]
+    assert not any("matmul" in n for n in names), names
+    assert not [s for s in mqa_byoc.offload_report(mod, gemm=True) if isinstance(s, gemm.GemmSite)]
+
+
+def test_a_rejected_attention_runs_its_matmuls_as_batched_gemms():
+    from mqa_byoc.testing import graphs
+
+    mod = graphs.mlc_4d_chain(d=264, s=16)
+    [attn] = mqa_byoc.offload_report(mod)
+    assert not attn.offloaded and "head dim 264" in attn.reason
+    sites = [s for s in mqa_byoc.offload_report(mod, gemm=True) if isinstance(s, gemm.GemmSite)]
+    assert [(s.offloaded, s.composite, s.batch, s.m, s.n, s.k) for s in sites] == [
+        (True, "cublaslt.matmul_transposed", "8", "16", 16, 264), (True, "cublaslt.matmul", "8", "16", 264, 16)]
+    part = mqa_byoc.partition_for_cutlass(mod)
+    rng = np.random.default_rng(2)
+    args = [rng.standard_normal([int(d) for d in p.ty.shape.values]).astype(str(p.ty.dtype))
+            for p in mod["main"].params]
+    np.testing.assert_allclose(run_llvm(gemm.inline_gemm_composites(part), args), run_llvm(mod, args),
+                               rtol=2e-2, atol=2e-2)

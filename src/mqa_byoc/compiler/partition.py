@@ -285,11 +285,8 @@ def partition_for_cutlass(
     if gemm:
         from mqa_byoc.compiler.graph.gemm import PartitionGemm
 
-        gemms = PartitionGemm(annotate_codegen=annotate_codegen)
-        # Without the annotation the attention composites stay plain global functions, and TVM's
-        # FuseOpsByPattern fails inside such a function (the sink attention's); the GEMMs are grouped first
-        # then (the attention matmuls are never GEMM sites: their right-hand side is not a 2-D weight).
-        passes = passes + [gemms] if annotate_codegen else passes[:1] + [gemms] + passes[1:]
+        # after the attention, whose offloaded matmuls (batched products) are then no longer in the graph
+        passes.append(PartitionGemm(annotate_codegen=annotate_codegen))
     if has_lowered_nt_matmul(mod):
         # the module had been through FuseTransposeMatmul: what neither offload took becomes NT_matmul again
         passes.append(relax.transform.FuseTransposeMatmul())

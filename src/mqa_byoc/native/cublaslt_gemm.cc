@@ -3,6 +3,8 @@
 // Row-major X (M, K), W (K, N) or W^T given as (N, K), D (M, N). cuBLASLt is column-major, so the call
 // computes D^T (N x M) = op(W)^T-view (N x K) @ X^T-view (K x M): the row-major buffers read as their
 // transposes, no copy. The bias (N) is a vector over cuBLASLt's rows; the residual is C with beta = 1.
+// Batched: `batch` such products of consecutive matrices (strided batches of M x K, K x N, M x N), the
+// bias shared by all (cuBLASLt's bias batch stride is 0).
 //
 // libcublasLt.so.13 is opened at the first call (dlopen), so that the exported library loads without it
 // and says what to install when it is missing. Search order: the loader's path (LD_LIBRARY_PATH, rpath,
@@ -12,7 +14,7 @@
 // One handle per device, one descriptor set + algorithm cached per (device, shape, type, epilogue,
 // alignment); a 32 MiB workspace per device from TVM's workspace pool, used on TVM's stream.
 //
-// Algorithm: cuBLASLt's heuristic ranks its algorithms by a model. A plan of at most kMeasureMaxM rows
+// Algorithm: cuBLASLt's heuristic ranks its algorithms by a model. A plan of at most kMeasureMaxM rows (not batched)
 // (decode: the weight is read once, and the heuristic's first choice is often a split-K algorithm with a
 // reduction kernel after it) times up to kCandidates of the heuristic's algorithms, and each split-K one
 // of them again with its split count set to 1 (the same kernel reading all of K: the heuristic often
@@ -115,6 +117,7 @@ struct Api {
   decltype(&cublasLtMatmulDescCreate) desc_create = nullptr;
   decltype(&cublasLtMatmulDescSetAttribute) desc_set = nullptr;
   decltype(&cublasLtMatrixLayoutCreate) layout_create = nullptr;
+  decltype(&cublasLtMatrixLayoutSetAttribute) layout_set = nullptr;
   decltype(&cublasLtMatmulPreferenceCreate) pref_create = nullptr;
   decltype(&cublasLtMatmulPreferenceSetAttribute) pref_set = nullptr;
   decltype(&cublasLtMatmulPreferenceDestroy) pref_destroy = nullptr;
@@ -172,6 +175,7 @@ const Api& api() {
     bind(&a, &a.create, "cublasLtCreate") && bind(&a, &a.desc_create, "cublasLtMatmulDescCreate") &&
         bind(&a, &a.desc_set, "cublasLtMatmulDescSetAttribute") &&
         bind(&a, &a.layout_create, "cublasLtMatrixLayoutCreate") &&
+        bind(&a, &a.layout_set, "cublasLtMatrixLayoutSetAttribute") &&
         bind(&a, &a.pref_create, "cublasLtMatmulPreferenceCreate") &&
         bind(&a, &a.pref_set, "cublasLtMatmulPreferenceSetAttribute") &&
         bind(&a, &a.pref_destroy, "cublasLtMatmulPreferenceDestroy") &&
@@ -195,8 +199,8 @@ struct Device {
   void* workspace = nullptr;
 };
 
-// (device, dtype, transposed, epilogue, residual, m, n, k, alignment)
-using Key = std::tuple<int, int, int, int, int, int64_t, int64_t, int64_t, int>;
+// (device, dtype, transposed, epilogue, residual, m, n, k, alignment, batch)
+using Key = std::tuple<int, int, int, int, int, int64_t, int64_t, int64_t, int, int64_t>;
 
 std::mutex g_mutex;
 std::map<int, Device> g_devices;
@@ -267,7 +271,7 @@ int make_plan(const Api& a, cublasLtHandle_t handle, const Key& key, Plan* plan,
               cublasLtMatmulHeuristicResult_t* candidates, int* n_candidates) {
   const int dtype = std::get<1>(key), transposed = std::get<2>(key), epilogue = std::get<3>(key);
   const int residual = std::get<4>(key), align = std::get<8>(key);
-  const int64_t m = std::get<5>(key), n = std::get<6>(key), k = std::get<7>(key);
+  const int64_t m = std::get<5>(key), n = std::get<6>(key), k = std::get<7>(key), batch = std::get<9>(key);
   const int is_bf16 = dtype & 1, out_f32 = dtype & 2;
   const cudaDataType_t type = is_bf16 ? CUDA_R_16BF : CUDA_R_16F;
   // C, D (and the bias, whose type cuBLASLt takes from D's) in the operands' type or in float32
@@ -288,6 +292,18 @@ int make_plan(const Api& a, cublasLtHandle_t handle, const Key& key, Plan* plan,
   MQA_BYOC_LT(a.layout_create(&plan->b, type, k, m, k), "layout X");
   MQA_BYOC_LT(a.layout_create(&plan->c, out_type, n, m, n), "layout C");
   MQA_BYOC_LT(a.layout_create(&plan->d, out_type, n, m, n), "layout D");
+  if (batch > 1) {
+    const int32_t count = static_cast<int32_t>(batch);
+    const int64_t strides[4] = {n * k, m * k, m * n, m * n};
+    cublasLtMatrixLayout_t layouts[4] = {plan->a, plan->b, plan->c, plan->d};
+    for (int i = 0; i < 4; ++i) {
+      MQA_BYOC_LT(a.layout_set(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)),
+                  "set BATCH_COUNT");
+      MQA_BYOC_LT(a.layout_set(layouts[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &strides[i],
+                               sizeof(strides[i])),
+                  "set STRIDED_BATCH_OFFSET");
+    }
+  }
 
   cublasLtMatmulPreference_t pref = nullptr;
   MQA_BYOC_LT(a.pref_create(&pref), "cublasLtMatmulPreferenceCreate");
@@ -299,12 +315,15 @@ int make_plan(const Api& a, cublasLtHandle_t handle, const Key& key, Plan* plan,
   a.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al, sizeof(al));
   a.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al, sizeof(al));
   int found = 0;
-  const int wanted = (measure_requested() && m <= kMeasureMaxM && driver().ok) ? kCandidates : 1;
+  // Batched products keep the heuristic's choice: their batch follows the tokens (a new plan each prompt
+  // length), and measuring was set up for the weight-streaming decode GEMMs.
+  const int wanted = (measure_requested() && m <= kMeasureMaxM && batch == 1 && driver().ok) ? kCandidates : 1;
   cublasStatus_t s = a.heuristic(handle, plan->desc, plan->a, plan->b, plan->c, plan->d, pref, wanted,
                                  candidates, &found);
   a.pref_destroy(pref);
   if (s != CUBLAS_STATUS_SUCCESS || found == 0) {
-    return fail("cuBLASLt has no algorithm for M=" + std::to_string(m) + " N=" + std::to_string(n) +
+    return fail("cuBLASLt has no algorithm for batch=" + std::to_string(batch) + " M=" + std::to_string(m) +
+                " N=" + std::to_string(n) +
                 " K=" + std::to_string(k) + (is_bf16 ? " bf16" : " fp16") + (out_f32 ? " -> fp32" : "") +
                 " epilogue " + std::to_string(epilogue) + (residual ? " + residual" : "") + ": " + status(a, s));
   }
@@ -396,18 +415,20 @@ extern "C" {
 // The message of the last failed call on this thread.
 const char* mqa_byoc_cublaslt_last_error(void) { return g_error.c_str(); }
 
-// D = epilogue(X @ op(W) + bias) + residual, all row-major and contiguous, on `stream` (a cudaStream_t).
+// D = epilogue(X @ op(W) + bias) + residual, all row-major and contiguous, on `stream` (a cudaStream_t),
+// for each of `batch` consecutive (X, W, residual, D) matrices (1: one GEMM; the bias is shared).
 // dtype: 0 fp16, 1 bf16; plus 2 for a float32 output (then bias and residual are float32 too). epilogue:
 // 0 none, 1 bias, 2 relu(bias), 3 gelu_tanh(bias). bias: N elements or null; residual: (M, N) or null
 // (not with an activation). Returns 0, or -1 with the message in
 // mqa_byoc_cublaslt_last_error().
-int mqa_byoc_cublaslt_gemm(int device_id, void* stream, int dtype, int transposed, int epilogue, int64_t m,
-                           int64_t n, int64_t k, const void* x, const void* w, const void* bias,
+int mqa_byoc_cublaslt_gemm(int device_id, void* stream, int dtype, int transposed, int epilogue, int64_t batch,
+                           int64_t m, int64_t n, int64_t k, const void* x, const void* w, const void* bias,
                            const void* residual, void* out) {
   const Api& a = api();
   if (a.lib == nullptr || !a.error.empty()) return fail(a.error);
-  if (m == 0) return 0;
-  if (m < 0 || n <= 0 || k <= 0) return fail("invalid GEMM sizes");
+  if (m == 0 || batch == 0) return 0;
+  if (m < 0 || n <= 0 || k <= 0 || batch < 0) return fail("invalid GEMM sizes");
+  if (batch > INT32_MAX) return fail("batch " + std::to_string(batch) + " exceeds cuBLASLt's int32 batch count");
   if (dtype < 0 || dtype > 3) return fail("unknown GEMM type code " + std::to_string(dtype));
   if ((epilogue != 0) != (bias != nullptr)) return fail("a bias epilogue needs a bias pointer and vice versa");
   int align = alignment_of(x);
@@ -422,7 +443,7 @@ int mqa_byoc_cublaslt_gemm(int device_id, void* stream, int dtype, int transpose
     dev.workspace = TVMBackendAllocWorkspace(kDLCUDA, device_id, kWorkspaceBytes, kDLUInt, 8);
     if (dev.workspace == nullptr) return fail("cannot allocate the cuBLASLt workspace on device " + std::to_string(device_id));
   }
-  Key key{device_id, dtype, transposed, epilogue, residual != nullptr, m, n, k, align};
+  Key key{device_id, dtype, transposed, epilogue, residual != nullptr, m, n, k, align, batch};
   const float alpha = 1.0f, beta = residual != nullptr ? 1.0f : 0.0f;
   const void* c = residual != nullptr ? residual : out;
   auto it = g_plans.find(key);

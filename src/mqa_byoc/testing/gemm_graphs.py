@@ -61,6 +61,42 @@ def gemm_graph(transposed=True, bias=False, activation=None, residual=False, *, 
     return bb.get(), specs
 
 
+def batched_gemm_graph(transposed=True, bias=False, residual=False, *, batch=(2, 3), rows="m", k=64, n=32,
+                       dtype="float16", function="main"):
+    """``main(x, w, [b], [r])``: a batched GEMM, x (*batch, M, K) @ w (*batch, K, N) or
+    permute_dims(w (*batch, N, K)) swapping its last two axes, ``+ b`` (N,), ``+ r`` (*batch, M, N).
+    ``batch`` and ``rows``: ints or names of symbolic axes. Returns (module, parameter specs)."""
+    syms = {}
+    names = [*batch, rows]
+    dims = [syms.setdefault(d, tirx.Var(d, "int64")) if isinstance(d, str) else d for d in names]
+    w_names = [*batch, n, k] if transposed else [*batch, k, n]
+    x = relax.Var("x", relax.TensorType([*dims, k], dtype))
+    w = relax.Var("w", relax.TensorType([*dims[:-1], *w_names[-2:]], dtype))
+    params, specs = [x, w], [("x", (*names, k), dtype), ("w", tuple(w_names), dtype)]
+    b = r = None
+    if bias:
+        b = relax.Var("b", relax.TensorType([n], dtype))
+        params.append(b)
+        specs.append(("b", (n,), dtype))
+    if residual:
+        r = relax.Var("r", relax.TensorType([*dims, n], dtype))
+        params.append(r)
+        specs.append(("r", (*names, n), dtype))
+    nb = len(batch)
+    bb = relax.BlockBuilder()
+    with bb.function(function, params):
+        with bb.dataflow():
+            rhs = bb.emit(relax.op.permute_dims(w, list(range(nb)) + [nb + 1, nb])) if transposed else w
+            y = bb.emit(relax.op.matmul(x, rhs))
+            if b is not None:
+                y = bb.emit(relax.op.add(y, b))
+            if r is not None:
+                y = bb.emit(relax.op.add(y, r))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    return bb.get(), specs
+
+
 def draw_inputs(specs, sizes=None, seed=0):
     """numpy arrays for ``specs`` with symbolic axes set from ``sizes`` (default 3); weights scaled by 0.1."""
     rng = np.random.default_rng(seed)

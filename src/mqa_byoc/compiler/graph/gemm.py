@@ -128,6 +128,29 @@ def rows_of(lhs_shape):
     return static if static is not None else m
 
 
+def batch_and_rows(lhs_shape, batch_axes: int):
+    """(batch, M) of a GEMM: with a 2-D weight (``batch_axes`` 0) batch is 1 and M every axis of ``x`` but
+    the last (:func:`rows_of`); with a batched one, batch is the product of the leading ``batch_axes``
+    and M the axis before the last."""
+    if not batch_axes:
+        return 1, rows_of(lhs_shape)
+    return rows_of([*lhs_shape[:batch_axes], 1]), rows_of(lhs_shape[batch_axes:])
+
+
+def _batch_reason(lhs, rhs):
+    """Why a right-hand side with batch axes (a batched GEMM) is not one cuBLASLt strided-batched call."""
+    if len(rhs) == 2:
+        return None
+    if len(lhs) != len(rhs):
+        return (f"the right-hand side {_fmt(rhs)} has batch axes and x {_fmt(lhs)} another rank: a broadcast "
+                "batch (cuBLASLt's batches here are both operands' own), left to TVM")
+    analyzer = Analyzer()
+    if not all(analyzer.can_prove_equal(a, b) for a, b in zip(lhs[:-2], rhs[:-2])):
+        return (f"the batch axes of x {_fmt(lhs)} and of the right-hand side {_fmt(rhs)} are not provably equal "
+                "(a broadcast batch), left to TVM")
+    return None
+
+
 def gemm_reason(lhs_ty, rhs_ty, out_ty, transposed: bool, permute_axes=None, bias_ty=None,
                 residual_ty=None) -> str | None:
     """Why cuBLASLt must not compute this GEMM (None: it computes it exactly).
@@ -157,12 +180,15 @@ def gemm_reason(lhs_ty, rhs_ty, out_ty, transposed: bool, permute_axes=None, bia
         return f"x is {len(lhs)}-D: a vector-matrix product (matmul drops the axis), left to TVM"
     if len(rhs) == 1:
         return f"the right-hand side is 1-D {_fmt(rhs)}: a matrix-vector product (matmul drops the axis), left to TVM"
-    if len(rhs) != 2:
-        return (f"the right-hand side is {len(rhs)}-D {_fmt(rhs)}: a batched product of two activations "
-                "(e.g. attention's scores), not a GEMM with a weight; left to TVM")
-    if transposed and permute_axes is not None and [int(a) for a in permute_axes] != [1, 0]:
-        return f"the weight's permute_dims has axes {list(permute_axes)}, not a transpose"
-    n_dim, k_dim = (rhs[0], rhs[1]) if transposed else (rhs[1], rhs[0])
+    reason = _batch_reason(lhs, rhs)
+    if reason:
+        return reason
+    swap = list(range(len(rhs) - 2)) + [len(rhs) - 1, len(rhs) - 2]
+    if transposed and (permute_axes is None and len(rhs) != 2
+                       or permute_axes is not None and [int(a) for a in permute_axes] != swap):
+        axes = "None (all axes reversed)" if permute_axes is None else list(permute_axes)
+        return f"the weight's permute_dims has axes {axes}, not a transpose of its last two axes"
+    n_dim, k_dim = (rhs[-2], rhs[-1]) if transposed else (rhs[-1], rhs[-2])
     k, n = _static(k_dim), _static(n_dim)
     if k is None or n is None:
         return f"the weight {_fmt(rhs)} has a symbolic size: K and N must be static"
@@ -176,7 +202,9 @@ def gemm_reason(lhs_ty, rhs_ty, out_ty, transposed: bool, permute_axes=None, bia
                     "start on 16 bytes (its fast kernels refuse them); left to TVM")
         if size > MAX_DIM:
             return f"{name} = {size} exceeds cuBLASLt's int32 leading dimension"
-    m = rows_of(lhs)
+    batch, m = batch_and_rows(lhs, len(rhs) - 2)
+    if isinstance(batch, int) and batch > MAX_DIM:
+        return f"batch = {batch} exceeds cuBLASLt's int32 batch count"
     if isinstance(m, int) and m > MAX_DIM:
         return f"M = {m} exceeds cuBLASLt's int32 leading dimension"
     if isinstance(m, int) and m == 0:
@@ -284,6 +312,7 @@ class GemmSite:
     reason: str | None  # why the site stays on TVM; None when offloaded
     note: str | None = None
     out_dtype: str | None = None  # the output's type (``dtype`` is the operands')
+    batch: str | None = None  # a batched GEMM's batch (the product of the axes x and the weight share)
 
     def as_dict(self) -> dict:
         """Returns
@@ -374,9 +403,11 @@ def gemm_report(mod: tvm.IRModule) -> list[GemmSite]:
                 fields = parse_gemm_composite(name)
                 mm = matmul_of(comp)
                 lhs, w = _shape(mm.args[0].ty), _shape(mm.args[1].ty)
-                sites.append(GemmSite(gv.name_hint, names.matmul_name(var), True, "cuBLASLt", name, str(rows_of(lhs)),
-                                      int(w[1]), int(lhs[-1]), str(mm.args[0].ty.dtype), fields["transposed"],
-                                      _epilogue(fields), None, _followed_by(users, var, bindings), str(mm.ty.dtype)))
+                batch, m = batch_and_rows(lhs, len(w) - 2)
+                sites.append(GemmSite(gv.name_hint, names.matmul_name(var), True, "cuBLASLt", name, str(m),
+                                      int(w[-1]), int(lhs[-1]), str(mm.args[0].ty.dtype), fields["transposed"],
+                                      _epilogue(fields), None, _followed_by(users, var, bindings), str(mm.ty.dtype),
+                                      str(batch) if len(w) > 2 else None))
             elif getattr(value.op, "name", None) == "relax.matmul":
                 sites.append(_tvm_site(gv.name_hint, var, value, bindings, users))
             else:
@@ -498,26 +529,29 @@ def _tvm_site(fname, var, call, bindings, users):
     lhs, rhs = call.args
     transposed, axes, weight = False, None, rhs
     producer = bindings.get(rhs) if isinstance(rhs, relax.Var) else None
+    reason = None
     if isinstance(producer, relax.Call) and getattr(producer.op, "name", None) == "relax.permute_dims":
-        transposed, weight = True, producer.args[0]
-        axes = producer.attrs.axes
-        if _shape(weight.ty) is not None and len(_shape(weight.ty)) != 2:
-            transposed, weight, axes = False, rhs, None
-    reason = gemm_reason(lhs.ty, weight.ty, call.ty, transposed, axes)
+        transposed, weight, axes = True, producer.args[0], producer.attrs.axes
+        reason = gemm_reason(lhs.ty, weight.ty, call.ty, True, axes)
+        if reason is not None and "permute_dims has axes" in reason:  # a permute, but no transpose: its output
+            transposed, weight, axes, reason = False, rhs, None, None
+    if reason is None:
+        reason = gemm_reason(lhs.ty, weight.ty, call.ty, transposed, axes)
     lshape, wshape = _shape(lhs.ty), _shape(weight.ty)
     if reason is None:
         reason = "an intermediate value of the pattern is used elsewhere"
-    m = str(rows_of(lshape)) if lshape and len(lshape) >= 2 else None
-    n = k = None
-    if wshape is not None and len(wshape) == 2:
-        n, k = (_static(wshape[0]), _static(wshape[1])) if transposed else (_static(wshape[1]), _static(wshape[0]))
+    batch = m = n = k = None
+    if lshape and len(lshape) >= 2 and wshape is not None and len(wshape) >= 2:
+        b, rows = batch_and_rows(lshape, len(wshape) - 2 if len(wshape) == len(lshape) else 0)
+        m, batch = str(rows), (str(b) if len(wshape) > 2 else None)
+        n, k = (_static(wshape[-2]), _static(wshape[-1])) if transposed else (_static(wshape[-1]), _static(wshape[-2]))
     dtype = str(lhs.ty.dtype) if isinstance(lhs.ty, relax.TensorType) else None
     out_dtype = str(call.ty.dtype) if isinstance(call.ty, relax.TensorType) else None
     note = _followed_by(users, var, bindings)
     if transposed:
         extra = "the build pipeline's FuseTransposeMatmul makes it TVM's NT_matmul kernel"
         note = extra if note is None else f"{note}; {extra}"
-    return GemmSite(fname, var.name, False, "TVM", None, m, n, k, dtype, transposed, None, reason, note, out_dtype)
+    return GemmSite(fname, var.name, False, "TVM", None, m, n, k, dtype, transposed, None, reason, note, out_dtype, batch)
 
 
 def format_gemm_report(sites) -> str:
@@ -525,7 +559,7 @@ def format_gemm_report(sites) -> str:
     lines = []
     for s in sites:
         types = s.dtype if s.out_dtype in (None, s.dtype) else f"{s.dtype}->{s.out_dtype}"
-        shape = f"M={s.m} N={s.n} K={s.k} {types}{' W^T' if s.transposed else ''}"
+        shape = (f"batch={s.batch} " if s.batch else "") + f"M={s.m} N={s.n} K={s.k} {types}{' W^T' if s.transposed else ''}"
         what = f"{s.composite} ({s.epilogue or 'no epilogue'})" if s.offloaded else s.reason
         lines.append(f"{s.function}/{s.output}: {shape} -> {s.runs_on}: {what}" + (f" [{s.note}]" if s.note else ""))
     return "\n".join(lines)

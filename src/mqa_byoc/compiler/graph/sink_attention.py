@@ -176,7 +176,8 @@ class OffloadSinkAttention:
                 continue
             composite = func.with_attr("Composite", str(func.attrs[SINK_ATTR]))
             if not self.annotate_codegen:
-                mod[gv] = composite
+                # as FuseOpsByPattern marks its own composites: later pattern passes leave it alone
+                mod[gv] = composite.with_attr("Primitive", True)
                 continue
             # the wrapper's shape variables are its own (the composite defines its own too)
             fresh = {}

@@ -27,6 +27,7 @@ import mqa_byoc
 from mqa_byoc.compiler.codegen.dispatch import spec_of
 from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
 from mqa_byoc.compiler.partition import canonicalize_attention
+from mqa_byoc.contract import CODEGEN
 
 from . import build as B
 from .gen import GraphSpec
@@ -103,9 +104,10 @@ def _ancestor_params(func, expr):
 
 
 def offloaded_calls(mod):
-    """[(set of site indices whose query reaches the call, codegen function)] for main's calls."""
+    """[(set of site indices whose query reaches the call, codegen function)] for main's calls of attention
+    functions (``Codegen`` flash_attn; the GEMMs a rejected site's matmuls became are not attention)."""
     codegen = {gv: f for gv, f in mod.functions.items()
-               if isinstance(f, relax.Function) and f.attrs is not None and "Codegen" in f.attrs}
+               if isinstance(f, relax.Function) and f.attrs is not None and str(f.attrs.get("Codegen", "")) == CODEGEN}
     main = mod["main"]
     found = []
 
