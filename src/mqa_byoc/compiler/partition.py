@@ -239,7 +239,7 @@ def partition_for_cutlass(
         Passed to the attention's ``FuseOpsByPattern`` (GEMM composites always take their weight as a
         parameter).
     gemm : bool
-        Also offload the matmul sites with a 2-D weight (nn.Linear and friends, with bias / relu /
+        Also offload the matmul sites with a 2-D or batched weight (nn.Linear and friends, with bias / relu /
         gelu_tanh / residual epilogues) to cuBLASLt (``cublaslt.*`` composites, ``Codegen="cublaslt"``),
         like upstream's partition offloads matmuls to CUTLASS, static decode rows too (the measured choice,
         docs/gemm.md). :func:`mqa_byoc.compiler.graph.gemm.gemm_report` (or ``offload_report(..., gemm=True)``)

@@ -2,8 +2,10 @@
 
 A GEMM site is ``R.matmul(x, w)`` or ``R.matmul(x, R.permute_dims(w))`` (nn.Linear's weight given as
 (N, K)) with a 2-D weight ``w`` (constant or parameter), ``x`` of shape (..., K) whose leading axes
-(batch x tokens, static or symbolic) are the GEMM's M, optionally followed by what cuBLASLt computes in
-the same call:
+(batch x tokens, static or symbolic) are the GEMM's M; or a batched GEMM, ``w`` (..., K, N) (or its
+last two axes swapped by the permute) with batch axes provably equal to those of ``x`` (..., M, K), one
+strided-batched call. fp16 or bf16 operands, an output of their type or float32. Optionally followed by
+what cuBLASLt computes in the same call:
 
 - ``+ bias`` (a vector of N, or (1, ..., 1, N)): ``CUBLASLT_EPILOGUE_BIAS``;
 - ``relu(+ bias)`` / ``gelu_tanh(+ bias)``: ``CUBLASLT_EPILOGUE_RELU_BIAS`` / ``GELU_BIAS`` (cuBLASLt's
