@@ -13,6 +13,8 @@ a float32 ``LlamaForCausalLM`` / ``MistralForCausalLM`` (random weights from a c
 Models (``MODELS``), 2 layers, hidden 256, vocab 512:
 
 - ``llama_gqa``: Llama, 8 query heads, 2 K/V heads, head dim 64, ``attn_implementation="eager"``;
+- ``llama_gqa_default_mp``: the same Llama through TVM's default ``ToMixedPrecision()`` (out_dtype float32:
+  every matmul fp16 x fp16 -> fp32; the GEMMs write float32 on cuBLASLt);
 - ``mistral_mqa``: Mistral, 8 query heads, ONE K/V head, head dim 64, a sliding window of 16 (shorter
   than the 48-token prompt, so it matters), ``attn_implementation="sdpa"``;
 - ``gpt_oss_sinks``: GPT-OSS, 8 / 2 heads, head dim 64, learned sinks (drawn large enough to matter), a
@@ -79,6 +81,7 @@ FORMAT = 1
 @dataclasses.dataclass(frozen=True)
 class StandardModel(bh.HFModel):
     impl: str = "eager"
+    mixed_out: str = "float16"  # ToMixedPrecision's out_dtype ("float32": TVM's default, float32 matmul outputs)
 
     def config(self):
         cfg = super().config()
@@ -92,6 +95,11 @@ MODELS = [
     StandardModel("llama_gqa", "llama", heads=8, kv_heads=2, head_dim=64, hidden=256, intermediate=256, vocab=512,
                   layers=2, window=None, rope_theta=10000.0, batch=2, seq_len=48, impl="eager",
                   note="Llama, GQA 8/2, head dim 64, eager attention"),
+    StandardModel("llama_gqa_default_mp", "llama", heads=8, kv_heads=2, head_dim=64, hidden=256, intermediate=256,
+                  vocab=512, layers=2, window=None, rope_theta=10000.0, batch=2, seq_len=48, impl="eager",
+                  mixed_out="float32",
+                  note="Llama, GQA 8/2, head dim 64, eager attention; TVM's default ToMixedPrecision() (float32 "
+                       "matmul outputs: every GEMM fp16 x fp16 -> fp32 on cuBLASLt)"),
     StandardModel("mistral_mqa", "mistral", heads=8, kv_heads=1, head_dim=64, hidden=256, intermediate=256,
                   vocab=512, layers=2, window=16, rope_theta=10000.0, batch=2, seq_len=48, impl="sdpa",
                   note="Mistral, MQA (1 K/V head), head dim 64, window 16, sdpa attention"),
@@ -112,8 +120,13 @@ MODELS = [
 def standard_import(model, mode: str, spec, past_len: int):
     from mqa_byoc.models import hf
 
-    return hf.import_hf(model, mode=mode, batch=spec.batch, seq_len=spec.seq_len, past_len=past_len,
-                        convert="standard", mixed_precision=True)
+    from tvm import relax
+
+    imp = hf.import_hf(model, mode=mode, batch=spec.batch, seq_len=spec.seq_len, past_len=past_len,
+                       convert="standard", mixed_precision=spec.mixed_out == "float16")
+    if spec.mixed_out == "float16":
+        return imp
+    return imp._replace(mod=relax.transform.ToMixedPrecision(out_dtype=spec.mixed_out)(imp.mod))
 
 
 def _stored(a: np.ndarray) -> np.ndarray:
