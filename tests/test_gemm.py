@@ -308,6 +308,10 @@ def test_generated_source_and_dispatcher_compile(tmp_path):
                                                          out_dtype=out)[0])
         site = find_gemm_site(next(iter(_codegen_funcs(part).values())))
         sources.append(emit_gemm_source(dataclasses.replace(site, symbol=f"{site.symbol}_{i}"), prelude=not sources))
+    for i, (t, b, r) in enumerate([(True, False, False), (False, True, True)]):  # batched, symbolic batch axis
+        part = mqa_byoc.partition_for_cutlass(batched_gemm_graph(t, b, r, batch=(2, "h"))[0])
+        site = find_gemm_site(next(iter(_codegen_funcs(part).values())))
+        sources.append(emit_gemm_source(dataclasses.replace(site, symbol=f"{site.symbol}_b{i}"), prelude=False))
     src = tmp_path / "gemm.cc"
     src.write_text("".join(sources))
     tvm_inc = [f for f in cublaslt_build.include_flags() if "nvidia" not in f and "cuda" not in f]

@@ -137,9 +137,8 @@ def test_rejected_sites_keep_graph_and_say_why(name):
     (site,) = offload_report(mod)
     assert not site.offloaded and site.composite is None
     assert site.reason and words in site.reason, site.reason
-    out = partition_for_cutlass(mod)
-    assert G.composites(out) == []
-    tvm.ir.assert_structural_equal(out, mod)
+    assert G.composites(partition_for_cutlass(mod)) == []  # (an explicit chain's matmuls may be GEMMs)
+    tvm.ir.assert_structural_equal(partition_for_cutlass(mod, gemm=False), mod)
 
 
 def test_fp32_graph_offloads_after_mixed_precision():

@@ -33,6 +33,7 @@ _LAZY = {
     "gemm_report": "mqa_byoc.compiler.graph.gemm",
     "GemmSite": "mqa_byoc.compiler.graph.gemm",
     "PartitionGemm": "mqa_byoc.compiler.graph.gemm",
+    "RestoreLoweredMatmul": "mqa_byoc.compiler.graph.lowered_matmul",
     "export_library": "mqa_byoc.compiler.export",
 }
 
@@ -43,6 +44,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from mqa_byoc.compiler.export import export_library
     from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
     from mqa_byoc.compiler.graph.gemm import GemmSite, PartitionGemm, gemm_report
+    from mqa_byoc.compiler.graph.lowered_matmul import RestoreLoweredMatmul
     from mqa_byoc.compiler.partition import AnnotateProvider, OffloadSite, offload_report, partition_for_cutlass
 
 
