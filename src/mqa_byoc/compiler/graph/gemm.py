@@ -39,7 +39,7 @@ from tvm.relax.dpl import is_op, wildcard
 from tvm.relax.transform import PatternCheckContext
 from tvm.sym import Analyzer
 
-from mqa_byoc.compiler.graph.lowered_matmul import RestoreLoweredMatmul, lowered_matmul_reason
+from mqa_byoc.compiler.graph.lowered_matmul import RestoreLoweredMatmul, lowered_matmul_reason, transpose_axes
 from mqa_byoc.contract import (GEMM_ACTIVATIONS, GEMM_CODEGEN, GEMM_COMPOSITES, gemm_composite_name,
                                parse_gemm_composite)
 
@@ -185,9 +185,9 @@ def gemm_reason(lhs_ty, rhs_ty, out_ty, transposed: bool, permute_axes=None, bia
     reason = _batch_reason(lhs, rhs)
     if reason:
         return reason
-    swap = list(range(len(rhs) - 2)) + [len(rhs) - 1, len(rhs) - 2]
-    if transposed and (permute_axes is None and len(rhs) != 2
-                       or permute_axes is not None and [int(a) for a in permute_axes] != swap):
+    swap = transpose_axes(len(rhs))
+    if transposed and (permute_axes is None and swap is not None
+                       or permute_axes is not None and [int(a) for a in permute_axes] != (swap or [1, 0])):
         axes = "None (all axes reversed)" if permute_axes is None else list(permute_axes)
         return f"the weight's permute_dims has axes {axes}, not a transpose of its last two axes"
     n_dim, k_dim = (rhs[-2], rhs[-1]) if transposed else (rhs[-1], rhs[-2])

@@ -21,7 +21,8 @@ import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-__all__ = ["RestoreLoweredMatmul", "lowered_matmul_reason", "restored_matmul"]
+__all__ = ["RestoreLoweredMatmul", "has_lowered_nt_matmul", "lowered_matmul_reason", "restored_matmul",
+           "transpose_axes"]
 
 #: the two forms: TVM's pass that makes the PrimFunc, and whether the weight is transposed
 FORMS = {"NT_matmul": ("FuseTransposeMatmul", True), "matmul": ("LegalizeOps", False)}
@@ -45,6 +46,20 @@ def _candidate_form(name: str) -> str | None:
     return None
 
 
+def transpose_axes(ndim: int) -> list[int] | None:
+    """``permute_dims`` axes that swap the last two of ``ndim`` axes (None, the default reversal, for 2-D)."""
+    return None if ndim == 2 else list(range(ndim - 2)) + [ndim - 1, ndim - 2]
+
+
+def _matmul(bb: relax.BlockBuilder, x, w, form: str, out_dtype: str):
+    """``R.matmul(x, w)``, or ``R.matmul(x, R.permute_dims(w))`` for ``NT_matmul`` (the permute emitted)."""
+    rhs = w
+    if FORMS[form][1]:
+        rhs = bb.emit(relax.op.permute_dims(w, transpose_axes(len(w.ty.shape.values))),
+                      name_hint=f"{w.name}_T" if isinstance(w, relax.Var) else "weight_T")
+    return relax.op.matmul(x, rhs, out_dtype=out_dtype)
+
+
 def _without_attrs(func: tirx.PrimFunc) -> tirx.PrimFunc:
     for key in list(func.attrs.keys()) if func.attrs is not None else []:
         func = func.without_attr(key)
@@ -57,12 +72,7 @@ def _reference(form: str, x_ty, w_ty, out_dtype: str):
     bb = relax.BlockBuilder()
     with bb.function("main", [x, w]):
         with bb.dataflow():
-            rhs = w
-            if FORMS[form][1]:
-                ndim = len(w_ty.shape.values)
-                axes = None if ndim == 2 else list(range(ndim - 2)) + [ndim - 1, ndim - 2]
-                rhs = bb.emit(relax.op.permute_dims(w, axes))
-            out = bb.emit_output(bb.emit(relax.op.matmul(x, rhs, out_dtype=out_dtype)))
+            out = bb.emit_output(bb.emit(_matmul(bb, x, w, form, out_dtype)))
         bb.emit_func_output(out)
     lowered = (relax.transform.FuseTransposeMatmul() if form == "NT_matmul" else relax.transform.LegalizeOps())(bb.get())
     funcs = [f for f in lowered.functions.values() if isinstance(f, tirx.PrimFunc)]
@@ -113,12 +123,7 @@ def lowered_matmul_reason(mod: tvm.IRModule, call, _cache=None) -> tuple[str | N
 def restored_matmul(call, form: str, bb: relax.BlockBuilder):
     """The Relax matmul ``call`` computes (the weight's permute emitted into ``bb`` for ``NT_matmul``)."""
     x, w = call.args[1].fields
-    rhs = w
-    if FORMS[form][1]:
-        ndim = len(w.ty.shape.values)
-        rhs = bb.emit(relax.op.permute_dims(w, None if ndim == 2 else list(range(ndim - 2)) + [ndim - 1, ndim - 2]),
-                      name_hint=f"{w.name}_T" if isinstance(w, relax.Var) else "weight_T")
-    return relax.op.matmul(x, rhs, out_dtype=str(call.ty.dtype))
+    return _matmul(bb, x, w, form, str(call.ty.dtype))
 
 
 @mutator
@@ -144,14 +149,12 @@ class RestoreLoweredMatmul:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         restorer = _Restorer(mod)
-        changed = False
         for gv, func in mod.functions.items():
             if isinstance(func, relax.Function):
                 new = restorer.visit_expr(func)
                 if not new.same_as(func):
                     restorer.builder_.update_func(gv, new)
-                    changed = True
-        if not changed or not restorer.restored:
+        if not restorer.restored:
             return mod
         out = restorer.builder_.get()
         used = set()
