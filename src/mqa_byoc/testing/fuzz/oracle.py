@@ -26,6 +26,7 @@ MASK_BEFORE_SCALE = "mask applied before a scale that brings its fill above -1e4
 ROW_GUARD = ("every score of the row is -inf",)
 SOFTCAP = ("soft-capping",)
 UNKNOWN_MOD = ("unsupported op", "cannot prove")
+SCALE = ("positive, finite scale",)
 
 
 @dataclass
@@ -99,6 +100,9 @@ def expect(spec: GraphSpec, i: int) -> Expect:
     if site.causal == "TopLeft" and not eq:
         e.causes.append(("TopLeft with S_q != S_kv", TOP_LEFT))
     masked = site.causal is not None or site.window is not None
+    if fused and site.scale is not None and not (site.scale > 0 and math.isfinite(site.scale)):
+        # the kernels take the running max of the unscaled scores: a negative scale would overflow it
+        e.causes.append(("a softmax scale that is not positive", SCALE))
     if fused:
         if masked and site.causal != "TopLeft" and not le:
             e.causes.append(("causal where S_q <= S_kv is not provable", SQ_LE_SKV))
