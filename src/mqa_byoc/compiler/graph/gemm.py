@@ -389,7 +389,7 @@ def gemm_report(mod: tvm.IRModule) -> list[GemmSite]:
     codegen_funcs = {gv: f for gv, f in part.functions.items()
                      if isinstance(f, relax.Function) and f.attrs is not None
                      and str(f.attrs.get("Codegen", "")) == GEMM_CODEGEN}
-    sites = []
+    sites, lowered = [], {}
     for gv, func in part.functions.items():
         if not isinstance(func, relax.Function) or gv in codegen_funcs or (
                 func.attrs is not None and ("Codegen" in func.attrs or "Composite" in func.attrs)):
@@ -413,7 +413,7 @@ def gemm_report(mod: tvm.IRModule) -> list[GemmSite]:
             elif getattr(value.op, "name", None) == "relax.matmul":
                 sites.append(_tvm_site(gv.name_hint, var, value, bindings, users))
             else:
-                form, reason = lowered_matmul_reason(mod, value)
+                form, reason = lowered_matmul_reason(mod, value, lowered)
                 if form is None:
                     continue
                 x_ty = value.args[1].fields[0].ty if value.args[1].fields else None

@@ -79,8 +79,9 @@ def _reference(form: str, x_ty, w_ty, out_dtype: str):
     return funcs[0] if len(funcs) == 1 else None
 
 
-def lowered_matmul_reason(mod: tvm.IRModule, call, _cache=None) -> tuple[str | None, str | None]:
+def lowered_matmul_reason(mod: tvm.IRModule, call, cache: dict | None = None) -> tuple[str | None, str | None]:
     """Whether ``call`` (a binding's value in ``mod``) is a matmul TVM lowered, and can be read back.
+    ``cache``: a dict kept across the calls of one module (each PrimFunc and operand types compared once).
 
     Returns
     -------
@@ -107,7 +108,7 @@ def lowered_matmul_reason(mod: tvm.IRModule, call, _cache=None) -> tuple[str | N
     if not isinstance(func, tirx.PrimFunc):
         return form, f"{gv.name_hint} is not a PrimFunc of the module"
     key = (gv, str(x.ty), str(w.ty), str(out_ty.dtype))
-    cache = {} if _cache is None else _cache
+    cache = {} if cache is None else cache
     if key not in cache:
         try:
             ref = _reference(form, x.ty, w.ty, str(out_ty.dtype))
