@@ -139,6 +139,14 @@ def batch_and_rows(lhs_shape, batch_axes: int):
     return rows_of([*lhs_shape[:batch_axes], 1]), rows_of(lhs_shape[batch_axes:])
 
 
+def swaps_last_axes(permute_axes, ndim: int) -> bool:
+    """Whether ``permute_dims(w, permute_axes)`` of an ``ndim``-D weight transposes its last two axes (and
+    nothing else): a GEMM's transposed weight."""
+    if permute_axes is None:
+        return ndim == 2
+    return [int(a) for a in permute_axes] == (transpose_axes(ndim) or [1, 0])
+
+
 def _batch_reason(lhs, rhs):
     """Why a right-hand side with batch axes (a batched GEMM) is not one cuBLASLt strided-batched call."""
     if len(rhs) == 2:
@@ -185,9 +193,7 @@ def gemm_reason(lhs_ty, rhs_ty, out_ty, transposed: bool, permute_axes=None, bia
     reason = _batch_reason(lhs, rhs)
     if reason:
         return reason
-    swap = transpose_axes(len(rhs))
-    if transposed and (permute_axes is None and swap is not None
-                       or permute_axes is not None and [int(a) for a in permute_axes] != (swap or [1, 0])):
+    if transposed and not swaps_last_axes(permute_axes, len(rhs)):
         axes = "None (all axes reversed)" if permute_axes is None else list(permute_axes)
         return f"the weight's permute_dims has axes {axes}, not a transpose of its last two axes"
     n_dim, k_dim = (rhs[-2], rhs[-1]) if transposed else (rhs[-1], rhs[-2])
@@ -531,14 +537,12 @@ def _tvm_site(fname, var, call, bindings, users):
     lhs, rhs = call.args
     transposed, axes, weight = False, None, rhs
     producer = bindings.get(rhs) if isinstance(rhs, relax.Var) else None
-    reason = None
     if isinstance(producer, relax.Call) and getattr(producer.op, "name", None) == "relax.permute_dims":
-        transposed, weight, axes = True, producer.args[0], producer.attrs.axes
-        reason = gemm_reason(lhs.ty, weight.ty, call.ty, True, axes)
-        if reason is not None and "permute_dims has axes" in reason:  # a permute, but no transpose: its output
-            transposed, weight, axes, reason = False, rhs, None, None
-    if reason is None:
-        reason = gemm_reason(lhs.ty, weight.ty, call.ty, transposed, axes)
+        w_shape = _shape(producer.args[0].ty)
+        if w_shape is not None and swaps_last_axes(producer.attrs.axes, len(w_shape)):
+            transposed, weight, axes = True, producer.args[0], producer.attrs.axes
+        # else a permute but no transpose: the GEMM's operand is its output
+    reason = gemm_reason(lhs.ty, weight.ty, call.ty, transposed, axes)
     lshape, wshape = _shape(lhs.ty), _shape(weight.ty)
     if reason is None:
         reason = "an intermediate value of the pattern is used elsewhere"
