@@ -14,7 +14,7 @@ from tvm import relax, tirx
 from tvm.relax.backend.pattern_registry import get_patterns_with_prefix
 
 import mqa_byoc
-from mqa_byoc.testing.gemm_graphs import FORMS, batched_gemm_graph, draw_inputs, gemm_graph, run_llvm
+from mqa_byoc.testing.gemm_graphs import FORMS, draw_inputs, gemm_graph, run_llvm
 from mqa_byoc.compiler import cublaslt_build
 from mqa_byoc.compiler.codegen.cublaslt import GemmCodegenError, emit_gemm_source, find_gemm_site
 from mqa_byoc.compiler.graph import gemm
@@ -309,7 +309,7 @@ def test_generated_source_and_dispatcher_compile(tmp_path):
         site = find_gemm_site(next(iter(_codegen_funcs(part).values())))
         sources.append(emit_gemm_source(dataclasses.replace(site, symbol=f"{site.symbol}_{i}"), prelude=not sources))
     for i, (t, b, r) in enumerate([(True, False, False), (False, True, True)]):  # batched, symbolic batch axis
-        part = mqa_byoc.partition_for_cutlass(batched_gemm_graph(t, b, r, batch=(2, "h"))[0])
+        part = mqa_byoc.partition_for_cutlass(gemm_graph(t, b, None, r, batch=(2, "h"), rows=("m",), n=32)[0])
         site = find_gemm_site(next(iter(_codegen_funcs(part).values())))
         sources.append(emit_gemm_source(dataclasses.replace(site, symbol=f"{site.symbol}_b{i}"), prelude=False))
     src = tmp_path / "gemm.cc"
@@ -399,7 +399,7 @@ def test_to_mixed_precision_default_output_type_is_offloaded():
 def test_batched_gemm_is_offloaded_and_computes_the_original(transposed, bias, residual, batch, rows):
     # both operands batched over the same axes: one cuBLASLt strided-batched call (upstream's cuBLAS
     # partition takes these too); e.g. attention's scores when the attention itself stays on TVM
-    mod, specs = batched_gemm_graph(transposed, bias, residual, batch=batch, rows=rows)
+    mod, specs = gemm_graph(transposed, bias, None, residual, batch=batch, rows=(rows,), n=32)
     [site] = gemm.gemm_report(mod)
     assert site.offloaded and site.composite == gemm_composite_name(transposed, bias, None, residual), \
         gemm.format_gemm_report([site])

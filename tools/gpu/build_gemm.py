@@ -45,10 +45,10 @@ def pattern_cases():
         cases.append((f"f{i}_{'bf16' if i % 2 else 'fp16'}_out_fp32", form,
                       dict(dtype="bfloat16" if i % 2 else "float16", rows=(2, "n"), k=128, n=256, out_dtype="float32")))
     # batched GEMMs (both operands batched over the same axes: one strided-batched call)
-    cases.append(("batched_nt_fp16", FORMS[5], dict(batched=True, dtype="float16", batch=(2, "h"), rows="m", k=128,
-                                                    n=64)))
-    cases.append(("batched_bias_residual_bf16", FORMS[6], dict(batched=True, dtype="bfloat16", batch=(3,), rows=1,
-                                                               k=64, n=128)))
+    cases.append(("batched_nt_fp16", FORMS[5], dict(batched=True, dtype="float16", batch=(2, "h"), rows=("m",),
+                                                    k=128, n=64)))
+    cases.append(("batched_bias_residual_bf16", FORMS[6], dict(batched=True, dtype="bfloat16", batch=(3,),
+                                                                rows=(1,), k=64, n=128)))
     # the same sites after TVM lowered their matmuls (FuseTransposeMatmul's NT_matmul, LegalizeOps' matmul)
     for i, form in enumerate(FORMS[:6]):
         cases.append((f"f{i}_fp16_nt_matmul", form, dict(dtype="float16", rows=(2, "n"), k=128, n=256,
@@ -63,17 +63,15 @@ def merged(cases, dtype=None, lower=True):
     import tvm
     from tvm import relax
 
-    from mqa_byoc.testing.gemm_graphs import batched_gemm_graph, gemm_graph
+    from mqa_byoc.testing.gemm_graphs import gemm_graph
 
     groups, specs = {}, {}
     for name, form, kw in cases:
         kw = dict(kw)
         how = kw.pop("lowered", None)
         kw.update({"dtype": dtype} if dtype else {})
-        if kw.pop("batched", False):
-            mod, spec = batched_gemm_graph(form[0], form[1], form[3], function=name, **kw)
-        else:
-            mod, spec = gemm_graph(*form, function=name, **kw)
+        kw.pop("batched", None)  # a case with ``batch`` axes; the manifest keeps the flag
+        mod, spec = gemm_graph(*form, function=name, **kw)
         groups.setdefault(how if lower else None, {})[name] = mod[name]
         specs[name] = spec
     functions = {}
@@ -120,8 +118,7 @@ def build_patterns(out: Path, arch: str):
         args = [tvm.runtime.tensor(a) for a in rounded]
         arrays[f"{name}.ref"] = np.asarray(ref_vm[name](*args).numpy()).astype("float32")
         manifest["functions"][name] = {"form": list(form), **{k: v for k, v in kw.items() if k != "rows"},
-                                       "rows": [str(r) for r in (kw["rows"] if isinstance(kw["rows"], tuple)
-                                                                 else (kw["rows"],))], "sizes": sizes,
+                                       "rows": [str(r) for r in kw["rows"]], "sizes": sizes,
                                        "dtypes": [s[2] for s in specs[name]], "num_inputs": len(ins),
                                        "composite": next(s.composite for s in report if s.function == name)}
     arrays["__meta__"] = np.array(json.dumps(manifest["functions"]))

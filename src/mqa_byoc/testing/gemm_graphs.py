@@ -16,25 +16,27 @@ ACTIVATION_OPS = {"gelu_tanh": relax.op.nn.gelu_tanh, "relu": relax.op.nn.relu, 
 
 def gemm_graph(transposed=True, bias=False, activation=None, residual=False, *, dtype="float16",
                rows=(2, "n"), k=64, n=128, weight_const=False, seed=0, bias_shape=None, residual_first=True,
-               function="main", out_dtype=None):
+               function="main", out_dtype=None, batch=()):
     """``main(x, [w], [b], [r])`` computing one GEMM site: x (*rows, K) @ w (K, N) or permute_dims(w (N, K)),
     ``+ b``, activation, ``+ r``. ``rows``: ints or names of symbolic axes. ``weight_const``: w is a constant
     (drawn with ``seed``). ``out_dtype``: the matmul's (and the bias' and residual's) type, default ``dtype``.
-    Returns (module, parameter specs [(name, shape, dtype)])."""
+    ``batch``: axes (ints or names) leading both x and w, a batched GEMM (w (*batch, K, N), its permute
+    swapping the last two axes). Returns (module, parameter specs [(name, shape, dtype)])."""
     out_dtype = out_dtype or dtype
     syms = {}
+    rows = (*batch, *rows)
     row_dims = [syms.setdefault(d, tirx.Var(d, "int64")) if isinstance(d, str) else d for d in rows]
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType([*row_dims, k], dtype))
     params, specs = [x], [("x", (*rows, k), dtype)]
-    w_shape = (n, k) if transposed else (k, n)
+    w_shape = (*batch, n, k) if transposed else (*batch, k, n)
     if weight_const:
         if dtype == "bfloat16":
             raise ValueError("this helper makes constant weights of numpy types only (not bfloat16)")
         # drawn through fp16, so that a float32 twin of the graph holds the same values
         w = relax.const((np.random.default_rng(seed).standard_normal(w_shape) * 0.1).astype("float16").astype(dtype))
     else:
-        w = relax.Var("w", relax.TensorType(w_shape, dtype))
+        w = relax.Var("w", relax.TensorType([*row_dims[:len(batch)], *w_shape[len(batch):]], dtype))
         params.append(w)
         specs.append(("w", w_shape, dtype))
     b = r = None
@@ -48,7 +50,8 @@ def gemm_graph(transposed=True, bias=False, activation=None, residual=False, *, 
         specs.append(("r", (*rows, n), out_dtype))
     with bb.function(function, params):
         with bb.dataflow():
-            rhs = bb.emit(relax.op.permute_dims(w)) if transposed else w
+            nb = len(batch)
+            rhs = bb.emit(relax.op.permute_dims(w, list(range(nb)) + [nb + 1, nb] if nb else None)) if transposed else w
             y = bb.emit(relax.op.matmul(x, rhs, out_dtype=None if out_dtype == dtype else out_dtype))
             if b is not None:
                 y = bb.emit(relax.op.add(y, b))
@@ -56,42 +59,6 @@ def gemm_graph(transposed=True, bias=False, activation=None, residual=False, *, 
                 y = bb.emit(ACTIVATION_OPS[activation](y))
             if r is not None:
                 y = bb.emit(relax.op.add(r, y) if residual_first else relax.op.add(y, r))
-            out = bb.emit_output(y)
-        bb.emit_func_output(out)
-    return bb.get(), specs
-
-
-def batched_gemm_graph(transposed=True, bias=False, residual=False, *, batch=(2, 3), rows="m", k=64, n=32,
-                       dtype="float16", function="main"):
-    """``main(x, w, [b], [r])``: a batched GEMM, x (*batch, M, K) @ w (*batch, K, N) or
-    permute_dims(w (*batch, N, K)) swapping its last two axes, ``+ b`` (N,), ``+ r`` (*batch, M, N).
-    ``batch`` and ``rows``: ints or names of symbolic axes. Returns (module, parameter specs)."""
-    syms = {}
-    names = [*batch, rows]
-    dims = [syms.setdefault(d, tirx.Var(d, "int64")) if isinstance(d, str) else d for d in names]
-    w_names = [*batch, n, k] if transposed else [*batch, k, n]
-    x = relax.Var("x", relax.TensorType([*dims, k], dtype))
-    w = relax.Var("w", relax.TensorType([*dims[:-1], *w_names[-2:]], dtype))
-    params, specs = [x, w], [("x", (*names, k), dtype), ("w", tuple(w_names), dtype)]
-    b = r = None
-    if bias:
-        b = relax.Var("b", relax.TensorType([n], dtype))
-        params.append(b)
-        specs.append(("b", (n,), dtype))
-    if residual:
-        r = relax.Var("r", relax.TensorType([*dims, n], dtype))
-        params.append(r)
-        specs.append(("r", (*names, n), dtype))
-    nb = len(batch)
-    bb = relax.BlockBuilder()
-    with bb.function(function, params):
-        with bb.dataflow():
-            rhs = bb.emit(relax.op.permute_dims(w, list(range(nb)) + [nb + 1, nb])) if transposed else w
-            y = bb.emit(relax.op.matmul(x, rhs))
-            if b is not None:
-                y = bb.emit(relax.op.add(y, b))
-            if r is not None:
-                y = bb.emit(relax.op.add(y, r))
             out = bb.emit_output(y)
         bb.emit_func_output(out)
     return bb.get(), specs
