@@ -11,7 +11,11 @@ Per shape (nn.Linear: x @ W^T, fp16; qkv fused 10240 x 8192, o_proj 8192 x 8192,
 - ``tvm_static``: TVM's decoder pipeline (FuseTransposeMatmul + dlight) for that static M: dlight's GEMV
   rule applies at M = 1 (what the in-place decoder's batch-1 decode runs);
 - ``tvm_sym``: TVM's decoder pipeline with symbolic M (what the paged decoder ran before);
-- ``torch``: ``torch.matmul(x, w.T)`` (cuBLAS) on the same tensors.
+- ``torch``: ``torch.matmul(x, w.T)`` (cuBLAS) on the same tensors;
+- ``ours_cast``: ``ToMixedPrecision``'s default form, ``astype(matmul(x, w.T, out_dtype="float32"),
+  "float16")``, partitioned: one cuBLASLt call that writes fp16; ``ours_cast_unfused``: the same with the
+  float32 result also returned, so the cast is not fused: a float32-output cuBLASLt call, then TVM's
+  cast kernel (what that form ran before the cast was fused).
 
 Each is timed with CUDA events over back-to-back calls (host overhead included where it exceeds the
 kernel), in one run; rates against the H200's 4.8 TB/s and 989 TFLOP/s (dense fp16). Writes
@@ -81,6 +85,9 @@ def main(argv=None):
                 "tvm_sym": lambda: vms["tvm_sym"][name](tx, tw),
                 "torch": lambda: torch.matmul(x, w.T),
             }
+            if "forms" in manifest:
+                calls["ours_cast"] = lambda: vms["ours"][f"{name}_cast"](tx, tw)
+                calls["ours_cast_unfused"] = lambda: vms["ours"][f"{name}_cast_unfused"](tx, tw)[0]
             for variant, fn in calls.items():
                 try:
                     out = fn()
@@ -95,6 +102,8 @@ def main(argv=None):
             for variant in ("ours", "tvm_static", "tvm_sym"):
                 if "us" in row.get(variant, {}) and "us" in row["torch"]:
                     row[variant]["vs_torch"] = round(row["torch"]["us"] / row[variant]["us"], 3)
+            if "us" in row.get("ours_cast", {}) and "us" in row.get("ours_cast_unfused", {}):
+                row["ours_cast"]["speedup_vs_unfused"] = round(row["ours_cast_unfused"]["us"] / row["ours_cast"]["us"], 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
             del x, tx
@@ -135,6 +144,17 @@ def markdown(result) -> str:
         lines.append(f"| {r['gemm']} {r['N']}x{r['K']} | {r['M']} | {_cell(r['ours'], decode)} | "
                      f"{_cell(r['tvm_static'], decode)} | {_cell(r['tvm_sym'], decode)} | {_cell(r['torch'], decode)} | "
                      f"{ratio if ratio is not None else '-'} |")
+    cast_rows = [r for r in result["rows"] if "ours_cast" in r]
+    if cast_rows:
+        lines += ["", "ToMixedPrecision's default form, `astype(matmul(x, W^T, out_dtype=\"float32\"), \"float16\")`: "
+                  "the cast fused into the cuBLASLt call (fp16 written) vs not fused (a float32-output call, then "
+                  "TVM's cast kernel). Rates count the fp16 output.", "",
+                  "| GEMM | M | cast fused | not fused | fused speedup |", "|---|---:|---:|---:|---:|"]
+        for r in cast_rows:
+            decode = r["M"] <= 32
+            speed = r["ours_cast"].get("speedup_vs_unfused")
+            lines.append(f"| {r['gemm']} {r['N']}x{r['K']} | {r['M']} | {_cell(r['ours_cast'], decode)} | "
+                         f"{_cell(r['ours_cast_unfused'], decode)} | {speed if speed is not None else '-'} |")
     return "\n".join(lines) + "\n"
 
 

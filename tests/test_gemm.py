@@ -382,15 +382,80 @@ def test_float32_output_of_every_pattern_is_offloaded_and_computes_the_original(
 
 
 def test_to_mixed_precision_default_output_type_is_offloaded():
-    # TVM's ToMixedPrecision() keeps out_dtype="float32": every matmul becomes fp16 x fp16 -> fp32
+    # TVM's ToMixedPrecision() keeps out_dtype="float32": every matmul becomes fp16 x fp16 -> fp32, cast back
+    # to fp16 at once; cuBLASLt writes the fp16 result (one rounding, as the cast's)
     mod, specs = gemm_graph(True, True, None, True, dtype="float32", rows=(3, "n"))
     mixed = relax.transform.ToMixedPrecision()(mod)
     [site] = gemm.gemm_report(mixed)
-    assert site.offloaded and (site.dtype, site.out_dtype) == ("float16", "float32"), gemm.format_gemm_report([site])
+    assert site.offloaded and (site.dtype, site.out_dtype) == ("float16", "float16"), gemm.format_gemm_report([site])
+    # (ToMixedPrecision casts the permuted weight, so the matmul sees a plain (K, N) operand)
+    assert site.composite == "cublaslt.matmul_cast" and site.epilogue == "cast"
     part = mqa_byoc.partition_for_cutlass(mixed)
     arrays = draw_inputs(specs, {"n": 4})
     np.testing.assert_allclose(run_llvm(gemm.inline_gemm_composites(part), arrays), run_llvm(mixed, arrays),
                                rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+@pytest.mark.parametrize("dtype, rows, batch", [("float16", (2, "n"), ()), ("bfloat16", (7,), ()),
+                                                ("float16", ("m",), (3,))])
+def test_a_cast_of_the_float32_result_to_the_operands_type_is_fused(transposed, dtype, rows, batch):
+    # astype(matmul(x, w, out_dtype="float32"), x's type): one composite whose cuBLASLt call writes x's type
+    mod, specs = gemm_graph(transposed, dtype=dtype, out_dtype="float32", cast=dtype, rows=rows, batch=batch)
+    part = mqa_byoc.partition_for_cutlass(mod)
+    [func] = _codegen_funcs(part).values()
+    site = find_gemm_site(func)
+    assert site.composite_name == gemm_composite_name(transposed, False, cast=True)
+    assert (site.dtype, site.out_dtype) == (dtype, None)  # the output is of the operands' type
+    [report] = gemm.gemm_report(mod)
+    assert report.offloaded and (report.out_dtype, report.epilogue) == (dtype, "cast"), gemm.format_gemm_report([report])
+    # nothing of the graph is left outside the composite: no astype runs on TVM
+    ops = {getattr(b.value.op, "name", None) for block in part["main"].body.blocks for b in block.bindings
+           if isinstance(b.value, relax.Call)}
+    assert "relax.astype" not in ops and "relax.matmul" not in ops
+    src = emit_gemm_source(site)
+    code = 0 + (dtype == "bfloat16")  # the operands' type code, without the float32-output flag
+    assert f"gemm_call(s, dev, {code}, " in src
+    if dtype == "float16":
+        arrays = draw_inputs(specs, {"n": 5, "m": 4})
+        np.testing.assert_array_equal(run_llvm(gemm.inline_gemm_composites(part), arrays), run_llvm(mod, arrays))
+
+
+@pytest.mark.parametrize("case", ["other_type", "float32_result_used"])
+def test_a_cast_that_cublaslt_cannot_write_leaves_the_cast_on_tvm(case):
+    # a cast to another type, or a float32 result the graph also uses: the matmul alone is offloaded
+    # (float32 output) and the astype stays in the graph
+    kw = {"cast": "bfloat16"} if case == "other_type" else {"cast": "float16", "cast_used_elsewhere": True}
+    mod, specs = gemm_graph(True, out_dtype="float32", **kw)
+    part = mqa_byoc.partition_for_cutlass(mod)
+    [func] = _codegen_funcs(part).values()
+    site = find_gemm_site(func)
+    assert (site.composite_name, site.out_dtype) == ("cublaslt.matmul_transposed", "float32")
+    ops = [getattr(b.value.op, "name", None) for block in part["main"].body.blocks for b in block.bindings
+           if isinstance(b.value, relax.Call)]
+    assert "relax.astype" in ops
+    [report] = gemm.gemm_report(mod)
+    assert report.offloaded and report.out_dtype == "float32" and report.epilogue is None
+    if case == "other_type":
+        reason = gemm._cast_reason(relax.TensorType([2], "bfloat16"), relax.TensorType([2], "float16"))
+        assert "not to the operands' type float16" in reason
+
+
+def test_codegen_refuses_a_cast_composite_to_another_type():
+    mod, _ = gemm_graph(True, out_dtype="float32", cast="float16")
+    [func] = _codegen_funcs(mqa_byoc.partition_for_cutlass(mod)).values()
+
+    @relax.expr_functor.mutator
+    class CastToBf16(relax.PyExprMutator):
+        def visit_call_(self, call):
+            call = super().visit_call_(call)
+            if getattr(call.op, "name", None) == "relax.astype":
+                return relax.op.astype(call.args[0], "bfloat16")
+            return call
+
+    edited = CastToBf16().visit_expr(func)
+    with pytest.raises(GemmCodegenError, match="does not cast to the operands' type"):
+        find_gemm_site(edited)
 
 
 @pytest.mark.parametrize("transposed, bias, residual, batch, rows", [

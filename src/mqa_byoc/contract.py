@@ -111,13 +111,15 @@ GEMM_ACTIVATIONS = {"relu": "relax.nn.relu", "gelu_tanh": "relax.nn.gelu_tanh"}
 
 
 def gemm_composite_name(transposed: bool, bias: bool, activation: str | None = None,
-                        residual: bool = False) -> str:
-    """The composite of a GEMM site: ``cublaslt.matmul[_transposed][_bias[_<activation>]][_residual]``.
+                        residual: bool = False, cast: bool = False) -> str:
+    """The composite of a GEMM site: ``cublaslt.matmul[_transposed][_bias[_<activation>]][_residual][_cast]``.
 
     ``transposed``: the weight is given as (N, K) (``R.matmul(x, R.permute_dims(w))``, nn.Linear);
     ``activation``: a key of :data:`GEMM_ACTIVATIONS` (needs ``bias``); ``residual``: ``+ r`` with ``r``
     of the output's shape, added by cuBLASLt as ``beta * C`` with beta = 1 (not with an activation,
-    which cuBLASLt would apply after the sum).
+    which cuBLASLt would apply after the sum); ``cast``: ``R.astype`` of a float32 matmul result to the
+    operands' type right after the matmul (what ``ToMixedPrecision``'s default ``out_dtype`` makes):
+    cuBLASLt accumulates in float32 and writes the operands' type, rounding once, as the cast does.
 
     Raises
     ------
@@ -126,13 +128,16 @@ def gemm_composite_name(transposed: bool, bias: bool, activation: str | None = N
     """
     if activation is not None and (activation not in GEMM_ACTIVATIONS or not bias or residual):
         raise ValueError(f"no cuBLASLt epilogue for activation={activation!r}, bias={bias}, residual={residual}")
+    if cast and (bias or residual):
+        raise ValueError("the cast is fused only right after the matmul (no bias or residual before it)")
     return (f"{GEMM_CODEGEN}.matmul" + ("_transposed" if transposed else "") + ("_bias" if bias else "")
-            + (f"_{activation}" if activation else "") + ("_residual" if residual else ""))
+            + (f"_{activation}" if activation else "") + ("_residual" if residual else "") + ("_cast" if cast else ""))
 
 
-#: (bias, activation, residual) of each epilogue form, largest pattern first.
-GEMM_EPILOGUE_FORMS = ((True, None, True), (True, "gelu_tanh", False), (True, "relu", False),
-                       (True, None, False), (False, None, True), (False, None, False))
+#: (bias, activation, residual, cast) of each epilogue form, largest pattern first.
+GEMM_EPILOGUE_FORMS = ((True, None, True, False), (True, "gelu_tanh", False, False), (True, "relu", False, False),
+                       (True, None, False, False), (False, None, True, False), (False, None, False, True),
+                       (False, None, False, False))
 #: Every GEMM composite, largest pattern first (the order of the pattern table).
 GEMM_COMPOSITES = tuple(gemm_composite_name(t, *form) for t in (True, False) for form in GEMM_EPILOGUE_FORMS)
 
@@ -146,7 +151,7 @@ def parse_gemm_composite(name: str) -> dict:
         When ``name`` is not one of :data:`GEMM_COMPOSITES`.
     """
     for t in (True, False):
-        for b, a, r in GEMM_EPILOGUE_FORMS:
-            if gemm_composite_name(t, b, a, r) == name:
-                return {"transposed": t, "bias": b, "activation": a, "residual": r}
+        for b, a, r, c in GEMM_EPILOGUE_FORMS:
+            if gemm_composite_name(t, b, a, r, c) == name:
+                return {"transposed": t, "bias": b, "activation": a, "residual": r, "cast": c}
     raise ValueError(f"unknown GEMM composite {name!r}; expected one of {GEMM_COMPOSITES}")

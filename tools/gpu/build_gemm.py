@@ -49,6 +49,16 @@ def pattern_cases():
                                                     k=128, n=64)))
     cases.append(("batched_bias_residual_bf16", FORMS[6], dict(batched=True, dtype="bfloat16", batch=(3,),
                                                                 rows=(1,), k=64, n=128)))
+    # astype of the float32 result to the operands' type (ToMixedPrecision's form): cuBLASLt writes that type
+    cases.append(("cast_fp16_sym", FORMS[5], dict(dtype="float16", rows=(2, "n"), k=128, n=256, out_dtype="float32",
+                                                  cast="float16")))
+    cases.append(("cast_bf16_plain", FORMS[11], dict(dtype="bfloat16", rows=("n",), k=256, n=128, out_dtype="float32",
+                                                     cast="bfloat16")))
+    cases.append(("cast_batched_fp16", FORMS[5], dict(batched=True, dtype="float16", batch=(2, "h"), rows=("m",),
+                                                      k=128, n=64, out_dtype="float32", cast="float16")))
+    cases.append(("cast_fp16_nt_matmul", FORMS[5], dict(dtype="float16", rows=(2, "n"), k=128, n=256,
+                                                        out_dtype="float32", cast="float16",
+                                                        lowered="FuseTransposeMatmul")))
     # the same sites after TVM lowered their matmuls (FuseTransposeMatmul's NT_matmul, LegalizeOps' matmul)
     for i, form in enumerate(FORMS[:6]):
         cases.append((f"f{i}_fp16_nt_matmul", form, dict(dtype="float16", rows=(2, "n"), k=128, n=256,
@@ -70,6 +80,8 @@ def merged(cases, dtype=None, lower=True):
         kw = dict(kw)
         how = kw.pop("lowered", None)
         kw.update({"dtype": dtype} if dtype else {})
+        if dtype and kw.get("cast"):  # the reference computes in float32 throughout
+            kw["cast"] = dtype
         kw.pop("batched", None)  # a case with ``batch`` axes; the manifest keeps the flag
         mod, spec = gemm_graph(*form, function=name, **kw)
         groups.setdefault(how if lower else None, {})[name] = mod[name]
@@ -127,21 +139,32 @@ def build_patterns(out: Path, arch: str):
     print(f"patterns: {len(cases)} functions -> {out}", flush=True)
 
 
-def bench_module(static_m=None):
+#: the forms of a bench function: x @ W^T in fp16; ToMixedPrecision's default form (a float32 result cast
+#: to fp16 at once: one composite that writes fp16); the same with the float32 result also returned (the
+#: cast not fused: a float32-output GEMM, then TVM's cast kernel: what that form ran before the fusion)
+BENCH_FORMS = {"": None, "_cast": "fused", "_cast_unfused": "unfused"}
+
+
+def bench_module(static_m=None, forms=("",)):
     import tvm
     from tvm import relax, tirx
 
     funcs = {}
     for name, n, k in BENCH_SHAPES:
-        for m in ([None] if static_m is None else static_m):
+        for m, form in ((m, f) for m in ([None] if static_m is None else static_m) for f in forms):
             rows = tirx.Var("m", "int64") if m is None else m
             bb = relax.BlockBuilder()
             x = relax.Var("x", relax.TensorType([rows, k], "float16"))
             w = relax.Var("w", relax.TensorType([n, k], "float16"))
-            fname = name if m is None else f"{name}_m{m}"
+            fname = (name if m is None else f"{name}_m{m}") + form
             with bb.function(fname, [x, w]):
                 with bb.dataflow():
-                    y = bb.emit_output(bb.emit(relax.op.matmul(x, relax.op.permute_dims(w))))
+                    cast = BENCH_FORMS[form]
+                    y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w), out_dtype="float32" if cast else None))
+                    if cast:
+                        c = bb.emit(relax.op.astype(y, "float16"))
+                        y = relax.Tuple([c, y]) if cast == "unfused" else c
+                    y = bb.emit_output(y)
                 bb.emit_func_output(y)
             funcs[fname] = bb.get()[fname]
     return tvm.IRModule({tvm.ir.GlobalVar(n): f.with_attr("global_symbol", n) for n, f in funcs.items()})
@@ -158,7 +181,8 @@ def build_bench(out: Path, arch: str):
     out.mkdir(parents=True, exist_ok=True)
     sym = bench_module()
     t0 = time.time()
-    ex = mqa_byoc.build(PartitionGemm()(sym), target, mqa=None, pipeline=cuda_decoder_pipeline(target))
+    ex = mqa_byoc.build(PartitionGemm()(bench_module(forms=tuple(BENCH_FORMS))), target, mqa=None,
+                        pipeline=cuda_decoder_pipeline(target))
     mqa_byoc.export_library(ex, out / "ours.so")
     tvm.compile(sym, target=target, relax_pipeline=cuda_decoder_pipeline(target)).export_library(str(out / "tvm_sym.so"))
     print(f"bench: ours + tvm_sym in {time.time() - t0:.0f}s", flush=True)
@@ -166,7 +190,8 @@ def build_bench(out: Path, arch: str):
     static = bench_module(BENCH_M)
     tvm.compile(static, target=target, relax_pipeline=cuda_decoder_pipeline(target)).export_library(
         str(out / "tvm_static.so"))
-    (out / "manifest.json").write_text(json.dumps({"shapes": [list(s) for s in BENCH_SHAPES], "m": list(BENCH_M)}))
+    (out / "manifest.json").write_text(json.dumps({"shapes": [list(s) for s in BENCH_SHAPES], "m": list(BENCH_M),
+                                                   "forms": BENCH_FORMS}))
     print(f"bench: tvm_static in {time.time() - t0:.0f}s", flush=True)
 
 

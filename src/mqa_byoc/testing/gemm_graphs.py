@@ -16,12 +16,14 @@ ACTIVATION_OPS = {"gelu_tanh": relax.op.nn.gelu_tanh, "relu": relax.op.nn.relu, 
 
 def gemm_graph(transposed=True, bias=False, activation=None, residual=False, *, dtype="float16",
                rows=(2, "n"), k=64, n=128, weight_const=False, seed=0, bias_shape=None, residual_first=True,
-               function="main", out_dtype=None, batch=()):
+               function="main", out_dtype=None, batch=(), cast=None, cast_used_elsewhere=False):
     """``main(x, [w], [b], [r])`` computing one GEMM site: x (*rows, K) @ w (K, N) or permute_dims(w (N, K)),
     ``+ b``, activation, ``+ r``. ``rows``: ints or names of symbolic axes. ``weight_const``: w is a constant
     (drawn with ``seed``). ``out_dtype``: the matmul's (and the bias' and residual's) type, default ``dtype``.
     ``batch``: axes (ints or names) leading both x and w, a batched GEMM (w (*batch, K, N), its permute
-    swapping the last two axes). Returns (module, parameter specs [(name, shape, dtype)])."""
+    swapping the last two axes). ``cast``: ``R.astype`` of the result to this type last (``ToMixedPrecision``'s
+    form, with ``out_dtype="float32"``); ``cast_used_elsewhere``: the result before the cast is returned too.
+    Returns (module, parameter specs [(name, shape, dtype)])."""
     out_dtype = out_dtype or dtype
     syms = {}
     rows = (*batch, *rows)
@@ -59,6 +61,9 @@ def gemm_graph(transposed=True, bias=False, activation=None, residual=False, *, 
                 y = bb.emit(ACTIVATION_OPS[activation](y))
             if r is not None:
                 y = bb.emit(relax.op.add(r, y) if residual_first else relax.op.add(y, r))
+            if cast is not None:
+                c = bb.emit(relax.op.astype(y, cast))
+                y = relax.Tuple([c, y]) if cast_used_elsewhere else c
             out = bb.emit_output(y)
         bb.emit_func_output(out)
     return bb.get(), specs

@@ -157,6 +157,13 @@ def find_gemm_site(func: relax.Function) -> GemmCodegenSite:
     if batch_axes and len(x_var.ty.shape.values) != len(w_dims):
         raise GemmCodegenError(f"cublaslt codegen ({symbol}): a batched weight needs x of the same rank")
     dtype, out_dtype = str(x_var.ty.dtype), str(matmul.ty.dtype)
+    if fields["cast"]:  # astype of the float32 result: cuBLASLt writes the cast's type directly
+        cast = next((v for v in values.values() if isinstance(v, relax.Call)
+                     and getattr(v.op, "name", None) == "relax.astype"), None)
+        if cast is None or str(cast.ty.dtype) != dtype:
+            raise GemmCodegenError(f"cublaslt codegen ({symbol}): composite {name} does not cast to the operands' "
+                                   f"type {dtype}")
+        out_dtype = dtype
     if dtype not in _DTYPE or str(w_var.ty.dtype) != dtype:
         raise GemmCodegenError(f"cublaslt codegen ({symbol}): operands {dtype} x {w_var.ty.dtype} are not both fp16 "
                                "or both bf16")

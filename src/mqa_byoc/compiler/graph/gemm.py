@@ -12,7 +12,10 @@ what cuBLASLt computes in the same call:
   GELU is the tanh approximation, so ``R.nn.gelu``, the erf form, is not fused: its matmul (+ bias) is
   offloaded and the GELU stays on TVM);
 - ``+ residual`` of the output's shape (after the bias, if any): ``D = A @ B + 1 * C`` with C the
-  residual.
+  residual;
+- ``astype`` of a float32 result to the operands' type right after the matmul (``ToMixedPrecision``'s
+  default ``out_dtype`` casts every matmul so): cuBLASLt accumulates in float32 and writes the
+  operands' type, rounded once as the cast rounds, so the float32 result is never stored.
 
 ``silu`` is no cuBLASLt epilogue: a SwiGLU's ``silu(gate) * up`` stays on TVM, which fuses it into one
 elementwise kernel. The patterns are registered with TVM's pattern registry under the prefix
@@ -72,7 +75,8 @@ MAX_DIM = 2**31 - 1
 
 
 # ----------------------------------------------------------------------------- the patterns
-def make_gemm_pattern(transposed: bool, bias: bool, activation: str | None = None, residual: bool = False):
+def make_gemm_pattern(transposed: bool, bias: bool, activation: str | None = None, residual: bool = False,
+                      cast: bool = False):
     """The pattern of one composite (:func:`mqa_byoc.contract.gemm_composite_name`).
 
     Returns
@@ -81,7 +85,8 @@ def make_gemm_pattern(transposed: bool, bias: bool, activation: str | None = Non
         The root of the match (the last epilogue op, else the matmul).
     annotations : dict
         ``lhs``, ``weight`` (the 2-D operand before any permute), ``permute`` (transposed only),
-        ``matmul``, ``bias`` / ``bias_add``, ``activation``, ``residual`` / ``residual_add``, ``root``.
+        ``matmul``, ``bias`` / ``bias_add``, ``activation``, ``residual`` / ``residual_add``, ``cast``,
+        ``root``.
     """
     lhs, weight = wildcard(), wildcard()
     ann = {"lhs": lhs, "weight": weight}
@@ -97,6 +102,8 @@ def make_gemm_pattern(transposed: bool, bias: bool, activation: str | None = Non
     if residual:
         ann["residual"] = wildcard()
         out = ann["residual_add"] = is_op("relax.add")(out, ann["residual"])
+    if cast:
+        out = ann["cast"] = is_op("relax.astype")(out)
     ann["root"] = out
     return out, ann
 
@@ -252,12 +259,26 @@ def _residual_reason(res_ty, out_ty):
     return None
 
 
+def _cast_reason(cast_ty, lhs_ty) -> str | None:
+    """Why an ``astype`` after the matmul is not fused (None: cuBLASLt writes its type directly)."""
+    target = str(getattr(cast_ty, "dtype", None))
+    operands = str(getattr(lhs_ty, "dtype", None))
+    if target != operands:
+        return (f"the cast to {target} is not to the operands' type {operands}: cuBLASLt writes the matmul's "
+                "type and the cast stays on TVM")
+    return None
+
+
 def _site_reason(composite: str, context: PatternCheckContext) -> str | None:
     fields = parse_gemm_composite(composite)
     ann = context.annotated_expr
     if has_leaking_intermediate_variables(context):
         return "an intermediate value of the pattern is used elsewhere"
     permute = ann.get("permute")
+    if fields["cast"]:
+        reason = _cast_reason(ann["cast"].ty, ann["lhs"].ty)
+        if reason:
+            return reason
     return gemm_reason(
         ann["lhs"].ty, ann["weight"].ty, ann["matmul"].ty, fields["transposed"],
         permute.attrs.axes if permute is not None and permute.attrs.axes is not None else None,
@@ -334,6 +355,7 @@ class GemmSite:
 def _epilogue(fields):
     parts = (["bias"] if fields["bias"] else []) + ([fields["activation"]] if fields["activation"] else [])
     parts += ["residual"] if fields["residual"] else []
+    parts += ["cast"] if fields.get("cast") else []
     return "+".join(parts) or None
 
 
@@ -357,6 +379,58 @@ def matmul_of(composite_func):
 
     relax.analysis.post_order_visit(composite_func.body, visit)
     return found.get("matmul")
+
+
+def _composite_output(composite_func):
+    """The value a GEMM composite returns (its last epilogue op, else the matmul)."""
+    body = composite_func.body
+    return body.blocks[-1].bindings[-1].value if isinstance(body, relax.SeqExpr) and body.blocks else body
+
+
+def _join_notes(*notes):
+    return "; ".join(n for n in notes if n) or None
+
+
+def _weight_argument(call, codegen_func):
+    """The argument of ``call`` (a call of a GEMM codegen function) that its composite takes as the weight."""
+    _, comp = _composite_of(codegen_func)
+    mm = matmul_of(comp) if comp is not None else None
+    if mm is None:
+        return None
+    local = {b.var: b.value for block in comp.body.blocks for b in block.bindings}
+    rhs = mm.args[1]
+    value = local.get(rhs)
+    if isinstance(value, relax.Call) and getattr(value.op, "name", None) == "relax.permute_dims":
+        rhs = value.args[0]
+    comp_params = list(comp.params)
+    if rhs not in comp_params:
+        return None
+    if comp is codegen_func:
+        return call.args[comp_params.index(rhs)]
+    inner = next((b.value for block in codegen_func.body.blocks for b in block.bindings
+                  if isinstance(b.value, relax.Call) and isinstance(b.value.op, relax.Var)), None)
+    if inner is None:
+        return None
+    arg = inner.args[comp_params.index(rhs)]
+    outer = list(codegen_func.params)
+    return call.args[outer.index(arg)] if arg in outer else None
+
+
+def _weight_note(weight, bindings):
+    """A note when the weight is made from a parameter in the graph on every call (``permute_dims`` /
+    ``astype`` of it: what ``ToMixedPrecision`` leaves of unbound parameters)."""
+    ops = []
+    while isinstance(weight, relax.Var) and weight in bindings:
+        value = bindings[weight]
+        op = getattr(value.op, "name", None) if isinstance(value, relax.Call) else None
+        if op not in ("relax.permute_dims", "relax.astype") or len(ops) > 3:
+            return None
+        ops.append(op.split(".")[-1])
+        weight = value.args[0]
+    if not ops or not isinstance(weight, relax.Var):
+        return None
+    return (f"its weight is {' of '.join(ops)} of the parameter `{weight.name}`, computed on every call: bind the "
+            "parameters (relax.transform.BindParams) and run FoldConstant to compute it once")
 
 
 def _followed_by(users, var, bindings):
@@ -410,11 +484,16 @@ def gemm_report(mod: tvm.IRModule) -> list[GemmSite]:
                 name, comp = _composite_of(codegen_funcs[value.op])
                 fields = parse_gemm_composite(name)
                 mm = matmul_of(comp)
+                out_ty = _composite_output(comp).ty
                 lhs, w = _shape(mm.args[0].ty), _shape(mm.args[1].ty)
                 batch, m = batch_and_rows(lhs, len(w) - 2)
                 sites.append(GemmSite(gv.name_hint, names.matmul_name(var), True, "cuBLASLt", name, str(m),
                                       int(w[-1]), int(lhs[-1]), str(mm.args[0].ty.dtype), fields["transposed"],
-                                      _epilogue(fields), None, _followed_by(users, var, bindings), str(mm.ty.dtype),
+                                      _epilogue(fields), None,
+                                      _join_notes(_followed_by(users, var, bindings),
+                                                  _weight_note(_weight_argument(value, codegen_funcs[value.op]),
+                                                               bindings)),
+                                      str(out_ty.dtype),
                                       str(batch) if len(w) > 2 else None))
             elif getattr(value.op, "name", None) == "relax.matmul":
                 sites.append(_tvm_site(gv.name_hint, var, value, bindings, users))
