@@ -1096,3 +1096,23 @@ def test_performance_decode_grid_table():
         r"took (\d+) µs a step at batch 32 and (\d+) µs at batch 8, against (\d+) and (\d+) µs", claims).groups()
     assert (f"The decode kernels of a batch-32 step took {b32_now} µs instead of {b32_before}, of a batch-8 step "
             f"{b8_now} instead of {b8_before}") in " ".join(text.split())
+
+
+# ---------------------------------------------------------------------------------------------
+# ToMixedPrecision's default form with the cast fused (benchmarks/gemm.py, the cast pair)
+
+def gemm_cast_claims() -> dict[str, str]:
+    """docs/gemm.md's figures of the fused cast, from the GEMM benchmark's cast pair."""
+    rows = _load("2026-12-04-gemm-cast.json")["rows"]
+    speed = [r["ours_cast"]["speedup_vs_unfused"] for r in rows]
+    return {
+        "range": f"ran {min(speed):.2f}-{max(speed):.2f}x as fast as a float32-output",
+        "count": f"faster in {sum(s > 1 for s in speed)} of {len(speed)} cases",
+        "shapes": f"at M = {min(r['M'] for r in rows)} to {max(r['M'] for r in rows)}",
+    }
+
+
+@pytest.mark.parametrize("name", sorted(gemm_cast_claims()))
+def test_gemm_doc_cast_claim(name):
+    text = " ".join(GEMM_DOC.read_text().split())
+    assert gemm_cast_claims()[name] in text, f"docs/gemm.md lacks {name}: {gemm_cast_claims()[name]!r}"
