@@ -30,6 +30,7 @@ has its ``NT_matmul`` / ``matmul`` calls read back as matmuls (:mod:`.lowered_ma
 
 from __future__ import annotations
 
+import contextvars
 import operator
 from dataclasses import asdict, dataclass
 from functools import partial, reduce
@@ -269,11 +270,103 @@ def _cast_reason(cast_ty, lhs_ty) -> str | None:
     return None
 
 
+#: element types of quantized weights: integers (packed int4/int8 and the like) and 8-, 6- and 4-bit floats
+_QUANTIZED_PREFIXES = ("int", "uint", "float8", "float6", "float4")
+# {var: value} of every binding of the module PartitionGemm is partitioning (its checks trace weights with it)
+_BINDINGS = contextvars.ContextVar("mqa_byoc_gemm_bindings", default=None)
+
+
+def _nbytes(ty):
+    shape = _shape(ty) if isinstance(ty, relax.TensorType) else None
+    if shape is None or any(_static(d) is None for d in shape):
+        return None
+    bits = tvm.runtime.DataType(str(ty.dtype)).bits
+    return reduce(operator.mul, (_static(d) for d in shape), 1) * bits // 8
+
+
+def dequantized_source(weight, bindings, limit: int = 24):
+    """The quantized tensor a GEMM's weight is computed from in the graph (a dequantize), or None.
+
+    Follows the weight's producers (ops and ``call_tir``s, at most ``limit`` bindings) to an integer or
+    8-/6-/4-bit float tensor holding at least 1/16 of the weight's bytes (an index, as a gather of
+    experts' weights takes, is far smaller)."""
+    w_bytes = _nbytes(getattr(weight, "ty", None))
+    if w_bytes is None:
+        return None
+    frontier, seen = [weight], set()
+    while frontier and len(seen) < limit:
+        e = frontier.pop()
+        # a variable's value; the pattern matcher hands over a matched weight's value itself
+        value = bindings.get(e) if isinstance(e, relax.Var) else e if isinstance(e, relax.Call) else None
+        if value is None or e in seen:
+            continue
+        seen.add(e)
+        args = list(value.args) if isinstance(value, relax.Call) else list(getattr(value, "fields", []))
+        while args:
+            a = args.pop()
+            if isinstance(a, relax.Tuple):
+                args.extend(a.fields)
+                continue
+            ty = getattr(a, "ty", None)
+            if _quantized(a, w_bytes):
+                return _quantized_origin(a, bindings, limit)
+            if isinstance(a, relax.Var):
+                frontier.append(a)
+    return None
+
+
+def _quantized(e, w_bytes) -> bool:
+    ty = getattr(e, "ty", None)
+    if not (isinstance(ty, relax.TensorType) and str(ty.dtype).startswith(_QUANTIZED_PREFIXES)):
+        return False
+    nbytes = _nbytes(ty)
+    return nbytes is not None and nbytes * 16 >= w_bytes
+
+
+def _quantized_origin(e, bindings, limit):
+    """The first quantized tensor ``e`` is computed from (unpacking shifts and masks of a packed weight
+    lead back to the parameter or constant)."""
+    for _ in range(limit):
+        value = bindings.get(e) if isinstance(e, relax.Var) else None
+        if not isinstance(value, relax.Call):
+            break
+        args = [f for a in value.args for f in (a.fields if isinstance(a, relax.Tuple) else [a])]
+        nxt = next((a for a in args if _quantized(a, _nbytes(e.ty) or 0)), None)
+        if nxt is None:
+            break
+        e = nxt
+    return e
+
+
+def _dequantize_reason(weight, bindings) -> str | None:
+    source = dequantized_source(weight, bindings)
+    if source is None:
+        return None
+    name = f"`{source.name}`" if isinstance(source, relax.Var) else "a constant"
+    shape = [_static(d) if _static(d) is not None else d for d in _shape(source.ty)]
+    return (f"its weight is dequantized in the graph from {name} ({source.ty.dtype} {_fmt(shape)}): "
+            "TVM's matmul kernel can read the quantized bytes (mlc-llm fuses the dequantize into it), where "
+            "cuBLASLt would need the whole fp16 weight written out on every call; left to TVM, as mlc-llm "
+            "leaves a quantized model's GEMMs")
+
+
+def _module_bindings(mod) -> dict:
+    return {b.var: b.value for func in mod.functions.values() if isinstance(func, relax.Function)
+            and isinstance(func.body, relax.SeqExpr) for block in func.body.blocks for b in block.bindings
+            if isinstance(b, relax.VarBinding)}
+
+
 def _site_reason(composite: str, context: PatternCheckContext) -> str | None:
     fields = parse_gemm_composite(composite)
     ann = context.annotated_expr
     if has_leaking_intermediate_variables(context):
         return "an intermediate value of the pattern is used elsewhere"
+    bindings = _BINDINGS.get()
+    if bindings is None:  # the pattern used outside PartitionGemm: the bindings before the match
+        bindings = {var: value for value, var in context.value_to_bound_var.items()}
+    reason = _dequantize_reason(ann["weight"], bindings)
+    if reason:
+        return reason
     permute = ann.get("permute")
     if fields["cast"]:
         reason = _cast_reason(ann["cast"].ty, ann["lhs"].ty)
@@ -318,8 +411,12 @@ class PartitionGemm:
         self.annotate_codegen = annotate_codegen
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return relax.transform.FuseOpsByPattern(gemm_patterns(), bind_constants=self.bind_constants,
-                                                annotate_codegen=self.annotate_codegen)(mod)
+        token = _BINDINGS.set(_module_bindings(mod))
+        try:
+            return relax.transform.FuseOpsByPattern(gemm_patterns(), bind_constants=self.bind_constants,
+                                                    annotate_codegen=self.annotate_codegen)(mod)
+        finally:
+            _BINDINGS.reset(token)
 
 
 # ----------------------------------------------------------------------------- the report
@@ -621,7 +718,7 @@ def _tvm_site(fname, var, call, bindings, users):
         if w_shape is not None and swaps_last_axes(producer.attrs.axes, len(w_shape)):
             transposed, weight, axes = True, producer.args[0], producer.attrs.axes
         # else a permute but no transpose: the GEMM's operand is its output
-    reason = gemm_reason(lhs.ty, weight.ty, call.ty, transposed, axes)
+    reason = _dequantize_reason(weight, bindings) or gemm_reason(lhs.ty, weight.ty, call.ty, transposed, axes)
     lshape, wshape = _shape(lhs.ty), _shape(weight.ty)
     if reason is None:
         reason = "an intermediate value of the pattern is used elsewhere"
