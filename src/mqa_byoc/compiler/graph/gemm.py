@@ -30,7 +30,6 @@ has its ``NT_matmul`` / ``matmul`` calls read back as matmuls (:mod:`.lowered_ma
 
 from __future__ import annotations
 
-import contextvars
 import operator
 from dataclasses import asdict, dataclass
 from functools import partial, reduce
@@ -272,8 +271,6 @@ def _cast_reason(cast_ty, lhs_ty) -> str | None:
 
 #: element types of quantized weights: integers (packed int4/int8 and the like) and 8-, 6- and 4-bit floats
 _QUANTIZED_PREFIXES = ("int", "uint", "float8", "float6", "float4")
-# {var: value} of every binding of the module PartitionGemm is partitioning (its checks trace weights with it)
-_BINDINGS = contextvars.ContextVar("mqa_byoc_gemm_bindings", default=None)
 
 
 def _nbytes(ty):
@@ -338,22 +335,17 @@ def _quantized_origin(e, bindings, limit):
     return e
 
 
-def _dequantize_reason(weight, bindings) -> str | None:
+def _dequantize_note(weight, bindings) -> str | None:
+    """A note on an offloaded site whose weight is dequantized in the graph (:func:`dequantized_source`)."""
     source = dequantized_source(weight, bindings)
     if source is None:
         return None
     name = f"`{source.name}`" if isinstance(source, relax.Var) else "a constant"
     shape = [_static(d) if _static(d) is not None else d for d in _shape(source.ty)]
-    return (f"its weight is dequantized in the graph from {name} ({source.ty.dtype} {_fmt(shape)}): "
-            "TVM's matmul kernel can read the quantized bytes (mlc-llm fuses the dequantize into it), where "
-            "cuBLASLt would need the whole fp16 weight written out on every call; left to TVM, as mlc-llm "
-            "leaves a quantized model's GEMMs")
-
-
-def _module_bindings(mod) -> dict:
-    return {b.var: b.value for func in mod.functions.values() if isinstance(func, relax.Function)
-            and isinstance(func.body, relax.SeqExpr) for block in func.body.blocks for b in block.bindings
-            if isinstance(b, relax.VarBinding)}
+    return (f"its weight is dequantized in the graph from {name} ({source.ty.dtype} {_fmt(shape)}) on every "
+            "call, a kernel of its own in TVM's pipeline too; a pipeline that fuses the dequantize into TVM's "
+            "matmul (mlc-llm's FuseDequantizeMatmulEwise) reads the quantized bytes instead: partition it with "
+            "gemm=False")
 
 
 def _site_reason(composite: str, context: PatternCheckContext) -> str | None:
@@ -361,12 +353,6 @@ def _site_reason(composite: str, context: PatternCheckContext) -> str | None:
     ann = context.annotated_expr
     if has_leaking_intermediate_variables(context):
         return "an intermediate value of the pattern is used elsewhere"
-    bindings = _BINDINGS.get()
-    if bindings is None:  # the pattern used outside PartitionGemm: the bindings before the match
-        bindings = {var: value for value, var in context.value_to_bound_var.items()}
-    reason = _dequantize_reason(ann["weight"], bindings)
-    if reason:
-        return reason
     permute = ann.get("permute")
     if fields["cast"]:
         reason = _cast_reason(ann["cast"].ty, ann["lhs"].ty)
@@ -411,12 +397,8 @@ class PartitionGemm:
         self.annotate_codegen = annotate_codegen
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        token = _BINDINGS.set(_module_bindings(mod))
-        try:
-            return relax.transform.FuseOpsByPattern(gemm_patterns(), bind_constants=self.bind_constants,
-                                                    annotate_codegen=self.annotate_codegen)(mod)
-        finally:
-            _BINDINGS.reset(token)
+        return relax.transform.FuseOpsByPattern(gemm_patterns(), bind_constants=self.bind_constants,
+                                                annotate_codegen=self.annotate_codegen)(mod)
 
 
 # ----------------------------------------------------------------------------- the report
@@ -513,6 +495,11 @@ def _weight_argument(call, codegen_func):
     return call.args[outer.index(arg)] if arg in outer else None
 
 
+def _computed_weight_note(weight, bindings):
+    """What the report says of a weight the graph computes on every call (None: a parameter or constant)."""
+    return _dequantize_note(weight, bindings) or _weight_note(weight, bindings)
+
+
 def _weight_note(weight, bindings):
     """A note when the weight is made from a parameter in the graph on every call (``permute_dims`` /
     ``astype`` of it: what ``ToMixedPrecision`` leaves of unbound parameters)."""
@@ -588,8 +575,8 @@ def gemm_report(mod: tvm.IRModule) -> list[GemmSite]:
                                       int(w[-1]), int(lhs[-1]), str(mm.args[0].ty.dtype), fields["transposed"],
                                       _epilogue(fields), None,
                                       _join_notes(_followed_by(users, var, bindings),
-                                                  _weight_note(_weight_argument(value, codegen_funcs[value.op]),
-                                                               bindings)),
+                                                  _computed_weight_note(
+                                                      _weight_argument(value, codegen_funcs[value.op]), bindings)),
                                       str(out_ty.dtype),
                                       str(batch) if len(w) > 2 else None))
             elif getattr(value.op, "name", None) == "relax.matmul":
@@ -718,7 +705,7 @@ def _tvm_site(fname, var, call, bindings, users):
         if w_shape is not None and swaps_last_axes(producer.attrs.axes, len(w_shape)):
             transposed, weight, axes = True, producer.args[0], producer.attrs.axes
         # else a permute but no transpose: the GEMM's operand is its output
-    reason = _dequantize_reason(weight, bindings) or gemm_reason(lhs.ty, weight.ty, call.ty, transposed, axes)
+    reason = gemm_reason(lhs.ty, weight.ty, call.ty, transposed, axes)
     lshape, wshape = _shape(lhs.ty), _shape(weight.ty)
     if reason is None:
         reason = "an intermediate value of the pattern is used elsewhere"
