@@ -293,8 +293,7 @@ def dequantized_source(weight, bindings, limit: int = 24):
     frontier, seen = [weight], set()
     while frontier and len(seen) < limit:
         e = frontier.pop()
-        # a variable's value; the pattern matcher hands over a matched weight's value itself
-        value = bindings.get(e) if isinstance(e, relax.Var) else e if isinstance(e, relax.Call) else None
+        value = bindings.get(e) if isinstance(e, relax.Var) else None
         if value is None or e in seen:
             continue
         seen.add(e)
@@ -304,7 +303,6 @@ def dequantized_source(weight, bindings, limit: int = 24):
             if isinstance(a, relax.Tuple):
                 args.extend(a.fields)
                 continue
-            ty = getattr(a, "ty", None)
             if _quantized(a, w_bytes):
                 return _quantized_origin(a, bindings, limit)
             if isinstance(a, relax.Var):
