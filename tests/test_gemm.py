@@ -14,7 +14,7 @@ from tvm import relax, tirx
 from tvm.relax.backend.pattern_registry import get_patterns_with_prefix
 
 import mqa_byoc
-from mqa_byoc.testing.gemm_graphs import FORMS, draw_inputs, gemm_graph, run_llvm
+from mqa_byoc.testing.gemm_graphs import FORMS, draw_inputs, gemm_graph, quantized_weight_graph, run_llvm
 from mqa_byoc.compiler import cublaslt_build
 from mqa_byoc.compiler.codegen.cublaslt import GemmCodegenError, emit_gemm_source, find_gemm_site
 from mqa_byoc.compiler.graph import gemm
@@ -458,64 +458,19 @@ def test_codegen_refuses_a_cast_composite_to_another_type():
         find_gemm_site(edited)
 
 
-def _quantized_weight_graph(form):
-    """x (1, 256) @ W^T with W (128, 256) fp16 computed in the graph: dequantized from packed int4 (relax
-    ops, or one TIR function as mlc-llm's group quantization emits it), cast from float8, cast from a
-    float32 parameter (ToMixedPrecision on unbound weights), or gathered from experts by an index."""
-    from tvm import te
-
-    x = relax.Var("x", relax.TensorType([1, 256], "float16"))
-    wq = relax.Var("w_q", relax.TensorType([128, 32], "uint32"))  # 8 nibbles a word
-    scale = relax.Var("w_scale", relax.TensorType([128, 8], "float16"))  # one per 32 elements
-    params = {"int4_ops": [x, wq, scale], "int4_call_tir": [x, wq, scale],
-              "fp8": [x, relax.Var("w_fp8", relax.TensorType([128, 256], "float8_e4m3fn"))],
-              "fp32_param": [x, relax.Var("w", relax.TensorType([128, 256], "float32"))],
-              "experts": [relax.Var("xb", relax.TensorType([2, 1, 256], "float16")),
-                          relax.Var("experts", relax.TensorType([4, 256, 128], "float16")),
-                          relax.Var("expert_ids", relax.TensorType([2], "int64"))]}[form]
-    bb = relax.BlockBuilder()
-    with bb.function("main", params):
-        with bb.dataflow():
-            if form == "int4_ops":
-                shifts = relax.const(np.arange(0, 32, 4, dtype="uint32").reshape(1, 1, 8))
-                q = bb.emit(relax.op.bitwise_and(relax.op.right_shift(relax.op.expand_dims(wq, 2), shifts),
-                                                 relax.const(15, "uint32")))
-                qf = bb.emit(relax.op.reshape(relax.op.astype(q, "float16"), [128, 8, 32]))
-                w = bb.emit(relax.op.reshape(relax.op.multiply(qf, relax.op.expand_dims(scale, 2)), [128, 256]))
-            elif form == "int4_call_tir":
-                def dequantize(q, s):
-                    return te.compute((128, 256), lambda i, j: ((q[i, j // 8] >> ((j % 8) * 4).astype("uint32"))
-                                                                 & 15).astype("float16") * s[i, j // 32],
-                                      name="dequantize")
-                w = bb.emit_te(dequantize, wq, scale)
-            elif form in ("fp8", "fp32_param"):
-                w = bb.emit(relax.op.astype(params[1], "float16"))
-            if form == "experts":
-                w = bb.emit(relax.op.take(params[1], params[2], axis=0))
-                y = bb.emit(relax.op.matmul(params[0], w))
-            else:
-                y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w)))
-            out = bb.emit_output(y)
-        bb.emit_func_output(out)
-    return bb.get()
-
-
 @pytest.mark.parametrize("form", ["int4_ops", "int4_call_tir", "fp8"])
 def test_a_weight_dequantized_in_the_graph_is_offloaded_with_a_note(form):
     # TVM's own pipeline keeps the dequantize a kernel of its own (FuseOps does not fuse it into the
     # matmul), so cuBLASLt reads the same fp16 weight TVM's matmul would; the note names the quantized
     # tensor and the switch for a pipeline that fuses the two (mlc-llm's)
-    mod = _quantized_weight_graph(form)
+    mod = quantized_weight_graph(form)[0]
     [site] = gemm.gemm_report(mod)
     assert site.offloaded, gemm.format_gemm_report([site])
     source = {"fp8": "`w_fp8` (float8_e4m3fn (128, 256))"}.get(form, "`w_q` (uint32 (128, 32))")
     assert f"dequantized in the graph from {source}" in site.note and "gemm=False" in site.note
     assert "BindParams" not in site.note  # folding would store the fp16 weight: no advice to
     if form != "fp8":  # the rewrite computes the original (numpy has no float8 for the llvm run)
-        rng = np.random.default_rng(3)
-        arrays = [rng.standard_normal((1, 256)).astype("float16"),
-                  rng.integers(0, 2**32, (128, 32), dtype=np.uint64).astype("uint32"),
-                  (rng.standard_normal((128, 8)) * 0.01).astype("float16")]
+        arrays = draw_inputs(quantized_weight_graph(form)[1], seed=3)
         part = mqa_byoc.partition_for_cutlass(mod)
         np.testing.assert_allclose(run_llvm(gemm.inline_gemm_composites(part), arrays), run_llvm(mod, arrays),
                                    rtol=1e-3, atol=1e-3)
@@ -530,14 +485,14 @@ def test_a_weight_dequantized_in_the_graph_is_offloaded_with_a_note(form):
 def test_a_weight_cast_from_floats_or_gathered_by_an_index_is_no_dequantize(form):
     # a float32 parameter cast to fp16 is no quantized weight; an expert index is far smaller than the
     # weights it gathers
-    mod = _quantized_weight_graph(form)
+    mod = quantized_weight_graph(form)[0]
     [site] = gemm.gemm_report(mod)
     assert site.offloaded and "dequantized" not in (site.note or ""), gemm.format_gemm_report([site])
     assert ("BindParams" in (site.note or "")) == (form == "fp32_param")
 
 
 def test_dequantized_source_follows_call_tir_back_to_the_packed_parameter():
-    mod = _quantized_weight_graph("int4_call_tir")
+    mod = quantized_weight_graph("int4_call_tir")[0]
     bindings = {b.var: b.value for block in mod["main"].body.blocks for b in block.bindings}
     weight = next(v for v in bindings if isinstance(bindings[v], relax.Call) and "call_tir" in str(bindings[v].op))
     assert gemm.dequantized_source(weight, bindings).name == "w_q"

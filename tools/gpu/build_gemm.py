@@ -59,6 +59,10 @@ def pattern_cases():
     cases.append(("cast_fp16_nt_matmul", FORMS[5], dict(dtype="float16", rows=(2, "n"), k=128, n=256,
                                                         out_dtype="float32", cast="float16",
                                                         lowered="FuseTransposeMatmul")))
+    # a weight dequantized in the graph from packed int4 (relax ops; one TIR function, as mlc-llm emits it):
+    # TVM's dequantize kernel, then cuBLASLt on the fp16 weight it writes
+    for q in ("int4_ops", "int4_call_tir"):
+        cases.append((f"dequant_{q}", FORMS[5], dict(dtype="float16", rows=(1,), quantized=q)))
     # the same sites after TVM lowered their matmuls (FuseTransposeMatmul's NT_matmul, LegalizeOps' matmul)
     for i, form in enumerate(FORMS[:6]):
         cases.append((f"f{i}_fp16_nt_matmul", form, dict(dtype="float16", rows=(2, "n"), k=128, n=256,
@@ -73,7 +77,7 @@ def merged(cases, dtype=None, lower=True):
     import tvm
     from tvm import relax
 
-    from mqa_byoc.testing.gemm_graphs import gemm_graph
+    from mqa_byoc.testing.gemm_graphs import gemm_graph, quantized_weight_graph
 
     groups, specs = {}, {}
     for name, form, kw in cases:
@@ -83,12 +87,17 @@ def merged(cases, dtype=None, lower=True):
         if dtype and kw.get("cast"):  # the reference computes in float32 throughout
             kw["cast"] = dtype
         kw.pop("batched", None)  # a case with ``batch`` axes; the manifest keeps the flag
-        mod, spec = gemm_graph(*form, function=name, **kw)
-        groups.setdefault(how if lower else None, {})[name] = mod[name]
+        if "quantized" in kw:
+            mod, spec = quantized_weight_graph(kw["quantized"], dtype=kw["dtype"], function=name)
+        else:
+            mod, spec = gemm_graph(*form, function=name, **kw)
+        group = groups.setdefault(how if lower else None, {})
+        group[tvm.ir.GlobalVar(name)] = mod[name].with_attr("global_symbol", name)
+        group.update((gv, f) for gv, f in mod.functions.items() if gv.name_hint != name)  # its TIR functions
         specs[name] = spec
     functions = {}
     for how, funcs in groups.items():
-        mod = tvm.IRModule({tvm.ir.GlobalVar(n): f.with_attr("global_symbol", n) for n, f in funcs.items()})
+        mod = tvm.IRModule(funcs)
         functions.update((getattr(relax.transform, how)()(mod) if how else mod).functions)
     return tvm.IRModule(functions), specs
 
@@ -125,7 +134,8 @@ def build_patterns(out: Path, arch: str):
         ins = draw_inputs(specs[name], sizes, seed=len(arrays))
         for j, a in enumerate(ins):
             arrays[f"{name}.{j}"] = a
-        rounded = [a.astype(ml_dtypes.bfloat16).astype("float32") if dt == "bfloat16" else a.astype("float32")
+        rounded = [a.astype(ml_dtypes.bfloat16).astype("float32") if dt == "bfloat16"
+                   else a if dt.startswith(("int", "uint")) else a.astype("float32")
                    for a, dt in zip(ins, (s[2] for s in specs[name]))]
         args = [tvm.runtime.tensor(a) for a in rounded]
         arrays[f"{name}.ref"] = np.asarray(ref_vm[name](*args).numpy()).astype("float32")

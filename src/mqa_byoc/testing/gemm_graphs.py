@@ -69,14 +69,61 @@ def gemm_graph(transposed=True, bias=False, activation=None, residual=False, *, 
     return bb.get(), specs
 
 
+def quantized_weight_graph(form, *, dtype="float16", function="main"):
+    """``function(x, ...)``: x (1, 256) @ W^T with W (128, 256) computed in the graph: ``int4_ops`` /
+    ``int4_call_tir``: dequantized from packed int4 (8 nibbles a uint32 word, a scale per 32 elements) by
+    relax ops, or by one TIR function as mlc-llm's group quantization emits it; ``fp8``: cast from float8;
+    ``fp32_param``: cast from a float32 parameter (``ToMixedPrecision`` on unbound weights); ``experts``:
+    gathered from 4 experts by an index (x (2, 1, 256), a batched GEMM). ``dtype``: of x, the scales and
+    W (float32 for a reference). Returns (module, parameter specs [(name, shape, dtype)])."""
+    from tvm import te
+
+    specs = {"int4_ops": [("x", (1, 256), dtype), ("w_q", (128, 32), "uint32"), ("w_scale", (128, 8), dtype)],
+             "fp8": [("x", (1, 256), dtype), ("w_fp8", (128, 256), "float8_e4m3fn")],
+             "fp32_param": [("x", (1, 256), dtype), ("w", (128, 256), "float32")],
+             "experts": [("xb", (2, 1, 256), dtype), ("experts", (4, 256, 128), dtype), ("expert_ids", (2,), "int64")]}
+    specs["int4_call_tir"] = specs["int4_ops"]
+    params = [relax.Var(n, relax.TensorType(list(shape), dt)) for n, shape, dt in specs[form]]
+    bb = relax.BlockBuilder()
+    with bb.function(function, params):
+        with bb.dataflow():
+            if form == "int4_ops":
+                wq, scale = params[1:]
+                shifts = relax.const(np.arange(0, 32, 4, dtype="uint32").reshape(1, 1, 8))
+                q = bb.emit(relax.op.bitwise_and(relax.op.right_shift(relax.op.expand_dims(wq, 2), shifts),
+                                                 relax.const(15, "uint32")))
+                qf = bb.emit(relax.op.reshape(relax.op.astype(q, dtype), [128, 8, 32]))
+                w = bb.emit(relax.op.reshape(relax.op.multiply(qf, relax.op.expand_dims(scale, 2)), [128, 256]))
+            elif form == "int4_call_tir":
+                def dequantize(q, s):
+                    return te.compute((128, 256), lambda i, j: ((q[i, j // 8] >> ((j % 8) * 4).astype("uint32"))
+                                                                 & 15).astype(dtype) * s[i, j // 32],
+                                      name="dequantize")
+                w = bb.emit_te(dequantize, *params[1:])
+            elif form in ("fp8", "fp32_param"):
+                w = bb.emit(relax.op.astype(params[1], dtype))
+            if form == "experts":
+                y = bb.emit(relax.op.matmul(params[0], bb.emit(relax.op.take(params[1], params[2], axis=0))))
+            else:
+                y = bb.emit(relax.op.matmul(params[0], relax.op.permute_dims(w)))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    return bb.get(), specs[form]
+
+
 def draw_inputs(specs, sizes=None, seed=0):
-    """numpy arrays for ``specs`` with symbolic axes set from ``sizes`` (default 3); weights scaled by 0.1."""
+    """numpy arrays for ``specs`` with symbolic axes set from ``sizes`` (default 3); weights scaled by 0.1,
+    scales (``*_scale``) by 0.01; integer tensors uniform over their type (packed quantized weights)."""
     rng = np.random.default_rng(seed)
     sizes = dict(sizes or {})
     out = []
     for name, shape, dtype in specs:
         concrete = [sizes.get(d, 3) if isinstance(d, str) else d for d in shape]
-        a = rng.standard_normal(concrete) * (0.1 if name == "w" else 1.0)
+        if dtype.startswith(("int", "uint")):
+            info = np.iinfo(dtype)
+            out.append(rng.integers(info.min, info.max, concrete, dtype=dtype, endpoint=True))
+            continue
+        a = rng.standard_normal(concrete) * (0.1 if name == "w" else 0.01 if name.endswith("_scale") else 1.0)
         out.append(a.astype("float32" if dtype == "bfloat16" else dtype))
     return out
 
