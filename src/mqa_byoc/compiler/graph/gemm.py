@@ -468,29 +468,37 @@ def _join_notes(*notes):
     return "; ".join(n for n in notes if n) or None
 
 
-def _weight_argument(call, codegen_func):
-    """The argument of ``call`` (a call of a GEMM codegen function) that its composite takes as the weight."""
+def _composite_arguments(call, codegen_func):
+    """(the composite, {composite parameter: the argument of ``call`` bound to it}) of a call of a GEMM
+    codegen function; (None, {}) when it holds no composite."""
     _, comp = _composite_of(codegen_func)
-    mm = matmul_of(comp) if comp is not None else None
-    if mm is None:
-        return None
-    local = {b.var: b.value for block in comp.body.blocks for b in block.bindings}
-    rhs = mm.args[1]
-    value = local.get(rhs)
-    if isinstance(value, relax.Call) and getattr(value.op, "name", None) == "relax.permute_dims":
-        rhs = value.args[0]
-    comp_params = list(comp.params)
-    if rhs not in comp_params:
-        return None
+    if comp is None:
+        return None, {}
     if comp is codegen_func:
-        return call.args[comp_params.index(rhs)]
+        return comp, dict(zip(comp.params, call.args))
     inner = next((b.value for block in codegen_func.body.blocks for b in block.bindings
                   if isinstance(b.value, relax.Call) and isinstance(b.value.op, relax.Var)), None)
-    if inner is None:
-        return None
-    arg = inner.args[comp_params.index(rhs)]
-    outer = list(codegen_func.params)
-    return call.args[outer.index(arg)] if arg in outer else None
+    outer = {p: i for i, p in enumerate(codegen_func.params)}
+    return comp, {param: call.args[outer[a]] for param, a in zip(comp.params, inner.args if inner is not None else ())
+                  if a in outer}
+
+
+def _matmul_operand(comp, e, arg_of):
+    """(what a matmul operand ``e`` of ``comp`` reads through ``arg_of`` (composite parameter -> argument),
+    whether through a ``permute_dims``); (None, False) when neither."""
+    if e in arg_of:
+        return arg_of[e], False
+    v = next((b.value for block in comp.body.blocks for b in block.bindings if b.var.same_as(e)), None)
+    if isinstance(v, relax.Call) and getattr(v.op, "name", None) == "relax.permute_dims" and v.args[0] in arg_of:
+        return arg_of[v.args[0]], True
+    return None, False
+
+
+def _weight_argument(call, codegen_func):
+    """The argument of ``call`` (a call of a GEMM codegen function) that its composite takes as the weight."""
+    comp, arg_of = _composite_arguments(call, codegen_func)
+    mm = matmul_of(comp) if comp is not None else None
+    return _matmul_operand(comp, mm.args[1], arg_of)[0] if mm is not None else None
 
 
 def _computed_weight_note(weight, bindings):
@@ -644,30 +652,13 @@ class _OriginalNames:
         return found.name if found is not None else var.name
 
     def _match(self, call, codegen_func):
-        _, comp = _composite_of(codegen_func)
-        inner = next((b.value for block in codegen_func.body.blocks for b in block.bindings
-                      if isinstance(b.value, relax.Call) and isinstance(b.value.op, relax.Var)), None)
-        if comp is None or inner is None:
+        comp, args = _composite_arguments(call, codegen_func)
+        if comp is None or not args:
             return None
-        outer = {p: i for i, p in enumerate(codegen_func.params)}
-        arg_of = {}  # composite parameter -> the original variable it is bound to
-        for param, a in zip(comp.params, inner.args):
-            if a in outer:
-                arg = call.args[outer[a]]
-                arg_of[param] = self.of.get(arg, arg)
-        local = {b.var: b.value for block in comp.body.blocks for b in block.bindings}
+        arg_of = {param: self.of.get(a, a) for param, a in args.items()}  # -> the original variable
         mm = matmul_of(comp)
-
-        def operand(e):
-            if e in arg_of:
-                return arg_of[e], False
-            v = local.get(e)
-            if isinstance(v, relax.Call) and getattr(v.op, "name", None) == "relax.permute_dims" and v.args[0] in arg_of:
-                return arg_of[v.args[0]], True
-            return None, False
-
-        x, _ = operand(mm.args[0])
-        w, transposed = operand(mm.args[1])
+        x, _ = _matmul_operand(comp, mm.args[0], arg_of)
+        w, transposed = _matmul_operand(comp, mm.args[1], arg_of)
         if x is None or w is None:
             return None
         for var, value in self.matmuls_of_x.get(x, ()):
