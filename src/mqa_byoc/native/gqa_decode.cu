@@ -41,6 +41,39 @@
 
 #include "gqa_decode.h"
 
+// Phase timestamps of the classic blocks, for benchmarks/decode_phases.py: compiled only with
+// -DMQA_BYOC_DECODE_PHASES (the packaged libraries leave them out). Thread 0 of each CTA (warp 0) writes
+// 16 words at (blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)) * 16 of the buffer given
+// to mqa_byoc_decode_set_phase_buffer (NULL: none): words 0-6 %globaltimer (ns) at the kernel's start,
+// after the sequence's range (its CSR entries), after the prologue (Q, the first page, the pipeline's
+// first loads issued), when warp 0's first tile has landed, after warp 0's last tile, after the CTA's
+// warps merged, at the end (the splits merged, the output written); word 7 the SM; words 8-14 clock64
+// at the same points.
+#ifdef MQA_BYOC_DECODE_PHASES
+__device__ unsigned long long* g_mqa_byoc_decode_phases = nullptr;
+extern "C" int mqa_byoc_decode_set_phase_buffer(void* buffer) {
+  return int(cudaMemcpyToSymbol(g_mqa_byoc_decode_phases, &buffer, sizeof(buffer)));
+}
+#define MQA_BYOC_PHASE(slot)                                                                            \
+  do {                                                                                                  \
+    unsigned long long* buf_ = g_mqa_byoc_decode_phases;                                                \
+    if (buf_ != nullptr && threadIdx.x == 0) {                                                          \
+      unsigned long long t_;                                                                            \
+      unsigned sm_;                                                                                     \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                                           \
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm_));                                                  \
+      const size_t cta_ = blockIdx.x + size_t(gridDim.x) * (blockIdx.y + size_t(gridDim.y) * blockIdx.z); \
+      buf_[cta_ * 16 + (slot)] = t_;                                                                    \
+      buf_[cta_ * 16 + 8 + (slot)] = static_cast<unsigned long long>(clock64());                        \
+      buf_[cta_ * 16 + 7] = sm_;                                                                        \
+    }                                                                                                   \
+  } while (0)
+#else
+#define MQA_BYOC_PHASE(slot) \
+  do {                       \
+  } while (0)
+#endif
+
 namespace {
 
 // Warps of a CTA: 8, or 4 where 8 would stream at most two tiles each (make_plan, warps_for).
@@ -805,6 +838,7 @@ __global__ void __launch_bounds__(W * 32, kWarpsPerSm<D, MT> / W)
   float* s_recv_l = reinterpret_cast<float*>(s_recv + kRows * D / 4 + kMaxCluster);
 
   const int split = blockIdx.x, kvh = blockIdx.y / row_groups, rg = blockIdx.y % row_groups, b = blockIdx.z;
+  MQA_BYOC_PHASE(0);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = int(a.num_heads / a.num_heads_k);
   const int row0 = rg * kRows;  // first query row (within the group) of this block
@@ -820,6 +854,7 @@ __global__ void __launch_bounds__(W * 32, kWarpsPerSm<D, MT> / W)
   if constexpr (CLUSTER) {
     if (n_splits > 1) cluster_arrive_relaxed();  // waited for in merge_in_cluster
   }
+  MQA_BYOC_PHASE(1);
   const T* kbase = static_cast<const T*>(a.k);
   const T* vbase = static_cast<const T*>(a.v);
 
@@ -953,6 +988,7 @@ __global__ void __launch_bounds__(W * 32, kWarpsPerSm<D, MT> / W)
     if (i < my_tiles) load_tile(i, uint32_t(i) * kStageBytes, page);
     cp_async_commit();
   }
+  MQA_BYOC_PHASE(2);
 
   const float scale = a.softmax_scale * 1.4426950408889634f;  // scores in the log2 domain
 
@@ -971,6 +1007,7 @@ __global__ void __launch_bounds__(W * 32, kWarpsPerSm<D, MT> / W)
     cp_async_wait<kStg - 1>();
     __syncwarp();
     const uint32_t ks = dst_base + stage_c;
+    if (i == 0) MQA_BYOC_PHASE(3);
     stage_c = next_stage(stage_c);
     const int key0 = k_begin + (warp + i * W) * kTileKeys;
 
@@ -984,6 +1021,7 @@ __global__ void __launch_bounds__(W * 32, kWarpsPerSm<D, MT> / W)
   cp_async_wait<0>();
 
   // ---- merge the W warps: row statistics first ----
+  MQA_BYOC_PHASE(4);
   w.stats(s_m, s_l, warp, lane);
   __syncthreads();  // also: every warp is done with the pipeline memory reused below
   float* s_o = reinterpret_cast<float*>(smem);  // [warp][row][S::kOStride]
@@ -1002,11 +1040,13 @@ __global__ void __launch_bounds__(W * 32, kWarpsPerSm<D, MT> / W)
   });
   __syncthreads();
 
+  MQA_BYOC_PHASE(5);
   static_assert(kMaxSplits * kRows * 4 <= S::kMainBytes, "the split weights must fit the merge buffer");
   const int64_t part0 = (int64_t(b) * gridDim.y + blockIdx.y) * gridDim.x;  // the slot's gridDim.x partials
   finish_block<T, D, CLUSTER, W, S::kOStride>(a, smem, s_o, s_f, s_l, s_flag, s_recv, s_recv_l, n_splits, kRows, group,
                                               row0, b, kvh, rg, row_groups, part0, split, o_part, lse_part,
                                               counters, kThreads);
+  MQA_BYOC_PHASE(6);
 }
 
 // ---- Groups of more than 16 query rows at head dim 64 (Falcon's 71, StarCoder-like MQA): SharedTiles ----

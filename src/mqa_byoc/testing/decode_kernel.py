@@ -48,20 +48,39 @@ ROW_TILES = 3
 
 
 @functools.lru_cache(maxsize=None)
-def library(arch: str = "sm_90a", lineinfo: bool = False) -> ctypes.CDLL:
-    """The kernel built for ``arch`` (once per process); ``lineinfo`` for ncu's source view. A library built
-    ahead of time from this source (the same nvcc command) is taken from ``MQA_BYOC_DECODE_LIB`` instead."""
-    prebuilt = os.environ.get("MQA_BYOC_DECODE_LIB")
+def library(arch: str = "sm_90a", lineinfo: bool = False, phases: bool = False) -> ctypes.CDLL:
+    """The kernel built for ``arch`` (once per process); ``lineinfo`` for ncu's source view; ``phases``: with
+    the classic blocks' phase timestamps (``-DMQA_BYOC_DECODE_PHASES``, :func:`set_phase_buffer`). A library
+    built ahead of time from this source (:func:`build_command`) is taken from ``MQA_BYOC_DECODE_LIB``
+    instead, or with ``phases`` from ``MQA_BYOC_DECODE_PHASES_LIB`` (not for ``lineinfo``)."""
+    prebuilt = os.environ.get("MQA_BYOC_DECODE_PHASES_LIB" if phases else "MQA_BYOC_DECODE_LIB")
     if prebuilt and not lineinfo:
         return load_library(prebuilt)
     out = pathlib.Path(tempfile.mkdtemp(prefix="gqa_decode_")) / "libgqa_decode.so"
-    subprocess.run(
-        ["nvcc", f"-gencode=arch=compute_{arch[3:]},code={arch}", "-O3", "-std=c++17", "-Xcompiler", "-fPIC",
-         f"-DMQA_BYOC_DECODE_ROW_TILES={ROW_TILES}", *(["-lineinfo"] if lineinfo else []), "-shared", "-o", str(out),
-         str(NATIVE / "gqa_decode.cu")],
-        check=True,
-    )
+    subprocess.run(build_command(out, arch, lineinfo=lineinfo, phases=phases), check=True)
     return load_library(out)
+
+
+def build_command(out, arch: str = "sm_90a", lineinfo: bool = False, phases: bool = False) -> list[str]:
+    """The nvcc command that builds ``gqa_decode.cu`` into the shared library ``out``."""
+    return ["nvcc", f"-gencode=arch=compute_{arch[3:]},code={arch}", "-O3", "-std=c++17", "-Xcompiler", "-fPIC",
+            f"-DMQA_BYOC_DECODE_ROW_TILES={ROW_TILES}", *(["-lineinfo"] if lineinfo else []),
+            *(["-DMQA_BYOC_DECODE_PHASES"] if phases else []), "-shared", "-o", str(out), str(NATIVE / "gqa_decode.cu")]
+
+
+#: words a CTA writes into a phase buffer (gqa_decode.cu's MQA_BYOC_PHASE)
+PHASE_WORDS = 16
+#: the points of a CTA's work its phase timestamps mark, in order
+PHASES = ("start", "sequence range", "prologue", "first tile", "last tile", "CTA merge", "end")
+
+
+def set_phase_buffer(lib: ctypes.CDLL, buffer) -> None:
+    """Points a ``phases=True`` build's timestamps at ``buffer`` (a torch int64 tensor of at least
+    ``PHASE_WORDS`` words a CTA of the next launches), or at nothing (``None``)."""
+    lib.mqa_byoc_decode_set_phase_buffer.argtypes = [ctypes.c_void_p]
+    rc = lib.mqa_byoc_decode_set_phase_buffer(None if buffer is None else buffer.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"mqa_byoc_decode_set_phase_buffer: CUDA error {rc}")
 
 
 def set_plan_argtypes(lib: ctypes.CDLL) -> None:
