@@ -1116,3 +1116,33 @@ def gemm_cast_claims() -> dict[str, str]:
 def test_gemm_doc_cast_claim(name):
     text = " ".join(GEMM_DOC.read_text().split())
     assert gemm_cast_claims()[name] in text, f"docs/gemm.md lacks {name}: {gemm_cast_claims()[name]!r}"
+
+
+DECODE_PHASES = "2026-12-04-decode-phases.json"
+
+
+def decode_phases_claims() -> dict[str, str]:
+    """docs/paged_kv_cache.md on where a batch-1 decode call's time goes (benchmarks/decode_phases.py): the
+    stream of its K/V against the steps around it, at 16k and at 1k keys."""
+    rows = _load(DECODE_PHASES)
+    assert all(r["max_diff"] == 0.0 for r in rows)  # the stamps change no output
+    r16 = next(r for r in rows if (r["shape"], r["batch"], r["keys"]) == ("64/8/128", 1, 16384))
+    r1 = next(r for r in rows if (r["shape"], r["batch"], r["keys"]) == ("64/8/128", 1, 1024))
+    p = r16["phases"]
+    around = ("sequence range", "prologue", "first tile", "CTA merge", "split merge")
+    return {
+        "batch1": f"at one sequence of 16k keys (64/8/128) a call took {r16['plain_us']:.1f} µs against "
+                  f"{r16['bytes_us']:.1f} µs of K/V bytes at 4.8 TB/s. Its K/V stream, from the first CTA's first "
+                  f"loads to the last CTA's last tile, took {p['stream_us']:.1f} µs ({r16['stream_tbps']:.2f} TB/s). "
+                  f"Before it each CTA spent {p['sequence range']:.2f} µs reading the sequence's CSR entries, "
+                  f"{p['prologue']:.2f} µs looking up its first page and issuing its first loads and "
+                  f"{p['first tile']:.2f} µs until its first tile landed; after its last tile, "
+                  f"{p['CTA merge']:.2f} µs merging its warps and {p['split merge']:.2f} µs merging the splits "
+                  f"and writing the output. At 1k keys those steps took "
+                  f"{sum(r1['phases'][s] for s in around):.1f} µs of a {r1['plain_us']:.1f} µs call",
+    }
+
+
+@pytest.mark.parametrize("name", sorted(decode_phases_claims()))
+def test_paged_doc_decode_phases_claim(name):
+    _assert_in_paged_doc(decode_phases_claims(), name)
