@@ -3,13 +3,14 @@ seven points of its work, from a build with ``-DMQA_BYOC_DECODE_PHASES``, next t
 build without them. Says how much of a call is the key/value stream and how much the fixed steps around
 it (the CSR lookups, the first tile's latency, the merges): what bounds a call that reads few bytes.
 
-    python benchmarks/decode_phases.py measure --lib PLAIN.so --phase-lib PHASES.so --out OUT.json
+    python benchmarks/decode_phases.py measure --lib PLAIN.so --phase-lib PHASES.so --out OUT.json [--cases 71/1/64:8:mixed ...]
     python benchmarks/decode_phases.py report OUT.json --out OUT.md --commit C --date D --command CMD
 
 Both libraries: ``mqa_byoc.testing.decode_kernel.build_command(out)`` (``phases=True`` for the second).
 """
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import statistics
@@ -22,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 from decode_builds import add_report_command, lib_measure_parser, write_report  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12  # H200
-PAGE = 128  # the decoders' pages at head dim 128
+PAGES = {128: 128, 64: 256}  # the decoders' pages by head dim
 COLD_BYTES = 256 << 20  # the copies a call takes turns over: about five times the H200's L2
 CALLS = 60
 TRACED_CALLS = 8  # timestamped calls, the first two dropped
-#: (H, H_kv, D, batch, keys of every sequence)
+#: (H, H_kv, D, batch, keys of every sequence or "mixed": spread over 1k-16k, paged_attention.mixed_lengths)
 CASES = ((64, 8, 128, 1, 1024), (64, 8, 128, 1, 2048), (64, 8, 128, 1, 4096), (64, 8, 128, 1, 16384),
          (32, 8, 128, 1, 16384), (64, 8, 128, 8, 2048))
 #: spans between the timestamps (mqa_byoc.testing.decode_kernel.PHASES), as the report names them
@@ -62,22 +63,25 @@ def measure(lib_path: str, phase_lib_path: str, out_path: str, cases=CASES) -> l
     import torch
 
     from decode_kernel import kernel_us
-    from paged_attention import PagedInputs
+    from paged_attention import PagedInputs, mixed_lengths
     from mqa_byoc.testing import decode_kernel as dk
 
     libs = {"plain": dk.load_library(lib_path), "phases": dk.load_library(phase_lib_path)}
     rows = []
     for h, hk, d, batch, keys in cases:
-        inputs = PagedInputs(torch, [keys] * batch, hk, d, torch.float16, (PAGE,), seed=keys + batch)
-        paged = inputs.paged[PAGE]
+        lengths = mixed_lengths(batch) if keys == "mixed" else [int(keys)] * batch
+        page = PAGES[d]
+        inputs = PagedInputs(torch, lengths, hk, d, torch.float16, (page,), seed=sum(lengths) + batch)
+        paged = inputs.paged[page]
         pages = paged["pages"]
         copies = [pages] + [pages.clone() for _ in range(max(0, -(-COLD_BYTES // pages.nbytes) - 1))]
         q = torch.randn(batch, h, d, device="cuda").half()
         out = torch.empty_like(q)
         st = (pages.stride(0), pages.stride(3), pages.stride(2))
-        meta = (paged["indptr"], paged["values"], paged["last"], PAGE)
-        kv_bytes = 2 * keys * batch * hk * d * 2
-        rec = {"shape": f"{h}/{hk}/{d}", "batch": batch, "keys": keys, "bytes_us": kv_bytes / HBM_BYTES_PER_S * 1e6}
+        meta = (paged["indptr"], paged["values"], paged["last"], page)
+        kv_bytes = 2 * sum(lengths) * hk * d * 2
+        rec = {"shape": f"{h}/{hk}/{d}", "batch": batch, "keys": keys, "page": page,
+               "bytes_us": kv_bytes / HBM_BYTES_PER_S * 1e6}
         outputs = {}
         for name, lib in libs.items():
             calls = [dk.Decode(q, p[:, 0], p[:, 1], out, None, k_stride=st, v_stride=st, seqlen_k=0, num_heads_k=hk,
@@ -100,11 +104,15 @@ def measure(lib_path: str, phase_lib_path: str, out_path: str, cases=CASES) -> l
                     next(turns)()
                     torch.cuda.synchronize()
                     dk.set_phase_buffer(lib, None)
-                    traced.append(phases_of(buf.cpu().tolist(), ctas))
+                    try:
+                        traced.append(phases_of(buf.cpu().tolist(), ctas))
+                    except ValueError:  # SharedTiles (the plan's choice for large groups): no timestamps
+                        break
+                rec["plan"]["shared_tiles"] = plan.shared_tiles
                 traced = traced[2:]
                 rec["calls"] = traced
-                rec["phases"] = {k: statistics.median(c[k] for c in traced) for k in traced[0]}
-                rec["stream_tbps"] = kv_bytes / (rec["phases"]["stream_us"] * 1e-6) / 1e12
+                rec["phases"] = {k: statistics.median(c[k] for c in traced) for k in traced[0]} if traced else None
+                rec["stream_tbps"] = kv_bytes / (rec["phases"]["stream_us"] * 1e-6) / 1e12 if traced else None
         rec["max_diff"] = (outputs["plain"].float() - outputs["phases"].float()).abs().max().item()
         print(json.dumps({k: v for k, v in rec.items() if k != "calls"}), flush=True)
         rows.append(rec)
@@ -118,7 +126,8 @@ def report(rows: list, meta: dict) -> str:
     lines = ["# Where the decode kernel's time goes: phases of its CTAs", "",
              f"- commit {meta.get('commit', '?')}; date {meta.get('date', '?')}; NVIDIA H200",
              f"- command: `{meta.get('command', '?')}`",
-             f"- pages of {PAGE} keys, fp16, every sequence `keys` long; `kernel`: GPU time per call of the build "
+             "- pages of 128 keys at head dim 128, 256 at 64; fp16; every sequence `keys` long, or `mixed`: lengths "
+             "spread over 1k-16k; `kernel`: GPU time per call of the build "
              f"without timestamps (CUPTI, {CALLS} calls taking turns over copies of the pages that exceed L2), "
              "`timed build`: the same with them; `bytes`: the K/V bytes at 4.8 TB/s. Phases: medians over the "
              f"CTAs of one call, then over {TRACED_CALLS - 2} calls (µs, each CTA's clock64 over its own clock "
@@ -135,6 +144,12 @@ def report(rows: list, meta: dict) -> str:
              "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         p, pl = r["phases"], r["plan"]
+        if p is None:  # SharedTiles: the kernel time only
+            lines.append(f"| {r['shape']} | {r['batch']} | {r['keys']} | {pl['splits']} x {pl['kps']} (SharedTiles) | – | "
+                         f"{r['bytes_us']:.1f} | {r['plain_us']:.1f} | {r['phases_us']:.1f} | "
+                         + " | ".join("–" * 1 for _ in range(10)) + f" | {r['plain_us'] / r['bytes_us']:.2f} | "
+                         f"{r['max_diff']:.2g} |")
+            continue
         lines.append(
             f"| {r['shape']} | {r['batch']} | {r['keys']} | {pl['splits']} x {pl['kps']} ({pl['warps']}) | "
             f"{p['ctas']:.0f} | {r['bytes_us']:.1f} | {r['plain_us']:.1f} | {r['phases_us']:.1f} | "
@@ -145,13 +160,25 @@ def report(rows: list, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def parse_case(text: str) -> tuple:
+    """``H/H_KV/D:BATCH:KEYS`` (KEYS an integer or ``mixed``) as a CASES entry."""
+    try:
+        shape, batch, keys = text.split(":")
+        h, hk, d = (int(x) for x in shape.split("/"))
+        return (h, hk, d, int(batch), keys if keys == "mixed" else int(keys))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: not H/H_KV/D:BATCH:KEYS ({e})") from None
+
+
 def main(argv=None) -> int:
     ap, sub, m = lib_measure_parser(__doc__)
     m.add_argument("--phase-lib", required=True, help="the same source built with -DMQA_BYOC_DECODE_PHASES")
+    m.add_argument("--cases", nargs="+", type=parse_case, default=None, metavar="H/H_KV/D:BATCH:KEYS",
+                   help="KEYS: every sequence's, or mixed (default: GQA at batch 1 and 8)")
     add_report_command(sub)
     args = ap.parse_args(argv)
     if args.command == "measure":
-        measure(args.lib, args.phase_lib, args.out)
+        measure(args.lib, args.phase_lib, args.out, cases=tuple(args.cases) if args.cases else CASES)
     else:
         write_report(args, report)
     return 0

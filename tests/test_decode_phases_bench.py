@@ -57,13 +57,22 @@ def test_report(bench):
     assert ("| 64/8/128 | 1 | 16384 | 8 x 2048 (8) | 64 | 14.0 | 21.0 | 22.0 | 20.3 | 1.20 | 1.30 | 1.10 | 13.20 | "
             "1.20 | 1.80 | 15.5 | 4.50 | 5.5 | 1.50 | 0 |") in text
     assert "commit abc" in text and "`python x`" in text
+    shared = dict(_row(), phases=None, stream_tbps=None, shape="71/1/64", keys="mixed", batch=64)
+    assert "| 71/1/64 | 64 | mixed | 8 x 2048 (SharedTiles) | – | 14.0 | 21.0 | 22.0 | – | – |" in bench.report(
+        [shared], {})
 
 
 def test_command_line(bench, tmp_path, monkeypatch):
     seen = {}
-    monkeypatch.setattr(bench, "measure", lambda lib, phase_lib, out: seen.update(lib=lib, phase_lib=phase_lib, out=out))
+    monkeypatch.setattr(bench, "measure", lambda lib, phase_lib, out, cases: seen.update(lib=lib, phase_lib=phase_lib,
+                                                                                          out=out, cases=cases))
     bench.main(["measure", "--lib", "a.so", "--phase-lib", "b.so", "--out", "r.json"])
-    assert seen == {"lib": "a.so", "phase_lib": "b.so", "out": "r.json"}
+    assert seen == {"lib": "a.so", "phase_lib": "b.so", "out": "r.json", "cases": bench.CASES}
+    bench.main(["measure", "--lib", "a.so", "--phase-lib", "b.so", "--out", "r.json", "--cases", "71/1/64:8:mixed",
+                "64/8/128:1:2048"])
+    assert seen["cases"] == ((71, 1, 64, 8, "mixed"), (64, 8, 128, 1, 2048))
+    with pytest.raises(SystemExit):
+        bench.main(["measure", "--lib", "a.so", "--phase-lib", "b.so", "--out", "r.json", "--cases", "71/1:8:mixed"])
     (tmp_path / "r.json").write_text(json.dumps([_row()]))
     bench.main(["report", str(tmp_path / "r.json"), "--out", str(tmp_path / "r.md"), "--commit", "c", "--date", "d",
                 "--command", "x"])
