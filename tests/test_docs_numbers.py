@@ -1129,6 +1129,8 @@ def decode_phases_claims() -> dict[str, str]:
     r16 = next(r for r in rows if (r["shape"], r["batch"], r["keys"]) == ("64/8/128", 1, 16384))
     r1 = next(r for r in rows if (r["shape"], r["batch"], r["keys"]) == ("64/8/128", 1, 1024))
     p = r16["phases"]
+    mixed8 = next(r for r in _load("2026-12-04-decode-phases-mixed.json")
+                  if (r["shape"], r["batch"], r["keys"]) == ("71/1/64", 8, "mixed"))
     around = ("sequence range", "prologue", "first tile", "CTA merge", "split merge")
     return {
         "batch1": f"at one sequence of 16k keys (64/8/128) a call took {r16['plain_us']:.1f} µs against "
@@ -1140,6 +1142,8 @@ def decode_phases_claims() -> dict[str, str]:
                   f"{p['CTA merge']:.2f} µs merging its warps and {p['split merge']:.2f} µs merging the splits "
                   f"and writing the output. At 1k keys those steps took "
                   f"{sum(r1['phases'][s] for s in around):.1f} µs of a {r1['plain_us']:.1f} µs call",
+        "mixed": f"at Falcon's 71/1/64, 8 sequences of 1k–16k keys, the CTAs' last tiles spread over "
+                 f"{mixed8['phases']['loop_end_spread_us']:.1f} µs of a {mixed8['plain_us']:.1f} µs call",
     }
 
 
