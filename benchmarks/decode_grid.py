@@ -53,7 +53,7 @@ def measure(lib_path: str, out_path: str, shape=(64, 8, 128), batches=(1, 4, 8, 
     import torch
 
     from decode_kernel import kernel_us
-    from paged_attention import PagedInputs, mixed_lengths
+    from paged_attention import cold_decode_case, mixed_lengths
     from mqa_byoc.testing import decode_kernel as dk
 
     lib = dk.load_library(lib_path)
@@ -63,14 +63,9 @@ def measure(lib_path: str, out_path: str, shape=(64, 8, 128), batches=(1, 4, 8, 
         if length == "mixed" and batch == 1:
             continue  # one sequence: the uniform cases
         seq = mixed_lengths(batch) if length == "mixed" else [int(length)] * batch
-        inputs = PagedInputs(torch, seq, hk, d, torch.float16, (PAGE,), seed=batch + 7 * len(length))
+        inputs, copies, q, out, st, meta = cold_decode_case(torch, seq, h, hk, d, PAGE, batch + 7 * len(length),
+                                                            COLD_BYTES)
         paged = inputs.paged[PAGE]
-        pages = paged["pages"]
-        copies = [pages] + [pages.clone() for _ in range(max(0, -(-COLD_BYTES // pages.nbytes) - 1))]
-        q = torch.randn(batch, h, d, device="cuda").half()
-        out = torch.empty_like(q)
-        st = (pages.stride(0), pages.stride(3), pages.stride(2))
-        meta = (paged["indptr"], paged["values"], paged["last"], PAGE)
 
         def make(merge="auto"):
             return [dk.Decode(q, p[:, 0], p[:, 1], out, None, k_stride=st, v_stride=st, seqlen_k=0, num_heads_k=hk,
@@ -108,7 +103,7 @@ def measure(lib_path: str, out_path: str, shape=(64, 8, 128), batches=(1, 4, 8, 
         print(json.dumps({k: v for k, v in rec.items() if k != "variants"}), flush=True)
         rows.append(rec)
         Path(out_path).write_text(json.dumps(rows, indent=1))  # after every case: a cut-short run keeps its rows
-        del inputs, paged, pages, copies, rule
+        del inputs, paged, copies, rule
         torch.cuda.empty_cache()
     return rows
 

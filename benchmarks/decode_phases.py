@@ -63,7 +63,7 @@ def measure(lib_path: str, phase_lib_path: str, out_path: str, cases=CASES) -> l
     import torch
 
     from decode_kernel import kernel_us
-    from paged_attention import PagedInputs, mixed_lengths
+    from paged_attention import cold_decode_case, mixed_lengths
     from mqa_byoc.testing import decode_kernel as dk
 
     libs = {"plain": dk.load_library(lib_path), "phases": dk.load_library(phase_lib_path)}
@@ -71,14 +71,8 @@ def measure(lib_path: str, phase_lib_path: str, out_path: str, cases=CASES) -> l
     for h, hk, d, batch, keys in cases:
         lengths = mixed_lengths(batch) if keys == "mixed" else [int(keys)] * batch
         page = PAGES[d]
-        inputs = PagedInputs(torch, lengths, hk, d, torch.float16, (page,), seed=sum(lengths) + batch)
-        paged = inputs.paged[page]
-        pages = paged["pages"]
-        copies = [pages] + [pages.clone() for _ in range(max(0, -(-COLD_BYTES // pages.nbytes) - 1))]
-        q = torch.randn(batch, h, d, device="cuda").half()
-        out = torch.empty_like(q)
-        st = (pages.stride(0), pages.stride(3), pages.stride(2))
-        meta = (paged["indptr"], paged["values"], paged["last"], page)
+        inputs, copies, q, out, st, meta = cold_decode_case(torch, lengths, h, hk, d, page, sum(lengths) + batch,
+                                                            COLD_BYTES)
         kv_bytes = 2 * sum(lengths) * hk * d * 2
         rec = {"shape": f"{h}/{hk}/{d}", "batch": batch, "keys": keys, "page": page,
                "bytes_us": kv_bytes / HBM_BYTES_PER_S * 1e6}
@@ -117,7 +111,7 @@ def measure(lib_path: str, phase_lib_path: str, out_path: str, cases=CASES) -> l
         print(json.dumps({k: v for k, v in rec.items() if k != "calls"}), flush=True)
         rows.append(rec)
         Path(out_path).write_text(json.dumps(rows, indent=1))
-        del inputs, paged, pages, copies, calls
+        del inputs, copies, calls
         torch.cuda.empty_cache()
     return rows
 

@@ -459,6 +459,19 @@ class PagedInputs:
                 "last": torch.tensor(last, **i32), "page_size": page_size}
 
 
+def cold_decode_case(torch, lengths, h, hkv, d, page, seed, cold_bytes):
+    """A decode call's operands on TVM's pages for the decode-kernel benchmarks: (inputs, copies of the
+    pages that together hold at least ``cold_bytes`` so that calls taking turns over them read K/V from HBM,
+    q, out, the pages' (page, row, head) strides, the CSR (indptr, values, last, page size))."""
+    inputs = PagedInputs(torch, lengths, hkv, d, torch.float16, (page,), seed=seed)
+    paged = inputs.paged[page]
+    pages = paged["pages"]
+    copies = [pages] + [pages.clone() for _ in range(max(0, -(-cold_bytes // pages.nbytes) - 1))]
+    q = torch.randn(len(lengths), h, d, device=DEVICE).half()
+    strides = (pages.stride(0), pages.stride(3), pages.stride(2))
+    return inputs, copies, q, torch.empty_like(q), strides, (paged["indptr"], paged["values"], paged["last"], page)
+
+
 def reference_rows(torch, q, inputs, b, rows, q_offset, causal, scale, g):
     """fp32 attention of sequence ``b``'s query rows ``rows`` (absolute positions q_offset + row among
     its keys when causal): (len(rows), H, D)."""
