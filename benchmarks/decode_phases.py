@@ -1,4 +1,4 @@
-"""Where the decode kernel's time goes (the classic blocks, GQA on TVM's pages): every CTA's timestamps at
+"""Where the decode kernel's time goes (its classic blocks on TVM's pages): every CTA's timestamps at
 seven points of its work, from a build with ``-DMQA_BYOC_DECODE_PHASES``, next to the kernel time of the
 build without them. Says how much of a call is the key/value stream and how much the fixed steps around
 it (the CSR lookups, the first tile's latency, the merges): what bounds a call that reads few bytes.
@@ -141,7 +141,7 @@ def report(rows: list, meta: dict) -> str:
         if p is None:  # SharedTiles: the kernel time only
             lines.append(f"| {r['shape']} | {r['batch']} | {r['keys']} | {pl['splits']} x {pl['kps']} (SharedTiles) | – | "
                          f"{r['bytes_us']:.1f} | {r['plain_us']:.1f} | {r['phases_us']:.1f} | "
-                         + " | ".join("–" * 1 for _ in range(10)) + f" | {r['plain_us'] / r['bytes_us']:.2f} | "
+                         + " | ".join(["–"] * 10) + f" | {r['plain_us'] / r['bytes_us']:.2f} | "
                          f"{r['max_diff']:.2g} |")
             continue
         lines.append(
