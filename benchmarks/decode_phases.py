@@ -22,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from decode_builds import add_report_command, lib_measure_parser, write_report  # noqa: E402
 
+from mqa_byoc.testing import decode_kernel as dk  # noqa: E402
+
 HBM_BYTES_PER_S = 4.8e12  # H200
 PAGES = {128: 128, 64: 256}  # the decoders' pages by head dim
 COLD_BYTES = 256 << 20  # the copies a call takes turns over: about five times the H200's L2
@@ -35,10 +37,10 @@ SPANS = ("sequence range", "prologue", "first tile", "loop", "CTA merge", "split
 
 
 def phases_of(words: list, ctas: int) -> dict:
-    """One call's phases from its buffer (16 words a CTA): the span from the first CTA's start to the last
-    one's end, the start spread, and per span between two timestamps the CTAs' median (µs, from clock64
-    over each CTA's own clock rate)."""
-    rows = [words[c * 16:(c + 1) * 16] for c in range(ctas)]
+    """One call's phases from its buffer (dk.PHASE_WORDS words a CTA): the span from the first CTA's start
+    to the last one's end, the start spread, and per span between two timestamps the CTAs' median (µs,
+    from clock64 over each CTA's own clock rate)."""
+    rows = [words[c * dk.PHASE_WORDS:(c + 1) * dk.PHASE_WORDS] for c in range(ctas)]
     rows = [r for r in rows if all(r[i] for i in range(7))]  # CTAs that ran every step (a split with keys)
     if not rows:
         raise ValueError("no CTA wrote all its timestamps")
@@ -64,7 +66,6 @@ def measure(lib_path: str, phase_lib_path: str, out_path: str, cases=CASES) -> l
 
     from decode_kernel import kernel_us
     from paged_attention import cold_decode_case, mixed_lengths
-    from mqa_byoc.testing import decode_kernel as dk
 
     libs = {"plain": dk.load_library(lib_path), "phases": dk.load_library(phase_lib_path)}
     rows = []
