@@ -63,6 +63,10 @@ def measure(lib_path: str, out_path: str, batches=(8, 16, 24), grids=GRIDS, shap
                 rec["max_diff"] = max(rec["max_diff"], (out.float() - ref.float()).abs().max().item())
 
             check(rule)
+            packed = make(dk.SHARED_TILES)
+            packed.set_packed()
+            rec["packed"] = kernel_us(packed, 30)
+            check(packed)
             if key_groups == 2:  # SharedTiles' own plan with one key group, then with two
                 asked.set_key_groups(1)
                 rec["asked"] = kernel_us(asked, 30)
@@ -71,11 +75,9 @@ def measure(lib_path: str, out_path: str, batches=(8, 16, 24), grids=GRIDS, shap
                 asked.set_key_groups(2)
                 rec["asked_k2"] = kernel_us(asked, 30)
                 check(asked)
-            typical = sum(lengths) // batch
             for g in grids:
                 call = make(dk.SHARED_TILES)
-                call.set_keys_per_split(max(256, -(-typical // (g * 64)) * 64))
-                call.plan.splits = min(g, call.plan.splits)  # the grid: g splits (the workspace fits 64)
+                set_splits(call, lengths, g)
                 if key_groups == 2:
                     call.set_key_groups(1)
                 rec[f"g{g}"] = kernel_us(call, 30)
@@ -91,22 +93,32 @@ def measure(lib_path: str, out_path: str, batches=(8, 16, 24), grids=GRIDS, shap
     return rows
 
 
+def set_splits(call, lengths, g: int) -> None:
+    """A SharedTiles call's plan in ``g`` splits a slot: a typical sequence's keys over g, whole 64-key
+    tiles, at least 256 keys a split."""
+    typical = sum(lengths) // len(lengths)
+    call.set_keys_per_split(max(256, -(-typical // (g * 64)) * 64))
+    call.plan.splits = min(g, call.plan.splits)  # the grid: g splits (the workspace fits 64)
+
+
 def report(rows: list, meta: dict) -> str:
     gs = [k for k in rows[0] if re.fullmatch(r"g\d+(k2)?", k)]
     k2 = "asked_k2" in rows[0]
+    packed = "packed" in rows[0]  # (results from before the column: none)
     lines = ["# SharedTiles at few sequences: split counts against the classic blocks", "",
              f"- commit {meta.get('commit', '?')}; date {meta.get('date', '?')}; NVIDIA H200",
              f"- command: `{meta.get('command', '?')}`",
              "- TVM's pages of 256, fp16; GPU kernel time per call (µs, CUPTI, 30 calls); `classic`: the classic "
              "blocks; `rule`: the plan's choice (its `shared_tiles`: 0 the classic blocks, 1 SharedTiles, 2 "
              "SharedTiles with packed splits); `asked`: SharedTiles asked for, its own plan; `gN`: SharedTiles "
-             "asked for in N splits a slot"
+             "asked for in N splits a slot; `packed`: SharedTiles' packed splits asked for (as the rule plans "
+             "them where a slot's splits would not merge in a cluster)"
              + ("; `asked` and `gN` with one key group, `k2`: the same with two (twice the warps, each group on "
                 "one of a tile's two 32-key steps)" if k2 else "") + "; `max diff`: against the classic blocks' output.", "",
              "| shape | batch | lengths | classic µs | rule µs (shared_tiles) | asked µs (shared_tiles) | "
-             + ("asked k2 µs | " if k2 else "")
+             + ("asked k2 µs | " if k2 else "") + ("packed µs | " if packed else "")
              + " | ".join(f"{g} µs" for g in gs) + " | best g / classic | rule / classic | asked / classic | max diff |",
-             "|---|---:|---|---:|---:|---:|" + ("---:|" if k2 else "") + "---:|" * len(gs) + "---:|---:|---:|---:|"]
+             "|---|---:|---|---:|---:|---:|" + ("---:|" if k2 else "") + ("---:|" if packed else "") + "---:|" * len(gs) + "---:|---:|---:|---:|"]
 
     for r in rows:
         best = min(r[g] for g in gs)
@@ -115,7 +127,7 @@ def report(rows: list, meta: dict) -> str:
         asked_q = f"{r['asked'] / r['classic']:.2f}" if has else "–"
         lines.append(f"| {r.get('shape', '71/1/64')} | {r['batch']} | {r['lengths']} | {r['classic']:.1f} | "
                      f"{r['rule']:.1f} ({r['rule_shared_tiles']}) | {asked_us} | "
-                     + (f"{r['asked_k2']:.1f} | " if k2 else "")
+                     + (f"{r['asked_k2']:.1f} | " if k2 else "") + (f"{r['packed']:.1f} | " if packed else "")
                      + " | ".join(f"{r[g]:.1f}" for g in gs)
                      + f" | {best / r['classic']:.2f} | {r['rule'] / r['classic']:.2f} | {asked_q} | {r['max_diff']:.2g} |")
     if "g16" in rows[0]:

@@ -57,9 +57,12 @@ def test_report(bench):
     assert ("| 64/8/128 | 1 | 16384 | 8 x 2048 (8) | 64 | 14.0 | 21.0 | 22.0 | 20.3 | 1.20 | 1.30 | 1.10 | 13.20 | "
             "1.20 | 1.80 | 15.5 | 4.50 | 5.5 | 1.50 | 0 |") in text
     assert "commit abc" in text and "`python x`" in text
-    shared = dict(_row(), phases=None, stream_tbps=None, shape="71/1/64", keys="mixed", batch=64)
-    assert "| 71/1/64 | 64 | mixed | 8 x 2048 (SharedTiles) | – | 14.0 | 21.0 | 22.0 | – | – |" in bench.report(
+    shared = dict(_row(), shape="71/1/64", keys="mixed", batch=8, asked="shared16",
+                  plan={"splits": 16, "kps": 1024, "warps": 5, "row_groups": 1, "shared_tiles": 1})
+    assert "| 71/1/64 | 8 | mixed | shared16: 16 x 1024 (5, SharedTiles) | 64 | 14.0 | 21.0 |" in bench.report(
         [shared], {})
+    packed = dict(shared, asked="shared", plan=dict(shared["plan"], shared_tiles=2))
+    assert "| shared: 16 x 1024 (5, SharedTiles packed) |" in bench.report([packed], {})
 
 
 def test_command_line(bench, tmp_path, monkeypatch):
@@ -70,9 +73,13 @@ def test_command_line(bench, tmp_path, monkeypatch):
     assert seen == {"lib": "a.so", "phase_lib": "b.so", "out": "r.json", "cases": bench.CASES}
     bench.main(["measure", "--lib", "a.so", "--phase-lib", "b.so", "--out", "r.json", "--cases", "71/1/64:8:mixed",
                 "64/8/128:1:2048"])
-    assert seen["cases"] == ((71, 1, 64, 8, "mixed"), (64, 8, 128, 1, 2048))
-    with pytest.raises(SystemExit):
-        bench.main(["measure", "--lib", "a.so", "--phase-lib", "b.so", "--out", "r.json", "--cases", "71/1:8:mixed"])
+    assert seen["cases"] == ((71, 1, 64, 8, "mixed", "rule"), (64, 8, 128, 1, 2048, "rule"))
+    bench.main(["measure", "--lib", "a.so", "--phase-lib", "b.so", "--out", "r.json", "--cases",
+                "71/1/64:8:16384:shared16", "71/1/64:8:mixed:classic", "71/1/64:32:mixed:shared", "71/1/64:4:mixed:packed"])
+    assert [c[-1] for c in seen["cases"]] == ["shared16", "classic", "shared", "packed"]
+    for bad in ("71/1:8:mixed", "71/1/64:8:mixed:tiles", "71/1/64:8:mixed:shared:2"):
+        with pytest.raises(SystemExit):
+            bench.main(["measure", "--lib", "a.so", "--phase-lib", "b.so", "--out", "r.json", "--cases", bad])
     (tmp_path / "r.json").write_text(json.dumps([_row()]))
     bench.main(["report", str(tmp_path / "r.json"), "--out", str(tmp_path / "r.md"), "--commit", "c", "--date", "d",
                 "--command", "x"])

@@ -216,10 +216,10 @@ def _shared_layout(heads, heads_k):
 
 def _rule_takes_shared(heads, heads_k, batch, tile_pages):
     """The rule's SharedTiles threshold: groups of more than 16 at head dim 64, from 12 slots (sequences x
-    K/V heads x row groups) for CTAs of 4 row tiles or more; for fewer from 48, or from 16 where they run
-    two key groups (at most 2 row tiles) on pages of a multiple of 64 keys."""
+    K/V heads x row groups) for CTAs of 4 row tiles or more (8 on pages: packed splits); for fewer from
+    48, or from 16 where they run two key groups (at most 2 row tiles) on pages of a multiple of 64 keys."""
     warps, row_groups = _shared_layout(heads, heads_k)
-    least = 12 if warps >= 4 else 16 if warps <= 2 and tile_pages else 48
+    least = (8 if tile_pages else 12) if warps >= 4 else 16 if warps <= 2 and tile_pages else 48
     return heads // heads_k > 16 and batch * heads_k * row_groups >= least
 
 
@@ -228,11 +228,13 @@ def _rule_takes_shared(heads, heads_k, batch, tile_pages):
 @pytest.mark.parametrize("paged", [False, True])
 def test_shared_tiles_plan(lib, heads, heads_k, batch, paged):
     """The rule takes SharedTiles at head dim 64 for groups of more than 16 from 12 slots (sequences x K/V
-    heads x row groups) on, for CTAs of fewer than 4 row tiles from 48 (16 with two key groups on pages of 256): the group's row tiles as the
+    heads x row groups) on (8 on pages for CTAs of 4 row tiles or more), for CTAs of fewer than 4 row tiles
+    from 48 (16 with two key groups on pages of 256): the group's row tiles as the
     warps of a CTA (at most 8, then row groups; up to 2 of them in two key groups: twice the warps), at
     most 16 splits a slot (a cluster's worth) of whole 64-key tiles and at least 256 keys, about the CTAs
     the SMs hold (16 warps an SM), and their scratch; otherwise the classic blocks. On pages, where the
-    slots' splits would not merge in clusters of at most 16: packed splits (shared_tiles 2) instead."""
+    slots' splits would not merge in clusters of at most 16, and for CTAs of 4 row tiles or more always:
+    packed splits (shared_tiles 2) instead."""
     seqlen = 16384
     pages = (batch * seqlen // 256, 256) if paged else None
     rc, p = _plan(lib, heads=heads, heads_k=heads_k, dim=64, batch=batch, seqlen=0 if paged else seqlen, pages=pages)
@@ -248,7 +250,7 @@ def test_shared_tiles_plan(lib, heads, heads_k, batch, paged):
     target = min(16, max(1, ctas_per_sm * SMS // slots))
     cluster = max((n for n in (2, 4, 8, 16) if cap[n - 1] >= slots), default=0)
     target = max(target, cluster)
-    clustered = 1 < target <= 16 and cap[target - 1] >= slots
+    clustered = warps < 4 and 1 < target <= 16 and cap[target - 1] >= slots
     assert p.warps == warps * (2 if warps <= 2 else 1) and p.row_groups == row_groups and p.row_tiles == 1
     if paged and not clustered:
         _assert_packed(p, heads_k, batch, warps, row_groups, ctas_per_sm)
@@ -259,21 +261,22 @@ def test_shared_tiles_plan(lib, heads, heads_k, batch, paged):
     assert p.splits * p.keys_per_split >= seqlen or paged  # (a sequence longer than typical cuts bigger splits)
     rows = 16 * warps
     per_split = slots * p.splits * rows
-    assert p.workspace_bytes == ((per_split * 64 + per_split) * 4 if p.splits > 1 else 0)
-    assert p.counters == (slots if p.splits > 1 else 0)
+    # the partials, their LSEs and each slot's (first partial, splits) for the merge kernel; no counters
+    assert p.workspace_bytes == ((per_split * 64 + per_split) * 4 + slots * 8 if p.splits > 1 else 0)
+    assert p.counters == 0
 
 
 def _assert_packed(p, heads_k, batch, warps, row_groups, ctas_per_sm):
     """A packed SharedTiles plan: the grid's x the CTAs the SMs hold per (K/V head, row group), at least
-    one a sequence; splits of at least 256 keys (the kernel sizes them); one partial a CTA in the scratch,
-    one arrival counter a slot, merged through the workspace."""
+    one a sequence; splits of at least 256 keys (the kernel sizes them); one partial a CTA in the scratch
+    and a (first partial, splits) pair a slot, merged by the merge kernel (no arrival counters)."""
     grid = max(ctas_per_sm * SMS // (heads_k * row_groups), batch)
     rows = 16 * warps
     assert p.shared_tiles == 2 and p.splits == grid and p.keys_per_split == 256 and p.merge == 1
     assert p.warps == warps * (2 if warps <= 2 else 1)  # two key groups up to 2 row tiles
     assert p.o_part_floats == heads_k * row_groups * grid * rows * 64
-    assert p.workspace_bytes == (heads_k * row_groups * grid * rows * 65) * 4
-    assert p.counters == batch * heads_k * row_groups
+    assert p.workspace_bytes == (heads_k * row_groups * grid * rows * 65) * 4 + batch * heads_k * row_groups * 8
+    assert p.counters == 0
 
 
 @pytest.mark.parametrize("heads,heads_k", [(71, 1), (40, 2), (200, 1)])

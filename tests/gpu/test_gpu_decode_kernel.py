@@ -274,6 +274,17 @@ def test_paged_packed_splits(dtype, page_size, heads, heads_k, batch):
     assert call.plan.splits >= batch
 
 
+@pytest.mark.parametrize("batch,shared", [(4, 0), (7, 0), (8, 2), (12, 2), (16, 2)])
+def test_paged_packed_splits_by_the_rule(batch, shared):
+    """On pages, Falcon's 71 query heads (CTAs of 5 row tiles) take SharedTiles' packed splits from 8
+    sequences on, also where the slots' splits would fit co-resident clusters (12 and 16), and the
+    classic blocks below; mixed lengths with an empty sequence, the splits merged by the merge kernel."""
+    lengths = _mixed_lengths(batch, seed=batch)
+    lengths[-1] = 0
+    call = _paged_case(torch.float16, 256, 71, 1, 64, "auto", lengths)
+    assert call.plan.shared_tiles == shared
+
+
 @pytest.mark.parametrize("lengths", [[100_000] + [40] * 39, [0] * 40, [1] * 39 + [300_000]],
                          ids=["one-long", "all-empty", "short-and-very-long"])
 def test_paged_packed_splits_extremes(lengths):
@@ -324,10 +335,7 @@ def _paged_case(dtype, page_size, heads, heads_k, dim, merge, lengths, row_tiles
                      pages=(indptr, values, last, page_size), merge=merge, row_tiles=row_tiles,
                      window_left=window_left, lib=lib)
     if packed:  # packed splits, as the rule makes them for many sequences (a grid of a few CTAs a sequence)
-        rc = call.lib.mqa_byoc_decode_make_plan(dk.ctypes.byref(call.args), row_tiles, 132, None,
-                                                dk.ctypes.byref(call.plan))
-        assert rc == 0 and call.plan.shared_tiles == 2, (rc, call.plan.shared_tiles)
-        call.ws = torch.empty(max(1, call.plan.workspace_bytes), dtype=torch.uint8, device="cuda")
+        call.set_packed()
     if key_groups != 1:
         call.set_key_groups(key_groups)
     call()

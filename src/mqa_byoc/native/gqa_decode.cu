@@ -1,5 +1,6 @@
 // Grouped-query decode attention of our own: one query row per sequence and query head, all the query
-// heads of one K/V head served by one read of its keys, split-KV and the combine in ONE launch.
+// heads of one K/V head served by one read of its keys, split-KV and the combine in ONE launch (SharedTiles'
+// splits outside a cluster: a second, short merge kernel).
 //
 // Why not FA2's split-KV kernel: at decode it streams K/V at about 3.2 TB/s on the H200 (64-row query tiles
 // for 8 real rows, a 2-stage load) and needs a second kernel for the combine; cuDNN's decode is faster.
@@ -11,7 +12,7 @@
 // row_tiles query rows; on the H200 that was no faster for Falcon's 71 heads (rule_row_tiles). The splits of a
 // (sequence, K/V head) merge in a thread-block cluster through distributed shared memory when they fit
 // one (at most 16, co-resident), else the last block to finish merges them from a workspace (an arrival
-// counter, reset by that block).
+// counter, reset by that block); SharedTiles' (below) merge there in a second kernel.
 //
 // Keys come from a contiguous cache (batch, row, head strides) or from TVM's pages (CSR page list; the
 // page size is any positive value; with a multiple of 16 a tile lies in one page, looked up once).
@@ -41,14 +42,15 @@
 
 #include "gqa_decode.h"
 
-// Phase timestamps of the classic blocks, for benchmarks/decode_phases.py: compiled only with
+// Phase timestamps of the classic blocks and SharedTiles, for benchmarks/decode_phases.py: compiled only with
 // -DMQA_BYOC_DECODE_PHASES (the packaged libraries leave them out). Thread 0 of each CTA (warp 0) writes
 // 16 words at (blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)) * 16 of the buffer given
 // to mqa_byoc_decode_set_phase_buffer (NULL: none): words 0-6 %globaltimer (ns) at the kernel's start,
-// after the sequence's range (its CSR entries), after the prologue (Q, the first page, the pipeline's
-// first loads issued), when warp 0's first tile has landed, after warp 0's last tile, after the CTA's
-// warps merged, at the end (the splits merged, the output written); word 7 the SM; words 8-14 clock64
-// at the same points.
+// after the sequence's range (its CSR entries; SharedTiles' packed splits: every sequence's), after the
+// prologue (Q, the first page, the pipeline's first loads issued), when warp 0's first tile has landed
+// (SharedTiles: the CTA's), after warp 0's last tile, after the CTA's warps merged (SharedTiles: its rows
+// normalized), at the end (the splits merged or, SharedTiles outside a cluster, its partial written; the
+// output written); word 7 the SM; words 8-14 clock64 at the same points.
 #ifdef MQA_BYOC_DECODE_PHASES
 __device__ unsigned long long* g_mqa_byoc_decode_phases = nullptr;
 extern "C" int mqa_byoc_decode_set_phase_buffer(void* buffer) {
@@ -677,14 +679,16 @@ struct RowsAsN {
 
 // The end of a block's work once s_o holds its rows' outputs ([kSumWarps][row][kOStride], fp32, normalized
 // by the block's LSE, summed over the kSumWarps shares) and s_f their base-2 LSEs: written out (one split),
-// merged in the cluster, or stored as a partial and merged by the slot's last block. kRows: rows a block
-// holds (the partials' row stride), n_threads: the block's threads.
+// merged in the cluster, or stored as a partial and merged by the slot's last block (`defer`: by the
+// merge kernel launched after this one, gqa_decode_split_merge_kernel). kRows: rows a block holds (the partials' row
+// stride), n_threads: the block's threads.
 template <typename T, int D, bool CLUSTER, int kSumWarps, int kOStride>
 __device__ __forceinline__ void finish_block(const mqa_byoc_decode_args& a, unsigned char* smem, float* s_o,
                                              const float* s_f, float* s_l, int* s_flag, float4* s_recv,
                                              float* s_recv_l, int n_splits, int kRows, int group, int row0, int b,
                                              int kvh, int rg, int row_groups, int64_t part0, int split,
-                                             float* o_part, float* lse_part, int* counters, int n_threads) {
+                                             float* o_part, float* lse_part, int* counters, int n_threads,
+                                             bool defer = false) {
   using M = Mma<T>;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const bool single = n_splits == 1;
@@ -699,18 +703,27 @@ __device__ __forceinline__ void finish_block(const mqa_byoc_decode_args& a, unsi
   const int64_t slot = (int64_t(b) * a.num_heads_k + kvh) * row_groups + rg;  // (sequence, K/V head, row group)
   // the slot's partials: part0 .. part0 + n_splits - 1 in the workspace
   float* my_o = o_part + (part0 + split) * kRows * D;
-  for (int idx = threadIdx.x; idx < rows_here * D; idx += n_threads) {
-    const int r = idx / D, d = idx % D;
-    float v = 0.f;
+  if (!single) {  // a float4 at a time (kOStride and D multiples of 4)
+    static_assert(kOStride % 4 == 0 && D % 4 == 0, "the partials' rows in float4s");
+    for (int idx = threadIdx.x; idx < rows_here * (D / 4); idx += n_threads) {
+      const int r = idx / (D / 4), d = (idx % (D / 4)) * 4;
+      float4 v = *reinterpret_cast<const float4*>(s_o + r * kOStride + d);
 #pragma unroll
-    for (int w = 0; w < kSumWarps; ++w) v += s_o[(w * kRows + r) * kOStride + d];
-    if (single) {
-      out[int64_t(b) * a.o_stride[0] + int64_t(kvh * group + row0 + r) * a.o_stride[1] + d] = M::from_float(v);
-    } else {
-      my_o[r * D + d] = v;
+      for (int w = 1; w < kSumWarps; ++w) {
+        const float4 x = *reinterpret_cast<const float4*>(s_o + (w * kRows + r) * kOStride + d);
+        v.x += x.x, v.y += x.y, v.z += x.z, v.w += x.w;
+      }
+      *reinterpret_cast<float4*>(my_o + r * D + d) = v;
     }
   }
   if (single) {
+    for (int idx = threadIdx.x; idx < rows_here * D; idx += n_threads) {
+      const int r = idx / D, d = idx % D;
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < kSumWarps; ++w) v += s_o[(w * kRows + r) * kOStride + d];
+      out[int64_t(b) * a.o_stride[0] + int64_t(kvh * group + row0 + r) * a.o_stride[1] + d] = M::from_float(v);
+    }
     if (a.lse != nullptr && threadIdx.x < rows_here) {
       const float l = s_f[threadIdx.x];
       a.lse[int64_t(b) * a.num_heads + kvh * group + row0 + threadIdx.x] = l == -INFINITY ? a.lse_empty : l;
@@ -718,6 +731,7 @@ __device__ __forceinline__ void finish_block(const mqa_byoc_decode_args& a, unsi
     return;
   }
   if (threadIdx.x < rows_here) lse_part[(part0 + split) * kRows + threadIdx.x] = s_f[threadIdx.x];
+  if (defer) return;  // the merge kernel, after this kernel, reads every split's partial
 
   // ---- the last block of this slot to arrive merges the splits ----
   // One acq_rel atomic by thread 0 after the barrier publishes this block's partial (release is cumulative
@@ -1163,7 +1177,7 @@ __device__ __forceinline__ PackedWork packed_work(const mqa_byoc_decode_args& a,
 template <typename T, int D, bool PAGED, bool CLUSTER, int KG>
 __global__ void __launch_bounds__(KG * kShMaxWarps * 32, 2 / KG)
     gqa_decode_shared_kernel(const mqa_byoc_decode_args a, int keys_per_split, int row_groups, float* o_part,
-                             float* lse_part, int* counters, int packed) {
+                             float* lse_part, int* counters, int packed, int2* slot_splits) {
   using S = SharedSmem<D>;
   using Warp = RowsAsM<T, D, 1>;
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
@@ -1186,6 +1200,7 @@ __global__ void __launch_bounds__(KG * kShMaxWarps * 32, 2 / KG)
   const int wr = KG == 1 ? warp : warp % row_warps, kgi = KG == 1 ? 0 : warp / row_warps;
   const int row0 = rg * kRows;
   int split = blockIdx.x, b = blockIdx.z;
+  MQA_BYOC_PHASE(0);
   int64_t part0;  // the workspace index of the slot's first partial
   SplitKeys sk;
   if (!CLUSTER && packed) {
@@ -1207,10 +1222,14 @@ __global__ void __launch_bounds__(KG * kShMaxWarps * 32, 2 / KG)
     part0 = (int64_t(b) * gridDim.y + blockIdx.y) * gridDim.x;
   }
   const int n_splits = sk.n_splits, k_begin = sk.k_begin, k_end = sk.k_end;
+  if (!CLUSTER && slot_splits != nullptr && split == 0 && threadIdx.x == 0) {  // for the merge kernel
+    slot_splits[int64_t(b) * gridDim.y + blockIdx.y] = make_int2(int(part0), n_splits);
+  }
   if (!sk.active && (!CLUSTER || n_splits == 1)) return;
   if constexpr (CLUSTER) {
     if (n_splits > 1) cluster_arrive_relaxed();  // waited for in merge_in_cluster
   }
+  MQA_BYOC_PHASE(1);
   const T* kbase = static_cast<const T*>(a.k);
   const T* vbase = static_cast<const T*>(a.v);
 
@@ -1285,12 +1304,14 @@ __global__ void __launch_bounds__(KG * kShMaxWarps * 32, 2 / KG)
     if (t < n_tiles) load(t, uint32_t(t) * S::kStageBytes);
     cp_async_commit();
   }
+  MQA_BYOC_PHASE(2);
   const float scale = a.softmax_scale * 1.4426950408889634f;  // scores in the log2 domain
   auto next_stage = [](uint32_t st) { return st + S::kStageBytes == S::kPipeBytes ? 0u : st + S::kStageBytes; };
   uint32_t stage_c = 0, stage_l = (kShStages - 1) * S::kStageBytes;
   for (int t = 0; t < n_tiles; ++t) {
     cp_async_wait<kShStages - 2>();  // this thread's chunks of tile t
     __syncthreads();                 // everyone's; and every warp is done with tile t - 1, whose stage is next
+    if (t == 0) MQA_BYOC_PHASE(3);
     if (t + kShStages - 1 < n_tiles) load(t + kShStages - 1, stage_l);
     cp_async_commit();
     stage_l = next_stage(stage_l);
@@ -1311,6 +1332,7 @@ __global__ void __launch_bounds__(KG * kShMaxWarps * 32, 2 / KG)
     }
   }
   cp_async_wait<0>();
+  MQA_BYOC_PHASE(4);
   float* s_o = reinterpret_cast<float*>(smem);  // [key group][row][S::kOStride]
   if constexpr (KG == 1) {
     // ---- each warp's rows are its own: normalized by their sums, the block's LSE per row ----
@@ -1341,9 +1363,115 @@ __global__ void __launch_bounds__(KG * kShMaxWarps * 32, 2 / KG)
     });
   }
   __syncthreads();
+  MQA_BYOC_PHASE(5);
   finish_block<T, D, CLUSTER, KG, S::kOStride>(a, smem, s_o, s_f, s_l, s_flag, s_recv, s_recv_l, n_splits, kRows,
                                                group, row0, b, kvh, rg, row_groups, part0, split, o_part,
-                                               lse_part, counters, n_threads);
+                                               lse_part, counters, n_threads, !CLUSTER);
+  MQA_BYOC_PHASE(6);
+}
+
+// The merge of SharedTiles' splits outside a cluster, a kernel of its own after gqa_decode_shared_kernel
+// on the stream: block (x, slot) merges rows kRows x .. of a (sequence, K/V head, row group) slot from the
+// slot's partials (slot_splits[slot]: the first partial's index and the split count, written by the
+// slot's split 0; a slot of one split wrote its output itself). A row's threads are its D / 4 float4s
+// times G groups of splits (split sp in group sp % G), summed in shared memory at the end. Merged by the
+// slot's last CTA instead (580 KB for 71 rows in 32 splits, 8 loads in flight a thread), the calls ran
+// 20-29 us past their last tiles (71/1/64 on pages on the H200, 8 sequences in 28-32 splits a slot and 32
+// in packed splits; benchmarks/results/2026-12-04-decode-phases-shared-tiles.md); here every row of every
+// slot merges at once. G: 8 for
+// a call of few slots (a block a row, each thread's splits in flight at once: at most 16 of 128), else 1
+// (8 rows a block, 16 splits in flight a thread: a block's weights, loads and sums are one wave of blocks
+// where 8 groups made 8 times the blocks; launch_shared_groups).
+constexpr int kMergeThreads = 128;
+constexpr int kMergeFewSlots = 8;  // slots up to which the merge runs 8 groups of splits a row
+template <typename T, int D, int G>
+__global__ void __launch_bounds__(kMergeThreads)
+    gqa_decode_split_merge_kernel(const mqa_byoc_decode_args a, int k_rows, int row_groups, const float* o_part,
+                       const float* lse_part, const int2* slot_splits) {
+  using M = Mma<T>;
+  constexpr int kRowThreads = D / 4, kRows = kMergeThreads / (kRowThreads * G);
+  __shared__ float s_w[kRows][kMaxSplits];
+  __shared__ float4 s_acc[G][kMergeThreads / G];
+  __shared__ float s_inv[kRows];
+  const int64_t slot = blockIdx.y;
+  const int2 ps = slot_splits[slot];
+  const int n = ps.y;  // at most kMaxSplits (the plans' bound)
+  if (n <= 1) return;
+  const int group = int(a.num_heads / a.num_heads_k);
+  const int ys = int(a.num_heads_k) * row_groups;
+  const int b = int(slot / ys), y = int(slot % ys), kvh = y / row_groups, rg = y % row_groups;
+  const int row0 = rg * k_rows, rows_here = min(k_rows, group - row0), r_block = blockIdx.x * kRows;
+  if (r_block >= rows_here) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int i = warp; i < kRows; i += kMergeThreads / 32) {  // a warp a row: the splits' weights
+    const int row = r_block + i;
+    float mx = -INFINITY;
+    for (int sp = lane; sp < n; sp += 32) {
+      const float l = row < rows_here ? __ldcg(lse_part + int64_t(ps.x + sp) * k_rows + row) : -INFINITY;
+      s_w[i][sp] = l;
+      mx = fmaxf(mx, l);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    float tot = 0.f;
+    for (int sp = lane; sp < n; sp += 32) {
+      const float l = s_w[i][sp];
+      const float w = l == -INFINITY ? 0.f : exp2f(l - mx);
+      s_w[i][sp] = w;
+      tot += w;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, off);
+    if (lane == 0) {
+      s_inv[i] = tot > 0.f ? 1.f / tot : 0.f;
+      if (a.lse != nullptr && row < rows_here) {
+        a.lse[int64_t(b) * a.num_heads + kvh * group + row0 + row] = tot > 0.f ? mx + log2f(tot) : a.lse_empty;
+      }
+    }
+  }
+  const int t = threadIdx.x % (kMergeThreads / G), g = threadIdx.x / (kMergeThreads / G);
+  const int i = t / kRowThreads, d4 = t % kRowThreads, r = r_block + i;
+  const bool live = r < rows_here;
+  const int64_t stride4 = int64_t(k_rows) * D / 4;  // float4s between two splits' partials
+  const float4* src = reinterpret_cast<const float4*>(o_part + int64_t(ps.x) * k_rows * D + int64_t(r) * D) + d4;
+  constexpr int kFlight = 16;
+  float4 x[kFlight];
+  // the first kFlight of this thread's splits, in flight beside the weights
+#pragma unroll
+  for (int u = 0; u < kFlight; ++u) {
+    const int sp = g + u * G;
+    x[u] = live && sp < n ? __ldcg(src + sp * stride4) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  __syncthreads();  // the weights
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int base = 0;; base += kFlight * G) {
+#pragma unroll
+    for (int u = 0; u < kFlight; ++u) {
+      const int sp = base + g + u * G;
+      const float w = sp < n ? s_w[i][sp] : 0.f;
+      v.x += w * x[u].x, v.y += w * x[u].y, v.z += w * x[u].z, v.w += w * x[u].w;
+    }
+    if (base + kFlight * G >= n) break;
+#pragma unroll
+    for (int u = 0; u < kFlight; ++u) {
+      const int sp = base + kFlight * G + g + u * G;
+      x[u] = live && sp < n ? __ldcg(src + sp * stride4) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+  if constexpr (G > 1) {
+    s_acc[g][t] = v;
+    __syncthreads();
+    if (g != 0) return;
+    for (int h = 1; h < G; ++h) {
+      const float4 o = s_acc[h][t];
+      v.x += o.x, v.y += o.y, v.z += o.z, v.w += o.w;
+    }
+  }
+  if (!live) return;
+  const float inv = s_inv[i];
+  T* o = static_cast<T*>(a.out) + int64_t(b) * a.o_stride[0] + int64_t(kvh * group + row0 + r) * a.o_stride[1] + d4 * 4;
+  o[0] = M::from_float(v.x * inv), o[1] = M::from_float(v.y * inv);
+  o[2] = M::from_float(v.z * inv), o[3] = M::from_float(v.w * inv);
 }
 
 // Per (device, stream): a zeroed arrival-counter array that every kernel leaves zeroed again.
@@ -1441,13 +1569,20 @@ constexpr int kShMinKeys = 256;  // keys a split at least (the plan's)
 // 32-key step (benchmarks/results/2026-12-03-decode-shared-tiles-few.md): CTAs of 4 warps or more (71/1/64:
 // 5) from 12 slots on (at 12-16 sequences 0.57-0.89x the classic blocks' time, at 10 1.03x with mixed
 // lengths); of fewer warps (40/2/64: 2, each CTA's K/V tile shared by fewer rows) from 48 (at 24-64
-// sequences, 48-128 slots, 0.62-0.95x; at 6-16 sequences 1.16-1.45x with mixed lengths). With two key
+// sequences, 48-128 slots, 0.62-0.95x; at 6-16 sequences 1.16-1.45x with mixed lengths). Since the
+// splits merged through the workspace merge in a kernel of their own (gqa_decode_split_merge_kernel), CTAs of 4 warps
+// or more take SharedTiles from 8 slots on pages, always in packed splits
+// (benchmarks/results/2026-12-04-decode-shared-tiles-merge.md, 71/1/64 on pages of 256: packed splits at
+// 8 sequences 0.74x the classic blocks' time with every sequence at 16k, 1.01x with mixed lengths; at 12
+// and 16 sequences 0.70-0.92x the time of 16 splits merged in clusters (the plan before); at 4 sequences
+// 1.15x with mixed lengths: classic blocks there). With two key
 // groups (below), on pages whose size is a multiple of a 64-key tile (a tile's rows from one page), from
 // 16 slots (benchmarks/results/2026-12-04-decode-shared-tiles-key-groups.md, 40/2/64 on pages of 256: at 8
 // sequences 0.73-0.94x the classic blocks' time, at 12-64 0.59-0.98x; at 6, 12 slots, 1.04x with mixed
 // lengths); on pages of 16 the 8 sequences of mixed lengths took 1.22x the classic blocks' time, so other
 // K/V (and contiguous K/V of several heads, whose rows are loaded one by one too) keep 48.
 constexpr int kShMinSlots = 12;
+constexpr int kShMinSlotsPacked = 8;  // CTAs of 4 warps or more on pages (packed splits)
 constexpr int kShMinSlotsFewWarps = 48;
 constexpr int kShMinSlotsKeyGroups = 16;
 // Key groups of a SharedTiles plan: two for CTAs of at most 2 row tiles (each warp's chain of steps
@@ -1471,7 +1606,8 @@ bool shared_rule(const mqa_byoc_decode_args& a, int asked) {
   const int warps = shared_warps(a);
   const int64_t rows = 16 * warps;
   const bool tile_pages = a.page_values != nullptr && a.page_size % kShTileKeys == 0;
-  const int min_slots = warps >= 4                                          ? kShMinSlots
+  const int min_slots = warps >= 4 && a.page_values != nullptr               ? kShMinSlotsPacked
+                        : warps >= 4                                          ? kShMinSlots
                         : shared_key_groups(warps) == 2 && tile_pages ? kShMinSlotsKeyGroups
                                                                       : kShMinSlotsFewWarps;
   return a.batch * a.num_heads_k * ((a.num_heads / a.num_heads_k + rows - 1) / rows) >= min_slots;
@@ -1641,15 +1777,28 @@ int launch_shared_groups(const mqa_byoc_decode_args& a, const mqa_byoc_decode_pl
   if (cluster) {
     cudaLaunchAttribute attr;
     const cudaLaunchConfig_t cfg = cluster_launch(grid, p.warps, p.splits, S::bytes(rows, true), stream, &attr);
-    return cudaLaunchKernelEx(&cfg, ckernel, a, p.keys_per_split, p.row_groups, o_part, lse_part, counters, 0) ==
-                   cudaSuccess
+    return cudaLaunchKernelEx(&cfg, ckernel, a, p.keys_per_split, p.row_groups, o_part, lse_part, counters, 0,
+                              static_cast<int2*>(nullptr)) == cudaSuccess
                ? 0
                : 1;
   }
+  // through the workspace: the partials, then the merge kernel (slot_splits after the partials' LSEs)
+  int2* slot_splits = p.splits == 1 && !packed ? nullptr : reinterpret_cast<int2*>(lse_part + p.o_part_floats / a.head_dim);
   auto kernel = paged ? gqa_decode_shared_kernel<T, D, true, false, KG> : gqa_decode_shared_kernel<T, D, false, false, KG>;
   if (!configure(kernel, false)) return 1;
   kernel<<<grid, p.warps * 32, S::bytes(rows, false), stream>>>(a, p.keys_per_split, p.row_groups, o_part, lse_part,
-                                                                counters, packed);
+                                                                counters, packed, slot_splits);
+  if (cudaGetLastError() != cudaSuccess) return 1;
+  if (p.splits == 1 && !packed) return 0;  // every slot wrote its output
+  const int64_t slots = int64_t(a.batch) * a.num_heads_k * p.row_groups;
+  if (slots <= kMergeFewSlots) {
+    gqa_decode_split_merge_kernel<T, D, 8><<<dim3(unsigned(rows), unsigned(slots)), kMergeThreads, 0, stream>>>(
+        a, rows, p.row_groups, o_part, lse_part, slot_splits);
+  } else {
+    constexpr int kRowsPerBlock = kMergeThreads / (D / 4);
+    gqa_decode_split_merge_kernel<T, D, 1><<<dim3(unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock), unsigned(slots)),
+                                  kMergeThreads, 0, stream>>>(a, rows, p.row_groups, o_part, lse_part, slot_splits);
+  }
   return cudaGetLastError() == cudaSuccess ? 0 : 1;
 }
 
@@ -1703,8 +1852,11 @@ int shared_plan(const mqa_byoc_decode_args& a, int64_t keys_per_split, int64_t s
   p->shared_tiles = 1;
   const int64_t slots = a.batch * a.num_heads_k * row_groups;
   p->o_part_floats = splits > 1 ? slots * splits * rows * a.head_dim : 0;
-  p->workspace_bytes = size_t(p->o_part_floats + (splits > 1 ? slots * splits * rows : 0)) * sizeof(float);
-  p->counters = splits > 1 ? slots : 0;
+  // the partials, their LSEs and each slot's (first partial, splits) for the merge kernel
+  p->workspace_bytes = splits > 1 ? size_t(p->o_part_floats + slots * splits * rows) * sizeof(float) +
+                                        size_t(slots) * sizeof(int2)
+                                  : 0;
+  p->counters = 0;  // merged in a cluster or by the merge kernel
   p->merge = MQA_BYOC_DECODE_MERGE_AUTO;
   return 0;
 }
@@ -1728,8 +1880,8 @@ int shared_packed_plan(const mqa_byoc_decode_args& a, int64_t ctas, mqa_byoc_dec
   p->warps = warps * shared_key_groups(warps);
   p->shared_tiles = 2;
   p->o_part_floats = ys * grid * rows * a.head_dim;
-  p->workspace_bytes = size_t(p->o_part_floats + ys * grid * rows) * sizeof(float);
-  p->counters = a.batch * ys;
+  p->workspace_bytes = size_t(p->o_part_floats + ys * grid * rows) * sizeof(float) + size_t(a.batch * ys) * sizeof(int2);
+  p->counters = 0;  // merged by the merge kernel
   p->merge = MQA_BYOC_DECODE_MERGE_GLOBAL;
   return 0;
 }
@@ -1847,7 +1999,9 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_b
     if (!mqa_byoc_scale_ok(a->softmax_scale)) return 2;
     // On pages, where the slots' splits would not merge in clusters: packed splits (every CTA about the
     // same keys, whatever the lengths). The grid: the CTAs the SMs hold per (K/V head, row group).
-    const bool clustered = capacity != nullptr && target > 1 && target <= kMaxCluster && capacity[target - 1] >= slots;
+    // CTAs of 4 warps or more: packed on pages whether or not the slots' clusters would be co-resident
+    const bool clustered = rows / 16 < 4 && capacity != nullptr && target > 1 && target <= kMaxCluster &&
+                           capacity[target - 1] >= slots;
     if (a->page_values != nullptr && !clustered && a->batch <= kPackMaxBatch) {
       return shared_packed_plan(*a, per_sm * sms / (a->num_heads_k * row_groups), p);
     }

@@ -37,7 +37,8 @@ typedef struct {
 
 // How the splits of a (sequence, K/V head) merge. AUTO: in a thread-block cluster through distributed
 // shared memory when they are at most 16 and the grid's clusters are co-resident, else GLOBAL: the last
-// block to finish merges the partials in the workspace. CLUSTER: only the former (launch returns 4 if not).
+// block to finish merges the partials in the workspace (SharedTiles: a second kernel merges them). CLUSTER:
+// only the former (launch returns 4 if not).
 enum { MQA_BYOC_DECODE_MERGE_AUTO = 0, MQA_BYOC_DECODE_MERGE_GLOBAL = 1, MQA_BYOC_DECODE_MERGE_CLUSTER = 2 };
 
 typedef struct {
@@ -57,7 +58,9 @@ typedef struct {
   // lengths (at least keys_per_split keys) and evened out within each sequence (as many splits), each
   // sequence's splits numbered after the previous one's, and
   // `splits` the grid's x for every (K/V head, row group), at least one CTA a sequence: a long sequence
-  // gets more CTAs than a short one (merge GLOBAL; at most 12288 sequences: their lengths fill the main buffer)
+  // gets more CTAs than a short one (merge GLOBAL; at most 12288 sequences: their lengths fill the main buffer).
+  // SharedTiles' splits outside a cluster merge in a second kernel on the same stream (no arrival counters:
+  // its plans' `counters` 0; the workspace also holds each slot's first partial and split count)
   int shared_tiles;
 } mqa_byoc_decode_plan;
 

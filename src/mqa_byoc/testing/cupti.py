@@ -13,10 +13,12 @@ import re
 from dataclasses import dataclass, field
 
 #: the GPU kernels our providers run attention with: FA2's (``flash_fwd_*``), FA4's sm90 kernel
-#: (``...flash_fwd_sm90...``) and our grouped-query decode kernel (``native/gqa_decode.cu``)
-ATTENTION_KERNEL = re.compile(r"flash|gqa_decode_kernel", re.IGNORECASE)
+#: (``...flash_fwd_sm90...``) and our grouped-query decode kernels (``native/gqa_decode.cu``: the classic
+#: blocks, SharedTiles, and the merge of SharedTiles' splits)
+ATTENTION_KERNEL = re.compile(r"flash|gqa_decode_(shared_|split_merge_)?kernel", re.IGNORECASE)
 #: one per native attention call: FA2's forward (split-KV or not; not its combine) or our decode kernel
-ATTENTION_FORWARD = re.compile(r"flash_fwd(_splitkv)?_kernel|gqa_decode_kernel")
+#: (the classic blocks or SharedTiles; not the merge)
+ATTENTION_FORWARD = re.compile(r"flash_fwd(_splitkv)?_kernel|gqa_decode_(shared_)?kernel")
 
 
 def is_attention_kernel(name: str) -> bool:

@@ -176,6 +176,17 @@ class Decode:
                                                 ctypes.byref(self.plan))
         self._take_plan(rc, f"plan_grid({kps}, {splits})", self.ws.device)
 
+    def set_packed(self) -> None:
+        """SharedTiles' packed splits on pages (``row_tiles`` :data:`SHARED_TILES`): the plan as the rule makes it
+        where a slot's splits would not merge in a cluster, whatever the batch."""
+        import torch
+
+        sms = torch.cuda.get_device_properties(self.ws.device).multi_processor_count
+        rc = self.lib.mqa_byoc_decode_make_plan(ctypes.byref(self.args), self.row_tiles, sms, None,
+                                                ctypes.byref(self.plan))
+        self._take_plan(rc, "make_plan(packed)", self.ws.device)
+        assert self.plan.shared_tiles == 2, self.plan.shared_tiles
+
     def set_key_groups(self, n: int) -> None:
         """SharedTiles with ``n`` key groups (1 or 2): the CTA's warps ``n`` times its row tiles, warp w running
         row tile w % tiles over one of each 64-key tile's two 32-key steps; the launch refuses 2 past 5 row
