@@ -285,13 +285,15 @@ def test_paged_packed_splits_by_the_rule(batch, shared):
     assert call.plan.shared_tiles == shared
 
 
-@pytest.mark.parametrize("lengths", [[100_000] + [40] * 39, [0] * 40, [1] * 39 + [300_000]],
-                         ids=["one-long", "all-empty", "short-and-very-long"])
-def test_paged_packed_splits_extremes(lengths):
+@pytest.mark.parametrize("n", [20, 32, 40])
+@pytest.mark.parametrize("kind", ["one-long", "all-empty", "short-and-very-long"])
+def test_paged_packed_splits_extremes(kind, n):
     """Packed splits where one sequence holds nearly every key (its splits bounded by the merge's weights:
     larger splits), where none has a key (zero outputs, the empty LSE), and where the split size grows
-    past the first guess (39 one-key sequences beside 300k keys); 40 sequences, too many for
-    cluster merges."""
+    past the first guess (one-key sequences beside 300k keys); 20 and 32 sequences (one warp finds the
+    CTAs' work) and 40 (the whole CTA does)."""
+    lengths = {"one-long": [100_000] + [40] * (n - 1), "all-empty": [0] * n,
+               "short-and-very-long": [1] * (n - 1) + [300_000]}[kind]
     call = _paged_case(torch.float16, 256, 71, 1, 64, "auto", lengths)
     assert call.plan.shared_tiles == 2
 

@@ -1108,10 +1108,58 @@ struct SharedSmem {
 // sums and one warp's prefix sum of the split counts. b = -1: a CTA past the last split.
 struct PackedWork {
   int b, split, n_splits, first, kps;  // first: the number of the sequence's split 0
+  int begin, end;                      // the sequence's keys (SeqRange), where found (end < 0: not)
 };
+// At most 32 sequences: warp 0 alone, a sequence a lane (shuffles, no block barrier but the last).
+__device__ __forceinline__ PackedWork packed_work_warp(const mqa_byoc_decode_args& a, int min_kps, int max_splits,
+                                                       PackedWork* s_work) {
+  const int batch = int(a.batch), x = int(blockIdx.x), grid = int(gridDim.x), lane = threadIdx.x % 32;
+  if (threadIdx.x < 32) {
+    SeqRange sr{0, 0};
+    if (lane < batch) sr = seq_range(a, lane);
+    const int len = sr.end - sr.begin;
+    int tiles = (len + kShTileKeys - 1) / kShTileKeys, longest = len;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      tiles += __shfl_xor_sync(0xffffffffu, tiles, off);
+      longest = max(longest, __shfl_xor_sync(0xffffffffu, longest, off));
+    }
+    auto up = [](int k) { return (k + kShTileKeys - 1) / kShTileKeys * kShTileKeys; };
+    int kps = max(min_kps, max(up((longest + max_splits - 1) / max_splits), (tiles + grid - 1) / grid * kShTileKeys));
+    int c;
+    for (;;) {  // as packed_work: at most the longest sequence's keys (one split each: batch <= grid)
+      c = lane < batch ? max(1, (len + kps - 1) / kps) : 0;
+      int count = c;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) count += __shfl_xor_sync(0xffffffffu, count, off);
+      if (count <= grid) break;
+      kps = up(kps + max(kShTileKeys, kps / 16));
+    }
+    int incl = c;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += y;
+    }
+    const int first = incl - c;
+    const unsigned hit = __ballot_sync(0xffffffffu, c > 0 && x >= first && x < first + c);
+    PackedWork w{-1, 0, 0, 0, kps, 0, -1};
+    if (hit != 0u) {
+      const int src = __ffs(hit) - 1, f = __shfl_sync(0xffffffffu, first, src);
+      const int n = __shfl_sync(0xffffffffu, c, src), l = __shfl_sync(0xffffffffu, len, src);
+      const int begin = __shfl_sync(0xffffffffu, sr.begin, src), end = __shfl_sync(0xffffffffu, sr.end, src);
+      w = {src, x - f, n, f, max(kShTileKeys, up((l + n - 1) / n)), begin, end};
+    }
+    if (lane == 0) *s_work = w;
+  }
+  __syncthreads();
+  return *s_work;
+}
+
 __device__ __forceinline__ PackedWork packed_work(const mqa_byoc_decode_args& a, int min_kps, int max_splits,
                                                   int* s_len, int* s_red, PackedWork* s_work, int n_threads) {
   const int batch = int(a.batch), x = int(blockIdx.x), grid = int(gridDim.x);
+  if (batch <= 32) return packed_work_warp(a, min_kps, max_splits, s_work);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = n_threads / 32;
   auto block_sum = [&](int v) {  // every thread's v summed (a count: at most the grid, or keys / 64)
 #pragma unroll
@@ -1147,7 +1195,7 @@ __device__ __forceinline__ PackedWork packed_work(const mqa_byoc_decode_args& a,
   }
   if (threadIdx.x < 32) {
     int carry = 0;
-    PackedWork w{-1, 0, 0, 0, kps};
+    PackedWork w{-1, 0, 0, 0, kps, 0, -1};
     for (int j0 = 0; j0 < batch; j0 += 32) {
       const int j = j0 + lane, c = j < batch ? max(1, (s_len[j] + kps - 1) / kps) : 0;
       int incl = c;
@@ -1163,7 +1211,7 @@ __device__ __forceinline__ PackedWork packed_work(const mqa_byoc_decode_args& a,
         const int n = __shfl_sync(0xffffffffu, c, src), len = s_len[j0 + src];
         // the sequence's n splits of even size (whole tiles: still n of them, none over kps): a split of
         // kps keys and a short last one would set the pace
-        w = {j0 + src, x - f, n, f, max(kShTileKeys, up((len + n - 1) / n))};
+        w = {j0 + src, x - f, n, f, max(kShTileKeys, up((len + n - 1) / n)), 0, -1};
         break;
       }
       carry += __shfl_sync(0xffffffffu, incl, 31);
@@ -1211,7 +1259,7 @@ __global__ void __launch_bounds__(KG * kShMaxWarps * 32, 2 / KG)
     if (pw.b < 0) return;
     b = pw.b, split = pw.split;
     part0 = int64_t(blockIdx.y) * gridDim.x + pw.first;
-    sk = split_keys(seq_range(a, b), split, pw.kps);
+    sk = split_keys(pw.end >= 0 ? SeqRange{pw.begin, pw.end} : seq_range(a, b), split, pw.kps);
   } else {
     // each sequence cuts its own keys into at most gridDim.x splits of whole tiles, at least keys_per_split
     // each (the plan sizes the grid by the GPU, not by the longest sequence a call's pages could hold)
@@ -1378,12 +1426,13 @@ __global__ void __launch_bounds__(KG * kShMaxWarps * 32, 2 / KG)
 // slot's last CTA instead (580 KB for 71 rows in 32 splits, 8 loads in flight a thread), the calls ran
 // 20-29 us past their last tiles (71/1/64 on pages on the H200, 8 sequences in 28-32 splits a slot and 32
 // in packed splits; benchmarks/results/2026-12-04-decode-phases-shared-tiles.md); here every row of every
-// slot merges at once. G: 8 for
-// a call of few slots (a block a row, each thread's splits in flight at once: at most 16 of 128), else 1
-// (8 rows a block, 16 splits in flight a thread: a block's weights, loads and sums are one wave of blocks
-// where 8 groups made 8 times the blocks; launch_shared_groups).
+// slot merges at once. G: 4 for
+// a call of few slots (two rows a block; 16 loads in flight a thread cover 64 splits of a row; 8 groups,
+// a row a block, took 0.98-1.08x the time at 1-8 sequences of 71/1/64), else 1 (8 rows a block, 16 splits in
+// flight a thread: at 32 and 64 sequences 8 groups took 2-4x the time, 8 times the blocks;
+// launch_shared_groups).
 constexpr int kMergeThreads = 128;
-constexpr int kMergeFewSlots = 8;  // slots up to which the merge runs 8 groups of splits a row
+constexpr int kMergeFewSlots = 8;  // slots up to which the merge runs 4 groups of splits a row
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(kMergeThreads)
     gqa_decode_split_merge_kernel(const mqa_byoc_decode_args a, int k_rows, int row_groups, const float* o_part,
@@ -1573,8 +1622,8 @@ constexpr int kShMinKeys = 256;  // keys a split at least (the plan's)
 // splits merged through the workspace merge in a kernel of their own (gqa_decode_split_merge_kernel), CTAs of 4 warps
 // or more take SharedTiles from 8 slots on pages, always in packed splits
 // (benchmarks/results/2026-12-04-decode-shared-tiles-merge.md, 71/1/64 on pages of 256: packed splits at
-// 8 sequences 0.74x the classic blocks' time with every sequence at 16k, 1.01x with mixed lengths; at 12
-// and 16 sequences 0.70-0.92x the time of 16 splits merged in clusters (the plan before); at 4 sequences
+// 8 sequences 0.75x the classic blocks' time with every sequence at 16k, 1.01x with mixed lengths; at 12
+// and 16 sequences 0.69-0.92x the time of 16 splits merged in clusters (the plan before); at 4 sequences
 // 1.15x with mixed lengths: classic blocks there). With two key
 // groups (below), on pages whose size is a multiple of a 64-key tile (a tile's rows from one page), from
 // 16 slots (benchmarks/results/2026-12-04-decode-shared-tiles-key-groups.md, 40/2/64 on pages of 256: at 8
@@ -1792,7 +1841,7 @@ int launch_shared_groups(const mqa_byoc_decode_args& a, const mqa_byoc_decode_pl
   if (p.splits == 1 && !packed) return 0;  // every slot wrote its output
   const int64_t slots = int64_t(a.batch) * a.num_heads_k * p.row_groups;
   if (slots <= kMergeFewSlots) {
-    gqa_decode_split_merge_kernel<T, D, 8><<<dim3(unsigned(rows), unsigned(slots)), kMergeThreads, 0, stream>>>(
+    gqa_decode_split_merge_kernel<T, D, 4><<<dim3(unsigned((rows + 1) / 2), unsigned(slots)), kMergeThreads, 0, stream>>>(
         a, rows, p.row_groups, o_part, lse_part, slot_splits);
   } else {
     constexpr int kRowsPerBlock = kMergeThreads / (D / 4);
