@@ -1622,9 +1622,9 @@ constexpr int kShMinKeys = 256;  // keys a split at least (the plan's)
 // splits merged through the workspace merge in a kernel of their own (gqa_decode_split_merge_kernel), CTAs of 4 warps
 // or more take SharedTiles from 8 slots on pages, always in packed splits
 // (benchmarks/results/2026-12-04-decode-shared-tiles-merge.md, 71/1/64 on pages of 256: packed splits at
-// 8 sequences 0.75x the classic blocks' time with every sequence at 16k, 1.01x with mixed lengths; at 12
-// and 16 sequences 0.69-0.92x the time of 16 splits merged in clusters (the plan before); at 4 sequences
-// 1.15x with mixed lengths: classic blocks there). With two key
+// 8 sequences 0.70x the classic blocks' time with every sequence at 16k, 0.94x with mixed lengths; at 12
+// and 16 sequences 0.66-0.88x the time of 16 splits merged in clusters (the plan before); at 4 sequences
+// 1.07x with mixed lengths, 0.89x at 16k: classic blocks there). With two key
 // groups (below), on pages whose size is a multiple of a 64-key tile (a tile's rows from one page), from
 // 16 slots (benchmarks/results/2026-12-04-decode-shared-tiles-key-groups.md, 40/2/64 on pages of 256: at 8
 // sequences 0.73-0.94x the classic blocks' time, at 12-64 0.59-0.98x; at 6, 12 slots, 1.04x with mixed
