@@ -413,3 +413,31 @@ def test_phase_timestamps():
     call()
     torch.cuda.synchronize()
     assert not buf.any().item() and torch.equal(out, plain)
+
+
+def test_phase_timestamps_shared_tiles():
+    """SharedTiles' packed splits in the stamped build (Falcon's 71 query heads, 8 sequences on pages of 256,
+    one of them empty): the same attention as without a buffer, to the bit; every CTA that landed a tile
+    stamps all seven points in order (an empty sequence's CTA lands none), at least one a sequence with keys,
+    and none past the grid."""
+    lib = dk.library(phases=True)
+    lengths = [9000, 300, 0, 1000, 2048, 5, 700, 4000]
+    call = _paged_case(torch.float16, 256, 71, 1, 64, "auto", lengths, lib=lib)
+    assert call.plan.shared_tiles == 2
+    out = call.keep[3]
+    plain = out.clone()
+    ctas = call.plan.splits * call.plan.row_groups  # the packed grid: (splits, K/V heads x row groups, 1)
+    buf = torch.zeros(ctas * dk.PHASE_WORDS, dtype=torch.int64, device="cuda")
+    dk.set_phase_buffer(lib, buf)
+    call()
+    torch.cuda.synchronize()
+    dk.set_phase_buffer(lib, None)
+    assert torch.equal(out, plain)
+    words = buf.view(ctas, dk.PHASE_WORDS).cpu().tolist()
+    landed = [w for w in words if w[3]]
+    assert len(landed) >= sum(1 for n in lengths if n) and len(landed) <= ctas
+    for w in landed:
+        assert all(w[:7]) and w[0] <= w[1] <= w[2] <= w[3] <= w[4] <= w[5] <= w[6], w[:7]
+        assert w[8] <= w[9] <= w[10] <= w[11] <= w[12] <= w[13] <= w[14], w[8:15]
+    # splits of whole 64-key tiles: every landed CTA streams tiles of its own, so no more CTAs than tiles
+    assert len(landed) <= sum(-(-n // 64) for n in lengths)
