@@ -441,3 +441,12 @@ def test_phase_timestamps_shared_tiles():
         assert w[8] <= w[9] <= w[10] <= w[11] <= w[12] <= w[13] <= w[14], w[8:15]
     # splits of whole 64-key tiles: every landed CTA streams tiles of its own, so no more CTAs than tiles
     assert len(landed) <= sum(-(-n // 64) for n in lengths)
+
+
+def test_paged_packed_splits_many_slots():
+    """More (sequence, K/V head, row group) slots than a grid dimension holds (65535): 4200 sequences of 8
+    K/V heads with 136 query heads at head dim 64 (two row groups each), packed splits, their merge kernel's
+    grid over (rows, K/V head and row group, sequence)."""
+    lengths = torch.randint(1, 200, (4200,), generator=torch.Generator().manual_seed(5)).tolist()
+    call = _paged_case(torch.float16, 64, 136, 8, 64, "auto", lengths)
+    assert call.plan.shared_tiles == 2 and len(lengths) * 8 * call.plan.row_groups > 65535

@@ -680,8 +680,8 @@ struct RowsAsN {
 // The end of a block's work once s_o holds its rows' outputs ([kSumWarps][row][kOStride], fp32, normalized
 // by the block's LSE, summed over the kSumWarps shares) and s_f their base-2 LSEs: written out (one split),
 // merged in the cluster, or stored as a partial and merged by the slot's last block (`defer`: by the
-// merge kernel launched after this one, gqa_decode_split_merge_kernel). kRows: rows a block holds (the partials' row
-// stride), n_threads: the block's threads.
+// merge kernel launched after this one, gqa_decode_split_merge_kernel). kRows: rows a block holds (the
+// partials' row stride), n_threads: the block's threads.
 template <typename T, int D, bool CLUSTER, int kSumWarps, int kOStride>
 __device__ __forceinline__ void finish_block(const mqa_byoc_decode_args& a, unsigned char* smem, float* s_o,
                                              const float* s_f, float* s_l, int* s_flag, float4* s_recv,
@@ -1419,36 +1419,33 @@ __global__ void __launch_bounds__(KG * kShMaxWarps * 32, 2 / KG)
 }
 
 // The merge of SharedTiles' splits outside a cluster, a kernel of its own after gqa_decode_shared_kernel
-// on the stream: block (x, slot) merges rows kRows x .. of a (sequence, K/V head, row group) slot from the
+// on the stream: block (x, y, b) merges rows kRows x .. of slot (sequence b, K/V head and row group y) from the
 // slot's partials (slot_splits[slot]: the first partial's index and the split count, written by the
 // slot's split 0; a slot of one split wrote its output itself). A row's threads are its D / 4 float4s
 // times G groups of splits (split sp in group sp % G), summed in shared memory at the end. Merged by the
 // slot's last CTA instead (580 KB for 71 rows in 32 splits, 8 loads in flight a thread), the calls ran
 // 20-29 us past their last tiles (71/1/64 on pages on the H200, 8 sequences in 28-32 splits a slot and 32
 // in packed splits; benchmarks/results/2026-12-04-decode-phases-shared-tiles.md); here every row of every
-// slot merges at once. G: 4 for
-// a call of few slots (two rows a block; 16 loads in flight a thread cover 64 splits of a row; 8 groups,
-// a row a block, took 0.98-1.08x the time at 1-8 sequences of 71/1/64), else 1 (8 rows a block, 16 splits in
-// flight a thread: at 32 and 64 sequences 8 groups took 2-4x the time, 8 times the blocks;
-// launch_shared_groups).
+// slot merges at once. G: 4 for a call of few slots (two rows a block; 16 loads in flight a thread
+// cover 64 splits of a row; 8 groups, a row a block, took 0.98-1.08x the time at 1-8 sequences of
+// 71/1/64), else 1 (8 rows a block, 16 splits in flight a thread: at 32 and 64 sequences 8 groups took
+// 2-4x the time, 8 times the blocks; launch_shared_groups).
 constexpr int kMergeThreads = 128;
 constexpr int kMergeFewSlots = 8;  // slots up to which the merge runs 4 groups of splits a row
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(kMergeThreads)
     gqa_decode_split_merge_kernel(const mqa_byoc_decode_args a, int k_rows, int row_groups, const float* o_part,
-                       const float* lse_part, const int2* slot_splits) {
+                                  const float* lse_part, const int2* slot_splits) {
   using M = Mma<T>;
   constexpr int kRowThreads = D / 4, kRows = kMergeThreads / (kRowThreads * G);
   __shared__ float s_w[kRows][kMaxSplits];
   __shared__ float4 s_acc[G][kMergeThreads / G];
   __shared__ float s_inv[kRows];
-  const int64_t slot = blockIdx.y;
-  const int2 ps = slot_splits[slot];
+  const int b = blockIdx.z, y = blockIdx.y, kvh = y / row_groups, rg = y % row_groups;  // y: (K/V head, row group)
+  const int2 ps = slot_splits[int64_t(b) * gridDim.y + y];
   const int n = ps.y;  // at most kMaxSplits (the plans' bound)
   if (n <= 1) return;
   const int group = int(a.num_heads / a.num_heads_k);
-  const int ys = int(a.num_heads_k) * row_groups;
-  const int b = int(slot / ys), y = int(slot % ys), kvh = y / row_groups, rg = y % row_groups;
   const int row0 = rg * k_rows, rows_here = min(k_rows, group - row0), r_block = blockIdx.x * kRows;
   if (r_block >= rows_here) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -1832,21 +1829,25 @@ int launch_shared_groups(const mqa_byoc_decode_args& a, const mqa_byoc_decode_pl
                : 1;
   }
   // through the workspace: the partials, then the merge kernel (slot_splits after the partials' LSEs)
-  int2* slot_splits = p.splits == 1 && !packed ? nullptr : reinterpret_cast<int2*>(lse_part + p.o_part_floats / a.head_dim);
+  int2* slot_splits =
+      p.splits == 1 && !packed ? nullptr : reinterpret_cast<int2*>(lse_part + p.o_part_floats / a.head_dim);
   auto kernel = paged ? gqa_decode_shared_kernel<T, D, true, false, KG> : gqa_decode_shared_kernel<T, D, false, false, KG>;
   if (!configure(kernel, false)) return 1;
   kernel<<<grid, p.warps * 32, S::bytes(rows, false), stream>>>(a, p.keys_per_split, p.row_groups, o_part, lse_part,
                                                                 counters, packed, slot_splits);
   if (cudaGetLastError() != cudaSuccess) return 1;
   if (p.splits == 1 && !packed) return 0;  // every slot wrote its output
-  const int64_t slots = int64_t(a.batch) * a.num_heads_k * p.row_groups;
-  if (slots <= kMergeFewSlots) {
-    gqa_decode_split_merge_kernel<T, D, 4><<<dim3(unsigned((rows + 1) / 2), unsigned(slots)), kMergeThreads, 0, stream>>>(
-        a, rows, p.row_groups, o_part, lse_part, slot_splits);
+  // the grid's y and z: the main kernel's (K/V head, row group) and sequences (each within 65535: the plans')
+  const unsigned ys = unsigned(a.num_heads_k * p.row_groups), batch = unsigned(a.batch);
+  if (int64_t(ys) * batch <= kMergeFewSlots) {
+    const dim3 mgrid(unsigned((rows + 1) / 2), ys, batch);  // two rows a block
+    gqa_decode_split_merge_kernel<T, D, 4><<<mgrid, kMergeThreads, 0, stream>>>(a, rows, p.row_groups, o_part,
+                                                                               lse_part, slot_splits);
   } else {
     constexpr int kRowsPerBlock = kMergeThreads / (D / 4);
-    gqa_decode_split_merge_kernel<T, D, 1><<<dim3(unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock), unsigned(slots)),
-                                  kMergeThreads, 0, stream>>>(a, rows, p.row_groups, o_part, lse_part, slot_splits);
+    const dim3 mgrid(unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock), ys, batch);
+    gqa_decode_split_merge_kernel<T, D, 1><<<mgrid, kMergeThreads, 0, stream>>>(a, rows, p.row_groups, o_part,
+                                                                               lse_part, slot_splits);
   }
   return cudaGetLastError() == cudaSuccess ? 0 : 1;
 }
