@@ -444,9 +444,9 @@ def test_phase_timestamps_shared_tiles():
 
 
 def test_paged_packed_splits_many_slots():
-    """More (sequence, K/V head, row group) slots than a grid dimension holds (65535): 4200 sequences of 8
-    K/V heads with 136 query heads at head dim 64 (two row groups each), packed splits, their merge kernel's
-    grid over (rows, K/V head and row group, sequence)."""
+    """More (sequence, K/V head, row group) slots than a grid dimension holds (65535): 4200 sequences of 16
+    K/V heads of 17 query heads each at head dim 64, packed splits, their merge kernel's grid over (rows,
+    K/V head and row group, sequence)."""
     lengths = torch.randint(1, 200, (4200,), generator=torch.Generator().manual_seed(5)).tolist()
-    call = _paged_case(torch.float16, 64, 136, 8, 64, "auto", lengths)
-    assert call.plan.shared_tiles == 2 and len(lengths) * 8 * call.plan.row_groups > 65535
+    call = _paged_case(torch.float16, 64, 272, 16, 64, "auto", lengths)
+    assert call.plan.shared_tiles == 2 and len(lengths) * 16 * call.plan.row_groups > 65535
