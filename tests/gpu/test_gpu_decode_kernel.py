@@ -382,6 +382,26 @@ def test_the_kernels_own_build_carries_three_row_tiles():
     assert dk.library().mqa_byoc_decode_max_row_tiles() == dk.ROW_TILES == 3
 
 
+def _stamped(call, lib, ctas):
+    """One call of ``call`` (a stamped build ``lib``) with a phase buffer of ``ctas`` CTAs: that its output
+    equals the one without a buffer, to the bit; the CTAs' words (dk.PHASE_WORDS each) and the buffer."""
+    out = call.keep[3]
+    plain = out.clone()
+    buf = torch.zeros(ctas * dk.PHASE_WORDS, dtype=torch.int64, device="cuda")
+    dk.set_phase_buffer(lib, buf)
+    call()
+    torch.cuda.synchronize()
+    dk.set_phase_buffer(lib, None)
+    assert torch.equal(out, plain)
+    return buf.view(ctas, dk.PHASE_WORDS).cpu().tolist(), buf
+
+
+def _assert_in_order(w):
+    """A CTA's seven timestamps and seven clocks, each in order."""
+    assert w[0] <= w[1] <= w[2] <= w[3] <= w[4] <= w[5] <= w[6], w[:7]
+    assert w[8] <= w[9] <= w[10] <= w[11] <= w[12] <= w[13] <= w[14], w[8:15]
+
+
 def test_phase_timestamps():
     """A build with the phase timestamps (benchmarks/decode_phases.py's) computes the same attention (against
     fp32 without a buffer, then to the bit with one), and every CTA with keys stamps its seven points in
@@ -391,14 +411,7 @@ def test_phase_timestamps():
     call = _paged_case(torch.float16, 128, 64, 8, 128, "auto", lengths, lib=lib)
     out = call.keep[3]
     plain = out.clone()
-    ctas = call.plan.splits * 8 * len(lengths) * call.plan.row_groups
-    buf = torch.zeros(ctas * dk.PHASE_WORDS, dtype=torch.int64, device="cuda")
-    dk.set_phase_buffer(lib, buf)
-    call()
-    torch.cuda.synchronize()
-    dk.set_phase_buffer(lib, None)
-    assert torch.equal(out, plain)
-    words = buf.view(ctas, dk.PHASE_WORDS).cpu().tolist()
+    words, buf = _stamped(call, lib, call.plan.splits * 8 * len(lengths) * call.plan.row_groups)
     full = [w for w in words if all(w[:7])]
 
     def splits(n):  # the kernel's cut of n keys into at most the grid's splits (a sequence without keys: none)
@@ -407,8 +420,7 @@ def test_phase_timestamps():
 
     assert len(full) == sum(splits(n) for n in lengths) * 8 * call.plan.row_groups, (len(full), call.plan.splits)
     for w in full:
-        assert w[0] <= w[1] <= w[2] <= w[3] <= w[4] <= w[5] <= w[6], w[:7]
-        assert w[8] <= w[9] <= w[10] <= w[11] <= w[12] <= w[13] <= w[14], w[8:15]
+        _assert_in_order(w)
     buf.zero_()  # no buffer set since the call above: nothing lands in it
     call()
     torch.cuda.synchronize()
@@ -424,21 +436,13 @@ def test_phase_timestamps_shared_tiles():
     lengths = [9000, 300, 0, 1000, 2048, 5, 700, 4000]
     call = _paged_case(torch.float16, 256, 71, 1, 64, "auto", lengths, lib=lib)
     assert call.plan.shared_tiles == 2
-    out = call.keep[3]
-    plain = out.clone()
     ctas = call.plan.splits * call.plan.row_groups  # the packed grid: (splits, K/V heads x row groups, 1)
-    buf = torch.zeros(ctas * dk.PHASE_WORDS, dtype=torch.int64, device="cuda")
-    dk.set_phase_buffer(lib, buf)
-    call()
-    torch.cuda.synchronize()
-    dk.set_phase_buffer(lib, None)
-    assert torch.equal(out, plain)
-    words = buf.view(ctas, dk.PHASE_WORDS).cpu().tolist()
+    words, _ = _stamped(call, lib, ctas)
     landed = [w for w in words if w[3]]
     assert len(landed) >= sum(1 for n in lengths if n) and len(landed) <= ctas
     for w in landed:
-        assert all(w[:7]) and w[0] <= w[1] <= w[2] <= w[3] <= w[4] <= w[5] <= w[6], w[:7]
-        assert w[8] <= w[9] <= w[10] <= w[11] <= w[12] <= w[13] <= w[14], w[8:15]
+        assert all(w[:7]), w[:7]
+        _assert_in_order(w)
     # splits of whole 64-key tiles: every landed CTA streams tiles of its own, so no more CTAs than tiles
     assert len(landed) <= sum(-(-n // 64) for n in lengths)
 
