@@ -570,3 +570,32 @@ def test_a_rejected_attention_runs_its_matmuls_as_batched_gemms():
             for p in mod["main"].params]
     np.testing.assert_allclose(run_llvm(gemm.inline_gemm_composites(part), args), run_llvm(mod, args),
                                rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("rows, bias", [(4, False), (1, False), (4, True)])
+def test_an_add_of_the_gemms_own_result_to_itself_stays_on_tvm_and_builds(rows, bias):
+    # `h = x @ W^T (+ b); h + h` (what common-subexpression elimination makes of `lin(x) + lin(x)`): the
+    # pattern's added-operand wildcard matches the matmul (or its bias add) again; cuBLASLt reads C from
+    # memory, so the site is the matmul (with its bias) and the doubling stays on TVM
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([rows, 64], "float16"))
+    w = relax.Var("w", relax.TensorType([128, 64], "float16"))
+    b = relax.Var("b", relax.TensorType([128], "float16"))
+    with bb.function("main", [x, w, b]):
+        with bb.dataflow():
+            h = bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(w))), "h")
+            if bias:
+                h = bb.emit(relax.op.add(h, b), "hb")
+            y = bb.emit_output(bb.emit(relax.op.add(h, h), "y"))
+        bb.emit_func_output(y)
+    mod = bb.get()
+    [site] = gemm.gemm_report(mod)
+    assert site.offloaded and site.epilogue == ("bias" if bias else None), gemm.format_gemm_report([site])
+    part = mqa_byoc.partition_for_cutlass(mod)
+    [func] = _codegen_funcs(part).values()
+    assert find_gemm_site(func).residual is None  # the codegen reads the site (it raised on `h + h` before)
+    relax.transform.RunCodegen()(part)
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(shape).astype("float16") for shape in ((rows, 64), (128, 64), (128,))]
+    np.testing.assert_allclose(run_llvm(gemm.inline_gemm_composites(part), arrays), run_llvm(mod, arrays),
+                               rtol=1e-3, atol=1e-3)

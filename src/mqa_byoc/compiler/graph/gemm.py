@@ -183,8 +183,8 @@ def gemm_reason(lhs_ty, rhs_ty, out_ty, transposed: bool, permute_axes=None, bia
         return f"mixed operand types {dtypes[0]} x {dtypes[1]}: cuBLASLt here takes one type for both"
     if dtypes[0] not in SUPPORTED_DTYPES:
         if dtypes[0].startswith(("int", "uint")):
-            return (f"{dtypes[0]} GEMM: cuBLASLt's integer GEMM needs int32 output and no epilogue; "
-                    "only fp16/bf16 GEMMs are offloaded")
+            return (f"{dtypes[0]} GEMM: integer GEMMs are not offloaded (only fp16/bf16, fp32 accumulate); "
+                    "a quantized weight dequantized to fp16 in the graph is")
         if dtypes[0] == "float32":
             return ("float32 GEMM: only fp16/bf16 (fp32 accumulate) are offloaded; cast the model to fp16 "
                     "(relax.transform.ToMixedPrecision) to offload it")
@@ -346,11 +346,28 @@ def _dequantize_note(weight, bindings) -> str | None:
             "gemm=False")
 
 
+def _epilogue_operand_reason(fields, context: PatternCheckContext) -> str | None:
+    """Why an added operand (bias or residual) is not one cuBLASLt can read: a value the match itself
+    computes (``h + h`` after ``h = x @ w``, or ``z + z`` after a bias; the pattern's wildcard then
+    matches the matmul or the bias add a second time)."""
+    ann = context.annotated_expr
+    inner = [ann[k] for k in ("matmul", "bias_add", "activation") if k in ann]
+    for key in ("bias", "residual"):
+        operand = ann.get(key) if fields[key] else None
+        if operand is not None and any(operand.same_as(e) for e in inner):
+            return (f"the {key} add adds the GEMM's own result to itself (`h + h`): cuBLASLt reads its added "
+                    "operand from memory, so the add stays on TVM")
+    return None
+
+
 def _site_reason(composite: str, context: PatternCheckContext) -> str | None:
     fields = parse_gemm_composite(composite)
     ann = context.annotated_expr
     if has_leaking_intermediate_variables(context):
         return "an intermediate value of the pattern is used elsewhere"
+    reason = _epilogue_operand_reason(fields, context)
+    if reason:
+        return reason
     permute = ann.get("permute")
     if fields["cast"]:
         reason = _cast_reason(ann["cast"].ty, ann["lhs"].ty)
