@@ -185,3 +185,31 @@ def test_an_attention_chain_after_fuse_transpose_matmul_is_offloaded_as_before(c
             for p in lowered["main"].params]
     rewritten = LegalizeGroupedAttention()(canonicalize_attention(RestoreLoweredMatmul()(lowered)))
     np.testing.assert_allclose(graphs.run_llvm(rewritten, args), graphs.run_llvm(lowered, args), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("lowering", sorted(LOWERINGS))
+def test_flattened_symbolic_rows_passed_as_sizes_are_read_back(lowering):
+    # x (b, s, K) flattened to (b * s, K), as torch.export's dynamic batch and sequence make it: TVM's
+    # PrimFunc cannot bind b and s from a buffer of b * s rows, so its call passes them after the operands
+    b, s = tvm.tirx.Var("b", "int64"), tvm.tirx.Var("s", "int64")
+    x = relax.Var("x", relax.TensorType([b, s, 64], "float16"))
+    w = relax.Var("w", relax.TensorType([128, 64], "float16"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            rows = bb.emit(relax.op.reshape(x, relax.ShapeExpr([b * s, 64])), "rows")
+            y = bb.emit_output(bb.emit(relax.op.matmul(rows, bb.emit(relax.op.permute_dims(w))), "y"))
+        bb.emit_func_output(y)
+    mod = bb.get()
+    lowered = LOWERINGS[lowering]()(mod)
+    call = next(bnd.value for bnd in lowered["main"].body.blocks[0].bindings
+                if getattr(bnd.value.op, "name", None) == "relax.call_tir" and "matmul" in bnd.value.args[0].name_hint)
+    assert len(call.args[1].fields) == 4  # x, w, b, s: the form this test is about
+    [site] = gemm.gemm_report(lowered)
+    assert site.offloaded and (site.m, site.n, site.k) == ("b * s", 128, 64), gemm.format_gemm_report([site])
+    part = mqa_byoc.partition_for_cutlass(lowered)
+    assert len(_codegen_funcs(part)) == 1 and not any("matmul" in n for n in _prim_names(part))
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((2, 3, 64)).astype("float16"), (rng.standard_normal((128, 64)) / 8).astype("float16")]
+    np.testing.assert_allclose(run_llvm(gemm.inline_gemm_composites(part), arrays), run_llvm(mod, arrays),
+                               rtol=1e-3, atol=1e-3)

@@ -2,8 +2,9 @@
 the GQA decoder families users compile besides Llama and Mistral: Qwen2 (q/k/v biases), Qwen3 and OLMo2
 (RMSNorm on q and k), Phi-3 (one fused ``qkv_proj``), Gemma 3 (scaled query, sliding-window layers),
 StarCoder2, Granite (its own scalings), Mixtral (its experts as batched matmuls: TVM's frontend has no
-converter for transformers' default grouped_mm). Every attention is offloaded with the K/V expansion
-removed; Gemma 2's logit soft-capping runs on FA2's soft-capping kernel families.
+converter for transformers' default grouped_mm), Cohere 2, EXAONE 4 and OLMo 3 (sliding-window layers), GLM-4
+(interleaved rotary embedding), ERNIE 4.5, Helium. Every attention is offloaded with the K/V expansion
+removed; Doge's learned, data-dependent mask is rejected naming its weight; Gemma 2's logit soft-capping runs on FA2's soft-capping kernel families.
 Falcon: multi-query (Falcon-7B) is offloaded with its one K/V head; the new decoder architecture
 (Falcon-40B/180B) expands K before its rotary embedding and caches every head, so it runs as attention
 over the expanded heads, the note saying why."""
@@ -33,6 +34,12 @@ FAMILIES = {
     "granite": ("GraniteConfig", {}, ("eager", "sdpa"), (None, None)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=2, num_experts_per_tok=1, sliding_window=None,
                                       experts_implementation="batched_mm"), ("eager", "sdpa"), (None, None)),
+    "cohere2": ("Cohere2Config", dict(head_dim=HEAD_DIM, sliding_window=WINDOW), ("eager", "sdpa"), (WINDOW, WINDOW)),
+    "exaone4": ("Exaone4Config", dict(head_dim=HEAD_DIM, sliding_window=WINDOW), ("eager", "sdpa"), (WINDOW, WINDOW)),
+    "olmo3": ("Olmo3Config", dict(sliding_window=WINDOW), ("eager", "sdpa"), (WINDOW, WINDOW)),
+    "glm4": ("Glm4Config", dict(head_dim=HEAD_DIM, pad_token_id=0), ("eager", "sdpa"), (None, None)),
+    "ernie4_5": ("Ernie4_5Config", dict(head_dim=HEAD_DIM), ("eager", "sdpa"), (None, None)),
+    "helium": ("HeliumConfig", dict(head_dim=HEAD_DIM, pad_token_id=0), ("eager", "sdpa"), (None, None)),
 }
 FALCON = dict(alibi=False, parallel_attn=True, bias=False)
 
@@ -179,3 +186,19 @@ def test_padding_mask_input_stays_in_the_graph_saying_what_to_do(impl):
     assert len(report) == LAYERS
     for site in report:
         assert not site.offloaded and "runtime input 'mask'" in site.reason and "attention_var_len" in site.reason
+
+
+def test_a_learned_data_dependent_mask_is_rejected_naming_the_weight():
+    # Doge's mask is a per-key score bias computed from the value states and a learned weight A: no
+    # causal or window mask the kernels take, and no padding mask either (the reason names the weight)
+    if getattr(transformers, "DogeConfig", None) is None:
+        pytest.skip(f"transformers {transformers.__version__} has no DogeConfig")
+    cfg = transformers.DogeConfig(**_SIZES, head_dim=HEAD_DIM, sliding_window=WINDOW)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    report = offload_report(_import(transformers.AutoModelForCausalLM.from_config(cfg).eval(), "prefill").mod)
+    assert len(report) == LAYERS
+    for layer, site in enumerate(report):
+        assert not site.offloaded
+        assert f"model weight 'p_model_model_layers_{layer}_self_attn_a'" in site.reason, site.reason
+        assert "padding" not in site.reason

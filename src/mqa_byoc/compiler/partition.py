@@ -4,6 +4,8 @@ A ``tvm.transform.Sequential`` of module passes, each usable alone:
 
 0. :class:`~.graph.lowered_matmul.RestoreLoweredMatmul`: matmuls TVM already lowered (``FuseTransposeMatmul``'s
    ``NT_matmul``, ``LegalizeOps``' ``matmul``) become ``R.matmul`` again, so that the steps below see them;
+   :class:`~.graph.dataflow.EnterDataflow` moves sites written outside ``R.dataflow()`` into dataflow blocks,
+   the only ones ``FuseOpsByPattern`` groups;
 1. :class:`~.canonicalize.CanonicalizeAttention`: every attention site that FA2 computes exactly
    (see :mod:`.analysis`) becomes ``R.nn.attention`` on the pre-expansion K/V (with ``mqa=True``);
    rejected sites are left alone;
@@ -31,6 +33,7 @@ from tvm import relax
 from mqa_byoc.contract import PROVIDER_ATTR, check_provider, composite_name
 
 from mqa_byoc.compiler.graph import varlen
+from mqa_byoc.compiler.graph.dataflow import EnterDataflow
 from mqa_byoc.compiler.graph.canonicalize import CanonicalizeAttention, analyze_module, canonicalize_attention
 from mqa_byoc.compiler.graph.exprs import is_flash_attn_function
 from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
@@ -217,7 +220,8 @@ def partition_for_cutlass(
     """Partition ``mod`` so that attention runs in Flash Attention v2 and GEMMs on cuBLASLt.
 
     The passes, in a ``tvm.transform.Sequential`` like upstream's CUTLASS partition:
-    :class:`~mqa_byoc.compiler.graph.lowered_matmul.RestoreLoweredMatmul`, :class:`CanonicalizeAttention`, ``FuseOpsByPattern`` with :func:`flash_attn_patterns`,
+    :class:`~mqa_byoc.compiler.graph.lowered_matmul.RestoreLoweredMatmul`,
+    :class:`~mqa_byoc.compiler.graph.dataflow.EnterDataflow`, :class:`CanonicalizeAttention`, ``FuseOpsByPattern`` with :func:`flash_attn_patterns`,
     :class:`OffloadSinkAttention`, :class:`AnnotateProvider`, :class:`LegalizeGroupedAttention`, then
     (``gemm=True``) :class:`~mqa_byoc.compiler.graph.gemm.PartitionGemm`.
 
@@ -275,6 +279,7 @@ def partition_for_cutlass(
             facts.update(Bindings(func).length_facts)
     passes = [
         RestoreLoweredMatmul(),
+        EnterDataflow(),
         CanonicalizeAttention(mqa=mqa),
         relax.transform.FuseOpsByPattern(flash_attn_patterns(length_facts=facts), bind_constants=bind_constants,
                                          annotate_codegen=annotate_codegen),

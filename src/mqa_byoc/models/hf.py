@@ -657,8 +657,9 @@ def example_inputs(
 def kv_expansions_left(mod, func: str = "main") -> list[str]:
     """The K/V head expansions left in ``func``: ``broadcast_to`` / ``repeat`` / ``tile`` ops that
     grow a tensor of rank >= 4 (HF's ``repeat_kv`` broadcasts (B, H_kv, r, S, D)). The others an HF
-    import keeps are not K/V's: the frontend's no-op ``broadcast_to`` before a batched matmul and,
-    in sdpa graphs, the o_proj weight broadcast to (B, K, N)."""
+    import keeps are not K/V's: the frontend's no-op ``broadcast_to`` before a batched matmul,
+    in sdpa graphs the o_proj weight broadcast to (B, K, N), and interleaved RoPE's cos / sin grown on
+    the last axis (GLM, Cohere: (..., D/2, 1) -> (..., D/2, 2); a K/V expansion never grows the head dim)."""
     from tvm import relax
 
     left = []
@@ -670,7 +671,9 @@ def kv_expansions_left(mod, func: str = "main") -> list[str]:
         if isinstance(e, relax.Call) and getattr(e.op, "name", None) in (
                 "relax.broadcast_to", "relax.repeat", "relax.tile"):
             src, dst = dims(e.args[0].ty), dims(e.ty)
-            if e.ty.ndim >= 4 and (src is None or src != dst):
+            grows_last_only = src is not None and dst is not None and len(src) == len(dst) and \
+                src[:-1] == dst[:-1] and src[-1] == 1 and e.op.name == "relax.broadcast_to"
+            if e.ty.ndim >= 4 and (src is None or src != dst) and not grows_last_only:
                 left.append(f"{e.op.name} {src} -> {dst}")
 
     relax.analysis.post_order_visit(mod[func].body, visit)

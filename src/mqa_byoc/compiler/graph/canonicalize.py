@@ -13,7 +13,8 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from mqa_byoc.compiler.graph import analysis, masks, sink_attention, varlen
-from mqa_byoc.compiler.graph.exprs import binding_values, is_offloaded, op_name
+from mqa_byoc.compiler.graph.exprs import (binding_values, function_bindings, function_results, is_offloaded,
+                                           op_name)
 from mqa_byoc.compiler.graph.trace import Bindings
 
 
@@ -242,7 +243,7 @@ class _PrivateOperandPermutes(PyExprMutator):
 def _use_counts(func):
     """How many bindings (and the function result) read each var."""
     counts = {}
-    values = [b.value for block in func.body.blocks for b in block.bindings] + [func.body.body]
+    values = [b.value for b in function_bindings(func) if not isinstance(b.value, relax.If)] + function_results(func)
     for value in values:
         for var in relax.analysis.free_vars(value):
             counts[var] = counts.get(var, 0) + 1

@@ -21,10 +21,40 @@ def op_name(expr) -> str:
     return expr.op.name if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) else ""
 
 
+def function_bindings(func: relax.Function) -> list:
+    """Every binding of ``func``'s body in program order, the bindings of ``R.If`` branches (nested to
+    any depth) included, before the binding of the ``If`` itself: a site inside a branch is analysed and
+    partitioned like one at the top level."""
+    out = []
+
+    def walk(seq):
+        if not isinstance(seq, relax.SeqExpr):
+            return
+        for block in seq.blocks:
+            for b in block.bindings:
+                if isinstance(b, relax.VarBinding) and isinstance(b.value, relax.If):
+                    walk(b.value.true_branch)
+                    walk(b.value.false_branch)
+                out.append(b)
+
+    walk(func.body)
+    return out
+
+
+def function_results(func: relax.Function) -> list:
+    """The expressions ``func`` reads besides its bindings' values: the body's result, and each ``R.If``'s
+    condition and branch results."""
+    out = [func.body.body] if isinstance(func.body, relax.SeqExpr) else [func.body]
+    for b in function_bindings(func):
+        if isinstance(b, relax.VarBinding) and isinstance(b.value, relax.If):
+            out += [b.value.cond] + [br.body for br in (b.value.true_branch, b.value.false_branch)
+                                     if isinstance(br, relax.SeqExpr)]
+    return out
+
+
 def binding_values(func: relax.Function) -> dict:
-    """``{var: bound value}`` of every ``VarBinding`` in ``func``'s body (top-level blocks)."""
-    return {b.var: b.value for block in func.body.blocks for b in block.bindings
-            if isinstance(b, relax.VarBinding)}
+    """``{var: bound value}`` of every ``VarBinding`` in ``func``'s body (:func:`function_bindings`)."""
+    return {b.var: b.value for b in function_bindings(func) if isinstance(b, relax.VarBinding)}
 
 
 def value_of(expr, values: Mapping):

@@ -42,6 +42,8 @@ from tvm.relax.dpl import is_op, wildcard
 from tvm.relax.transform import PatternCheckContext
 from tvm.sym import Analyzer
 
+from mqa_byoc.compiler.graph.dataflow import EnterDataflow
+from mqa_byoc.compiler.graph.exprs import function_bindings
 from mqa_byoc.compiler.graph.lowered_matmul import RestoreLoweredMatmul, lowered_matmul_reason, transpose_axes
 from mqa_byoc.contract import (GEMM_ACTIVATIONS, GEMM_CODEGEN, GEMM_COMPOSITES, gemm_composite_name,
                                parse_gemm_composite)
@@ -405,7 +407,8 @@ def gemm_patterns() -> list:
 @tvm.transform.module_pass(opt_level=0, name="PartitionGemm")
 class PartitionGemm:
     """Module pass: group every GEMM site cuBLASLt computes into a ``cublaslt.*`` composite with
-    ``Codegen="cublaslt"`` (``FuseOpsByPattern`` with :func:`gemm_patterns`)."""
+    ``Codegen="cublaslt"`` (``FuseOpsByPattern`` with :func:`gemm_patterns`; sites written outside
+    ``R.dataflow()`` are moved into dataflow blocks first, :class:`~.dataflow.EnterDataflow`)."""
 
     def __init__(self, bind_constants: bool = False, annotate_codegen: bool = True):
         self.bind_constants = bind_constants
@@ -413,7 +416,7 @@ class PartitionGemm:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         return relax.transform.FuseOpsByPattern(gemm_patterns(), bind_constants=self.bind_constants,
-                                                annotate_codegen=self.annotate_codegen)(mod)
+                                                annotate_codegen=self.annotate_codegen)(EnterDataflow()(mod))
 
 
 # ----------------------------------------------------------------------------- the report
@@ -619,20 +622,19 @@ def gemm_report(mod: tvm.IRModule) -> list[GemmSite]:
 def _bindings_and_users(func):
     """``func``'s variable bindings {var: value} and their users {var: [vars whose call or tuple item reads it]}."""
     bindings, users = {}, {}
-    for block in func.body.blocks:
-        for b in block.bindings:
-            if not isinstance(b, relax.VarBinding):
-                continue
-            bindings[b.var] = b.value
-            if isinstance(b.value, relax.Call):
-                read = b.value.args
-            elif isinstance(b.value, relax.TupleGetItem):
-                read = [b.value.tuple_value]
-            else:
-                read = []
-            for e in read:
-                if isinstance(e, relax.Var):
-                    users.setdefault(e, []).append(b.var)
+    for b in function_bindings(func):  # R.If branches' bindings too
+        if not isinstance(b, relax.VarBinding):
+            continue
+        bindings[b.var] = b.value
+        if isinstance(b.value, relax.Call):
+            read = b.value.args
+        elif isinstance(b.value, relax.TupleGetItem):
+            read = [b.value.tuple_value]
+        else:
+            read = []
+        for e in read:
+            if isinstance(e, relax.Var):
+                users.setdefault(e, []).append(b.var)
     return bindings, users
 
 

@@ -67,7 +67,9 @@ def _without_attrs(func: tirx.PrimFunc) -> tirx.PrimFunc:
 
 
 def _reference(form: str, x_ty, w_ty, out_dtype: str):
-    """The PrimFunc TVM's pass makes for ``form`` on operands of these struct infos, or None."""
+    """(the PrimFunc TVM's pass makes for ``form`` on operands of these struct infos, the symbolic values its
+    call passes after the operands: the sizes of ``x`` its buffers cannot bind, e.g. ``b`` and ``s`` of a
+    flattened (b * s, K)); (None, ()) when the pass makes something else."""
     x, w = relax.Var("x", x_ty), relax.Var("w", w_ty)
     bb = relax.BlockBuilder()
     with bb.function("main", [x, w]):
@@ -76,7 +78,26 @@ def _reference(form: str, x_ty, w_ty, out_dtype: str):
         bb.emit_func_output(out)
     lowered = (relax.transform.FuseTransposeMatmul() if form == "NT_matmul" else relax.transform.LegalizeOps())(bb.get())
     funcs = [f for f in lowered.functions.values() if isinstance(f, tirx.PrimFunc)]
-    return funcs[0] if len(funcs) == 1 else None
+    calls = [c for c in _calls(lowered["main"]) if _callee(c) is not None]
+    if len(funcs) != 1 or len(calls) != 1:
+        return None, ()
+    return funcs[0], tuple(calls[0].args[1].fields[2:])
+
+
+def _calls(func):
+    found = []
+    relax.analysis.post_order_visit(func, lambda e: found.append(e) if isinstance(e, relax.Call) else None)
+    return found
+
+
+def _is_size(e) -> bool:
+    """Whether a ``call_tir`` argument is a symbolic size (a TIR value, not a tensor)."""
+    return isinstance(getattr(e, "ty", None), tvm.ir.PrimType)
+
+
+def _same_values(a, b) -> bool:
+    """Whether two sequences of symbolic sizes are the same values (the same TIR variables)."""
+    return len(a) == len(b) and all(tvm_ffi.structural_equal(x, y, map_free_vars=False) for x, y in zip(a, b))
 
 
 def lowered_matmul_reason(mod: tvm.IRModule, call, cache: dict | None = None) -> tuple[str | None, str | None]:
@@ -94,10 +115,12 @@ def lowered_matmul_reason(mod: tvm.IRModule, call, cache: dict | None = None) ->
     form = _candidate_form(gv.name_hint) if gv is not None else None
     if form is None:
         return None, None
-    if gv.name_hint.startswith("fused_") or len(call.args[1].fields) != 2:
+    fields = list(call.args[1].fields)
+    symbolic = fields[2:]  # sizes the PrimFunc takes as values (checked against TVM's own call below)
+    if gv.name_hint.startswith("fused_") or len(fields) < 2 or not all(_is_size(f) for f in symbolic):
         return form, (f"TVM's {gv.name_hint} is a matmul fused with other ops (FuseOps + FuseTIR ran first): "
                       "partition before the build pipeline, as mqa_byoc.build does")
-    x, w = call.args[1].fields
+    x, w = fields[:2]
     out_ty = call.ty
     if not all(isinstance(t, relax.TensorType) and t.shape is not None and isinstance(t.shape, relax.ShapeExpr)
                for t in (x.ty, w.ty, out_ty)):
@@ -107,14 +130,15 @@ def lowered_matmul_reason(mod: tvm.IRModule, call, cache: dict | None = None) ->
     func = mod[gv] if gv in mod.functions else None
     if not isinstance(func, tirx.PrimFunc):
         return form, f"{gv.name_hint} is not a PrimFunc of the module"
-    key = (gv, str(x.ty), str(w.ty), str(out_ty.dtype))
+    key = (gv, str(x.ty), str(w.ty), str(out_ty.dtype), tuple(str(v) for v in symbolic))
     cache = {} if cache is None else cache
     if key not in cache:
         try:
-            ref = _reference(form, x.ty, w.ty, str(out_ty.dtype))
+            ref, ref_values = _reference(form, x.ty, w.ty, str(out_ty.dtype))
         except tvm.TVMError:
-            ref = None
-        cache[key] = ref is not None and tvm_ffi.structural_equal(_without_attrs(ref), _without_attrs(func))
+            ref, ref_values = None, ()
+        cache[key] = ref is not None and _same_values(ref_values, symbolic) and tvm_ffi.structural_equal(
+            _without_attrs(ref), _without_attrs(func))
     if not cache[key]:
         return form, (f"TVM's {gv.name_hint} is not the PrimFunc {FORMS[form][0]} makes for these operands (fused with "
                       "another op, scheduled or edited): partition before the build pipeline, as mqa_byoc.build does")
@@ -123,7 +147,7 @@ def lowered_matmul_reason(mod: tvm.IRModule, call, cache: dict | None = None) ->
 
 def restored_matmul(call, form: str, bb: relax.BlockBuilder):
     """The Relax matmul ``call`` computes (the weight's permute emitted into ``bb`` for ``NT_matmul``)."""
-    x, w = call.args[1].fields
+    x, w = call.args[1].fields[:2]
     return _matmul(bb, x, w, form, str(call.ty.dtype))
 
 

@@ -173,6 +173,10 @@ class MaskEvaluator:
             if isinstance(e, relax.Var):
                 if _is_symbolic_var(e, bindings):
                     return  # a shape variable used as a value (arange bounds): bound through the shape parameter
+                if e in bindings.weights:
+                    raise MaskError(f"the mask is computed from the model weight '{e.name}' (a learned score bias, "
+                                    "data-dependent): the kernels take causal and sliding-window masks they can "
+                                    "read off the graph")
                 if e in bindings.params:
                     raise MaskError(f"the mask depends on the runtime input '{e.name}': the kernels take causal and "
                                     "sliding-window masks they can read off the graph (for a padding mask, pass the "

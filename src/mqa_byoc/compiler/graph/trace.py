@@ -19,7 +19,7 @@ from tvm import relax, tirx
 from tvm.ir.expr import Constant
 from tvm.sym import Analyzer
 
-from mqa_byoc.compiler.graph.exprs import op_name  # noqa: F401 - re-exported for the analysis
+from mqa_byoc.compiler.graph.exprs import function_bindings, op_name  # noqa: F401 - op_name re-exported for the analysis
 
 _ANALYZER = Analyzer()
 
@@ -102,21 +102,20 @@ def _match_cast_lengths(func) -> dict:
     value is known (a KV cache view: ``match_cast(concat(past, new), (B, kv_len, ...))`` means
     kv_len == past_len + seq_len at run time, checked by the VM)."""
     facts = {}
-    for block in func.body.blocks:
-        for b in block.bindings:
-            if not isinstance(b, relax.MatchCast):
-                continue
-            pattern, value = b.ty, b.value.ty
-            if not (isinstance(pattern, relax.TensorType) and isinstance(value, relax.TensorType)):
-                continue
-            if pattern.shape is None or value.shape is None:
-                continue
-            p_dims, v_dims = getattr(pattern.shape, "values", None), getattr(value.shape, "values", None)
-            if p_dims is None or v_dims is None or len(p_dims) != len(v_dims):
-                continue
-            for p, v in zip(p_dims, v_dims):
-                if isinstance(p, tirx.Var) and not p.same_as(v) and p not in facts:
-                    facts[p] = v
+    for b in function_bindings(func):
+        if not isinstance(b, relax.MatchCast):
+            continue
+        pattern, value = b.ty, b.value.ty
+        if not (isinstance(pattern, relax.TensorType) and isinstance(value, relax.TensorType)):
+            continue
+        if pattern.shape is None or value.shape is None:
+            continue
+        p_dims, v_dims = getattr(pattern.shape, "values", None), getattr(value.shape, "values", None)
+        if p_dims is None or v_dims is None or len(p_dims) != len(v_dims):
+            continue
+        for p, v in zip(p_dims, v_dims):
+            if isinstance(p, tirx.Var) and not p.same_as(v) and p not in facts:
+                facts[p] = v
     return facts
 
 
@@ -126,14 +125,14 @@ class Bindings:
     def __init__(self, func: relax.Function):
         self.value = {}
         self.binding = {}  # var -> its binding (VarBinding, or MatchCast, which defines shape vars)
-        self.block_of = {}
-        for i, block in enumerate(func.body.blocks):
-            for b in block.bindings:
-                self.binding[b.var] = b
-                self.block_of[b.var] = i
-                if isinstance(b, relax.VarBinding):
-                    self.value[b.var] = b.value
+        for b in function_bindings(func):  # R.If branches' bindings too
+            self.binding[b.var] = b
+            if isinstance(b, relax.VarBinding):
+                self.value[b.var] = b.value
         self.params = set(func.params)
+        # the model's weights when they are parameters (``num_input``: the frontends' keep_params_as_input)
+        num_input = func.attrs.get("num_input") if func.attrs is not None else None
+        self.weights = set(func.params[int(num_input):]) if num_input is not None else set()
         self.length_facts = _match_cast_lengths(func)
 
     def get(self, expr):
