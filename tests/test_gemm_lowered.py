@@ -110,6 +110,7 @@ def test_a_primfunc_that_only_carries_the_name_stays_on_tvm_with_a_reason():
     tvm.ir.assert_structural_equal(part["main"], edited["main"])
     [site] = gemm.gemm_report(edited)
     assert not site.offloaded and "is not the PrimFunc FuseTransposeMatmul makes" in site.reason
+    assert (site.m, site.n, site.k, site.transposed) == ("2", 64, 64, True)  # read off the call's operands
     # the same module with TVM's own PrimFunc is read back (the check is not the name)
     call = next(b.value for blk in lowered["main"].body.blocks for b in blk.bindings
                 if getattr(b.value, "op", None) is not None and getattr(b.value.op, "name", "") == "relax.call_tir")

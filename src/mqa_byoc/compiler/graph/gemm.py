@@ -611,12 +611,26 @@ def gemm_report(mod: tvm.IRModule) -> list[GemmSite]:
                 form, reason = lowered_matmul_reason(mod, value, lowered)
                 if form is None:
                     continue
-                x_ty = value.args[1].fields[0].ty if value.args[1].fields else None
-                sites.append(GemmSite(
-                    gv.name_hint, var.name, False, "TVM", None, None, None, None,
-                    str(x_ty.dtype) if isinstance(x_ty, relax.TensorType) else None, form == "NT_matmul", None, reason,
-                    None, str(value.ty.dtype) if isinstance(value.ty, relax.TensorType) else None))
+                sites.append(_lowered_site(gv.name_hint, var, value, form, reason))
     return sites
+
+
+def _lowered_site(fname, var, call, form, reason):
+    """The report's entry of a ``call_tir`` of a matmul PrimFunc left on TVM (:func:`lowered_matmul_reason`),
+    its sizes read off the operands where they are known."""
+    fields = list(call.args[1].fields)
+    x_ty, w_ty = (fields[0].ty, fields[1].ty) if len(fields) >= 2 else (None, None)
+    lshape = _shape(x_ty) if isinstance(x_ty, relax.TensorType) else None
+    wshape = _shape(w_ty) if isinstance(w_ty, relax.TensorType) else None
+    m = n = k = batch = None
+    transposed = form == "NT_matmul"
+    if lshape and wshape and len(lshape) >= 2 and len(wshape) >= 2:
+        b, rows = batch_and_rows(lshape, len(wshape) - 2 if len(wshape) == len(lshape) else 0)
+        m, batch = str(rows), (str(b) if len(wshape) > 2 else None)
+        n, k = (_static(wshape[-2]), _static(wshape[-1])) if transposed else (_static(wshape[-1]), _static(wshape[-2]))
+    return GemmSite(fname, var.name, False, "TVM", None, m, n, k,
+                    str(x_ty.dtype) if isinstance(x_ty, relax.TensorType) else None, transposed, None, reason, None,
+                    str(call.ty.dtype) if isinstance(call.ty, relax.TensorType) else None, batch)
 
 
 def _bindings_and_users(func):
