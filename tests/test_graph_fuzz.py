@@ -84,6 +84,10 @@ KNOWN = (
                           score_mod="softcap"),
                      Site(form="chain4d", expand="hf", causal="BottomRight", mask_op="where", scale=0.125,
                           score_mod="softcap", softcap_first=False))),
+    # sites written outside an R.dataflow() block: reported offloaded, none partitioned (FuseOpsByPattern
+    # groups dataflow bindings only)
+    GraphSpec(sites=(Site(form="chain4d", causal="BottomRight", mask_op="add", scale=0.125),
+                     Site(expand="hf", h=8)), dataflow=False),
 )
 
 

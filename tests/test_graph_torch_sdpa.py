@@ -137,3 +137,36 @@ def test_other_zeroing_conditions_stay_in_the_graph(cond, masked):
     assert not site.offloaded
     assert "every score of the row is -inf" in site.reason
     assert G.composites(partition_for_cutlass(mod)) == []
+
+
+class HandWritten(torch.nn.Module):
+    """Attention written out by hand, nanoGPT-style: the causal mask applied with ``masked_fill`` or
+    ``torch.where`` and a Python number as the fill (TVM's frontend binds it to a variable of its own)."""
+
+    def __init__(self, fill):
+        super().__init__()
+        self.fill = fill
+
+    def forward(self, q, k, v):
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+        s_q, s_kv = q.shape[2], k.shape[2]
+        scores = q @ k.transpose(-2, -1) / (q.shape[-1] ** 0.5)
+        keep = torch.ones(s_q, s_kv, dtype=torch.bool).tril(s_kv - s_q)
+        if self.fill == "masked_fill -inf":
+            scores = scores.masked_fill(~keep, float("-inf"))
+        elif self.fill == "masked_fill finfo.min":
+            scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
+        else:
+            scores = torch.where(keep, scores, float("-inf"))
+        return torch.softmax(scores, dim=-1) @ v
+
+
+@pytest.mark.parametrize("fill", ["masked_fill -inf", "masked_fill finfo.min", "where -inf"])
+@pytest.mark.parametrize("s_q, s_kv", [(16, 16), (4, 16)])
+def test_hand_written_causal_mask_with_a_number_as_the_fill_is_offloaded(fill, s_q, s_kv):
+    mod, args = _import(HandWritten(fill), s_q, s_kv)
+    (site,) = offload_report(mod)
+    assert site.offloaded, site.reason
+    assert (site.num_q_heads, site.num_kv_heads, site.causal, site.window) == (H, HKV, "BottomRight", None)
+    assert site.scale == pytest.approx(D ** -0.5, rel=1e-3)
+    G.rewritten_on_cpu(mod, args)

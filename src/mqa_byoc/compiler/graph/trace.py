@@ -155,6 +155,9 @@ class Bindings:
                     x = x.astype(_np_dtype(dtype))
                 return float(x.astype("float64")[0])
             v = self.get(expr)
+            if isinstance(v, Constant):  # a constant bound to a variable (TVM's torch frontend: masked_fill's fill)
+                expr = v
+                continue
             if v is None or op_name(v) not in ("relax.astype", "relax.reshape", "relax.broadcast_to"):
                 return None
             if op_name(v) == "relax.astype":

@@ -9,6 +9,8 @@ gives as ``output``.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import tvm
 from tvm import relax, tirx
@@ -135,7 +137,7 @@ def build_module(spec: GraphSpec) -> Built:
              for i, site in enumerate(spec.sites) if site.score_mod == "sinks"}
     out.params = qs + [p for ps in kv_params.values() for p in ps] + flat + [sinks[i] for i in sorted(sinks)]
     with bb.function("main", out.params):
-        with bb.dataflow():
+        with bb.dataflow() if spec.dataflow else contextlib.nullcontext():
             kv = {}
             for (gi, name), ps in kv_params.items():
                 g = spec.groups[gi]
@@ -144,7 +146,8 @@ def build_module(spec: GraphSpec) -> Built:
             emitter = _SiteEmitter(bb, out, b, kv)
             emitter.sinks = sinks
             results = [emitter.emit(i, site, qs[i], extra.get(i)) for i, site in enumerate(spec.sites)]
-            res = bb.emit_output(relax.Tuple(results) if len(results) > 1 else results[0])
+            res = relax.Tuple(results) if len(results) > 1 else results[0]
+            res = bb.emit_output(res) if spec.dataflow else bb.emit(res)
         bb.emit_func_output(res)
     out.mod = bb.get()
     return out

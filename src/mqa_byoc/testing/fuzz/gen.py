@@ -100,6 +100,7 @@ class GraphSpec:
     sites: tuple = (Site(),)
     batch: int | str = 1  # int or "b" (symbolic)
     mqa: bool = True
+    dataflow: bool = True  # False: the sites written outside an R.dataflow() block (plain TVMScript)
 
     __repr__ = _compact_repr
 
@@ -243,4 +244,5 @@ def draw_graph(c, varlen: bool = True) -> GraphSpec:
         gi = c.integer(0, len(groups) - 1)
         sites.append(_draw_site(c, gi, groups[gi], varlen))
     batch = c.choice((1, 2, 1, 3, 4)) if not c.chance(0.15) else "b"
-    return GraphSpec(tuple(groups), tuple(sites), batch, mqa=not c.chance(0.15))
+    mqa = not c.chance(0.15)
+    return GraphSpec(tuple(groups), tuple(sites), batch, mqa=mqa, dataflow=not c.chance(0.15))
