@@ -170,3 +170,103 @@ def test_hand_written_causal_mask_with_a_number_as_the_fill_is_offloaded(fill, s
     assert (site.num_q_heads, site.num_kv_heads, site.causal, site.window) == (H, HKV, "BottomRight", None)
     assert site.scale == pytest.approx(D ** -0.5, rel=1e-3)
     G.rewritten_on_cpu(mod, args)
+
+
+class SoftmaxOverQueries(torch.nn.Module):
+    """A softmax over the query axis (dim=-2) between Q K^T and V: not attention as the kernels compute it."""
+
+    def forward(self, q, k, v):
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+        return torch.softmax(q @ k.transpose(-2, -1) / (q.shape[-1] ** 0.5), dim=-2) @ v
+
+
+def test_a_softmax_over_another_axis_is_reported_not_absent():
+    mod, _ = _import(SoftmaxOverQueries(), 16, 16)
+    (site,) = offload_report(mod)
+    assert not site.offloaded and "softmax is over axis 2 of the 4-D scores" in site.reason, site.reason
+    assert G.count_ops(partition_for_cutlass(mod), "relax.nn.softmax") == 1
+
+
+class ScoreScales(torch.nn.Module):
+    """Scores scaled or filled in ways the kernels do not take, each with its own reason."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+        self.t = torch.nn.Parameter(torch.linspace(0.5, 1.5, H))  # a learned per-head temperature
+
+    def forward(self, q, k, v):
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+        scores = q @ k.transpose(-2, -1)
+        if self.form == "per-head scale":
+            scores = scores * 0.125 * self.t.view(1, H, 1, 1)
+        else:  # a -1e4 fill before the 1/sqrt(d) scale: -1768, not masked enough for the kernels
+            keep = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+            scores = torch.where(keep, scores, torch.tensor(-1e4)) / (q.shape[-1] ** 0.5)
+        return torch.softmax(scores, dim=-1) @ v
+
+
+@pytest.mark.parametrize("form, words", [
+    ("per-head scale", "by a constant tensor whose values differ (a per-head or per-position scale)"),
+    ("fill before the scale", "fills masked scores with -10000 (-1767.77 after the scale that follows)"),
+])
+def test_scales_and_fills_the_kernels_do_not_take_are_named(form, words):
+    mod, _ = _import(ScoreScales(form), 16, 16)
+    (site,) = offload_report(mod)
+    assert not site.offloaded and words in site.reason, site.reason
+
+
+def test_more_queries_than_keys_names_the_lengths_as_numbers():
+    mod, _ = _import(Attention(causal=True), 16, 8)
+    (site,) = offload_report(mod)
+    assert not site.offloaded and "(S_q 16, S_kv 8): more queries than keys" in site.reason, site.reason
+
+
+class FullInfMask(torch.nn.Module):
+    """SDPA with a float causal mask made as ``torch.full((s, s), -inf).triu(1)`` (TVM 0.27 cannot lower
+    ``full`` with an infinite fill, so the original graph does not build on the CPU)."""
+
+    def forward(self, q, k, v):
+        s = q.shape[2]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.full((s, s), float("-inf")).triu(1),
+                                              enable_gqa=True)
+
+
+def test_a_float_causal_mask_filled_with_minus_infinity_is_offloaded():
+    mod, args = _import(FullInfMask(), 16, 16)
+    (site,) = offload_report(mod)
+    assert site.offloaded, site.reason
+    assert (site.num_kv_heads, site.causal, site.window) == (HKV, "BottomRight", None)
+    from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
+    from mqa_byoc.compiler.partition import canonicalize_attention
+
+    rewritten = relax.transform.DeadCodeElimination()(LegalizeGroupedAttention()(canonicalize_attention(mod)))
+    got = G.run_llvm(rewritten, args)
+    want = FullInfMask()(*(torch.from_numpy(a) for a in args)).numpy()
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
+class MixedExpansions(torch.nn.Module):
+    """K expanded by ``repeat_interleave`` (head h reads K/V head h // r), V by ``repeat`` (h % H_kv)."""
+
+    def __init__(self, swap=False):
+        super().__init__()
+        self.swap = swap
+
+    def forward(self, q, k, v):
+        r = q.shape[1] // k.shape[1]
+        by_group, tiled = k.repeat_interleave(r, dim=1), v.repeat(1, r, 1, 1)
+        if self.swap:
+            by_group, tiled = k.repeat(1, r, 1, 1), v.repeat_interleave(r, dim=1)
+        return torch.softmax(q @ by_group.transpose(-2, -1) / (q.shape[-1] ** 0.5), dim=-1) @ tiled
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_k_and_v_expanded_differently_run_as_attention_over_the_expanded_heads(swap):
+    mod, args = _import(MixedExpansions(swap), 16, 16)
+    (site,) = offload_report(mod)
+    assert site.offloaded and site.num_kv_heads == H, site.reason
+    assert "expanded differently" in site.note
+    got = G.rewritten_on_cpu(mod, args)
+    want = MixedExpansions(swap)(*(torch.from_numpy(a) for a in args)).numpy()
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)

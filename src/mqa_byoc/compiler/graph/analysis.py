@@ -12,11 +12,13 @@ compute differently becomes a readable ``reason``.
 from __future__ import annotations
 
 from tvm import relax, tirx
+from tvm.ir.expr import Constant
 
 from mqa_byoc.compiler.graph import masks
 from mqa_byoc.compiler.graph import sinks as sink_forms
 from mqa_byoc.compiler.graph.site import AttentionSite, common_checks, seq_len, trace_fused_operands
-from mqa_byoc.compiler.graph.trace import SINGLE_HEAD, Bindings, Traced, op_name, prove_equal, shape_of, trace
+from mqa_byoc.compiler.graph.trace import (SINGLE_HEAD, Bindings, Traced, as_int, op_name, prove_equal, shape_of,
+                                          trace)
 from mqa_byoc.compiler.graph.varlen import var_len_site
 
 _ELEMENTWISE_BETWEEN = (
@@ -298,6 +300,34 @@ def _reaches_matmul(expr, bindings, depth=8):
     return False
 
 
+def _dim_text(dim) -> str:
+    """A length as the user wrote it: ``16`` for a static one, the expression for a symbolic one."""
+    static = as_int(dim)
+    return str(static) if static is not None else str(dim)
+
+
+def _from_constants(expr, bindings, depth: int = 8) -> bool:
+    """Whether ``expr`` is a constant, or computed from constants only (casts, reshapes, products of them)."""
+    if isinstance(expr, Constant):
+        return True
+    value = bindings.get(expr)
+    if depth == 0 or not isinstance(value, (relax.Call, Constant)):
+        return False
+    if isinstance(value, Constant):
+        return True
+    args = [a for a in value.args if isinstance(a, (relax.Var, Constant))]
+    return bool(args) and all(_from_constants(a, bindings, depth - 1) for a in args)
+
+
+def _scale_problem(name, call, bindings) -> str:
+    """Why a multiply / divide of the scores is no scale the kernels take."""
+    op = name.split(".")[-1]
+    if any(_from_constants(a, bindings) for a in call.args):
+        return (f"scores are scaled ({op}) by a constant tensor whose values differ (a per-head or per-position "
+                "scale): the kernels take one softmax scale")
+    return f"scores are scaled by a non-constant ({op})"
+
+
 def _chain_site(func_name, var, value, bindings, evaluator, allow_kv_expansion=True):
     probs, dead_row_conds, dropped = _strip_probs(value.args[0], bindings)
     softmax = bindings.get(probs)
@@ -338,7 +368,7 @@ def _chain_site(func_name, var, value, bindings, evaluator, allow_kv_expansion=T
             if c is None and name == "relax.multiply":
                 c, other = bindings.resolve_scalar(xv.args[0]), xv.args[1]
             if c is None:
-                problem = f"scores are scaled by a non-constant ({name.split('.')[-1]})"
+                problem = _scale_problem(name, xv, bindings)
                 break
             if name == "relax.divide":
                 if c == 0:
@@ -368,8 +398,13 @@ def _chain_site(func_name, var, value, bindings, evaluator, allow_kv_expansion=T
             else:
                 kind, fill, scores = "where-drop", a, b
             c = bindings.resolve_scalar(fill)
-            if c is None or c * post_scale > masks.MASKED_LOGIT_BOUND:
+            if c is None:
                 problem = "where() fills masked scores with something other than a large negative constant"
+                break
+            if c * post_scale > masks.MASKED_LOGIT_BOUND:
+                problem = (f"where() fills masked scores with {c:g} ({c * post_scale:g} after the scale that "
+                           "follows), not a large negative constant: a masked logit must stay <= "
+                           f"{masks.MASKED_LOGIT_BOUND:g} (fill with -inf or the dtype's lowest value)")
                 break
             mask_ops.append((kind, cond, post_scale))
             x = scores
@@ -455,7 +490,7 @@ def _prove_masks(site, bindings, evaluator, post_scale=None, scales=None):
             samples.append(allowed)
         if not samples:
             raise masks.MaskError(f"no sample sequence lengths with S_q <= S_kv to check the mask at "
-                                  f"(S_q {s_q}, S_kv {s_kv})")
+                                  f"(S_q {_dim_text(s_q)}, S_kv {_dim_text(s_kv)}): more queries than keys")
         site.mask = masks.classify_samples(samples)
     except masks.MaskError as err:
         site.reject(str(err))

@@ -296,6 +296,13 @@ def _buildable(block_bindings):
             cast = relax.Var(f"{b.var.name}_rhs", relax.TensorType(first.ty.shape, other.ty.dtype))
             out.append(relax.MatchCast(cast, other, cast.ty))
             b = relax.VarBinding(b.var, relax.Call(value.op, [first, cast], value.attrs))
+        elif op_name(value) in ("relax.full", "relax.full_like") and _infinite_constant(value.args[1]):
+            # TVM 0.27's lowering of full() fails on an infinite fill (torch.full((s, s), -inf).triu(1), a
+            # causal mask): the dtype's finite extreme of the same sign is as masked (below the bound)
+            fill = value.args[1].value.numpy()
+            finite = np.nan_to_num(fill, posinf=np.finfo(fill.dtype).max, neginf=np.finfo(fill.dtype).min)
+            b = relax.VarBinding(b.var, relax.Call(value.op, [value.args[0], relax.const(finite, str(fill.dtype)),
+                                                              *value.args[2:]], value.attrs))
         elif op_name(value) == "relax.strided_slice" and value.args[0].ty.ndim > 0 and \
                 isinstance(value.args[1], relax.Tuple):
             # the dynamic strided_slice lowering takes no negative axis
@@ -305,6 +312,13 @@ def _buildable(block_bindings):
                 [tirx.IntImm("int64", a) for a in axes]), *value.args[2:]], value.attrs))
         out.append(b)
     return out, scanned
+
+
+def _infinite_constant(expr) -> bool:
+    if not isinstance(expr, Constant):
+        return False
+    data = expr.value.numpy()
+    return data.dtype.kind == "f" and bool(np.isinf(data).any())
 
 
 def _same_rank_shaped(args) -> bool:

@@ -206,18 +206,24 @@ def unexplained_chains(bindings, known_roots, limit=48):
         ops = _ops_between(softmax.args[0], bindings, limit)
         if ops is None:
             continue
+        nd = len(shape_of(softmax) or [])
+        axis = int(softmax.attrs.axis) % nd
+        if axis != nd - 1:
+            found.append((var, f"softmax(Q K^T) V-shaped chain whose softmax is over axis {axis} of the {nd}-D scores, "
+                               "not their last (key) axis: not the attention the kernels compute"))
+            continue
         found.append((var, explain_ops(ops)))
     return found
 
 
 def _softmax_feeding(expr, bindings, depth=10):
-    """The last-axis softmax P comes from through probability plumbing (views, slices, casts), or None."""
+    """The softmax (over any axis of 3-D or larger scores) P comes from through probability plumbing (views,
+    slices, casts), or None."""
     for _ in range(depth):
         value = bindings.get(expr)
         name = op_name(value)
         if name == "relax.nn.softmax":
-            nd = len(shape_of(value) or [])
-            return value if nd >= 3 and int(value.attrs.axis) % nd == nd - 1 else None
+            return value if len(shape_of(value) or []) >= 3 else None
         if name not in _PROB_PLUMBING:
             return None
         expr = value.args[2] if name == "relax.where" else value.args[0]

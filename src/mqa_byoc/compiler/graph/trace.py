@@ -190,7 +190,7 @@ def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: b
         in_shape = shape_of(arg) if arg is not None else None
         labels = t.labels
         new_labels = None
-        expansion = None
+        expansion, factor = None, 1
 
         if name == "relax.astype":
             # Casts between float types commute with the layout/expansion ops we pass; kernel_dtype()
@@ -227,7 +227,7 @@ def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: b
                 new_labels = list(labels)
                 new_labels[axis] = "Hkv"
                 expansion = REPEAT
-                t.factor = int(value.attrs.repeats)
+                factor = int(value.attrs.repeats)
         elif name == "relax.tile":
             reps = [int(r) for r in value.attrs.repeats]
             reps = [1] * (len(labels) - len(reps)) + reps
@@ -236,7 +236,7 @@ def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: b
                 new_labels = list(labels)
                 new_labels[moved[0]] = "Hkv"
                 expansion = TILE
-                t.factor = reps[moved[0]]
+                factor = reps[moved[0]]
         elif name == "relax.multiply" and fold_scale:
             # a constant scale folded into Q or K (torch's SDPA decomposition scales both by sqrt)
             for a, b in ((value.args[0], value.args[1]), (value.args[1], value.args[0])):
@@ -257,8 +257,8 @@ def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: b
                 if t.expansion is not None:
                     t.problem = "K/V heads expanded twice"
                 t.expansion = expansion
-                if expansion == BROADCAST:
-                    t.factor = as_int(out_shape[labels.index("H")])
+                # the factor is set only once the expansion is passed (a trace without expansions stops here)
+                t.factor = as_int(out_shape[labels.index("H")]) if expansion == BROADCAST else factor
             elif expansion in ("broadcast-r", "broadcast-r-outer"):
                 # HF repeat_kv: (B, Hkv, 1, S, D) -> (B, Hkv, r, S, D) -> (B, Hkv*r, S, D) groups
                 # query head h with K/V head h // r; broadcasting the outer factor groups h % Hkv.
