@@ -83,3 +83,17 @@ def test_build_of_a_partitioned_module():
     part = mqa_byoc.partition_for_cutlass(mod, mqa=True, provider="python")
     ours = fa2_sources(mqa_byoc.build(part, TARGET, mqa=None, provider="native"))
     assert ours == fa2_sources(explicit(mod, True, "python"))
+
+
+@pytest.mark.parametrize("target", ["llvm", {"kind": "llvm"}])
+def test_build_for_a_target_that_is_not_cuda_is_refused_naming_the_fix(target):
+    mod = graphs.hf_repeat_kv_chain(h=8, hkv=2, d=64, s=16)
+    with pytest.raises(ValueError, match=r"the target is 'llvm'.*give a CUDA target"):
+        mqa_byoc.build(mod, target)
+
+
+@pytest.mark.parametrize("what", ["module", "path"])
+def test_export_library_of_something_else_than_an_executable_is_a_type_error(what, tmp_path):
+    arg = graphs.hf_repeat_kv_chain(h=8, hkv=2, d=64, s=16) if what == "module" else str(tmp_path / "x.so")
+    with pytest.raises(TypeError, match="expected the executable mqa_byoc.build"):
+        mqa_byoc.export_library(arg, tmp_path / "model.so")

@@ -398,3 +398,14 @@ def test_export_links_native_wrapper_and_loads(clean_env):
     vm = relax.VirtualMachine(lib, tvm.cpu())
     with pytest.raises(Exception, match="mqa_site0: q must be on a CUDA device"):
         vm["main"](q, kv, kv)
+
+
+@pytest.mark.slow
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_80"])
+def test_decode_support_compiles_for_gpus_without_clusters(clean_env, arch):
+    # thread-block clusters (the decode kernel's cluster merge) are sm_90's: a build for Ampere or Ada keeps
+    # every other path, so a site reported offloaded for those targets builds
+    support = K.build.support_object(arch, progress=None)
+    syms = subprocess.run(["nm", "--defined-only", str(support)], capture_output=True, text=True).stdout
+    assert "T mqa_byoc_combine_chunks" in syms and "T mqa_byoc_decode_supported" in syms

@@ -183,10 +183,32 @@ def test_page_unit_is_fa2_split_kernel_tile():
 
 
 def test_bad_arguments_are_typed_errors(gqa):
-    with pytest.raises(ValueError, match="page_size must be a positive int"):
-        UseFlashAttentionForPagedKVCache(page_size=0)
+    for bad in (0, -256, 256.0, "256", True):
+        with pytest.raises(ValueError, match="page_size must be a positive int"):
+            UseFlashAttentionForPagedKVCache(page_size=bad)
+        with pytest.raises(ValueError, match="page_size must be a positive int"):
+            paged_kv_cache_report(gqa, page_size=bad)
     with pytest.raises(TypeError, match="expects a tvm.IRModule"):
         paged_kv_cache_report(gqa["create_paged_kv_cache"])
+    with pytest.raises(ValueError, match="the target is 'llvm'.*give a CUDA target"):
+        UseFlashAttentionForPagedKVCache(target="llvm")(gqa)
+    # a target given as a dict or a string is a target (the regenerated compaction kernel is built for it)
+    for target in ({"kind": "cuda", "arch": "sm_90"}, "cuda"):
+        served = UseFlashAttentionForPagedKVCache(target=target)(gqa)
+        assert any(d.offloaded for d in paged_kv_cache_report(served))
+
+
+def test_a_cache_created_for_a_cpu_target_stays_on_its_kernels():
+    # TVM's CPU cache has the CUDA cache's create call and its ragged prefill's symbol; its other kernels are
+    # the *_cpu ones: nothing of it runs on our CUDA kernels
+    mod = export_paged_llama(PagedLlamaConfig(**SMALL, num_q_heads=8, num_kv_heads=2, head_dim=64),
+                             target=tvm.target.Target("llvm"))[0]
+    decisions = paged_kv_cache_report(mod)
+    assert decisions and not any(d.offloaded for d in decisions), format_paged_report(decisions)
+    ragged = next(d for d in decisions if d.kernel == "batch_prefill_ragged_kv")
+    assert "created for a CPU target" in ragged.reason and "batch_decode_paged_kv_cpu" in ragged.reason
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90"}):
+        tvm.ir.assert_structural_equal(UseFlashAttentionForPagedKVCache()(mod), mod)
 
 
 @pytest.mark.skipif(graphs.native_export_skip_reason() is not None, reason=str(graphs.native_export_skip_reason()))

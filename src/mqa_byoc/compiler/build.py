@@ -83,6 +83,10 @@ def build(mod: tvm.IRModule, target, *, mqa: bool | None = True, provider: str |
     from mqa_byoc.compiler.partition import partition_for_cutlass
 
     target = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
+    if target.kind.name != "cuda":
+        raise ValueError(f"mqa_byoc.build: the target is {target.kind.name!r}; the offloaded attention and GEMMs run "
+                         "on NVIDIA GPUs, so give a CUDA target, e.g. {'kind': 'cuda', 'arch': 'sm_90'} (for a "
+                         "CPU build use relax.build without the partition)")
     if mqa is not None:
         mod = partition_for_cutlass(mod, mqa=mqa, gemm=gemm)
     options = KernelOptions.of(kernel_options)

@@ -83,6 +83,9 @@ def export_library(
         (docs/deployment.md says why).
     kwargs: passed to ``executable.export_library`` (``fcompile``, ``addons``, ``options``, ...).
     """
+    if not callable(getattr(executable, "export_library", None)):
+        raise TypeError(f"mqa_byoc.export_library: expected the executable mqa_byoc.build (or relax.build) returns, "
+                        f"got {type(executable).__name__}")
     path = os.fspath(path)
     if cuda_binary and cuda_source_modules(executable):
         compile_cuda_modules(executable, _kernels.normalize_arch(arch or _kernels.detect_arch()), progress=progress)

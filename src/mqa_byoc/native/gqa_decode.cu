@@ -268,9 +268,22 @@ struct Smem {
   static_assert(kBytes <= 227 * 1024, "a block's shared memory (the H200's opt-in limit)");
 };
 
+// Thread-block clusters are sm_90's. A build for an older arch (sm_80, sm_86, sm_89) keeps every other
+// path; the host never launches the cluster-merging instances there (no co-resident cluster: the plans
+// merge through the workspace), and if one ran anyway it traps.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define MQA_BYOC_NO_CLUSTERS 1
+#endif
+
+#ifdef MQA_BYOC_NO_CLUSTERS
+__device__ __forceinline__ void cluster_arrive_relaxed() { __trap(); }
+__device__ __forceinline__ void cluster_arrive_release() { __trap(); }
+__device__ __forceinline__ void cluster_wait() { __trap(); }
+#else
 __device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void cluster_arrive_release() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+#endif
 
 // The splits of one slot, a cluster of gridDim.x blocks (block rank = split), merge their outputs: s_o
 // holds this block's W warps' shares ([warp][row][kOStride], fp32, normalized by the block's LSE), s_f
@@ -284,6 +297,9 @@ template <typename T, int D, int W, int kOStride>
 __device__ __forceinline__ void merge_in_cluster(const mqa_byoc_decode_args& a, float* s_o, const float* s_f,
                                                  float4* recv, float* recv_l, int rows_here, int b, int head0,
                                                  int kRows, int n_threads) {
+#ifdef MQA_BYOC_NO_CLUSTERS
+  __trap();
+#else
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   const int n = int(gridDim.x), me = int(blockIdx.x);
@@ -333,6 +349,7 @@ __device__ __forceinline__ void merge_in_cluster(const mqa_byoc_decode_args& a, 
     for (int sp = 0; sp < n; ++sp) v += w[sp] * recv_f[sp * per * 4 + e];
     static_cast<T*>(a.out)[int64_t(b) * a.o_stride[0] + int64_t(head0 + r) * a.o_stride[1] + d] = Mma<T>::from_float(v);
   }
+#endif  // MQA_BYOC_NO_CLUSTERS
 }
 
 // One warp's attention over its key tiles, for the block's query rows (those past the group are zero):

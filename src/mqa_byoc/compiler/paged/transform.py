@@ -216,6 +216,11 @@ def _decide(mod, fname, call, page_size=None, provider="native",
     MLA cache's second merge stays, with the whole cache)."""
     args = list(call.args[1:])
     cfg, cache_reason = _cache_reason(args, page_size)
+    cpu = sorted({_kernel_name(mod, f) for a in args if isinstance(a, relax.Tuple) for f in a.fields
+                  if isinstance(f, relax.GlobalVar) and _kernel_name(mod, f).endswith("_cpu")})
+    if cpu:
+        cfg, cache_reason = None, (f"the cache was created for a CPU target (its kernels are TVM's CPU ones: "
+                                   f"{', '.join(cpu)}); ours run on CUDA GPUs: export the model for a CUDA target")
     out = []
     for i, arg in enumerate(args):
         if not isinstance(arg, relax.Tuple):
@@ -258,8 +263,14 @@ def paged_kv_cache_report(mod: tvm.IRModule, page_size: int | None = None, provi
         When ``mod`` is not an IRModule.
     """
     require_module(mod, "paged_kv_cache_report")
+    _check_page_size(page_size, "paged_kv_cache_report")
     provider = _paged_provider(provider, "paged_kv_cache_report(provider=)")
     return [d for fname, call in _create_calls(mod) for _, _, d in _decide(mod, fname, call, page_size, provider, arch)]
+
+
+def _check_page_size(page_size, where: str):
+    if page_size is not None and (isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0):
+        raise ValueError(f"{where}: page_size must be a positive int (tokens per page), got {page_size!r}")
 
 
 def _paged_provider(provider, where: str) -> str:
@@ -350,8 +361,7 @@ class UseFlashAttentionForPagedKVCache:
     """
 
     def __init__(self, page_size: int | None = None, target=None, provider: str = "auto"):
-        if page_size is not None and (not isinstance(page_size, int) or page_size <= 0):
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        _check_page_size(page_size, "UseFlashAttentionForPagedKVCache")
         self.page_size = page_size
         self.target = target
         self.provider = _paged_provider(provider, "UseFlashAttentionForPagedKVCache(provider=)")
@@ -361,6 +371,11 @@ class UseFlashAttentionForPagedKVCache:
         mod = mod.clone()  # the edits below are in place; the caller's module stays as it was
         target = (self.target or tvm.target.Target.current(allow_none=True)
                   or tvm.target.Target({"kind": "cuda", "arch": "sm_90"}))
+        target = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
+        if target.kind.name != "cuda":
+            raise ValueError(f"UseFlashAttentionForPagedKVCache: the target is {target.kind.name!r}; the paged "
+                             "attention kernels run on NVIDIA GPUs: give a CUDA target, e.g. "
+                             "{'kind': 'cuda', 'arch': 'sm_90'}")
         arch = target_arch(target)
         page_gvs: dict[PagedConfig, tuple] = {}
         replaced = set()
