@@ -361,3 +361,17 @@ def test_default_provider_is_hopper_where_its_fa4_objects_can_be_had():
     # not Hopper: the default is the native provider's FA2, and the report says why not FA4
     assert ragged(arch="sm_80").startswith("FA2 var-len forward (provider auto, FA4 not used: FA4's Hopper kernel needs sm_90")
     assert ragged(arch="sm_80", provider="native").startswith("FA2 var-len forward;")
+
+
+def test_build_warns_when_a_cache_it_could_serve_is_left_on_tir(gqa):
+    import warnings
+
+    from mqa_byoc.compiler.build import _warn_unserved_paged_caches
+
+    with pytest.warns(UserWarning, match="PagedKVCache attention .* stays on TVM's TIR kernels; apply"):
+        _warn_unserved_paged_caches(gqa)
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90"}):
+        served = UseFlashAttentionForPagedKVCache()(gqa)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _warn_unserved_paged_caches(served)

@@ -87,6 +87,7 @@ def build(mod: tvm.IRModule, target, *, mqa: bool | None = True, provider: str |
         raise ValueError(f"mqa_byoc.build: the target is {target.kind.name!r}; the offloaded attention and GEMMs run "
                          "on NVIDIA GPUs, so give a CUDA target, e.g. {'kind': 'cuda', 'arch': 'sm_90'} (for a "
                          "CPU build use relax.build without the partition)")
+    _warn_unserved_paged_caches(mod)
     if mqa is not None:
         mod = partition_for_cutlass(mod, mqa=mqa, gemm=gemm)
     options = KernelOptions.of(kernel_options)
@@ -99,6 +100,21 @@ def build(mod: tvm.IRModule, target, *, mqa: bool | None = True, provider: str |
     if cuda_binary:
         compile_cuda_modules(ex, arch, progress=progress)
     return ex
+
+
+def _warn_unserved_paged_caches(mod: tvm.IRModule):
+    """A PagedKVCache's attention is no partition site: the paged pass serves it, with a page size the
+    run-time cache must be created with, so it is never applied behind the user's back; say so when a
+    cache it would serve is left on TVM's kernels."""
+    import warnings
+
+    from mqa_byoc.compiler.paged.transform import paged_kv_cache_report
+
+    pending = sorted({d.kernel for d in paged_kv_cache_report(mod) if d.offloaded and d.note != "already rewritten"})
+    if pending:
+        warnings.warn(f"mqa_byoc.build: the module's PagedKVCache attention ({', '.join(pending)}) stays on TVM's "
+                      "TIR kernels; apply mqa_byoc.compiler.paged.UseFlashAttentionForPagedKVCache(page_size=...) "
+                      "first and create the cache with that page size (docs/paged_kv_cache.md)", stacklevel=3)
 
 
 def run_codegen(mod: tvm.IRModule, target, *, provider: str | None = None) -> tvm.IRModule:
