@@ -13,7 +13,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from mqa_byoc.compiler.graph.exprs import op_name
+from mqa_byoc.compiler.graph.exprs import block_bindings, op_name
 
 __all__ = ["EnterDataflow", "sites_outside_dataflow"]
 
@@ -24,22 +24,8 @@ SITE_OPS = frozenset({"relax.matmul", "relax.nn.softmax", "relax.nn.attention", 
 
 def sites_outside_dataflow(func) -> list:
     """The variables of ``func`` bound to a :data:`SITE_OPS` call in a block that is no dataflow block."""
-    found = []
-
-    def walk(seq):
-        if not isinstance(seq, relax.SeqExpr):
-            return
-        for block in seq.blocks:
-            for b in block.bindings:
-                if isinstance(b, relax.VarBinding) and isinstance(b.value, relax.If):
-                    walk(b.value.true_branch)
-                    walk(b.value.false_branch)
-                elif not isinstance(block, relax.DataflowBlock) and op_name(b.value) in SITE_OPS:
-                    found.append(b.var)
-
-    if isinstance(func, relax.Function):
-        walk(func.body)
-    return found
+    return [b.var for block, b in block_bindings(func)
+            if not isinstance(block, relax.DataflowBlock) and op_name(getattr(b, "value", None)) in SITE_OPS]
 
 
 @tvm.transform.module_pass(opt_level=0, name="EnterDataflow")

@@ -21,11 +21,9 @@ def op_name(expr) -> str:
     return expr.op.name if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) else ""
 
 
-def function_bindings(func: relax.Function) -> list:
-    """Every binding of ``func``'s body in program order, the bindings of ``R.If`` branches (nested to
-    any depth) included, before the binding of the ``If`` itself: a site inside a branch is analysed and
-    partitioned like one at the top level."""
-    out = []
+def block_bindings(func: relax.Function):
+    """``(block, binding)`` of every binding of ``func``'s body in program order, the bindings of ``R.If``
+    branches (nested to any depth) included, before the binding of the ``If`` itself."""
 
     def walk(seq):
         if not isinstance(seq, relax.SeqExpr):
@@ -33,12 +31,18 @@ def function_bindings(func: relax.Function) -> list:
         for block in seq.blocks:
             for b in block.bindings:
                 if isinstance(b, relax.VarBinding) and isinstance(b.value, relax.If):
-                    walk(b.value.true_branch)
-                    walk(b.value.false_branch)
-                out.append(b)
+                    yield from walk(b.value.true_branch)
+                    yield from walk(b.value.false_branch)
+                yield block, b
 
-    walk(func.body)
-    return out
+    if isinstance(func, relax.Function):
+        yield from walk(func.body)
+
+
+def function_bindings(func: relax.Function) -> list:
+    """Every binding of ``func`` (:func:`block_bindings`): a site inside an ``R.If`` branch is analysed and
+    partitioned like one at the top level."""
+    return [b for _, b in block_bindings(func)]
 
 
 def function_results(func: relax.Function) -> list:
