@@ -100,6 +100,10 @@ def test_offload_report_names_the_kernel():
     falcon = mqa_byoc.offload_report(graphs.attention_repeat_bsnh(h=71, hkv=1, d=64, s="n"), target=SM90,
                                      provider="native")[0]
     assert falcon.kernel == "FA2 (decode: our grouped-query decode kernel), linked"  # 71 rows: 5 CTAs per split
+    # before Hopper the decode kernel's plans do not fit (clusters, 227 KB of shared memory): FA2's split-KV
+    ampere = mqa_byoc.offload_report(graphs.attention_repeat_bsnh(h=71, hkv=1, d=64, s="n"),
+                                     target={"kind": "cuda", "arch": "sm_80"}, provider="native")[0]
+    assert ampere.kernel == "FA2 (decode: FA2 split-KV), linked"
 
 
 def test_unavailable_reasons(monkeypatch, tmp_path):

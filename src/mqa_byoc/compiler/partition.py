@@ -131,10 +131,11 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
     require_module(mod, "offload_report")
     mod = RestoreLoweredMatmul()(mod)  # as the partition reads it
     from mqa_byoc.compiler.codegen import hopper as hopper_codegen
-    from mqa_byoc.compiler.provider import build_provider
+    from mqa_byoc.compiler.provider import build_provider, target_arch
     from mqa_byoc.compiler.kernel_options import KernelOptions
 
     chosen = build_provider(provider, target)
+    arch = target_arch(target)
     options = KernelOptions.of(kernel_options)
     for sites in analyze_module(mod, mqa).values():
         for s in sites:
@@ -157,7 +158,7 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
                     chosen, dtype=s.dtype, head_dim=s.head_dim, num_q_heads=s.num_q_heads,
                     num_kv_heads=s.num_kv_heads if mqa else s.num_q_heads, causal=bool(s.mask.causal),
                     window=s.mask.window, var_len=s.form == varlen.FORM, options=options,
-                    sinks=s.sinks is not None, softcap=s.softcap is not None) if ok else None,
+                    sinks=s.sinks is not None, softcap=s.softcap is not None, arch=arch) if ok else None,
                 kernel_options=options.describe() if ok and chosen != "python" else None,
                 softcap=s.softcap,
             ))

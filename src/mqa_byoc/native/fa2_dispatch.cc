@@ -419,8 +419,34 @@ int chunked_decode(Params& p, EntryFn fn, int splits, int block_n, int64_t seqle
 // set to FA2 turns it off (the FA2 paths below).
 bool own_decode_enabled() { return library_options().decode_kernel == 0; }
 
+// The decode kernel's plans take what Hopper has (thread-block clusters, up to 227 KB of shared memory a
+// block): on an older GPU (compute capability below 9) decode runs on FA2's split-KV.
+std::vector<int> g_cc_major;  // per device, 0 = unknown
+
+bool device_runs_own_decode() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0) {
+    cudaGetLastError();
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (device >= static_cast<int>(g_cc_major.size())) g_cc_major.resize(device + 1, 0);
+  if (g_cc_major[device] == 0) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major <= 0) {
+      cudaGetLastError();
+      return false;
+    }
+    g_cc_major[device] = major;
+  }
+  return g_cc_major[device] >= 9;
+}
+
 bool own_decode_fits(int64_t head_dim, int64_t num_heads, int64_t num_heads_k, int64_t batch) {
-  if (!own_decode_enabled() || !mqa_byoc_decode_supported(head_dim, num_heads, num_heads_k)) return false;
+  if (!own_decode_enabled() || !mqa_byoc_decode_supported(head_dim, num_heads, num_heads_k) ||
+      !device_runs_own_decode()) {
+    return false;
+  }
   const int64_t row_groups = (num_heads / num_heads_k + mqa_byoc_decode_rows_per_cta(head_dim) - 1) /
                              mqa_byoc_decode_rows_per_cta(head_dim);
   return batch <= 65535 && num_heads_k * row_groups <= 65535;  // the grid's z and y

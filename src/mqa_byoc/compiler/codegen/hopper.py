@@ -26,7 +26,8 @@ FA4_TILE_M = 128
 
 
 def describe_kernel(provider: str, *, dtype, head_dim, num_q_heads, num_kv_heads, causal, window,
-                    var_len: bool = False, options=None, sinks: bool = False, softcap: bool = False) -> str:
+                    var_len: bool = False, options=None, sinks: bool = False, softcap: bool = False,
+                    arch: str | None = None) -> str:
     """What an offloaded site runs on with ``provider`` (the ``kernel`` of ``offload_report``) and the
     kernel options the library is built with (:class:`~.kernel_options.KernelOptions`, None: defaults);
     ``sinks``: attention with sinks (FA2 and our sink epilogue); ``softcap``: logit soft-capping (FA2's
@@ -41,7 +42,7 @@ def describe_kernel(provider: str, *, dtype, head_dim, num_q_heads, num_kv_heads
         return "FA2 through the python provider (flash-attn or PyTorch at run time)" + (
             "; the sinks applied to its output by its log-sum-exp" if sinks else "")
     fa2_split = "FA2 split-KV" + (" with FA2's combine" if options.split_combine == "fa2" else "")
-    own = options.decode_kernel == "auto" and decode_kernel_serves(head_dim, num_q_heads, num_kv_heads)
+    own = options.decode_kernel == "auto" and decode_kernel_serves(head_dim, num_q_heads, num_kv_heads, arch)
     decode = "our grouped-query decode kernel" if own else fa2_split
     if softcap:
         out = (f"FA2's soft-capping kernel families (decode: {fa2_split}; our decode kernel does not soft-cap), "
