@@ -141,19 +141,22 @@ std::vector<int> g_num_sms;              // per device, 0 = unknown
 std::vector<cudaMemPool_t> g_pools;      // per device, nullptr = not created
 std::vector<char> g_pool_failed;         // per device
 
-int num_sms(int device) {
+// A positive device attribute, asked once per device and kept in `cache` (0: not known, the query failed).
+int cached_device_attribute(std::vector<int>& cache, cudaDeviceAttr attr, int device) {
   std::lock_guard<std::mutex> lock(g_mu);
-  if (device >= static_cast<int>(g_num_sms.size())) g_num_sms.resize(device + 1, 0);
-  if (g_num_sms[device] == 0) {
+  if (device >= static_cast<int>(cache.size())) cache.resize(device + 1, 0);
+  if (cache[device] == 0) {
     int n = 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) {
+    if (cudaDeviceGetAttribute(&n, attr, device) != cudaSuccess || n <= 0) {
       cudaGetLastError();
       return 0;
     }
-    g_num_sms[device] = n;
+    cache[device] = n;
   }
-  return g_num_sms[device];
+  return cache[device];
 }
+
+int num_sms(int device) { return cached_device_attribute(g_num_sms, cudaDevAttrMultiProcessorCount, device); }
 
 // A private stream-ordered pool per device that keeps its memory (the workspaces are small and
 // needed on every call); falls back to the device's default pool.
@@ -429,17 +432,7 @@ bool device_runs_own_decode() {
     cudaGetLastError();
     return false;
   }
-  std::lock_guard<std::mutex> lock(g_mu);
-  if (device >= static_cast<int>(g_cc_major.size())) g_cc_major.resize(device + 1, 0);
-  if (g_cc_major[device] == 0) {
-    int major = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major <= 0) {
-      cudaGetLastError();
-      return false;
-    }
-    g_cc_major[device] = major;
-  }
-  return g_cc_major[device] >= 9;
+  return cached_device_attribute(g_cc_major, cudaDevAttrComputeCapabilityMajor, device) >= 9;
 }
 
 bool own_decode_fits(int64_t head_dim, int64_t num_heads, int64_t num_heads_k, int64_t batch) {
