@@ -615,6 +615,16 @@ def gemm_report(mod: tvm.IRModule) -> list[GemmSite]:
     return sites
 
 
+def _report_sizes(lshape, wshape, transposed: bool):
+    """(M, N, K, batch) of a site left on TVM as the report shows them (M and batch as text, batch None for
+    a 2-D weight); all None when a shape is unknown or of fewer than two axes."""
+    if not (lshape and wshape and len(lshape) >= 2 and len(wshape) >= 2):
+        return None, None, None, None
+    b, rows = batch_and_rows(lshape, len(wshape) - 2 if len(wshape) == len(lshape) else 0)
+    n, k = (_static(wshape[-2]), _static(wshape[-1])) if transposed else (_static(wshape[-1]), _static(wshape[-2]))
+    return str(rows), n, k, (str(b) if len(wshape) > 2 else None)
+
+
 def _lowered_site(fname, var, call, form, reason):
     """The report's entry of a ``call_tir`` of a matmul PrimFunc left on TVM (:func:`lowered_matmul_reason`),
     its sizes read off the operands where they are known."""
@@ -622,12 +632,8 @@ def _lowered_site(fname, var, call, form, reason):
     x_ty, w_ty = (fields[0].ty, fields[1].ty) if len(fields) >= 2 else (None, None)
     lshape = _shape(x_ty) if isinstance(x_ty, relax.TensorType) else None
     wshape = _shape(w_ty) if isinstance(w_ty, relax.TensorType) else None
-    m = n = k = batch = None
     transposed = form == "NT_matmul"
-    if lshape and wshape and len(lshape) >= 2 and len(wshape) >= 2:
-        b, rows = batch_and_rows(lshape, len(wshape) - 2 if len(wshape) == len(lshape) else 0)
-        m, batch = str(rows), (str(b) if len(wshape) > 2 else None)
-        n, k = (_static(wshape[-2]), _static(wshape[-1])) if transposed else (_static(wshape[-1]), _static(wshape[-2]))
+    m, n, k, batch = _report_sizes(lshape, wshape, transposed)
     return GemmSite(fname, var.name, False, "TVM", None, m, n, k,
                     str(x_ty.dtype) if isinstance(x_ty, relax.TensorType) else None, transposed, None, reason, None,
                     str(call.ty.dtype) if isinstance(call.ty, relax.TensorType) else None, batch)
@@ -731,11 +737,7 @@ def _tvm_site(fname, var, call, bindings, users):
     lshape, wshape = _shape(lhs.ty), _shape(weight.ty)
     if reason is None:
         reason = "an intermediate value of the pattern is used elsewhere"
-    batch = m = n = k = None
-    if lshape and len(lshape) >= 2 and wshape is not None and len(wshape) >= 2:
-        b, rows = batch_and_rows(lshape, len(wshape) - 2 if len(wshape) == len(lshape) else 0)
-        m, batch = str(rows), (str(b) if len(wshape) > 2 else None)
-        n, k = (_static(wshape[-2]), _static(wshape[-1])) if transposed else (_static(wshape[-1]), _static(wshape[-2]))
+    m, n, k, batch = _report_sizes(lshape, wshape, transposed)
     dtype = str(lhs.ty.dtype) if isinstance(lhs.ty, relax.TensorType) else None
     out_dtype = str(call.ty.dtype) if isinstance(call.ty, relax.TensorType) else None
     note = _followed_by(users, var, bindings)
