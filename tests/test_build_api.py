@@ -97,3 +97,34 @@ def test_export_library_of_something_else_than_an_executable_is_a_type_error(wha
     arg = graphs.hf_repeat_kv_chain(h=8, hkv=2, d=64, s=16) if what == "module" else str(tmp_path / "x.so")
     with pytest.raises(TypeError, match="expected the executable mqa_byoc.build"):
         mqa_byoc.export_library(arg, tmp_path / "model.so")
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda mod: mqa_byoc.build(mod, TARGET, pipeline=42), r"pipeline=\) takes None, a pipeline name"),
+    (lambda mod: mqa_byoc.build(mod, TARGET, mqa="yes"), r"build\(mqa=\) takes True, False or None, got 'yes'"),
+    (lambda mod: mqa_byoc.build(mod, TARGET, gemm=1), r"build\(gemm=\) takes True or False, got 1"),
+    (lambda mod: mqa_byoc.partition_for_cutlass(mod, mqa="False"), r"partition_for_cutlass\(mqa=\) takes"),
+    (lambda mod: mqa_byoc.partition_for_cutlass(mod, use_flash_mqa=0), r"use_flash_mqa=\) takes"),
+    (lambda mod: mqa_byoc.partition_for_cutlass(mod, gemm="no"), r"partition_for_cutlass\(gemm=\) takes"),
+    (lambda mod: mqa_byoc.offload_report(mod, mqa="yes"), r"offload_report\(mqa=\) takes"),
+])
+def test_switches_and_pipeline_of_a_wrong_type_are_type_errors(call, match):
+    """A string "False" would count as True, a number as a pipeline fails deep inside relax.build: both are
+    refused up front, naming the argument."""
+    with pytest.raises(TypeError, match=match):
+        call(graphs.hf_repeat_kv_chain(h=8, hkv=2, d=64, s=16))
+
+
+def test_switches_take_numpy_bools():
+    import numpy as np
+
+    mod = graphs.hf_repeat_kv_chain(h=8, hkv=2, d=64, s=16)
+    assert [s.offloaded for s in mqa_byoc.offload_report(mod, mqa=np.bool_(True))] == [True]
+
+
+@pytest.mark.parametrize("target", ["llvm", {"kind": "llvm"}])
+def test_offload_report_for_a_target_that_is_not_cuda_is_refused(target):
+    """What build refuses is not reported as offloaded."""
+    mod = graphs.hf_repeat_kv_chain(h=8, hkv=2, d=64, s=16)
+    with pytest.raises(ValueError, match=r"offload_report: the target is 'llvm'.*give a CUDA target"):
+        mqa_byoc.offload_report(mod, target=target)

@@ -26,9 +26,10 @@ from mqa_byoc.contract import CODEGEN
 from mqa_byoc.compiler.codegen import cublaslt  # noqa: F401 - registers relax.ext.cublaslt
 from mqa_byoc.compiler.codegen import dispatch  # noqa: F401 - registers relax.ext.flash_attn
 from mqa_byoc.compiler.cuda_binary import compile_cuda_modules
+from mqa_byoc.compiler.graph.site import require_flag
 from mqa_byoc.compiler.kernel_options import KernelOptions
 from mqa_byoc.compiler.link import AttachKernelLibraries
-from mqa_byoc.compiler.provider import PROVIDER_OPTION, build_provider, target_arch
+from mqa_byoc.compiler.provider import PROVIDER_OPTION, build_provider, cuda_target, target_arch
 
 
 def build(mod: tvm.IRModule, target, *, mqa: bool | None = True, provider: str | None = None, pipeline=None,
@@ -82,11 +83,11 @@ def build(mod: tvm.IRModule, target, *, mqa: bool | None = True, provider: str |
     """
     from mqa_byoc.compiler.partition import partition_for_cutlass
 
-    target = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
-    if target.kind.name != "cuda":
-        raise ValueError(f"mqa_byoc.build: the target is {target.kind.name!r}; the offloaded attention and GEMMs run "
-                         "on NVIDIA GPUs, so give a CUDA target, e.g. {'kind': 'cuda', 'arch': 'sm_90'} (for a "
-                         "CPU build use relax.build without the partition)")
+    target = cuda_target(target, "mqa_byoc.build", "for a CPU build use relax.build without the partition")
+    _check_pipeline(pipeline)
+    mqa = require_flag(mqa, "mqa_byoc.build(mqa=)", allow_none=True)
+    for flag, name in ((gemm, "gemm"), (link_kernels, "link_kernels"), (cuda_binary, "cuda_binary")):
+        require_flag(flag, f"mqa_byoc.build({name}=)")
     _warn_unserved_paged_caches(mod)
     if mqa is not None:
         mod = partition_for_cutlass(mod, mqa=mqa, gemm=gemm)
@@ -100,6 +101,14 @@ def build(mod: tvm.IRModule, target, *, mqa: bool | None = True, provider: str |
     if cuda_binary:
         compile_cuda_modules(ex, arch, progress=progress)
     return ex
+
+
+def _check_pipeline(pipeline):
+    """``relax.build`` takes a pipeline name or a Pass; anything else fails deep inside it."""
+    if pipeline is not None and not isinstance(pipeline, (str, tvm.transform.Pass)):
+        raise TypeError(f"mqa_byoc.build(pipeline=) takes None, a pipeline name (\"default\") or a tvm.transform.Pass "
+                        f"(e.g. mqa_byoc.compiler.pipeline.cuda_decoder_pipeline(target)), got {pipeline!r} "
+                        f"({type(pipeline).__name__})")
 
 
 def _warn_unserved_paged_caches(mod: tvm.IRModule):

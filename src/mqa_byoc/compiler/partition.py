@@ -40,7 +40,7 @@ from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
 from mqa_byoc.compiler.graph.lowered_matmul import RestoreLoweredMatmul, has_lowered_nt_matmul
 from mqa_byoc.compiler.graph.patterns import flash_attn_patterns
 from mqa_byoc.compiler.graph.sink_attention import OffloadSinkAttention
-from mqa_byoc.compiler.graph.site import FUSED_FORMS, require_module
+from mqa_byoc.compiler.graph.site import FUSED_FORMS, require_flag, require_module
 from mqa_byoc.compiler.graph.trace import Bindings
 
 __all__ = [
@@ -129,6 +129,12 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
     """
     report = []
     require_module(mod, "offload_report")
+    mqa = require_flag(mqa, "offload_report(mqa=)")
+    gemm = require_flag(gemm, "offload_report(gemm=)")
+    if target is not None:
+        from mqa_byoc.compiler.provider import cuda_target
+
+        target = cuda_target(target, "offload_report", "what runs where is decided for the GPU the library is built for")
     mod = RestoreLoweredMatmul()(mod)  # as the partition reads it
     from mqa_byoc.compiler.codegen import hopper as hopper_codegen
     from mqa_byoc.compiler.provider import build_provider, target_arch
@@ -201,6 +207,8 @@ class AnnotateProvider:
 
 
 def _mqa_switch(mqa: bool | None, use_flash_mqa: bool | None) -> bool:
+    require_flag(mqa, "partition_for_cutlass(mqa=)", allow_none=True)
+    require_flag(use_flash_mqa, "partition_for_cutlass(use_flash_mqa=)", allow_none=True)
     if mqa is not None and use_flash_mqa is not None and bool(mqa) != bool(use_flash_mqa):
         raise ValueError(f"partition_for_cutlass: mqa={mqa!r} and use_flash_mqa={use_flash_mqa!r} disagree; they "
                          "are the same switch (use_flash_mqa is upstream TVM's name): pass one of them")
@@ -270,6 +278,8 @@ def partition_for_cutlass(
     from mqa_byoc.compiler.codegen import cublaslt, dispatch  # noqa: F401 - register relax.ext.cublaslt, .flash_attn
 
     mqa = _mqa_switch(mqa, use_flash_mqa)
+    for flag, name in ((annotate_codegen, "annotate_codegen"), (bind_constants, "bind_constants"), (gemm, "gemm")):
+        require_flag(flag, f"partition_for_cutlass({name}=)")
 
     require_module(mod, "partition_for_cutlass")
     # the pattern check sees one call, not its function: it gets the match_cast length facts of

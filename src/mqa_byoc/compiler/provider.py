@@ -43,7 +43,8 @@ from mqa_byoc.kernels.toolchain import nvcc_available
 
 from mqa_byoc.compiler.graph.exprs import get_attr
 
-__all__ = ["PROVIDER_OPTION", "build_provider", "default_provider", "hopper_unavailable", "resolve_provider", "target_arch"]
+__all__ = ["PROVIDER_OPTION", "build_provider", "cuda_target", "default_provider", "hopper_unavailable", "resolve_provider",
+           "target_arch"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,16 @@ def _target_kind(target) -> str | None:
     if isinstance(target, (dict, str)):
         target = tvm.target.Target(target)
     return str(target.kind.name)
+
+
+def cuda_target(target, what: str, hint: str = "") -> tvm.target.Target:
+    """``target`` (a Target, dict or string) as a Target; a ValueError naming ``what`` and the fix when it
+    is not a CUDA target (every kernel the offload calls runs on NVIDIA GPUs). ``hint`` ends the message."""
+    target = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
+    if target.kind.name != "cuda":
+        raise ValueError(f"{what}: the target is {target.kind.name!r}; the offloaded kernels run on NVIDIA GPUs, so "
+                         "give a CUDA target, e.g. {'kind': 'cuda', 'arch': 'sm_90'}" + (f" ({hint})" if hint else ""))
+    return target
 
 
 def target_arch(target) -> str | None:

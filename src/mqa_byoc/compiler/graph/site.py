@@ -74,6 +74,17 @@ def require_module(mod, what: str):
 
 
 
+def require_flag(value, what: str, allow_none: bool = False):
+    """A True/False switch: a clear TypeError for anything else (``mqa="yes"``, a string "False" would
+    otherwise count as True); ``allow_none`` where None has a meaning of its own."""
+    import numpy as np
+
+    if (value is None and allow_none) or isinstance(value, (bool, np.bool_)):
+        return None if value is None else bool(value)
+    expected = "True, False or None" if allow_none else "True or False"
+    raise TypeError(f"{what} takes {expected}, got {value!r} ({type(value).__name__})")
+
+
 # ----------------------------------------------------------------------------- checks
 def seq_len(t: Traced):
     return t.shape()[t.labels.index("S")]

@@ -44,7 +44,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from mqa_byoc.compiler.graph.site import require_module
 from mqa_byoc.compiler.paged.codegen import KINDS, PagedConfig, emit_paged_source, fa4_ragged_keys
-from mqa_byoc.compiler.provider import target_arch
+from mqa_byoc.compiler.provider import cuda_target, target_arch
 from mqa_byoc.contract import check_provider
 from mqa_byoc.kernels import KERNEL_HEAD_DIMS, kernel_head_dim
 from mqa_byoc.kernels import hopper as _hopper
@@ -371,11 +371,7 @@ class UseFlashAttentionForPagedKVCache:
         mod = mod.clone()  # the edits below are in place; the caller's module stays as it was
         target = (self.target or tvm.target.Target.current(allow_none=True)
                   or tvm.target.Target({"kind": "cuda", "arch": "sm_90"}))
-        target = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
-        if target.kind.name != "cuda":
-            raise ValueError(f"UseFlashAttentionForPagedKVCache: the target is {target.kind.name!r}; the paged "
-                             "attention kernels run on NVIDIA GPUs: give a CUDA target, e.g. "
-                             "{'kind': 'cuda', 'arch': 'sm_90'}")
+        target = cuda_target(target, "UseFlashAttentionForPagedKVCache")
         arch = target_arch(target)
         page_gvs: dict[PagedConfig, tuple] = {}
         replaced = set()
