@@ -42,6 +42,7 @@ from mqa_byoc.compiler.graph.patterns import flash_attn_patterns
 from mqa_byoc.compiler.graph.sink_attention import OffloadSinkAttention
 from mqa_byoc.compiler.graph.site import FUSED_FORMS, require_flag, require_module
 from mqa_byoc.compiler.graph.trace import Bindings
+from mqa_byoc.compiler.graph.views import CollapseViewChains
 
 __all__ = [
     "AnnotateProvider",
@@ -135,7 +136,7 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
         from mqa_byoc.compiler.provider import cuda_target
 
         target = cuda_target(target, "offload_report", "what runs where is decided for the GPU the library is built for")
-    mod = RestoreLoweredMatmul()(mod)  # as the partition reads it
+    mod = CollapseViewChains()(RestoreLoweredMatmul()(mod))  # as the partition reads it
     from mqa_byoc.compiler.codegen import hopper as hopper_codegen
     from mqa_byoc.compiler.provider import build_provider, target_arch
     from mqa_byoc.compiler.kernel_options import KernelOptions
@@ -230,7 +231,8 @@ def partition_for_cutlass(
 
     The passes, in a ``tvm.transform.Sequential`` like upstream's CUTLASS partition:
     :class:`~mqa_byoc.compiler.graph.lowered_matmul.RestoreLoweredMatmul`,
-    :class:`~mqa_byoc.compiler.graph.dataflow.EnterDataflow`, :class:`CanonicalizeAttention`, ``FuseOpsByPattern`` with :func:`flash_attn_patterns`,
+    :class:`~mqa_byoc.compiler.graph.dataflow.EnterDataflow`, :class:`CanonicalizeAttention` (view chains
+    collapsed first, :mod:`~mqa_byoc.compiler.graph.views`), ``FuseOpsByPattern`` with :func:`flash_attn_patterns`,
     :class:`OffloadSinkAttention`, :class:`AnnotateProvider`, :class:`LegalizeGroupedAttention`, then
     (``gemm=True``) :class:`~mqa_byoc.compiler.graph.gemm.PartitionGemm`.
 

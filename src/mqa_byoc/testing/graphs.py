@@ -285,11 +285,16 @@ def run_llvm(mod, args, function="main"):
 
 def rewritten_on_cpu(mod, args, rtol=2e-2, atol=2e-2, function="main"):
     """``mod`` rewritten as the partition does (attention on the un-expanded K/V, TVM's lowering with the
-    h // r grouping) returns on the CPU what ``mod`` returns; the rewritten graph's output."""
+    h // r grouping) returns on the CPU what ``mod`` returns; the rewritten graph's output. Fails when
+    the partition rewrites nothing in ``mod`` (the comparison would then check nothing)."""
     from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
     from mqa_byoc.compiler.partition import canonicalize_attention
 
-    got = run_llvm(LegalizeGroupedAttention()(canonicalize_attention(mod)), args, function)
+    rewritten = canonicalize_attention(mod)
+    text = rewritten[function].script(show_meta=False)
+    assert any(call in text for call in ("R.nn.attention", "attention_sinks", "attention_softcap")), \
+        "the partition rewrote no attention: the comparison would check nothing"
+    got = run_llvm(LegalizeGroupedAttention()(rewritten), args, function)
     np.testing.assert_allclose(got, run_llvm(mod, args, function), rtol=rtol, atol=atol)
     return got
 

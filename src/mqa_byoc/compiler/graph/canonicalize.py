@@ -1,5 +1,7 @@
 """Step 1 of the partition: rewrite every offloadable attention to ``R.nn.attention``.
 
+View chains around matmuls are collapsed first (:mod:`.views`: torch.einsum's plumbing).
+
 Every site that FA2 computes exactly (see :mod:`.analysis`) becomes ``R.nn.attention`` on the
 pre-expansion K/V (with ``mqa=True``), with BNSH operands entering through ``permute_dims`` so the
 codegen can pass them as strides; rejected sites are left alone. The result is what the pattern
@@ -16,6 +18,7 @@ from mqa_byoc.compiler.graph import analysis, masks, sink_attention, varlen
 from mqa_byoc.compiler.graph.exprs import (binding_values, function_bindings, function_results, is_offloaded,
                                            op_name)
 from mqa_byoc.compiler.graph.trace import Bindings
+from mqa_byoc.compiler.graph.views import CollapseViewChains
 
 
 def analyze_module(mod: tvm.IRModule, mqa: bool) -> dict:
@@ -173,6 +176,7 @@ class CanonicalizeAttention:
         self.mqa = mqa
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        mod = CollapseViewChains()(mod)  # the forms the analysis reads (what offload_report analyses too)
         return _canonicalize(mod, self.mqa, analyze_module(mod, self.mqa))
 
 

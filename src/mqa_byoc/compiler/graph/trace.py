@@ -13,6 +13,7 @@ A 3-D operand whose merged axis is never split has no head axis: its labels end 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from tvm import relax, tirx
@@ -237,10 +238,16 @@ def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: b
                 new_labels[moved[0]] = "Hkv"
                 expansion = TILE
                 factor = reps[moved[0]]
-        elif name == "relax.multiply" and fold_scale:
-            # a constant scale folded into Q or K (torch's SDPA decomposition scales both by sqrt)
-            for a, b in ((value.args[0], value.args[1]), (value.args[1], value.args[0])):
+        elif name in ("relax.multiply", "relax.divide") and fold_scale:
+            # a constant scale folded into Q or K (torch's SDPA decomposition scales both by sqrt; users
+            # write q / sqrt(d) or k / sqrt(d))
+            pairs = [(value.args[0], value.args[1])]
+            if name == "relax.multiply":
+                pairs.append((value.args[1], value.args[0]))
+            for a, b in pairs:
                 c = bindings.resolve_scalar(b)
+                if name == "relax.divide" and c is not None:
+                    c = 1.0 / c if c != 0 else None
                 if c is not None and shape_of(a) is not None and len(shape_of(a)) == len(out_shape):
                     t.scale *= c
                     arg = a
@@ -317,6 +324,25 @@ def _unreshape(labels, in_shape, out_shape):
             prove_equal(x, y) for x, y in zip(in_shape[1:], out_shape[2:])
         ):
             return ["BH"] + list(labels[2:])
+    return _merge_with_unit_axes(labels, in_shape, out_shape)
+
+
+def _merge_with_unit_axes(labels, in_shape, out_shape):
+    """Labels of a 4-D input merged to a (B*H, x, y) output when size-1 axes stand between the merged
+    ones: a decode query (B, 1, H, D) of a BSNH graph reshaped to (B*H, 1, D) by torch's einsum. Each
+    order of (B, H, x, y) on the input is tried, the plain (B, H, x, y) first; one fits when the sizes
+    agree and the axes longer than 1 keep their order, so that the reshape moves no element."""
+    if len(in_shape) != len(out_shape) + 1 or labels[0] != "BH" or len(labels) != 3:
+        return None
+    wanted = ["B", "H"] + list(labels[1:])
+    for order in itertools.permutations(wanted):
+        size = dict(zip(order, in_shape))
+        if not (prove_equal(size["B"] * size["H"], out_shape[0])
+                and all(prove_equal(size[lab], n) for lab, n in zip(labels[1:], out_shape[1:]))):
+            continue
+        long = [lab for lab in wanted if as_int(size[lab]) != 1]
+        if [lab for lab in order if as_int(size[lab]) != 1] == long:
+            return list(order)
     return None
 
 

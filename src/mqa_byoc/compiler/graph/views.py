@@ -1,0 +1,242 @@
+"""Chains of view ops around attention matmuls, collapsed to the transpose and reshape they amount to.
+
+``torch.einsum`` reaches Relax as torch's decomposition: every operand of its batched matmul gets
+``expand_dims`` / ``permute_dims`` / ``reshape`` steps that move size-1 axes about (``einsum("bhqd,bhkd->bhqk",
+q, k)`` at batch 1: q (B, H, S, D) -> (B, H, S, D, 1) -> (B, H, S, 1, D) -> (H, S, D, B, 1) -> (B*H, S, D)),
+and its result takes as many back. Each chain only moves data; what it moves is a plain reshape, or a
+transpose and a reshape, of its source. :class:`CollapseViewChains` finds that equivalent by following
+which source axes each axis holds (:func:`collapsed_view`) and binds it in the chain's place, so that the
+analysis meets the forms it reads (:mod:`.trace`). Only chains that start at or feed a matmul or a
+softmax and move size-1 axes about (an ``expand_dims`` or ``squeeze`` in them, or more size-1 axes on
+the way than at their ends) are touched (the chains of
+upstream's and HF's forms are left as the analysis and the output folding read them), only when the
+result has fewer ops, and only with an exact match.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax, tirx
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from mqa_byoc.compiler.graph.exprs import function_bindings, function_results, op_name
+
+__all__ = ["CollapseViewChains", "collapsed_view"]
+
+VIEW_OPS = frozenset({"relax.reshape", "relax.permute_dims", "relax.expand_dims", "relax.squeeze"})
+# where a chain has to start or end to be collapsed: the ops of attention and GEMM sites
+_ANCHORS = frozenset({"relax.matmul", "relax.nn.softmax"})
+
+
+def _dims(expr):
+    ty = expr.ty
+    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+        return None
+    return list(ty.shape.values)
+
+
+def _is_unit(dim) -> bool:
+    return isinstance(dim, tirx.IntImm) and int(dim) == 1
+
+
+def _quotient(a, b):
+    """``a / b`` when ``b`` provably divides ``a``, else None."""
+    from tvm.sym import Analyzer
+
+    from mqa_byoc.compiler.graph.trace import prove_equal
+
+    q = Analyzer().simplify(tirx.floordiv(a, b))
+    return q if prove_equal(q * b, a) else None
+
+
+def _regroup(axes, dims):
+    """The axes (lists of atoms ``(source axis, size, part)``) after a reshape to ``dims``; an atom a
+    new axis takes only the outer part of is split in two (``part`` + (0,) and + (1,)); None when
+    the sizes do not divide."""
+    from mqa_byoc.compiler.graph.trace import prove_equal
+
+    atoms = [a for axis in axes for a in axis]
+    out = []
+    for dim in dims:
+        group, size = [], 1
+        while not _is_unit(dim) and not (group and prove_equal(size, dim)):
+            need = _quotient(dim, size)
+            if not atoms or need is None:
+                return None
+            axis, n, part = atoms.pop(0)
+            rest = None if prove_equal(n, need) else _quotient(n, need)
+            if rest is not None:  # the new axis takes the outer ``need`` of this atom
+                atoms.insert(0, (axis, rest, part + (1,)))
+                n, part = need, part + (0,)
+            group.append((axis, n, part))
+            size = size * n
+        out.append(group)
+    return out if not atoms else None
+
+
+def collapsed_view(source, steps):
+    """The plain equivalent of the view ``steps`` (calls, innermost first) applied to ``source``: the
+    ``axes`` with which the chain equals ``reshape(permute_dims(source, axes), out_shape)`` (None: the
+    identity), or ``False`` when the chain splits an axis of ``source`` or is no view we follow.
+
+    Each axis is followed as the list of atoms (source axes, or parts of one a reshape split) it holds,
+    in row-major order; size-1 axes hold none. The elements end in the order of the atoms: when the
+    parts of each source axis stay together and in order, that is a permutation of the source's axes
+    (its size-1 axes kept where they were)."""
+    src = _dims(source)
+    if src is None:
+        return False
+    axes = [[] if _is_unit(d) else [(i, d, ())] for i, d in enumerate(src)]
+    for call in steps:
+        name = op_name(call)
+        if name == "relax.permute_dims":
+            order = range(len(axes))[::-1] if call.attrs.axes is None else [int(a) for a in call.attrs.axes]
+            axes = [axes[a] for a in order]
+        elif name == "relax.expand_dims":
+            ndim = len(axes) + len(call.attrs.axis)
+            for a in sorted(int(a) % ndim for a in call.attrs.axis):
+                axes.insert(a, [])
+        elif name == "relax.squeeze":
+            drop = ({i for i, axis in enumerate(axes) if not axis} if call.attrs.axis is None
+                    else {int(a) % len(axes) for a in call.attrs.axis})
+            if any(axes[i] for i in drop):
+                return False
+            axes = [axis for i, axis in enumerate(axes) if i not in drop]
+        elif name == "relax.reshape" and _dims(call) is not None:
+            axes = _regroup(axes, _dims(call))
+            if axes is None:
+                return False
+        else:
+            return False
+    atoms = [(i, part) for axis in axes for i, _, part in axis]
+    order = [i for n, (i, _) in enumerate(atoms) if n == 0 or atoms[n - 1][0] != i]
+    if len(order) != len(set(order)) or any(
+            [p for j, p in atoms if j == i] != sorted(p for j, p in atoms if j == i) for i in order):
+        return False  # the parts of a source axis were separated or reordered: no transpose of the source
+    order = iter(order)
+    perm = [i if _is_unit(d) else next(order) for i, d in enumerate(src)]
+    return None if perm == list(range(len(src))) else perm
+
+
+def _chains(func):
+    """{last var of a view chain: (source, [calls innermost first], [vars])} for the chains that start
+    at or feed a matmul or a softmax."""
+    values = {b.var: b.value for b in function_bindings(func) if isinstance(b, relax.VarBinding)}
+    users = {}  # var -> the bindings reading it (None: the function's result)
+    for b in function_bindings(func):
+        if isinstance(b.value, relax.If):
+            continue
+        for var in relax.analysis.free_vars(b.value):
+            users.setdefault(var, []).append(b.var)
+    for value in function_results(func):
+        for var in relax.analysis.free_vars(value):
+            users.setdefault(var, []).append(None)
+
+    def user_ops(var):  # the ops reading ``var``, through casts (ToMixedPrecision's astype)
+        out = []
+        for user in users.get(var, []):
+            name = op_name(values.get(user)) if user is not None else None
+            out += user_ops(user) if name == "relax.astype" else [name]
+        return out
+
+    def producer_op(expr):
+        while op_name(values.get(expr)) == "relax.astype":
+            expr = values[expr].args[0]
+        return op_name(values.get(expr))
+    chains = {}
+    for var, value in values.items():
+        if op_name(value) not in VIEW_OPS:
+            continue
+        if any(op_name(values.get(u)) in VIEW_OPS for u in users.get(var, []) if u is not None):
+            continue  # not the end of its chain
+        steps, names = [], []
+        expr = var
+        while op_name(values.get(expr)) in VIEW_OPS:
+            steps.append(values[expr])
+            names.append(expr)
+            expr = values[expr].args[0]
+        if op_name(steps[-1]) == "relax.reshape" and len(steps) > 1 and producer_op(expr) not in _ANCHORS:
+            # a chain's first reshape is kept: it is the graph's own (HF's repeat_kv merge, a head split),
+            # which the analysis reads as it is; only the data movement after it is collapsed
+            expr = names.pop()
+            steps.pop()
+        starts = producer_op(expr) in _ANCHORS
+        feeds = any(u in _ANCHORS for u in user_ops(var))
+        if len(steps) >= 2 and (starts or feeds):
+            chains[var] = (expr, steps[::-1], names[::-1])
+    return chains
+
+
+@mutator
+class _Collapse(PyExprMutator):
+    def __init__(self, mod, plans):
+        super().__init__(mod)
+        self.mod_ = mod
+        self.plans = plans
+
+    def transform(self, functions):
+        for gv in functions:
+            self.builder_.update_func(gv, self.visit_expr(self.mod_[gv]))
+        return self.builder_.get()
+
+    def visit_var_binding_(self, binding):
+        plan = self.plans.get(binding.var)
+        if plan is None:
+            return super().visit_var_binding_(binding)
+        source, axes = plan
+        x = self.visit_expr(source)
+        out = _dims(binding.var)
+        if axes is not None:
+            x = relax.op.permute_dims(x, axes)
+            if not _same_dims(_dims(self.builder_.normalize(x)), out):
+                x = relax.op.reshape(self.builder_.emit(x), out)
+        else:
+            x = relax.op.reshape(x, out)
+        self.builder_.emit_normalized(relax.VarBinding(binding.var, self.builder_.normalize(x)))
+
+
+def _same_dims(a, b) -> bool:
+    from mqa_byoc.compiler.graph.trace import prove_equal
+
+    return a is not None and b is not None and len(a) == len(b) and all(prove_equal(x, y) for x, y in zip(a, b))
+
+
+def _units(expr) -> int:
+    return sum(_is_unit(d) for d in (_dims(expr) or []))
+
+
+def _plans(func) -> dict:
+    plans = {}
+    for var, (source, steps, _names) in _chains(func).items():
+        inserts = any(op_name(step) in ("relax.expand_dims", "relax.squeeze") for step in steps)
+        if not inserts and max(_units(step) for step in steps[:-1]) <= max(_units(source), _units(steps[-1])):
+            continue  # no size-1 axes moved about: a chain the analysis reads as it is (a head merge, a transpose)
+        axes = collapsed_view(source, steps)
+        if axes is False or (axes is not None) + 1 >= len(steps):
+            continue  # not a plain view, or no shorter
+        plans[var] = (source, axes)
+    return plans
+
+
+@tvm.transform.module_pass(opt_level=0, name="CollapseViewChains")
+class CollapseViewChains:
+    """Module pass: each chain of view ops (reshape, permute_dims, expand_dims, squeeze) that starts at or
+    feeds a matmul or a softmax becomes the reshape / transpose-reshape it is equal to, when
+    that is shorter (module doc); the module unchanged when there is none."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        plans = {}
+        functions = []
+        for gv, func in mod.functions.items():
+            if not isinstance(func, relax.Function):
+                continue
+            found = _plans(func)
+            if found:
+                plans.update(found)
+                functions.append(gv)
+        if not plans:
+            return mod
+        mod = _Collapse(mod, plans).transform(functions)
+        for gv in functions:
+            mod[gv] = relax.analysis.remove_all_unused(mod[gv])
+        return mod
