@@ -112,6 +112,43 @@ def test_tile_site_otherwise_fine_is_offloaded_on_the_tiled_heads():
     assert site.composite == "flash_attn.attention"
 
 
+# ----------------------------------------------------------------------------- layouts the analysis cannot follow
+def _chain(params, operands):
+    """softmax(q @ kt * 0.125) @ v, where ``operands(bb)`` emits (q, kt, v) from ``params``."""
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            q, kt, v = operands(bb)
+            sc = bb.emit(R.multiply(bb.emit(R.matmul(q, kt)), relax.const(0.125, F16)))
+            o = bb.emit_output(R.matmul(bb.emit(R.nn.softmax(sc, axis=-1)), v))
+        bb.emit_func_output(o)
+    return bb.get()
+
+
+def test_k_given_transposed_names_its_axes_and_where_the_trace_stops():
+    """A 3-D chain whose K^T is a parameter (B*H, D, S): the kernels need K with the head dim innermost."""
+    q, v = (relax.Var(n, relax.TensorType([8, 16, 64], F16)) for n in "qv")
+    kt = relax.Var("kt", relax.TensorType([8, 64, 16], F16))
+    (site,) = offload_report(_chain([q, kt, v], lambda bb: (q, kt, v)))
+    assert not site.offloaded
+    assert site.reason.startswith("K reaches attention with axes (batch*heads, head dim, sequence) where the "
+                                  "analysis stops following it, at a parameter of the function; the kernels take "
+                                  "(batch, sequence, heads, head dim)"), site.reason
+
+
+def test_grouped_query_with_its_head_factors_swapped_names_them():
+    """A 5-D query whose two head factors are permuted: its heads are no longer read in the order of the
+    output's, which the reason shows axis by axis."""
+    q = relax.Var("q", relax.TensorType([1, 2, 4, 16, 64], F16))
+    k, v = (relax.Var(n, relax.TensorType([1, 4, 2, 16, 64], F16)) for n in "kv")
+    mod = _chain([q, k, v], lambda bb: (bb.emit(R.permute_dims(q, [0, 2, 1, 3, 4])),
+                                        bb.emit(R.permute_dims(k, [0, 1, 2, 4, 3])), v))
+    (site,) = offload_report(mod)
+    assert not site.offloaded
+    assert ("Q reaches attention with axes (batch, heads' inner factor, heads' outer factor, sequence, head dim) "
+            "where the analysis stops following it, at a parameter of the function") in site.reason, site.reason
+
+
 # ----------------------------------------------------------------------------- mask before the scale
 def _mask_then_scale(form, fill, scale_value=None, h=8, hkv=2, d=64, s=16):
     """softmax((scores + mask) * scale) or softmax(where(keep, scores, fill) / sqrt(D)), 4-D BNSH."""

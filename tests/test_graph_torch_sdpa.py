@@ -270,3 +270,117 @@ def test_k_and_v_expanded_differently_run_as_attention_over_the_expanded_heads(s
     got = G.rewritten_on_cpu(mod, args)
     want = MixedExpansions(swap)(*(torch.from_numpy(a) for a in args)).numpy()
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
+class GroupedQuery(torch.nn.Module):
+    """Grouped-query attention written without expanding K/V (MLX-LM style): the query viewed as
+    (B, H_kv, G, S, D), K and V given a unit group axis that the matmuls broadcast. ``mask``: None,
+    ``"masked_fill"`` (a boolean causal mask filled with -inf) or ``"additive"`` (a float causal mask of
+    5 dimensions added to the scores); ``outer``: the query viewed as (B, G, H_kv, S, D) and the unit axis
+    in front of the K/V heads, which gives query head h the K/V head h % H_kv."""
+
+    def __init__(self, mask=None, outer=False):
+        super().__init__()
+        self.mask, self.outer = mask, outer
+
+    def forward(self, q, k, v):
+        b, h, s_q, d = q.shape
+        hkv, s_kv = k.shape[1], k.shape[2]
+        if self.outer:
+            qg, k, v = q.view(b, h // hkv, hkv, s_q, d), k.unsqueeze(1), v.unsqueeze(1)
+        else:
+            qg, k, v = q.view(b, hkv, h // hkv, s_q, d), k.unsqueeze(2), v.unsqueeze(2)
+        scores = qg @ k.transpose(-1, -2) * d ** -0.5
+        keep = torch.ones(s_q, s_kv, dtype=torch.bool).tril(s_kv - s_q)
+        if self.mask == "masked_fill":
+            scores = scores.masked_fill(~keep, float("-inf"))
+        elif self.mask == "additive":
+            scores = scores + torch.zeros(s_q, s_kv).masked_fill(~keep, float("-inf")).view(1, 1, 1, s_q, s_kv)
+        return (scores.softmax(-1) @ v).reshape(b, h, s_q, d)
+
+
+def _import_grouped(module, s_q, s_kv, hkv=HKV, dynamic=False):
+    from tvm.relax.frontend.torch import from_exported_program
+
+    gen = torch.Generator().manual_seed(0)
+    args = (torch.randn(1, H, s_q, D, generator=gen), torch.randn(1, hkv, s_kv, D, generator=gen),
+            torch.randn(1, hkv, s_kv, D, generator=gen))
+    dyn = None
+    if dynamic:  # the sequence length symbolic (a prefill of any length)
+        seq = torch.export.Dim("seq", min=2, max=64)
+        dyn = ({2: seq}, {2: seq}, {2: seq})
+    ep = torch.export.export(module.eval(), args, dynamic_shapes=dyn)
+    mod = relax.transform.ToMixedPrecision(out_dtype="float16")(from_exported_program(ep))
+    return mod, [a.numpy() for a in args]
+
+
+@pytest.mark.parametrize("hkv", [HKV, 1])
+@pytest.mark.parametrize("mask, s_q, s_kv", [(None, 1, 12), (None, 16, 16), ("masked_fill", 16, 16),
+                                             ("masked_fill", 4, 16), ("additive", 16, 16)])
+def test_grouped_query_view_is_offloaded_with_native_kv_heads(hkv, mask, s_q, s_kv):
+    """The frontend turns the 5-D matmuls into broadcast_to + 3-D batched matmuls over (B * H_kv * G): the
+    query's grouping is FA2's (query head h uses K/V head h // G), so K/V reach FA2 as they are."""
+    module = GroupedQuery(mask)
+    mod, args = _import_grouped(module, s_q, s_kv, hkv)
+    (site,) = offload_report(mod)
+    assert site.offloaded, site.reason
+    assert (site.num_q_heads, site.num_kv_heads, site.head_dim, site.dtype) == (H, hkv, D, "float16")
+    assert (site.expansion, site.composite) == ("repeat", "flash_attn.attention_mqa")
+    assert site.causal == ("BottomRight" if mask else None)
+    out = partition_for_cutlass(mod)
+    assert G.composites(out) == ["flash_attn.attention_mqa"]
+    for op in ("relax.broadcast_to", "relax.expand_dims", "relax.repeat", "relax.matmul"):
+        assert G.count_ops(out, op) == 0, op  # no copy of K/V is left, nor the chain
+    got = G.rewritten_on_cpu(mod, args)
+    want = module(*(torch.from_numpy(a) for a in args)).numpy()
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_grouped_query_view_with_a_symbolic_sequence_length():
+    module = GroupedQuery("masked_fill")
+    mod, args = _import_grouped(module, 16, 16, dynamic=True)
+    assert relax.analysis.defined_symbolic_vars(mod["main"])
+    (site,) = offload_report(mod)
+    assert site.offloaded, site.reason
+    assert (site.num_kv_heads, site.causal) == (HKV, "BottomRight")
+    got = G.rewritten_on_cpu(mod, args)
+    np.testing.assert_allclose(got, module(*(torch.from_numpy(a) for a in args)).numpy(), rtol=2e-2, atol=2e-2)
+
+
+def test_grouped_query_view_baseline_repeats_kv():
+    """``mqa=False``: the graph's expanded K/V are 3-D batched-matmul operands the kernels cannot read, so
+    the rewrite repeats the un-expanded K/V to the query heads (plain MHA)."""
+    mod, args = _import_grouped(GroupedQuery("masked_fill"), 16, 16)
+    (site,) = offload_report(mod, mqa=False)
+    assert site.offloaded and site.composite == "flash_attn.attention", site.reason
+    assert "repeated by the rewrite" in site.note
+    assert G.composites(partition_for_cutlass(mod, mqa=False)) == ["flash_attn.attention"]
+    from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
+    from mqa_byoc.compiler.partition import canonicalize_attention
+
+    got = G.run_llvm(LegalizeGroupedAttention()(canonicalize_attention(mod, mqa=False)), args)
+    np.testing.assert_allclose(got, G.run_llvm(mod, args), rtol=2e-2, atol=2e-2)
+
+
+def test_outer_grouped_query_view_is_not_fa2s_grouping():
+    """q.view(b, G, H_kv, s, d) with k.unsqueeze(1): query head h uses K/V head h % H_kv. Not FA2's
+    grouping, and the graph's expanded K/V are no operand the kernels take: left in the graph, the reason
+    naming the grouping and the note why the expansion cannot be kept."""
+    mod, _ = _import_grouped(GroupedQuery("masked_fill", outer=True), 16, 16)
+    for mqa in (True, False):
+        (site,) = offload_report(mod, mqa=mqa)
+        assert not site.offloaded
+        assert "outer factor of the heads" in site.reason and "h % H_kv" in site.reason, site.reason
+        assert "K reaches attention with axes (batch*heads, head dim, sequence)" in site.note, site.note
+        assert "R.reshape of a (1, 4, 2, 32, 16) tensor to (8, 32, 16)" in site.note, site.note
+        assert G.composites(partition_for_cutlass(mod, mqa=mqa)) == []
+
+
+def test_outer_grouped_query_view_with_one_kv_head_is_offloaded():
+    """With one K/V head both groupings are the same."""
+    module = GroupedQuery("masked_fill", outer=True)
+    mod, args = _import_grouped(module, 16, 16, hkv=1)
+    (site,) = offload_report(mod)
+    assert site.offloaded and site.num_kv_heads == 1, site.reason
+    got = G.rewritten_on_cpu(mod, args)
+    np.testing.assert_allclose(got, module(*(torch.from_numpy(a) for a in args)).numpy(), rtol=2e-2, atol=2e-2)

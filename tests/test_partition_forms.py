@@ -33,11 +33,14 @@ FORMS = {
     "mlc-4d-decode-nomask": lambda: G.mlc_4d_chain(s=1, s_kv=16, mask="none"),
     "hf-repeat-kv": lambda: G.hf_repeat_kv_chain(),
     "hf-repeat-kv-mqa": lambda: G.hf_repeat_kv_chain(hkv=1, mqa_broadcast=True),
+    "grouped-5d-matmul": lambda: G.grouped_5d_chain(),
+    "grouped-5d-matmul-mqa": lambda: G.grouped_5d_chain(hkv=1),
+    "grouped-5d-matmul-symbolic": lambda: G.grouped_5d_chain(s="n"),
 }
 
 
 def _expected(name):
-    return {"mqa-broadcast": 1, "mqa-repeat": 1, "hf-repeat-kv-mqa": 1}.get(name, 2)
+    return {"mqa-broadcast": 1, "mqa-repeat": 1, "hf-repeat-kv-mqa": 1, "grouped-5d-matmul-mqa": 1}.get(name, 2)
 
 
 @pytest.mark.parametrize("name", sorted(FORMS))
@@ -109,6 +112,80 @@ def test_tile_with_one_kv_head_is_mqa():
     mod = G.attention_repeat_bsnh(hkv=1, expand="tile")
     (site,) = offload_report(mod)
     assert site.composite == "flash_attn.attention_mqa" and site.num_kv_heads == 1
+
+
+@I.ir_module
+class GroupedQuery5D:
+    """Grouped-query attention on 5-D tensors as TVMScript: R.matmul broadcasts K/V's unit group axis."""
+
+    @R.function
+    def main(q: R.Tensor((1, 8, 16, 64), "float16"), k: R.Tensor((1, 2, 16, 64), "float16"),
+             v: R.Tensor((1, 2, 16, 64), "float16")):
+        with R.dataflow():
+            qg = R.reshape(q, R.shape([1, 2, 4, 16, 64]))
+            kt = R.permute_dims(R.expand_dims(k, axis=[2]), axes=[0, 1, 2, 4, 3])
+            scores = R.multiply(R.matmul(qg, kt), R.const(0.125, "float16"))
+            p = R.nn.softmax(scores, axis=-1)
+            o = R.reshape(R.matmul(p, R.expand_dims(v, axis=[2])), R.shape([1, 8, 16, 64]))
+            R.output(o)
+        return o
+
+
+def _random_args(mod):
+    rng = np.random.default_rng(0)
+    return [rng.standard_normal([int(n) for n in p.ty.shape.values]).astype("float16") for p in mod["main"].params]
+
+
+@pytest.mark.parametrize("make, hkv", [
+    (lambda: GroupedQuery5D, 2),
+    (lambda: G.grouped_5d_chain(), 2),
+    (lambda: G.grouped_5d_chain(hkv=1), 1),
+    (lambda: G.grouped_5d_chain(inputs="5d"), 2),  # the 5-D views are the parameters: read through reshapes
+    (lambda: G.grouped_5d_chain(hkv=1, inputs="5d"), 1),
+    (lambda: G.grouped_5d_chain(hkv=8), 8),  # groups of one query head: plain MHA
+    (lambda: G.grouped_5d_chain(hkv=1, outer=True), 1),  # one K/V head: the outer grouping is the same
+])
+def test_grouped_5d_matmuls_offloaded_and_rewrite_numerics(make, hkv):
+    """(B, H_kv, G, S, D) @ (B, H_kv, 1, D, S): query head h = kv * G + g uses K/V head h // G, FA2's
+    grouping, with no K/V expansion in the graph to remove."""
+    mod = make()
+    (site,) = offload_report(mod)
+    assert site.offloaded, site.reason
+    assert (site.num_q_heads, site.num_kv_heads) == (8, hkv)
+    out = partition_for_cutlass(mod)
+    assert len(G.composites(out)) == 1
+    for op in EXPANSION_OPS + ("relax.nn.softmax", "relax.matmul"):
+        assert G.count_ops(out, op) == 0, f"{op} left in main:\n{out['main']}"
+    G.rewritten_on_cpu(mod, _random_args(mod))
+
+
+@pytest.mark.parametrize("inputs", ["4d", "5d"])
+def test_grouped_5d_matmuls_with_the_outer_grouping_stay_in_the_graph(inputs):
+    """(B, G, H_kv, S, D) @ (B, 1, H_kv, D, S): query head h uses K/V head h % H_kv; the matmul does the
+    expansion, so none can be kept for plain MHA either."""
+    mod = G.grouped_5d_chain(outer=True, inputs=inputs)
+    for mqa in (True, False):
+        (site,) = offload_report(mod, mqa=mqa)
+        assert not site.offloaded and site.note is None
+        assert "the matmul broadcasting them over the query's outer head factor (tile)" in site.reason, site.reason
+        assert "h % H_kv" in site.reason
+        assert G.composites(partition_for_cutlass(mod, mqa=mqa)) == []
+
+
+def test_grouped_5d_matmuls_broadcasting_the_query_are_rejected():
+    """Q (B, 1, G, S, D) against K/V (B, H_kv, 1, S, D): the matmul broadcasts the query over K/V heads."""
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", relax.TensorType([1, 1, 4, 16, 64], "float16"))
+    k = relax.Var("k", relax.TensorType([1, 2, 1, 16, 64], "float16"))
+    with bb.function("main", [q, k]):
+        with bb.dataflow():
+            sc = bb.emit(relax.op.matmul(q, bb.emit(relax.op.permute_dims(k, [0, 1, 2, 4, 3]))))
+            p = bb.emit(relax.op.nn.softmax(sc, axis=-1))
+            o = bb.emit_output(relax.op.matmul(p, k))
+        bb.emit_func_output(o)
+    (site,) = offload_report(bb.get())
+    assert not site.offloaded
+    assert "broadcast the query's head axes (1, 4) against K's (2, 1)" in site.reason, site.reason
 
 
 REJECTIONS = {

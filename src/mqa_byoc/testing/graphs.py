@@ -230,6 +230,47 @@ def hf_repeat_kv_chain(h=8, hkv=2, d=64, s=16, b=1, dtype=F16, compute_dtype="fl
     return _finish(bb)
 
 
+def grouped_5d_chain(h=8, hkv=2, d=64, s=16, b=1, dtype=F16, outer=False, inputs="4d", causal=True):
+    """Grouped-query attention written on 5-D tensors, with Relax's matmul broadcasting K/V over the
+    query's groups (MLX-LM style, no K/V expansion op): Q (B, H, S, D) viewed as (B, H_kv, G, S, D), K and V
+    (B, H_kv, S, D) given a unit group axis (B, H_kv, 1, S, D); scale, a causal mask added as a (S, S)
+    constant, softmax, ``@ V``, the result viewed as (B, H, S, D) again. ``outer``: the query viewed as
+    (B, G, H_kv, S, D) and the unit axis in front of the K/V heads (query head h uses K/V head h % H_kv).
+    ``inputs="5d"``: the parameters are the 5-D views themselves (the output stays 5-D)."""
+    dim = dim_maker()
+    b, s = dim(b), dim(s)
+    g = h // hkv
+    q_view = [b, g, hkv, s, d] if outer else [b, hkv, g, s, d]
+    kv_view = [b, 1, hkv, s, d] if outer else [b, hkv, 1, s, d]
+    bb = relax.BlockBuilder()
+    if inputs == "5d":
+        params = [relax.Var(n, _tensor(shape, dtype)) for n, shape in (("q", q_view), ("k", kv_view),
+                                                                        ("v", kv_view))]
+    else:
+        params = [relax.Var("q", _tensor([b, h, s, d], dtype))] + [
+            relax.Var(n, _tensor([b, hkv, s, d], dtype)) for n in "kv"]
+    with bb.function("main", params):
+        with bb.dataflow():
+            q, k, v = params
+            if inputs != "5d":
+                q = bb.emit(R.reshape(q, q_view))
+                k, v = (bb.emit(R.expand_dims(x, axis=[1 if outer else 2])) for x in (k, v))
+            sc = bb.emit(R.matmul(q, bb.emit(R.permute_dims(k, [0, 1, 2, 4, 3]))))
+            sc = bb.emit(R.multiply(sc, relax.const(1.0 / math.sqrt(d), dtype)))
+            if causal:
+                pos = bb.emit(R.arange(0, s, 1, "int64"))
+                future = bb.emit(R.greater(pos, bb.emit(R.reshape(pos, [s, 1]))))
+                fmin = float(np.finfo(np.float16).min)
+                sc = bb.emit(R.add(sc, bb.emit(R.where(future, relax.const(fmin, dtype), relax.const(0.0, dtype)))))
+            p = bb.emit(R.astype(R.nn.softmax(bb.emit(R.astype(sc, "float32")), axis=-1), dtype))
+            o = bb.emit(R.matmul(p, v))
+            if inputs != "5d":
+                o = bb.emit(R.reshape(o, [b, h, s, d]))
+            o = bb.emit_output(o)
+        bb.emit_func_output(o)
+    return _finish(bb)
+
+
 def onnx_gqa_chain(h=8, hkv=2, d=32, b=1, s=16, s_kv=None, dtype=F16, causal=True, unsqueeze=True):
     """Form 12: an exported decoder's attention with static shapes, built with ``onnx.helper`` and imported
     with TVM's ONNX frontend: q (b, h, s, d), k/v (b, hkv, s_kv, d) in (BNSH), out (b, h, s, d).

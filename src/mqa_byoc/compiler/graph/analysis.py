@@ -17,8 +17,8 @@ from tvm.ir.expr import Constant
 from mqa_byoc.compiler.graph import masks
 from mqa_byoc.compiler.graph import sinks as sink_forms
 from mqa_byoc.compiler.graph.site import AttentionSite, common_checks, seq_len, trace_fused_operands
-from mqa_byoc.compiler.graph.trace import (SINGLE_HEAD, Bindings, Traced, as_int, op_name, prove_equal, shape_of,
-                                          trace)
+from mqa_byoc.compiler.graph.trace import (REPEAT, SINGLE_HEAD, TILE, Bindings, Traced, as_int, op_name, prove_equal,
+                                          shape_of, trace)
 from mqa_byoc.compiler.graph.varlen import var_len_site
 
 _ELEMENTWISE_BETWEEN = (
@@ -47,17 +47,40 @@ def find_sites(func_name: str, func: relax.Function, evaluator: masks.MaskEvalua
         site = build(func_name, var, value, bindings, evaluator, allow_kv_expansion)
         if site is not None and site.reason and site.expansion_problem and allow_kv_expansion:
             # The expansion is not FA2's, and the site is rejected: the reason that counts is why it
-            # cannot be offloaded on the expanded K/V either; K/V heads as the graph's attention sees them
+            # cannot be offloaded on the expanded K/V either; K/V heads as the graph's attention sees them.
+            # Unless the expanded K/V are no operand at all (their trace stops inside the expansion, e.g.
+            # in a grouped view's 3-D batched matmul): then the expansion is the reason
             plain = build(func_name, var, value, bindings, evaluator, False)
-            if plain.reason:
+            if plain.reason and plain.expansion_problem == site.expansion_problem:
+                pass  # the consumer expands K/V itself (a matmul's broadcasting): nothing to keep
+            elif plain.reason and _stops_in_expansion(plain):
+                site.note = f"with the K/V expansion kept: {plain.reason}"
+            elif plain.reason:
                 plain.note = f"K/V expansion kept: {site.expansion_problem}"
                 site = plain
+        elif site is not None and site.reason and not allow_kv_expansion and _stops_in_expansion(site):
+            # the graph's expanded K/V are no operand the kernels take (a grouped view's 3-D batched
+            # matmul): the un-expanded K/V, repeated by the rewrite, are the same heads
+            full = build(func_name, var, value, bindings, evaluator, True)
+            if full.reason is None:
+                full.note = ("K/V repeated by the rewrite (the graph's expansion ends in a layout the kernels do "
+                             "not take)")
+                site = full
+            elif full.expansion_problem:  # not FA2's grouping either: that is the reason
+                full.note = f"with the K/V expansion kept: {site.reason}"
+                site = full
         if site is not None:
             sites.append(site)
     # nothing unseen: a matmul-softmax-matmul chain none of the forms above explains is reported too
     for root, reason in sink_forms.unexplained_chains(bindings, {s.root for s in sites}):
         sites.append(AttentionSite(func_name, root, "matmul-softmax chain").reject(reason))
     return sites
+
+
+def _stops_in_expansion(site) -> bool:
+    """Whether K or V of ``site`` (traced without passing expansions) stop inside one, where they have
+    no layout the kernels take."""
+    return any(t is not None and t.kept_expansion and t.layout() is None for t in (site.k, site.v))
 
 
 # ----------------------------------------------------------------------------- R.nn.attention roots
@@ -431,16 +454,26 @@ def _chain_site(func_name, var, value, bindings, evaluator, allow_kv_expansion=T
                            "row is -inf\" (torch's safe softmax)")
     q_expr, kt_expr, v_expr = qk.args[0], qk.args[1], value.args[1]
     nd = len(shape_of(q_expr) or [])
+    implicit_k = implicit_v = None
     if nd == 4:
         q_lab, kt_lab, v_lab = ["B", "H", "S", "D"], ["B", "H", "D", "S"], ["B", "H", "S", "D"]
     elif nd == 3:
         q_lab, kt_lab, v_lab = ["BH", "S", "D"], ["BH", "D", "S"], ["BH", "S", "D"]
+    elif nd == 5:
+        q_lab = ["B", "H0", "H1", "S", "D"]
+        q_shape = shape_of(q_expr)
+        try:
+            kt_lab, implicit_k = _grouped_operand("K", shape_of(kt_expr), q_shape, ["D", "S"])
+            v_lab, implicit_v = _grouped_operand("V", shape_of(v_expr), q_shape, ["S", "D"])
+        except ValueError as err:
+            return site.reject(str(err))
     else:
         return site.reject(f"{nd}-D attention matmuls")
     site.out_labels = list(q_lab)
-    site.q = trace(q_expr, q_lab, bindings, allow_expansion=False, fold_scale=True)
-    site.k = trace(kt_expr, kt_lab, bindings, allow_expansion=allow_kv_expansion, fold_scale=True)
-    site.v = trace(v_expr, v_lab, bindings, allow_expansion=allow_kv_expansion)
+    site.q = trace(q_expr, q_lab, bindings, allow_expansion=False, fold_scale=True, query=True)
+    site.k = trace(kt_expr, kt_lab, bindings, allow_expansion=allow_kv_expansion, fold_scale=True,
+                   implicit=implicit_k)
+    site.v = trace(v_expr, v_lab, bindings, allow_expansion=allow_kv_expansion, implicit=implicit_v)
     site.scale = post_scale * site.q.scale * site.k.scale
     site.mask_ops = [(kind, m) for kind, m, _ in mask_ops]
     if site.q.layout() == "BSH":
@@ -452,6 +485,39 @@ def _chain_site(func_name, var, value, bindings, evaluator, allow_kv_expansion=T
         return site.reject(f"{site.sinks.num_heads} sink logits for {site.num_q_heads} query heads")
     _prove_masks(site, bindings, evaluator, scales=[s for *_, s in mask_ops])
     return site
+
+
+def _grouped_operand(name, shape, q_shape, tail):
+    """Start labels of a 5-D K^T / V operand of a grouped-query chain, against the query's (B, X, Y, S, D)
+    (query head h = x * Y + y), and the expansion the matmul's broadcasting makes of it (None: none).
+
+    An operand (B, X, 1, ..) gives query head h the K/V head h // Y: FA2's grouping, ``repeat`` x Y; one of
+    (B, 1, Y, ..) the K/V head h % Y: ``tile`` x X; (B, 1, 1, ..) is one K/V head for all.
+
+    Raises
+    ------
+    ValueError
+        When the operand's head axes are none of these (the reason, in words)."""
+    if shape is None or q_shape is None or len(shape) != 5:
+        raise ValueError(f"{name} of the 5-D attention matmuls has an unknown shape or is not 5-D")
+    (x, y), (qx, qy) = shape[1:3], q_shape[1:3]
+    if prove_equal(x, qx) and prove_equal(y, qy):
+        return ["B", "H0", "H1"] + tail, None
+    inner_unit = as_int(y) == 1 and (prove_equal(x, qx) or as_int(x) == 1)
+    outer_unit = as_int(x) == 1 and (prove_equal(y, qy) or as_int(y) == 1)
+    if inner_unit and not (outer_unit and as_int(qy) == 1):
+        factor = as_int(qy) if prove_equal(x, qx) else _product_int(qx, qy)
+        return ["B", "Hkv", "R"] + tail, (REPEAT, factor)
+    if outer_unit:  # with one K/V head (both axes of size 1) the groupings are the same
+        return ["B", "R", "Hkv"] + tail, (REPEAT if as_int(y) == 1 else TILE, as_int(qx))
+    raise ValueError(f"the 5-D attention matmuls broadcast the query's head axes ({_dim_text(qx)}, "
+                     f"{_dim_text(qy)}) against {name}'s ({_dim_text(x)}, {_dim_text(y)}): only a K/V axis of "
+                     "size 1 may be broadcast over the query's")
+
+
+def _product_int(a, b):
+    a, b = as_int(a), as_int(b)
+    return None if None in (a, b) else a * b
 
 
 # ----------------------------------------------------------------------------- masks

@@ -17,6 +17,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from mqa_byoc.compiler.graph import analysis, masks, sink_attention, varlen
 from mqa_byoc.compiler.graph.exprs import (binding_values, function_bindings, function_results, is_offloaded,
                                            op_name)
+from mqa_byoc.compiler.graph.site import output_steps
 from mqa_byoc.compiler.graph.trace import Bindings
 from mqa_byoc.compiler.graph.views import CollapseViewChains
 
@@ -77,7 +78,7 @@ class _Canonicalize(PyExprMutator):
 
     def _operand(self, traced, dtype, heads_target=None):
         x = self.visit_expr(traced.source)
-        if traced.unit_axis is not None:  # the K/V view without the unit axis the expansion grew
+        if traced.is_view():  # K/V without the unit axis the expansion grew, grouped heads as one axis
             x = self.builder_.emit(relax.op.reshape(x, traced.shape()))
         if str(traced.source.ty.dtype) != dtype:
             # the graph cast the expanded tensor; casting the un-expanded one gives the same values
@@ -108,9 +109,10 @@ class _Canonicalize(PyExprMutator):
         labels = site.out_labels
         root_ty = var.ty
         steps = []
-        if labels[:2] in (["B", "H"], ["BH", "S"]):
+        heads_first, reshape = output_steps(labels)
+        if heads_first:
             steps.append(lambda x: relax.op.permute_dims(x, [0, 2, 1, 3]))
-        if len(labels) == 3:  # (B*H, S, D), or (B, S, D) of one head
+        if reshape:  # (B*H, S, D), (B, S, D) of one head, or grouped (B, Hkv, G, S, D)
             steps.append(lambda x: relax.op.reshape(x, root_ty.shape))
         if str(root_ty.dtype) != site.dtype:
             steps.append(lambda x: relax.op.astype(x, root_ty.dtype))

@@ -383,12 +383,11 @@ def allowed_from_mask(kind: str, value: np.ndarray, s_q: int, s_kv: int, post_sc
     "where-keep" (where(cond, scores, fill): True keeps), "where-drop" (where(cond, fill, scores)).
     """
     value = np.asarray(value)
-    if value.ndim > 4:
-        raise MaskError("the mask has more than 4 dimensions")
-    v4 = value.reshape((1,) * (4 - value.ndim) + value.shape)
+    # one slice per leading index (batch, heads; a grouped view's two head axes)
+    slices = value.reshape((-1,) + value.shape[-2:]) if value.ndim >= 2 else value.reshape((1, 1, -1))
     # compare the slices the mask really has (not its broadcast): masks reach 10^8 elements here
-    first = v4[0, 0]
-    if not all(np.array_equal(v4[b, h], first) for b in range(v4.shape[0]) for h in range(v4.shape[1])):
+    first = slices[0]
+    if not all(np.array_equal(x, first) for x in slices[1:]):
         raise MaskError("the mask differs between batches or heads (a padding mask, or a bias such as ALiBi's "
                         "per-head slopes: the kernels are built without ALiBi)")
     try:

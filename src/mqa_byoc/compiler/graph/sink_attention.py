@@ -25,6 +25,7 @@ from mqa_byoc.contract import (CODEGEN, SINK_ATTR, SINK_CAUSAL_ATTR, SINK_LAYOUT
                                SINK_WINDOW_ATTR, SOFTCAP_ATTR, composite_name)
 
 from mqa_byoc.compiler.graph.spec import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttentionSpec
+from mqa_byoc.compiler.graph.site import output_steps
 from mqa_byoc.compiler.graph.trace import as_int
 
 FUNC_PREFIX = "attention_sinks"
@@ -45,7 +46,7 @@ def emit_canonical(mutator, var, site, mqa: bool):
     args, layouts = [], []
     for name, traced in (("q", site.q), ("k", site.k), ("v", site.v)):
         x = mutator.visit_expr(traced.source)
-        if traced.unit_axis is not None:
+        if traced.is_view():
             x = bb.emit(relax.op.reshape(x, traced.shape()))
         if str(traced.source.ty.dtype) != site.dtype:
             x = bb.emit(relax.op.astype(x, site.dtype))
@@ -69,9 +70,10 @@ def emit_canonical(mutator, var, site, mqa: bool):
     mutator.attention_vars.add(out)
     labels, root_ty = site.out_labels, var.ty
     expr = out
-    if labels[:2] in (["B", "H"], ["BH", "S"]):
+    heads_first, reshape = output_steps(labels)
+    if heads_first:
         expr = bb.emit(relax.op.permute_dims(expr, [0, 2, 1, 3]))
-    if len(labels) == 3:
+    if reshape:
         expr = bb.emit(relax.op.reshape(expr, root_ty.shape))
     if str(root_ty.dtype) != site.dtype:
         expr = relax.op.astype(expr, root_ty.dtype)

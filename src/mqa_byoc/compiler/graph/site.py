@@ -17,7 +17,8 @@ from tvm import relax
 from mqa_byoc.compiler.graph import masks
 from mqa_byoc.compiler.graph.sinks import SinkLogits
 from mqa_byoc.compiler.graph.spec import MAX_HEAD_DIM, SUPPORTED_DTYPES
-from mqa_byoc.compiler.graph.trace import BROADCAST, TILE, Traced, as_int, prove_equal, trace
+from mqa_byoc.compiler.graph.trace import (BROADCAST, TILE, Traced, as_int, describe_axes, describe_stop, prove_equal,
+                                          trace)
 
 # fused attention ops: their K/V may have fewer heads than Q (no matmul broadcasting involved)
 FUSED_FORMS = ("R.nn.attention", "R.nn.attention_var_len")
@@ -64,6 +65,14 @@ class AttentionSite:
         return self
 
 
+def output_steps(labels) -> tuple[bool, bool]:
+    """How the kernels' (B, S, H, D) result becomes a root whose axes are ``labels``: (permute it to
+    (B, H, S, D) first, then reshape it to the root's shape), e.g. (True, True) for a 3-D (B*H, S, D) root
+    or a grouped (B, Hkv, G, S, D) one, (False, True) for one head's (B, S, D)."""
+    heads_first = labels[0] == "BH" or labels[1] in ("H", "H0")
+    return heads_first, len(labels) != 4
+
+
 def require_module(mod, what: str):
     """``what`` takes a whole module: a clear TypeError for anything else (a function, a path)."""
     import tvm
@@ -106,7 +115,7 @@ def common_checks(site: AttentionSite) -> AttentionSite:
             return site.reject(site.expansion_problem)
     for name, t in (("Q", q), ("K", k), ("V", v)):
         if t.layout() is None:
-            return site.reject(f"{name} reaches attention through an unsupported layout {t.labels}")
+            return site.reject(layout_problem(name, t))
         if t.shape() is None:
             return site.reject(f"{name} has an unknown shape")
     if len({t.layout() == "BSH" for t in (q, k, v)}) > 1:
@@ -166,6 +175,14 @@ def common_checks(site: AttentionSite) -> AttentionSite:
     return site
 
 
+def layout_problem(name: str, t: Traced) -> str:
+    """Why operand ``name`` traced to ``t`` has no layout the kernels take: its axes as the trace left
+    them and where the trace stopped."""
+    return (f"{name} reaches attention with axes {describe_axes(t.labels)} where the analysis stops following "
+            f"it, at {describe_stop(t)}; the kernels take (batch, sequence, heads, head dim) or "
+            f"(batch, heads, sequence, head dim)")
+
+
 def scale_problem(scale) -> str | None:
     """Why the kernels cannot take a softmax scale (None: the default 1 / sqrt(D), or a positive one):
     FA2, FA4 and our decode kernel take the running max of the unscaled scores, which is the max of
@@ -181,7 +198,8 @@ def expansion_problem(k: Traced, h, hkv) -> str | None:
     if hkv * k.factor != h:
         return f"K/V expanded {hkv} x {k.factor} heads, but the query has {h}"
     if k.expansion == TILE and hkv != 1:
-        return "K/V expanded with tile: query head h would use K/V head h % H_kv, FA2 uses h // (H / H_kv)"
+        how = "tile" if k.how is None else f"{k.how} (tile)"
+        return f"K/V expanded with {how}: query head h would use K/V head h % H_kv, FA2 uses h // (H / H_kv)"
     return None
 
 
@@ -196,9 +214,9 @@ def trace_fused_operands(site: AttentionSite, call, bindings, allow_kv_expansion
         False when the checks rejected the site (its ``reason`` says why).
     """
     bsnh = ["B", "S", "H", "D"]
-    site.q = trace(call.args[0], bsnh, bindings, allow_expansion=False, fold_scale=True)
+    site.q = trace(call.args[0], bsnh, bindings, allow_expansion=False, fold_scale=True, query=True)
     if scale_problem(site.q.scale):  # a sign flip of the query stays in the graph, the scale positive
-        site.q = trace(call.args[0], bsnh, bindings, allow_expansion=False)
+        site.q = trace(call.args[0], bsnh, bindings, allow_expansion=False, query=True)
     site.k = trace(call.args[1], bsnh, bindings, allow_expansion=allow_kv_expansion)
     site.v = trace(call.args[2], bsnh, bindings, allow_expansion=allow_kv_expansion)
     site.scale = float(call.attrs.scale.value) if call.attrs.scale is not None else None

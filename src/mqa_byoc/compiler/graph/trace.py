@@ -9,12 +9,15 @@ head dim, "BH" a merged batch*head axis. Any sequence of ops whose labels end as
 (B, S, Hkv|H, D) on a source tensor is a K/V expansion we can remove, whatever its spelling.
 A 3-D operand whose merged axis is never split has no head axis: its labels end as (B, S, D), one head
 (upstream's BSH form).
+A head axis split in two ("H0" the outer factor, "H1" the inner one) is the grouped view of the query,
+(B, Hkv, G, S, D): it merges back into "H" (a reshape, or the source read as (B, H, S, D)), and on K/V the
+inner factor broadcast from 1 is the repeat factor of FA2's grouping (query head h uses K/V head h // G).
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tvm import relax, tirx
 from tvm.ir.expr import Constant
@@ -56,6 +59,7 @@ class Traced:
     source: relax.Expr  # the tensor before any layout/expansion op
     labels: list  # labels of the source axes
     expansion: str | None = None  # REPEAT / BROADCAST / TILE / None
+    how: str | None = None  # the expansion in the graph's words, for reasons (None: its kind)
     factor: int = 1  # heads after expansion / heads before
     expansion_ops: list = field(default_factory=list)  # bound vars of the expansion ops passed
     ops: list = field(default_factory=list)  # every bound var passed (layout ops included)
@@ -63,6 +67,11 @@ class Traced:
     scale: float = 1.0  # constant factors multiplied into the operand (query side)
     problem: str | None = None  # why the trace is unusable
     unit_axis: int | None = None  # a size-1 source axis the expansion broadcast from, dropped from labels
+    # two adjacent source axes (after unit_axis is dropped) read as one head axis: a grouped (.., G, ..) view
+    merged_axis: int | None = None
+    kept_expansion: bool = False  # the trace stopped before a K/V expansion it was told not to pass
+    stop_op: relax.Expr | None = None  # the value bound to the source (where the trace stopped), if any
+    from_param: bool = False  # the source is a parameter of the function
 
     def __post_init__(self):
         if self.entry_dtype is None and isinstance(self.source.ty, relax.TensorType):
@@ -80,11 +89,22 @@ class Traced:
         return None
 
     def shape(self):
-        """The source's shape as :attr:`labels` describe it (without :attr:`unit_axis`), or None."""
+        """The source's shape as :attr:`labels` describe it (without :attr:`unit_axis`, with the axes at
+        :attr:`merged_axis` as one), or None."""
         shape = shape_of(self.source)
-        if shape is None or self.unit_axis is None:
-            return shape
-        return shape[:self.unit_axis] + shape[self.unit_axis + 1:]
+        if shape is None:
+            return None
+        if self.unit_axis is not None:
+            shape = shape[:self.unit_axis] + shape[self.unit_axis + 1:]
+        if self.merged_axis is not None:
+            m = self.merged_axis
+            shape = shape[:m] + [_ANALYZER.simplify(shape[m] * shape[m + 1])] + shape[m + 2:]
+        return shape
+
+    def is_view(self) -> bool:
+        """Whether the kernels read the source through a reshape to :meth:`shape` (a dropped unit axis
+        or merged head axes), which the rewrite emits."""
+        return self.unit_axis is not None or self.merged_axis is not None
 
     def layout(self) -> str | None:
         core = [lab for lab in self.labels]
@@ -174,13 +194,22 @@ def _np_dtype(dtype: str):
     return dtype
 
 
-def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: bool = False) -> Traced:
+def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: bool = False,
+          query: bool = False, implicit: tuple | None = None) -> Traced:
     """Walk back from ``expr`` whose axes carry ``labels`` (see module docstring).
 
     ``allow_expansion``: pass through K/V head expansions (else stop before them);
-    ``fold_scale``: pass through multiplication by a constant (the query side), kept in ``scale``.
+    ``fold_scale``: pass through multiplication by a constant (the query side), kept in ``scale``;
+    ``query``: the operand is the query, whose head axis may be split into groups (a layout op, never
+    an expansion);
+    ``implicit``: (kind, factor) of an expansion the consumer does itself (a matmul broadcasting a
+    size-1 "R" axis of ``labels``), whether or not ``allow_expansion``.
     """
     t = Traced(source=expr, labels=list(labels), entry_dtype=str(expr.ty.dtype))
+    before_split = None  # the query's trace before it split the head axis
+    if implicit is not None:
+        t.expansion, t.factor = implicit
+        t.how = "the matmul broadcasting them over the query's outer head factor" if t.expansion == TILE else None
     while True:
         value = bindings.get(expr)
         name = op_name(value)
@@ -213,7 +242,7 @@ def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: b
             expansion = "expand_dims"
         elif name == "relax.reshape" and in_shape is not None:
             new_labels = _unreshape(labels, in_shape, out_shape)
-            if new_labels is not None and "H0" in new_labels:
+            if new_labels is not None and "H0" in new_labels and "H0" not in labels and not query:
                 expansion = "split"
         elif name == "relax.broadcast_to" and in_shape is not None and len(in_shape) == len(out_shape):
             new_labels, expansion = _unbroadcast(labels, in_shape, out_shape)
@@ -222,6 +251,9 @@ def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: b
             if all(labels[a] == "R" and as_int(out_shape[a]) == 1 for a in axes):
                 new_labels = [lab for i, lab in enumerate(labels) if i not in axes]
                 expansion = "expand_dims"
+            elif len(axes) == 1 and labels[axes[0]] in ("H0", "H1") and as_int(out_shape[axes[0]]) == 1:
+                # a unit head factor (groups of one head): the other factor is all the heads
+                new_labels = ["H" if lab in ("H0", "H1") else lab for i, lab in enumerate(labels) if i != axes[0]]
         elif name == "relax.repeat":
             axis = int(value.attrs.axis) % len(labels) if value.attrs.axis is not None else None
             if axis is not None and labels[axis] == "H":
@@ -258,6 +290,7 @@ def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: b
             break
         if expansion is not None:
             if not allow_expansion:
+                t.kept_expansion = True
                 break
             t.expansion_ops.append(expr)
             if expansion in (REPEAT, TILE, BROADCAST):
@@ -272,22 +305,43 @@ def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: b
                 if t.expansion is not None:
                     t.problem = "K/V heads expanded twice"
                 t.expansion = REPEAT if expansion == "broadcast-r" else TILE
+                if t.expansion == TILE:
+                    t.how = "a broadcast over the outer factor of the heads"
                 t.factor = as_int(out_shape[new_labels.index("R")])
+        if query and before_split is None and "H0" in new_labels and "H0" not in labels:
+            before_split = replace(t, labels=list(t.labels), ops=list(t.ops))
         t.ops.append(expr)
         t.labels = new_labels
         expr = arg
         t.source = expr
 
-    if t.expansion == REPEAT and "R" in t.labels and not t.problem:
+    settled = _settle(t, bindings)
+    if before_split is not None and any(lab in ("H0", "H1") for lab in settled.labels):
+        # the query's split heads do not merge back (e.g. permuted apart): it is the tensor before the split
+        settled = _settle(before_split, bindings)
+    return settled
+
+
+def _settle(t: Traced, bindings: Bindings) -> Traced:
+    """Finish a trace that stopped at ``t.source``: drop a unit axis an expansion grew, read adjacent
+    split head axes as one, and name what stays unexplained in ``t.problem``."""
+    t.stop_op, t.from_param = bindings.get(t.source), t.source in bindings.params
+    if t.expansion in (REPEAT, TILE) and "R" in t.labels and not t.problem:
         # the broadcast's input came from an op we do not pass with its unit axis in place: Falcon's
-        # fused qkv indexed with a list (``qkv[:, :, :, [-2]]``: (B, S, Hkv, 1, D)); K/V are that view
+        # fused qkv indexed with a list (``qkv[:, :, :, [-2]]``: (B, S, Hkv, 1, D)), a 5-D K/V that a
+        # matmul broadcasts over the query's groups; K/V are that view
         axis = t.labels.index("R")
         shape = shape_of(t.source)
         if shape is not None and as_int(shape[axis]) == 1:
             t.unit_axis = axis
             t.labels = t.labels[:axis] + t.labels[axis + 1:]
+    if "H0" in t.labels and t.labels.index("H0") + 1 < len(t.labels) and \
+            t.labels[t.labels.index("H0") + 1] == "H1" and t.unit_axis is None:
+        # a grouped view (B, Hkv, G, ..) of all the heads, in the order of the merged head axis
+        t.merged_axis = t.labels.index("H0")
+        t.labels = t.labels[:t.merged_axis] + ["H"] + t.labels[t.merged_axis + 2:]
     if any(lab in ("H0", "H1", "R") for lab in t.labels):
-        t.problem = "K/V head axis reshaped without a recognized expansion"
+        t.problem = "head axis reshaped without a recognized expansion (" + describe_axes(t.labels) + ")"
     if t.labels == ["BH", "S", "D"]:
         # the merged axis was never split into (batch, heads): a batched matmul over it is attention
         # with one head per batch entry, whatever the tensor was before
@@ -310,6 +364,21 @@ def _unreshape(labels, in_shape, out_shape):
             prove_equal(x, y) for x, y in zip(in_shape[2:], out_shape[1:])
         ):
             return ["B", "H"] + list(labels[1:])
+    # merge of a grouped view: (B, H0, H1, a, b) -> (B*H0*H1, a, b), heads h = h0 * H1 + h1
+    if len(in_shape) == len(out_shape) + 2 and labels[0] == "BH":
+        if prove_equal(in_shape[0] * in_shape[1] * in_shape[2], out_shape[0]) and all(
+            prove_equal(x, y) for x, y in zip(in_shape[3:], out_shape[1:])
+        ):
+            return ["B", "H0", "H1"] + list(labels[1:])
+    # the grouped view itself: (.., H0, H1, ..) <- (.., H, ..), the query's (B, H, S, D) -> (B, Hkv, G, S, D)
+    if len(in_shape) + 1 == len(out_shape) and "H0" in labels:
+        p = labels.index("H0")
+        if p + 1 < len(labels) and labels[p + 1] == "H1" and all(
+            prove_equal(x, y) for x, y in zip(in_shape[:p], out_shape[:p])
+        ) and all(prove_equal(x, y) for x, y in zip(in_shape[p + 1:], out_shape[p + 2:])) and prove_equal(
+            out_shape[p] * out_shape[p + 1], in_shape[p]
+        ):
+            return list(labels[:p]) + ["H"] + list(labels[p + 2:])
     # split of the head axis: (.., H, ..) <- (.., Hkv, R, ..)  (HF repeat_kv)
     if len(in_shape) == len(out_shape) + 1 and "H" in labels:
         p = labels.index("H")
@@ -360,3 +429,35 @@ def _unbroadcast(labels, in_shape, out_shape):
         new[axis] = "Hkv"
         return new, BROADCAST
     return None, None
+
+
+# what each label means, for the reasons the user reads
+_AXIS_NAMES = {"B": "batch", "H": "heads", "Hkv": "K/V heads", "S": "sequence", "D": "head dim",
+               "BH": "batch*heads", "H0": "heads' outer factor", "H1": "heads' inner factor",
+               "R": "repeat factor"}
+
+
+def describe_axes(labels) -> str:
+    """``labels`` in words: ``(batch*heads, head dim, sequence)``."""
+    return "(" + ", ".join(_AXIS_NAMES.get(lab, str(lab)) for lab in labels) + ")"
+
+
+def describe_stop(t: Traced) -> str:
+    """Where the trace of ``t`` stopped, in words: the op that made its source (``R.reshape of a (1, 2, 4,
+    32, 16) tensor to (8, 32, 16)``), or that the source is a parameter / a value the analysis does not pass."""
+    name = op_name(t.stop_op)
+    if not name:
+        return "a parameter of the function" if t.from_param else "a value the analysis does not look into"
+    text = name.replace("relax.", "R.")
+    arg = t.stop_op.args[0] if len(t.stop_op.args) else None
+    src = shape_of(arg) if isinstance(getattr(arg, "ty", None), relax.TensorType) else None
+    out = shape_of(t.source)
+    if src is not None and out is not None:
+        text += f" of a {_shape_text(src)} tensor to {_shape_text(out)}"
+    if t.kept_expansion:
+        text += ", part of a K/V expansion that stays in the graph here"
+    return text
+
+
+def _shape_text(shape) -> str:
+    return "(" + ", ".join(str(as_int(n)) if as_int(n) is not None else str(n) for n in shape) + ")"
