@@ -43,6 +43,10 @@ CASES = {
     "hf-repeat-kv-mqa": (lambda: G.hf_repeat_kv_chain(s=8, hkv=1, mqa_broadcast=True),
                          dict(layouts=BNSH3, out_layout="merged", causal="BottomRight")),
     "tile-kept": (lambda: G.attention_repeat_bsnh(s=8, expand="tile"), dict(causal="BottomRight", grouping="tile")),
+    # multi-head latent attention: V's head dim smaller than Q's and K's, V padded with zeros to theirs
+    "mla-repeat-bsnh": (lambda: G.attention_repeat_bsnh(s=8, d=192, dv=128), dict(causal="BottomRight")),
+    "mla-hf-repeat-kv": (lambda: G.hf_repeat_kv_chain(s=8, d=96, dv=64),
+                         dict(layouts=BNSH3, out_layout="merged", causal="BottomRight")),
 }
 
 

@@ -174,7 +174,9 @@ def _run_cpu(mod, args):
     return vm["main"](*[tvm.runtime.tensor(a) for a in args]).numpy()
 
 
-NUMERIC_FORMS = dict(FORMS, gqa_tile=dict(h=8, hkv=2, expand="tile"))
+# mla: V's head dim smaller than Q's and K's, padded with zeros to theirs and the output sliced back
+NUMERIC_FORMS = dict(FORMS, gqa_tile=dict(h=8, hkv=2, expand="tile"),
+                     mla=dict(h=8, hkv=2, d=96, dv=64, expand="repeat"))
 
 
 @pytest.mark.parametrize("form", NUMERIC_FORMS)
@@ -183,13 +185,14 @@ def test_rewrite_numerics_match_the_original(form, mqa):
     kw = dict(NUMERIC_FORMS[form])
     mod = var_len_attention(causal="BottomRight", window=4, **kw)
     h, hkv, d = kw["h"], kw["hkv"], kw.get("d", 64)
+    dv = kw.get("dv", d)
     lens_q, lens_k = [5, 1, 9], ([5, 1, 9] if kw.get("same_seqstart") else [7, 3, 9])
     rng = np.random.default_rng(0)
     tq, tk = sum(lens_q), sum(lens_k)
     if kw.get("merged"):
         shapes = [(tq, h * d), (tk, hkv * d), (tk, hkv * d)]
     else:
-        shapes = [(1, tq, h, d), (1, tk, hkv, d), (1, tk, hkv, d)]
+        shapes = [(1, tq, h, d), (1, tk, hkv, d), (1, tk, hkv, dv)]
     args = [rng.standard_normal(s).astype("float16") for s in shapes]
     args.append(seqstarts(lens_q))
     if not kw.get("same_seqstart"):
@@ -203,6 +206,7 @@ def test_rewrite_numerics_match_the_original(form, mqa):
     (call,) = calls
     want_kv = hkv if mqa and kw["expand"] != "tile" else h
     assert int(call.args[1].ty.shape[2]) == want_kv  # the rewrite really attends on un-expanded K/V
+    assert int(call.args[2].ty.shape[3]) == d  # V padded to Q's and K's head dim
     expected = _run_cpu(mod, args)
     got = _run_cpu(canon, args)
     np.testing.assert_allclose(got.astype("float32"), expected.astype("float32"), atol=2e-3, rtol=2e-3)

@@ -7,7 +7,8 @@ converter for transformers' default grouped_mm), Cohere 2, EXAONE 4 and OLMo 3 (
 removed; Doge's learned, data-dependent mask is rejected naming its weight; Gemma 2's logit soft-capping runs on FA2's soft-capping kernel families.
 Falcon: multi-query (Falcon-7B) is offloaded with its one K/V head; the new decoder architecture
 (Falcon-40B/180B) expands K before its rotary embedding and caches every head, so it runs as attention
-over the expanded heads, the note saying why."""
+over the expanded heads, the note saying why. Multi-head latent attention (DeepSeek-V3, MiniCPM3, Youtu, GLM-4
+MoE Lite): V's head dim is smaller than Q/K's, and V is padded to theirs for the kernels."""
 
 import numpy as np
 import pytest
@@ -202,3 +203,118 @@ def test_a_learned_data_dependent_mask_is_rejected_naming_the_weight():
         assert not site.offloaded
         assert f"model weight 'p_model_model_layers_{layer}_self_attn_a'" in site.reason, site.reason
         assert "padding" not in site.reason
+
+
+# ----------------------------------------------------------------------------- multi-head latent attention
+#: MLA families: (config class, config, Q/K head dim, V head dim). Q and K have qk_nope + qk_rope dims, V
+#: v_head_dim; K/V are up-projected from a latent to every query head. Dense MLPs (the MoE layers' routing is
+#: not what is tested here), sizes DeepSeek's (192 / 128) or half of them.
+_LATENT = dict(num_key_value_heads=HEADS, kv_lora_rank=64)
+MLA_FAMILIES = {
+    "deepseek_v3": ("DeepseekV3Config", dict(_LATENT, q_lora_rank=64, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                             v_head_dim=128, first_k_dense_replace=LAYERS), 192, 128),
+    "minicpm3": ("MiniCPM3Config", dict(_LATENT, q_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=32,
+                                        v_head_dim=64), 96, 64),
+    "youtu": ("YoutuConfig", dict(_LATENT, q_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64),
+              96, 64),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", dict(_LATENT, q_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=32,
+                                                v_head_dim=64, mlp_layer_types=["dense"] * LAYERS), 96, 64),
+}
+#: DeepSeek-V3's long-context RoPE: YaRN with mscale_all_dim, which scales the softmax by mscale ** 2 too
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=1.0,
+            beta_fast=32.0, beta_slow=1.0, rope_theta=10000.0)
+
+
+def _mla_model(family, impl, std=None, **extra):
+    cls_name, kw, _, _ = MLA_FAMILIES.get(family, (family, {}, None, None))
+    cls = getattr(transformers, cls_name, None)
+    if cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {cls_name}")
+    cfg = cls(**{**_SIZES, **kw, **extra})
+    cfg._attn_implementation = impl
+    if std is not None:  # weights large enough that the attention moves the logits
+        return hf.build_hf_model(cfg, std=std)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _mla_import(model, mode):
+    """The standard path with the fixes convert map: plain ToMixedPrecision fails on the R.slice_scatter
+    MLA's key assembly imports as (test_mla_standard_path_limits)."""
+    return hf.import_hf(model, mode=mode, batch=1, seq_len=12, past_len=6, convert="fixes", mixed_precision=True)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+@pytest.mark.parametrize("family, impl", [(f, "eager") for f in MLA_FAMILIES] + [("deepseek_v3", "sdpa")])
+def test_mla_family_offloaded_with_v_padded(family, impl, mode):
+    """Every layer's attention is reported (one softmax each) and offloaded: Q/K head dim d, V's dv < d padded
+    with zeros to d before the composite and the output sliced back, the model's softmax scale."""
+    model = _mla_model(family, impl)
+    _, _, d, dv = MLA_FAMILIES[family]
+    imp = _mla_import(model, mode)
+    assert G.count_ops(imp.mod, "relax.nn.softmax") == LAYERS
+    report = offload_report(imp.mod)
+    assert len(report) == LAYERS
+    for site in report:
+        assert site.offloaded, site.reason
+        assert (site.num_q_heads, site.num_kv_heads, site.head_dim, site.head_dim_v, site.dtype) == (
+            HEADS, HEADS, d, dv, "float16")
+        assert site.composite == "flash_attn.attention"
+        assert site.causal == ("BottomRight" if mode == "prefill" else None)
+        assert site.scale == pytest.approx(model.model.layers[0].self_attn.scaling, rel=1e-3)
+        assert f"V is padded with zeros from head dim {dv} to {d}" in site.note, site.note
+    out = partition_for_cutlass(imp.mod)
+    assert G.composites(out) == ["flash_attn.attention"] * LAYERS
+    assert G.count_ops(out, "relax.nn.softmax") == 0 and G.count_ops(out, "relax.nn.pad") == LAYERS
+
+
+@pytest.mark.parametrize("family, mode, rope", [("deepseek_v3", "prefill", YARN), ("deepseek_v3", "decode", None),
+                                                ("minicpm3", "prefill", None)])
+def test_mla_rewrite_numerics_cpu(family, mode, rope):
+    """The rewritten graph gives the graph's logits and both are near float32 eager (fp16 attention: logits
+    up to 8, both graphs within 0.1 of eager); a softmax scale off by 20% would move them by more than four
+    times the tolerance (the test can tell). With YaRN the scale is DeepSeek's qk_head_dim ** -0.5 *
+    mscale ** 2, read off the graph."""
+    extra = dict(rope_parameters=rope) if rope else {}
+    model = _mla_model(family, "eager", std=0.1, **extra)
+    layer = model.model.layers[0].self_attn
+    imp = _mla_import(model, mode)
+    (site, _) = offload_report(imp.mod)
+    assert site.scale == pytest.approx(layer.scaling, rel=1e-3)
+    if rope:
+        assert layer.scaling > 1.2 * MLA_FAMILIES[family][2] ** -0.5  # mscale ** 2 is in it
+    inputs = hf.example_inputs(model, mode=mode, seq_len=12, past_len=6, seed=1)
+    args = [inputs[0], *[x.astype("float32") for x in inputs[1:]], *imp.params]
+    got = G.rewritten_on_cpu(imp.mod, args, rtol=5e-2, atol=0.1)
+    want = imp.reference(*inputs)
+    np.testing.assert_allclose(got, want, rtol=5e-2, atol=0.1)
+    for block in model.model.layers:
+        block.self_attn.scaling *= 1.2
+    assert np.abs(imp.reference(*inputs) - want).max() > 4 * 0.1
+
+
+def test_mla_standard_path_limits():
+    """Pinned, so that a TVM upgrade that lifts one shows up. Plain ``from_exported_program`` +
+    ``ToMixedPrecision`` (no convert map): DeepSeek-V3's key assembly (``new_empty`` then ``copy_`` into two
+    slices) imports as ``R.slice_scatter``, whose bounds ToMixedPrecision takes for tensors; DeepSeek-V2's
+    rotary embedding is complex arithmetic (``view_as_complex``, ``polar``), which the frontend does not
+    convert at all."""
+    from tvm.error import InternalError
+
+    with pytest.raises(InternalError, match="Expected TensorType, but got T.int64"):
+        hf.import_hf(_mla_model("deepseek_v3", "eager"), mode="prefill", seq_len=12, convert="standard",
+                     mixed_precision=True)
+    v2 = dict(MLA_FAMILIES["deepseek_v3"][1], q_lora_rank=None)
+    with pytest.raises(AssertionError, match="view_as_complex"):
+        hf.import_hf(_mla_model("DeepseekV2Config", "eager", **v2), mode="prefill", seq_len=12, convert="fixes")
+
+
+def test_sparse_mla_top_k_mask_is_rejected_as_data_dependent():
+    """DeepSeek-V3.2's sparse attention: an indexer scores the keys from the hidden states and each query
+    attends to its top k only. That mask is data-dependent: every layer is reported, and stays."""
+    cfg = dict(MLA_FAMILIES["minicpm3"][1], mlp_layer_types=["dense"] * LAYERS, index_topk=4, index_n_heads=2,
+               index_head_dim=32)
+    report = offload_report(_mla_import(_mla_model("DeepseekV32Config", "eager", **cfg), "prefill").mod)
+    assert len(report) == LAYERS
+    for site in report:
+        assert not site.offloaded and "data-dependent" in site.reason, site.reason

@@ -40,7 +40,7 @@ from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
 from mqa_byoc.compiler.graph.lowered_matmul import RestoreLoweredMatmul, has_lowered_nt_matmul
 from mqa_byoc.compiler.graph.patterns import flash_attn_patterns
 from mqa_byoc.compiler.graph.sink_attention import OffloadSinkAttention
-from mqa_byoc.compiler.graph.site import FUSED_FORMS, require_flag, require_module
+from mqa_byoc.compiler.graph.site import FUSED_FORMS, require_flag, require_module, value_padding_note
 from mqa_byoc.compiler.graph.trace import Bindings
 from mqa_byoc.compiler.graph.views import CollapseViewChains
 
@@ -78,6 +78,7 @@ class OffloadSite:
     kernel: str | None = None  # what the site runs on with that provider
     kernel_options: str | None = None  # the library's kernel choices (linked providers), see kernel_options.py
     softcap: float | None = None  # logit soft-cap c (scores = c * tanh(scores / c)); None: none
+    head_dim_v: int | None = None  # V's head dim (``head_dim`` is Q's and K's); smaller: V is padded to head_dim
 
     def as_dict(self) -> dict:
         """Returns
@@ -159,7 +160,7 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
                 dtype=s.dtype, causal=_causal_name(s), window=s.mask.window,
                 scale=_resolved_scale(s), expansion=s.k.expansion if s.k is not None else None,
                 expansion_ops_removed=len(set(s.expansion_ops)) if removes else 0,
-                composite=composite, reason=s.reason, note=getattr(s, "note", None),
+                composite=composite, reason=s.reason, note=_note(s, ok),
                 provider=chosen if ok else None,
                 kernel=hopper_codegen.describe_kernel(
                     chosen, dtype=s.dtype, head_dim=s.head_dim, num_q_heads=s.num_q_heads,
@@ -167,7 +168,7 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
                     window=s.mask.window, var_len=s.form == varlen.FORM, options=options,
                     sinks=s.sinks is not None, softcap=s.softcap is not None, arch=arch) if ok else None,
                 kernel_options=options.describe() if ok and chosen != "python" else None,
-                softcap=s.softcap,
+                softcap=s.softcap, head_dim_v=s.head_dim_v,
             ))
     report = varlen.explain_unlowerable(report)
     if gemm:
@@ -175,6 +176,12 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
 
         report = report + gemm_report(partition_for_cutlass(mod, mqa=mqa, gemm=False))
     return report
+
+
+def _note(site, offloaded: bool) -> str | None:
+    """The site's note, and for an offloaded site whose V is padded what that costs."""
+    parts = [getattr(site, "note", None), value_padding_note(site) if offloaded else None]
+    return "; ".join(p for p in parts if p) or None
 
 
 def _resolved_scale(site):

@@ -32,6 +32,11 @@ limits of TVM's frontend that no partition can lift, since the import itself fai
   past fails ("Concat expects all input tensors to have the same dtype"): an fp16 model takes the
   standard path for prefill only; export the float32 model for decode.
 
+Multi-head latent attention (DeepSeek-V3, MiniCPM3) writes its key slice by slice, which imports as
+``R.slice_scatter``, and ``ToMixedPrecision`` fails on that op: import with ``convert="fixes"`` (the
+standard path plus :func:`fixes_convert_map`, which makes it a ``concat``). DeepSeek-V2's complex rotary
+embedding does not import at all.
+
 Without a cache HF's mask adds packed-sequence detection, whose ``cumsum`` of bools the frontend
 types bool (LLVM cannot compile it; the original graph does not build); the mask evaluator computes
 it (it checks the input is all False, where every reading of a bool cumsum agrees) and the offloaded
@@ -158,7 +163,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .hf_config import cache_heads_and_dim
 from .presets import DecoderConfig
 
 
@@ -284,6 +288,12 @@ def fixes_convert_map() -> dict:
     ``select.int``: ``x[..., -2, :]`` (Falcon-40B's K from its grouped qkv in transformers 5.2x) becomes the
     same ``R.take(mode="fast")`` of a negative constant (NaN or another row's values on the GPU and the
     CPU); the index is counted from the end of its (static) axis as torch does, else taken with ``mode="wrap"``.
+
+    ``slice_scatter.default``: ``R.slice_scatter`` takes its bounds as ``PrimValue`` operands, on which
+    ``ToMixedPrecision`` fails ("Expected TensorType, but got T.int64"). Multi-head latent attention
+    (DeepSeek-V3, MiniCPM3) writes its key into a new tensor slice by slice, which torch.export turns into
+    ``slice_scatter``; on a static axis with step 1 it is the ``concat`` of the source with the untouched
+    slices of the input instead. Other forms keep the frontend's converter.
     """
     from tvm import relax, tirx
 
@@ -335,10 +345,27 @@ def fixes_convert_map() -> dict:
             return importer.block_builder.emit(relax.op.take(x, relax.const(idx + int(size), "int64"), axis=dim))
         return importer.block_builder.emit(relax.op.take(x, relax.const(idx, "int64"), axis=dim, mode="wrap"))
 
+    def slice_scatter(node, importer):
+        x, src, *rest = importer.retrieve_args(node)
+        dim, start, end, step = rest + [0, None, None, 1][len(rest):]
+        size = x.ty.shape.values[dim % x.ty.ndim] if x.ty.shape is not None else None
+        static = all(b is None or isinstance(b, int) for b in (start, end)) and isinstance(size, tirx.IntImm)
+        if node.kwargs or step != 1 or not static:
+            return importer._slice_scatter(node)
+        dim, size = dim % x.ty.ndim, int(size)
+        start, end = (min(max(b + size if b < 0 else b, 0), size)  # torch's bounds
+                      for b in (start or 0, size if end is None else end))
+        bb = importer.block_builder
+        parts = [bb.emit(relax.op.strided_slice(x, [dim], [0], [start]))] if start > 0 else []
+        parts.append(src)
+        if end < size:
+            parts.append(bb.emit(relax.op.strided_slice(x, [dim], [end], [size])))
+        return src if len(parts) == 1 else bb.emit(relax.op.concat(parts, axis=dim))
+
     from .hf_static import index_put_converter
 
     return {"cumsum.default": cumsum, "cat.default": cat, "index_put.default": index_put_converter,
-            "index.Tensor": index, "select.int": select}
+            "index.Tensor": index, "select.int": select, "slice_scatter.default": slice_scatter}
 
 
 def params_from_hf(model, param_spec) -> list[np.ndarray]:
@@ -401,6 +428,27 @@ def _seed_cache(cache):
             return key_states, value_states
 
         layer.update = first_update
+
+
+def cache_layer_shapes(model) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Per layer, ``((heads, head dim) of its keys, (heads, head dim) of its values)`` as the model's
+    ``DynamicCache`` holds them, read off a one-token forward: :func:`.hf_config.cache_heads_and_dim`
+    twice for most decoders; what multi-head latent attention caches (DeepSeek-V3, MiniCPM3: one head of
+    the compressed latent and one of the rotary key part, of different widths) is the model's own choice."""
+    torch = _torch()
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long), past_key_values=cache, use_cache=True)
+    return [((layer.keys.shape[1], layer.keys.shape[3]), (layer.values.shape[1], layer.values.shape[3]))
+            for layer in cache.layers[:model.config.num_hidden_layers]]
+
+
+def _past_shapes(model, batch: int, past_lens) -> list[tuple[int, int, int, int]]:
+    """The decode inputs' cache shapes, (B, heads, S_past, D), K then V of each layer."""
+    return [(batch, heads, past_lens[i], dim) for i, layer in enumerate(cache_layer_shapes(model))
+            for heads, dim in layer]
 
 
 def sliding_layers(config) -> list[int | None]:
@@ -573,7 +621,6 @@ def import_hf(
         raise ValueError(f"convert must be one of {CONVERTS}, got {convert!r}")
     cfg = model.config
     n_layers = cfg.num_hidden_layers
-    hkv, d = cache_heads_and_dim(cfg)
     if cache not in ("dynamic", "static"):
         raise ValueError(f"cache must be 'dynamic' or 'static', got {cache!r}")
     wrapper = export_wrapper(model, mode, n_layers, use_cache, seed_cache=convert == "standard").eval()
@@ -591,11 +638,9 @@ def import_hf(
     ids = torch.randint(0, cfg.vocab_size, (batch, n_tok), generator=gen)
     args = [ids]
     dyn = None
-    if mode == "decode":
+    if mode == "decode" and cache == "dynamic":
         dtype = next(model.parameters()).dtype
-        args += [
-            torch.randn(batch, hkv, past_lens[i // 2], d, generator=gen).to(dtype) for i in range(2 * n_layers)
-        ]
+        args += [torch.randn(*shape, generator=gen).to(dtype) for shape in _past_shapes(model, batch, past_lens)]
     if cache == "static":
         from .hf_static import static_example_inputs, static_wrapper
 
@@ -645,12 +690,9 @@ def example_inputs(
     n_tok = seq_len if mode == "prefill" else 1
     out = [rng.integers(0, cfg.vocab_size, (batch, n_tok)).astype("int64")]
     if mode == "decode":
-        hkv, d = cache_heads_and_dim(cfg)
         dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-        shape = (batch, hkv, past_len, d)
-        out += [
-            rng.standard_normal(shape).astype(dtype) for _ in range(2 * cfg.num_hidden_layers)
-        ]
+        out += [rng.standard_normal(shape).astype(dtype)
+                for shape in _past_shapes(model, batch, [past_len] * cfg.num_hidden_layers)]
     return out
 
 

@@ -38,18 +38,19 @@ def _finish(bb):
 
 
 def attention_repeat_bsnh(h=8, hkv=2, d=64, s="n", s_kv=None, b=1, dtype=F16, causal="BottomRight",
-                          scale=None, window=None, expand="repeat"):
+                          scale=None, window=None, expand="repeat", dv=None):
     """Form 1: ``R.nn.attention(q, R.repeat(k, r, axis=2), R.repeat(v, r, axis=2))`` in BSNH.
     ``expand`` = "repeat" | "tile" | "broadcast" (the last for h_kv == 1) | "none" (form 6) |
     "reshape_broadcast" (form 11: ``reshape`` adding a unit axis -> 5-D ``broadcast_to`` -> ``reshape``,
-    as ``relax.frontend.nn`` code writes it)."""
+    as ``relax.frontend.nn`` code writes it). ``dv``: V's head dim when it differs from ``d``
+    ("repeat" and "none" only)."""
     syms = {}
     s_, skv_ = _dim(s, syms), _dim(s_kv if s_kv is not None else s, syms)
     b_ = _dim(b, syms)
     bb = relax.BlockBuilder()
     q = relax.Var("q", _tensor([b_, s_, h, d], dtype))
     k = relax.Var("k", _tensor([b_, skv_, hkv, d], dtype))
-    v = relax.Var("v", _tensor([b_, skv_, hkv, d], dtype))
+    v = relax.Var("v", _tensor([b_, skv_, hkv, d if dv is None else dv], dtype))
     with bb.function("main", [q, k, v]):
         with bb.dataflow():
             kk, vv = k, v
@@ -184,20 +185,22 @@ def hf_repeat_kv(bb, x, b, hkv, r, s, d):
 
 
 def hf_repeat_kv_chain(h=8, hkv=2, d=64, s=16, b=1, dtype=F16, compute_dtype="float32", outer=False,
-                       mqa_broadcast=False):
+                       mqa_broadcast=False, dv=None):
     """Form 4 (as TVM's PyTorch frontend emits HF ``repeat_kv`` + eager attention, after
     ToMixedPrecision keeps softmax in float32): BNSH; ``expand_dims(axis=2)`` -> 5-D
     ``broadcast_to`` (B, H_kv, r, S, D) -> ``reshape`` (B, H, S, D); 3-D batched matmuls with no-op
     broadcast_to / reshape around them; multiply by the scale; add a causal mask built from arange
-    and comparisons; softmax; astype; matmul. ``outer``: expand on axis 1 instead (h % H_kv)."""
+    and comparisons; softmax; astype; matmul. ``outer``: expand on axis 1 instead (h % H_kv).
+    ``dv``: V's head dim when it differs from Q's and K's ``d`` (multi-head latent attention)."""
+    dv = d if dv is None else dv
     bb = relax.BlockBuilder()
     q = relax.Var("q", _tensor([b, h, s, d], dtype))
     k = relax.Var("k", _tensor([b, hkv, s, d], dtype))
-    v = relax.Var("v", _tensor([b, hkv, s, d], dtype))
+    v = relax.Var("v", _tensor([b, hkv, s, dv], dtype))
     r = h // hkv
     with bb.function("main", [q, k, v]):
         with bb.dataflow():
-            def repeat_kv(x):
+            def repeat_kv(x, d):
                 if mqa_broadcast:
                     return bb.emit(R.broadcast_to(x, [b, h, s, d]))
                 if not outer:
@@ -205,7 +208,7 @@ def hf_repeat_kv_chain(h=8, hkv=2, d=64, s=16, b=1, dtype=F16, compute_dtype="fl
                 e = bb.emit(R.broadcast_to(bb.emit(R.expand_dims(x, axis=[1])), [b, r, hkv, s, d]))
                 return bb.emit(R.reshape(e, [b, h, s, d]))
 
-            kk, vv = repeat_kv(k), repeat_kv(v)
+            kk, vv = repeat_kv(k, d), repeat_kv(v, dv)
             kt = bb.emit(R.permute_dims(kk, [0, 1, 3, 2]))
             q_b = bb.emit(R.broadcast_to(q, [b, h, s, d]))  # the frontend's no-op broadcast
             q3 = bb.emit(R.reshape(q_b, [b * h, s, d]))
@@ -222,10 +225,10 @@ def hf_repeat_kv_chain(h=8, hkv=2, d=64, s=16, b=1, dtype=F16, compute_dtype="fl
             sc = bb.emit(R.add(sc, mask))
             p = bb.emit(R.astype(R.nn.softmax(bb.emit(R.astype(sc, compute_dtype)), axis=-1), dtype))
             p3 = bb.emit(R.reshape(bb.emit(R.broadcast_to(p, [b, h, s, s])), [b * h, s, s]))
-            v3 = bb.emit(R.reshape(bb.emit(R.broadcast_to(vv, [b, h, s, d])), [b * h, s, d]))
-            o = bb.emit(R.reshape(bb.emit(R.matmul(p3, v3)), [b, h, s, d]))
+            v3 = bb.emit(R.reshape(bb.emit(R.broadcast_to(vv, [b, h, s, dv])), [b * h, s, dv]))
+            o = bb.emit(R.reshape(bb.emit(R.matmul(p3, v3)), [b, h, s, dv]))
             o = bb.emit(R.permute_dims(o, [0, 2, 1, 3]))
-            o = bb.emit_output(R.reshape(o, [b, s, h * d]))
+            o = bb.emit_output(R.reshape(o, [b, s, h * dv]))
         bb.emit_func_output(o)
     return _finish(bb)
 
@@ -792,7 +795,7 @@ def reference_sink_attention(q, k, v, sinks, window=None, causal=True):
 
 
 def softcap_chain(h=8, hkv=4, d=64, s=16, s_kv=None, b=1, dtype=F16, window=None, causal=True, cap=50.0,
-                  scale=None, form="gemma"):
+                  scale=None, form="gemma", dv=None):
     """Gemma 2's eager attention with logit soft-capping as TVM's PyTorch frontend emits it after
     ToMixedPrecision: BNSH, HF ``repeat_kv``, ``Q@K^T * scale`` (Gemma's ``query_pre_attn_scalar ** -0.5``;
     default ``1/sqrt(d)``) cast to float32, ``/ cap``, ``tanh``, ``* cap``, an additive mask from positions
@@ -801,19 +804,21 @@ def softcap_chain(h=8, hkv=4, d=64, s=16, s_kv=None, b=1, dtype=F16, window=None
 
     ``form`` spells the soft-cap: "gemma" (as above), "reciprocal" (``tanh(x * (1/cap)) * cap``, the cap
     constant on the left), and, not what the kernels compute: "mask-inside" (the mask added before the tanh),
-    "negative" (``tanh(x / cap) * -cap``), "two-caps" (a second tanh)."""
+    "negative" (``tanh(x / cap) * -cap``), "two-caps" (a second tanh). ``dv``: V's head dim when it differs
+    from ``d``."""
     syms = {}
     s_, skv_ = _dim(s, syms), _dim(s_kv if s_kv is not None else s, syms)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    dv = d if dv is None else dv
     bb = relax.BlockBuilder()
     q = relax.Var("q", _tensor([b, h, s_, d], dtype))
     k = relax.Var("k", _tensor([b, hkv, skv_, d], dtype))
-    v = relax.Var("v", _tensor([b, hkv, skv_, d], dtype))
+    v = relax.Var("v", _tensor([b, hkv, skv_, dv], dtype))
     r = h // hkv
     f32 = "float32"
     with bb.function("main", [q, k, v]):
         with bb.dataflow():
-            kk, vv = hf_repeat_kv(bb, k, b, hkv, r, skv_, d), hf_repeat_kv(bb, v, b, hkv, r, skv_, d)
+            kk, vv = hf_repeat_kv(bb, k, b, hkv, r, skv_, d), hf_repeat_kv(bb, v, b, hkv, r, skv_, dv)
             sc = bb.emit(R.matmul(q, bb.emit(R.permute_dims(kk, [0, 1, 3, 2]))))
             sc = bb.emit(R.astype(R.multiply(sc, relax.const(scale, dtype)), f32))
             cols = bb.emit(R.reshape(R.arange(0, skv_, 1, "int64"), [1, skv_]))
@@ -841,7 +846,7 @@ def softcap_chain(h=8, hkv=4, d=64, s=16, s_kv=None, b=1, dtype=F16, window=None
             p = bb.emit(R.astype(R.nn.softmax(sc, axis=-1), dtype))
             o = bb.emit(R.matmul(p, vv))
             o = bb.emit(R.permute_dims(o, [0, 2, 1, 3]))
-            o = bb.emit_output(R.reshape(o, [b, s_, h * d]))
+            o = bb.emit_output(R.reshape(o, [b, s_, h * dv]))
         bb.emit_func_output(o)
     return _finish(bb)
 
@@ -859,4 +864,4 @@ def reference_softcap_attention(q, k, v, cap=50.0, scale=None, window=None, caus
     p = np.exp(s - s.max(-1, keepdims=True))
     p = p / p.sum(-1, keepdims=True)
     o = np.einsum("bhqk,bkhd->bqhd", p, v)
-    return o.reshape(o.shape[0], o.shape[1], h * d)
+    return o.reshape(o.shape[0], o.shape[1], h * v.shape[3])

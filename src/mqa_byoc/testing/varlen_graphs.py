@@ -17,7 +17,7 @@ F16 = "float16"
 
 def var_len_attention(h=8, hkv=2, d=64, dtype=F16, causal="BottomRight", window=None, scale=None,
                       expand="repeat", same_seqstart=False, merged=False, total_q="tq", total_k="tk",
-                      seqstart_dtype="int32", max_dtype="int32", batch=1, same_max=None):
+                      seqstart_dtype="int32", max_dtype="int32", batch=1, same_max=None, dv=None):
     """``main(q, k, v, seqstart_q[, seqstart_k], max_seqlen_q, max_seqlen_k)`` with
     ``R.nn.attention_var_len(q, expand(k), expand(v), ...)``.
 
@@ -27,6 +27,7 @@ def var_len_attention(h=8, hkv=2, d=64, dtype=F16, causal="BottomRight", window=
     ``same_seqstart``): one max_seqlen for both. ``merged``: Q/K/V come in as
     (total, heads * d) and are reshaped (upstream's tests); the output is reshaped back.
     ``total_q``/``total_k``/``batch``: ints or names of symbolic lengths (the same name: one variable).
+    ``dv``: V's head dim when it differs from Q's and K's ``d`` ("repeat" and "none" only).
     """
     syms = {}
 
@@ -37,6 +38,7 @@ def var_len_attention(h=8, hkv=2, d=64, dtype=F16, causal="BottomRight", window=
         return x
 
     tq, tk = dim(total_q), dim(total_k)
+    dv = d if dv is None else dv
     nseq = tirx.Var("nseq", "int64")
     bb = relax.BlockBuilder()
     if merged:
@@ -46,7 +48,7 @@ def var_len_attention(h=8, hkv=2, d=64, dtype=F16, causal="BottomRight", window=
     else:
         q = relax.Var("q", relax.TensorType([dim(batch), tq, h, d], dtype))
         k = relax.Var("k", relax.TensorType([dim(batch), tk, hkv, d], dtype))
-        v = relax.Var("v", relax.TensorType([dim(batch), tk, hkv, d], dtype))
+        v = relax.Var("v", relax.TensorType([dim(batch), tk, hkv, dv], dtype))
     sq = relax.Var("seqstart_q", relax.TensorType([nseq], seqstart_dtype))
     sk = sq if same_seqstart else relax.Var("seqstart_k", relax.TensorType([nseq], seqstart_dtype))
     mq = relax.Var("max_seqlen_q", relax.TensorType([], max_dtype))
@@ -99,7 +101,7 @@ def var_len_reference(q, k, v, lens_q, lens_k, causal=None, window=None, scale=N
     h, d, hkv = q.shape[1], q.shape[2], k.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     heads = np.arange(h) // (h // hkv)
-    out = np.zeros_like(q)
+    out = np.zeros(q.shape[:2] + v.shape[2:])
     cq, ck = seqstarts(lens_q), seqstarts(lens_k)
     for i, (sq_, sk_) in enumerate(zip(lens_q, lens_k)):
         qs = q[cq[i]:cq[i + 1]]

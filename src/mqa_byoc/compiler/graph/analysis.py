@@ -138,6 +138,8 @@ def check_attention_call(call, operand_values, length_facts=None) -> AttentionSi
     common_checks(site)
     if site.reason:
         return site
+    if site.pads_value:  # the canonicalization pads V first: a composite has one head dim
+        return site.reject(f"V's head dim {site.head_dim_v} differs from Q's and K's {site.head_dim} in the composite")
     return _attention_attr_checks(site, call.attrs, length_facts)
 
 

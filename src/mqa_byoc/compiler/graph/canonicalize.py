@@ -59,7 +59,7 @@ class _Canonicalize(PyExprMutator):
         self.mod_ = mod
         self.sites = {s.root: s for s in sites if s.reason is None}
         self.mqa = mqa
-        self.attention_vars = set()  # the R.nn.attention results we emitted
+        self.attention_vars = set()  # the attention results we emitted, BSNH (sliced to V's head dim)
 
     def transform(self, functions):
         for gv in functions:
@@ -76,13 +76,15 @@ class _Canonicalize(PyExprMutator):
             return sink_attention.emit_canonical(self, binding.var, site, self.mqa)
         self._emit_site(binding.var, site)
 
-    def _operand(self, traced, dtype, heads_target=None):
+    def _operand(self, traced, dtype, heads_target=None, pad_to=None):
         x = self.visit_expr(traced.source)
         if traced.is_view():  # K/V without the unit axis the expansion grew, grouped heads as one axis
             x = self.builder_.emit(relax.op.reshape(x, traced.shape()))
         if str(traced.source.ty.dtype) != dtype:
             # the graph cast the expanded tensor; casting the un-expanded one gives the same values
             x = self.builder_.emit(relax.op.astype(x, dtype))
+        if pad_to is not None:
+            x = self.pad_head_dim(x, pad_to)
         if traced.layout() == "BNSH":
             x = self.builder_.emit(relax.op.permute_dims(x, [0, 2, 1, 3]))
         elif traced.layout() == "BSH":  # one head: a (B, S, 1, D) view
@@ -93,13 +95,31 @@ class _Canonicalize(PyExprMutator):
             x = self.builder_.emit(relax.op.repeat(x, heads_target, axis=2))
         return x
 
+    def pad_head_dim(self, x, head_dim):
+        """``x`` padded with zeros on its last (head dim) axis to ``head_dim``; ``x`` when it has that already.
+        A zero column of V adds a zero column to the output and changes nothing else."""
+        dims = x.ty.shape.values
+        width = head_dim - int(dims[-1])
+        if width == 0:
+            return x
+        return self.builder_.emit(relax.op.nn.pad(x, [0, 0] * (len(dims) - 1) + [0, width]))
+
+    def slice_value_dims(self, attention, site):
+        """The output of ``attention`` (an unbound call) with V's head dim: sliced back on the last axis
+        when the site's V was padded (:meth:`pad_head_dim`), else ``attention`` itself."""
+        if not site.pads_value:
+            return attention
+        x = self.builder_.emit(attention)
+        rank = len(x.ty.shape.values)
+        return relax.op.strided_slice(x, axes=[rank - 1], begin=[0], end=[site.head_dim_v])
+
     def _emit_site(self, var, site):
         rep = None
         if not self.mqa and site.num_kv_heads != site.num_q_heads:
             rep = site.num_q_heads // site.num_kv_heads
         q = self._operand(site.q, site.dtype)
         k = self._operand(site.k, site.dtype, rep)
-        v = self._operand(site.v, site.dtype, rep)
+        v = self._operand(site.v, site.dtype, rep, pad_to=site.head_dim)
         causal = None
         if site.form == "R.nn.attention" and site.causal_attr is not None:
             causal = str(site.causal_attr)
@@ -116,14 +136,14 @@ class _Canonicalize(PyExprMutator):
             steps.append(lambda x: relax.op.reshape(x, root_ty.shape))
         if str(root_ty.dtype) != site.dtype:
             steps.append(lambda x: relax.op.astype(x, root_ty.dtype))
-        expr = att
+        expr = out = self.slice_value_dims(att, site)  # (B, S, H, D_v), D_v < D when V was padded
         for step in steps:
             x = self.builder_.emit(expr)
-            if expr is att:
+            if expr is out:
                 self.attention_vars.add(x)
             expr = step(x)
         self.builder_.emit_normalized(relax.VarBinding(var, self.builder_.normalize(expr)))
-        if expr is att:
+        if expr is out:
             self.attention_vars.add(var)
 
 

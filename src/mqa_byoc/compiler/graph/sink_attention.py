@@ -50,6 +50,8 @@ def emit_canonical(mutator, var, site, mqa: bool):
             x = bb.emit(relax.op.reshape(x, traced.shape()))
         if str(traced.source.ty.dtype) != site.dtype:
             x = bb.emit(relax.op.astype(x, site.dtype))
+        if name == "v":
+            x = mutator.pad_head_dim(x, site.head_dim)
         layout = _layout(traced)
         if rep is not None and name != "q":
             x = bb.emit(relax.op.repeat(x, rep, axis=1 if layout == "BNSH" else 2))
@@ -66,7 +68,7 @@ def emit_canonical(mutator, var, site, mqa: bool):
         head_dim=site.head_dim, scale=site.scale if site.scale is not None else site.head_dim ** -0.5,
         causal=bool(site.mask.causal), window=site.mask.window, softcap=site.softcap)
     gv = bb.add_func(func, SOFTCAP_FUNC_PREFIX if site.softcap is not None else FUNC_PREFIX)
-    out = bb.emit(relax.Call(gv, args))
+    out = bb.emit(mutator.slice_value_dims(relax.Call(gv, args), site))
     mutator.attention_vars.add(out)
     labels, root_ty = site.out_labels, var.ty
     expr = out

@@ -34,7 +34,8 @@ class AttentionSite:
     v: Traced | None = None
     num_q_heads: int | None = None
     num_kv_heads: int | None = None
-    head_dim: int | None = None
+    head_dim: int | None = None  # Q's and K's
+    head_dim_v: int | None = None  # V's: smaller than head_dim when V is padded for the kernels
     dtype: str | None = None
     scale: float | None = None  # None: 1/sqrt(D)
     mask: masks.MaskKind = masks.NO_MASK
@@ -50,6 +51,11 @@ class AttentionSite:
     sinks: SinkLogits | None = None
     # logit soft-capping (Gemma 2): the scores become softcap * tanh(scores / softcap); None: none
     softcap: float | None = None
+
+    @property
+    def pads_value(self) -> bool:
+        """Whether the rewrite pads V with zeros to ``head_dim`` and slices the output back to ``head_dim_v``."""
+        return None not in (self.head_dim, self.head_dim_v) and self.head_dim_v < self.head_dim
 
     @property
     def expansion_ops(self):
@@ -141,7 +147,7 @@ def common_checks(site: AttentionSite) -> AttentionSite:
     d = as_int(qs[q.labels.index("D")])
     dk = as_int(ks[k.labels.index("D")])
     dv = as_int(vs[v.labels.index("D")])
-    site.num_q_heads, site.head_dim = h, d
+    site.num_q_heads, site.head_dim, site.head_dim_v = h, d, dv
     if k.expansion is None and h is not None and hkv == 1 and h != 1 and site.form not in FUSED_FORMS:
         k.expansion = v.expansion = BROADCAST  # MQA through matmul broadcasting
         k.factor = v.factor = h
@@ -154,10 +160,9 @@ def common_checks(site: AttentionSite) -> AttentionSite:
                            "(run relax.transform.ToMixedPrecision first for float32 graphs)")
     if len(dtypes) != 1:
         return site.reject(f"Q, K and V have different dtypes {sorted(dtypes)}")
-    if not (dk == d == dv):
-        return site.reject(f"head dims differ (q {d}, k {dk}, v {dv})")
-    if d > MAX_HEAD_DIM or d % 8:
-        return site.reject(f"head dim {d}: FA2 needs a multiple of 8 up to {MAX_HEAD_DIM}")
+    problem = head_dims_problem(d, dk, dv)
+    if problem:
+        return site.reject(problem)
     if k.expansion is None and hkv != h and site.form not in FUSED_FORMS:
         return site.reject(f"{h} query heads against {hkv} K/V heads without an expansion")
     if site.expansion_problem:
@@ -181,6 +186,35 @@ def layout_problem(name: str, t: Traced) -> str:
     return (f"{name} reaches attention with axes {describe_axes(t.labels)} where the analysis stops following "
             f"it, at {describe_stop(t)}; the kernels take (batch, sequence, heads, head dim) or "
             f"(batch, heads, sequence, head dim)")
+
+
+def head_dims_problem(d: int, dk: int, dv: int) -> str | None:
+    """Why FA2 cannot take Q, K, V of head dims ``d``, ``dk``, ``dv`` (None: it can). FA2 takes one head
+    dim, a multiple of 8 up to :data:`~.spec.MAX_HEAD_DIM`, for all three; a smaller V (multi-head latent
+    attention: DeepSeek's 192 for Q/K, 128 for V) is exact padded with zeros to ``d`` on its last axis,
+    the output sliced back to ``dv`` (the rewrite does both, see :func:`value_padding_note`)."""
+    if dk != d:
+        return f"head dims differ (q {d}, k {dk}, v {dv}): FA2 needs one head dim for Q and K"
+    if d > MAX_HEAD_DIM or d % 8:
+        return f"head dim {d}: FA2 needs a multiple of 8 up to {MAX_HEAD_DIM}"
+    if dv > d:
+        return (f"head dims differ (q {d}, k {dk}, v {dv}): V's head dim is larger than Q's and K's "
+                "(V is padded to theirs only when it is smaller)")
+    if dv % 8:
+        return (f"head dims differ (q {d}, k {dk}, v {dv}): V's head dim is not a multiple of 8 "
+                f"(V is padded with zeros to {d} only from a multiple of 8)")
+    return None
+
+
+def value_padding_note(site: AttentionSite) -> str | None:
+    """What padding V costs, for the report's note of a site whose V has the smaller head dim; None
+    for the others."""
+    if not site.pads_value:
+        return None
+    d, dv = site.head_dim, site.head_dim_v
+    return (f"V is padded with zeros from head dim {dv} to {d} (FA2 takes one head dim for Q, K and V) and "
+            f"the output sliced back to {dv}: a padded copy of V ({d / dv:.3g}x its size) before each call, and "
+            f"P @ V computed over {d} columns instead of {dv}")
 
 
 def scale_problem(scale) -> str | None:

@@ -67,6 +67,8 @@ def check_var_len_call(call, operand_values) -> VarLenSite:
     common_checks(site)
     if site.reason:
         return site
+    if site.pads_value:  # the canonicalization pads V first: a composite has one head dim
+        return site.reject(f"V's head dim {site.head_dim_v} differs from Q's and K's {site.head_dim} in the composite")
     return _var_len_checks(site, call.attrs)
 
 
@@ -140,11 +142,12 @@ def emit_canonical(mutator, var, site: VarLenSite, mqa: bool) -> None:
     # a BNSH source is transposed in the graph: the composite takes BSNH operands only
     q = mutator._operand(site.q, site.dtype)
     k = mutator._operand(site.k, site.dtype, rep)
-    v = mutator._operand(site.v, site.dtype, rep)
+    v = mutator._operand(site.v, site.dtype, rep, pad_to=site.head_dim)
     extra = [mutator.visit_expr(e) for e in (site.seqstart_q, site.seqstart_k, site.max_seqlen_q, site.max_seqlen_k)]
     att = relax.op.nn.attention_var_len(
         q, k, v, extra[0], extra[2], extra[1], extra[3], scale=site.scale, causal_mask=site.causal_attr,
         window_size=site.mask.window)
+    att = mutator.slice_value_dims(att, site)
     if str(var.ty.dtype) != site.dtype:  # the graph attended in float32 on up-cast half tensors
         att = relax.op.astype(bb.emit(att), var.ty.dtype)
     bb.emit_normalized(relax.VarBinding(var, bb.normalize(att)))
