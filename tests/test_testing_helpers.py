@@ -167,6 +167,12 @@ def test_attention_cases_table():
     sink = ac.case("sink_gptoss_f16_hdim64_causal_prefill")
     assert sink.expected_composite(True) == composite_name(64, 8, sinks=True)
     assert gqa.tolerances() == {k: v["float16"] for k, v in ac.TOLERANCES.items()}
+    mla = ac.case("mla_f16_d128_dv64_causal_prefill")  # as many K/V heads as query heads, V narrower
+    assert (mla.hkv, mla.d, mla.dv) == (16, 128, 64) and not mla.nomqa_expands_kv
+    assert mla.expected_composite(True) == composite_name(16, 16)
+    assert (mla.attention()["head_dim"], mla.attention()["head_dim_v"]) == (128, 64)
+    assert ac.case("einsum_bshd_gqa_f16_causal_chunked").layouts()["q"] == "BSNH"
+    assert ac.case("einsum_bhsd_gqa_f16_causal_prefill").layouts()["output"] == "BNSH"
     own = ac.Case("x", "1 repeat", "attention_repeat_bsnh", dict(h=2, hkv=1, d=64, dtype="bfloat16"),
                   tolerance={"fp32": dict(atol=1.0, rtol=1.0)})
     assert own.tolerances()["fp32"] == dict(atol=1.0, rtol=1.0)

@@ -30,6 +30,11 @@ CPU_CASES = [
     "nn_reshape_broadcast_gqa_f16_causal_sym",  # relax.frontend.nn's spelling, TopLeft, symbolic S
     "sink_gptoss_f16_hdim64_window_chunked",  # attention sinks (float32), a window, S_q < S_kv
     "sink_gqa_bf16_causal_prefill_sinks_bf16",  # attention sinks in the model's dtype
+    "einsum_bshd_gqa_f16_causal_chunked",  # torch.einsum through torch.export, BSNH, float32 result
+    "einsum_bhsd_gqa_f16_causal_prefill",  # the same, BNSH
+    "grouped5d_gqa_bf16_noncausal",  # the query viewed as (B, H_kv, G, S, D), no K/V expansion op
+    "mla_f16_d128_dv64_causal_prefill",  # V's head dim smaller than Q/K's
+    "mla_f16_d64_dv32_noncausal_sym",  # the same, symbolic S
 ]
 
 
@@ -116,9 +121,10 @@ def test_manifests_are_consistent():
             shape = spec["shape"][:2] + [1] + spec["shape"][2:] if spec["layout"] == "BSH" else spec["shape"]
             hax = 1 if spec["layout"] == "BNSH" else 2
             heads = att["num_q_heads"] if spec["name"] == "q" else att["num_kv_heads"]
-            if len(shape) != 4 or shape[hax] != heads or shape[3] != att["head_dim"]:
+            head_dim = att.get("head_dim_v", att["head_dim"]) if spec["name"] == "v" else att["head_dim"]
+            if len(shape) != 4 or shape[hax] != heads or shape[3] != head_dim:
                 problems.append(f"{name}: input {spec} vs attention {att}")
-        b, sq, h, d = out["batch"], out["seq_q"], att["num_q_heads"], att["head_dim"]
+        b, sq, h, d = out["batch"], out["seq_q"], att["num_q_heads"], att.get("head_dim_v", att["head_dim"])
         want = [b, sq, h * d] if out["heads_merged"] else ([b, sq, h, d] if out["layout"] == "BSNH" else [b, h, sq, d])
         if out["shape"] != want:
             problems.append(f"{name}: output {out}, expected shape {want}")

@@ -51,6 +51,12 @@ BUILDERS = {
                    "sinks": "H"},
     # Gemma 2's eager attention with logit soft-capping (HF repeat_kv, BNSH in, (B, S, H*D) out)
     "softcap_chain": {"inputs": "BNSH", "output": "BSNH", "merged": True, "reference_matmul_rule": False},
+    # the query viewed as (B, H_kv, G, S, D) against K/V with a unit group axis, BNSH in and out
+    "grouped_5d_chain": {"inputs": "BNSH", "output": "BNSH", "merged": False, "reference_matmul_rule": False},
+    # torch.einsum in a user's module through torch.export (float32 result); layouts from the case's kwargs
+    "einsum_chain": {"inputs": None, "output": None, "merged": False, "reference_matmul_rule": False},
+    # multi-head latent attention: V's head dim (kwarg dv) smaller than Q/K's, BNSH in, (B, S, H*dv) out
+    "mla_chain": {"inputs": "BNSH", "output": "BSNH", "merged": True, "reference_matmul_rule": False},
 }
 # TVM 0.27's dlight gpu.Matmul rule on the explicit chains' fp16 score matmuls: with apache-tvm-ffi
 # 0.1.15 it segfaulted at build time; with 0.1.14 it builds a kernel that faults at run time
@@ -83,14 +89,24 @@ class Case:
 
     @property
     def hkv(self) -> int:
+        if self.builder == "mla_chain":  # as many K/V heads as query heads
+            return self.kwargs["h"]
         return 1 if BUILDERS[self.builder].get("single_head") else self.kwargs["hkv"]
 
     @property
     def d(self) -> int:
         return self.kwargs["d"]
 
+    @property
+    def dv(self) -> int:
+        """V's (and the output's) head dim: ``d`` but in multi-head latent attention."""
+        return self.kwargs.get("dv", self.d)
+
     def layouts(self) -> dict:
         """Per-input and output layouts where the builder takes them as arguments (else {})."""
+        if self.builder == "einsum_chain":
+            lay = "BSNH" if self.kwargs.get("layout", "bhsd") == "bshd" else "BNSH"
+            return {"q": lay, "k": lay, "v": lay, "output": lay, "inputs": lay}
         if self.builder != "attention_mixed_layouts":
             return {}
         q, k, v = self.kwargs.get("layouts", "BSNH,BNSH,BNSH").split(",")
@@ -127,13 +143,22 @@ class Case:
             window = kw.get("window")
             causal = "BottomRight" if kw.get("causal", True) or window else None
             scale = default_scale if kw.get("scale") is None else kw["scale"]
+        elif self.builder == "grouped_5d_chain":
+            assert not kw.get("outer") and kw.get("inputs", "4d") == "4d"
+            causal = "BottomRight" if kw.get("causal", True) else None  # S_q == S_kv
+        elif self.builder == "einsum_chain":
+            causal = "BottomRight" if kw.get("causal", True) else None
+        elif self.builder == "mla_chain":
+            causal = "BottomRight" if kw.get("causal", True) else None  # S_q == S_kv
+            scale = default_scale if kw.get("scale") is None else kw["scale"]
         elif self.builder == "bsh_chain":
             assert kw.get("mask", "none") != "runtime"
             causal = None if kw.get("mask", "none") == "none" else "BottomRight"
             scale = default_scale if kw.get("scale") is None else kw["scale"]
         else:
             raise ValueError(self.builder)
-        return {"num_q_heads": self.h, "num_kv_heads": self.hkv, "head_dim": self.d, "causal": causal,
+        return {"num_q_heads": self.h, "num_kv_heads": self.hkv, "head_dim": self.d, "head_dim_v": self.dv,
+                "causal": causal,
                 "window": window, "scale": scale, "sinks": self.builder == "sink_chain",
                 "softcap": kw.get("cap", 50.0) if self.builder == "softcap_chain" else None}
 
@@ -273,6 +298,22 @@ CASES = [
          dict(h=8, hkv=4, d=256, b=1, s=1, s_kv=1000, causal=False, dtype="bfloat16", cap=1.0)),
     Case("softcap_gemma2_bf16_hdim256_window_decode_cap2", "14 soft-capping", "softcap_chain",
          dict(h=8, hkv=4, d=256, b=3, s=1, s_kv=300, window=128, dtype="bfloat16", cap=2.0, form="reciprocal")),
+    # 15 torch.einsum in a user's module (torch.export, ToMixedPrecision; the result cast to float32)
+    Case("einsum_bhsd_gqa_f16_causal_prefill", "15 einsum", "einsum_chain", dict(GQA, b=2, s=128)),
+    Case("einsum_bshd_gqa_f16_causal_chunked", "15 einsum", "einsum_chain",
+         dict(GQA, b=2, s=64, s_kv=192, layout="bshd")),
+    Case("einsum_bshd_gqa_f16_decode_b1", "15 einsum", "einsum_chain",
+         dict(GQA, b=1, s=1, s_kv=300, layout="bshd", causal=False)),
+    # 16 the query viewed as (B, H_kv, G, S, D), K/V broadcast over the groups by the matmuls
+    Case("grouped5d_gqa_f16_causal_prefill", "16 grouped 5-D", "grouped_5d_chain", dict(GQA, b=2, s=128)),
+    Case("grouped5d_gqa_bf16_noncausal", "16 grouped 5-D", "grouped_5d_chain",
+         dict(GQA, b=1, s=96, dtype="bfloat16", causal=False)),
+    # 17 multi-head latent attention: V's head dim smaller than Q/K's (V padded with zeros to d)
+    Case("mla_f16_d128_dv64_causal_prefill", "17 mla", "mla_chain", dict(h=H, d=D, dv=64, b=2, s=128)),
+    Case("mla_bf16_d128_dv64_causal_scale", "17 mla", "mla_chain",
+         dict(h=H, d=D, dv=64, b=1, s=96, dtype="bfloat16", scale=0.1)),
+    Case("mla_f16_d64_dv32_noncausal_sym", "17 mla", "mla_chain",
+         dict(h=H, d=64, dv=32, b=1, s="n", causal=False), run={"n": 80}),
 ]
 
 def case(name: str) -> Case:
@@ -326,17 +367,18 @@ def describe_io(case: Case, mod) -> tuple[list[dict], dict]:
             inputs.append(dict(spec, layout="H"))
             continue
         heads = case.h if p.name == "q" else case.hkv
+        head_dim = case.dv if p.name == "v" else case.d
         bsnh = shape[:2] + [1] + shape[2:] if layout == "BSH" else shape  # BSH: one head
         hax = 1 if layout == "BNSH" else 2
-        if p.name not in ("q", "k", "v") or len(bsnh) != 4 or bsnh[hax] != heads or bsnh[3] != case.d:
+        if p.name not in ("q", "k", "v") or len(bsnh) != 4 or bsnh[hax] != heads or bsnh[3] != head_dim:
             raise ValueError(f"{case.name}: input {spec} does not match {layout} with {heads} heads, "
-                             f"head dim {case.d}")
+                             f"head dim {head_dim}")
         inputs.append(spec)
     q = next(i for i in inputs if i["name"] == "q")
     k = next(i for i in inputs if i["name"] == "k")
     b, sq, skv = q["shape"][0], _seq_len(q), _seq_len(k)
-    want = [b, sq, case.h * case.d] if lay["merged"] else (
-        [b, sq, case.h, case.d] if lay["output"] == "BSNH" else [b, case.h, sq, case.d])
+    want = [b, sq, case.h * case.dv] if lay["merged"] else (
+        [b, sq, case.h, case.dv] if lay["output"] == "BSNH" else [b, case.h, sq, case.dv])
     shape = _concrete(func.ret_ty.shape, case)
     if shape != want:
         raise ValueError(f"{case.name}: output shape {shape}, expected {want} for layout {lay}")

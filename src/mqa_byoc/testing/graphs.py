@@ -274,6 +274,69 @@ def grouped_5d_chain(h=8, hkv=2, d=64, s=16, b=1, dtype=F16, outer=False, inputs
     return _finish(bb)
 
 
+def einsum_chain(h=8, hkv=2, d=64, s=16, s_kv=None, b=1, dtype=F16, layout="bhsd", causal=True):
+    """Attention a user writes with ``torch.einsum`` in a module of their own, exported with
+    ``torch.export`` (float32), imported with plain ``from_exported_program`` and cast by
+    ``ToMixedPrecision`` (float16 only; the inputs float16 too): K/V
+    repeated to the query heads (``repeat_interleave``), ``einsum`` scores scaled by ``d ** -0.5``, a
+    bottom-right causal mask filled with -inf, softmax, ``einsum`` with V. ``layout`` "bhsd": Q/K/V and the
+    output (B, H, S, D); "bshd": (B, S, H, D) (``"bqhd,bkhd->bhqk"``, output ``"bqhd"``). Needs torch."""
+    import torch
+    from tvm.relax.frontend.torch import from_exported_program
+
+    s_kv = s if s_kv is None else s_kv
+    r, bshd = h // hkv, layout == "bshd"
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout {layout!r}: 'bhsd' or 'bshd'")
+
+    class EinsumAttention(torch.nn.Module):
+        def forward(self, q, k, v):
+            k, v = (x.repeat_interleave(r, dim=2 if bshd else 1) for x in (k, v))
+            scores = torch.einsum("bqhd,bkhd->bhqk" if bshd else "bhqd,bhkd->bhqk", q, k) * d ** -0.5
+            if causal:
+                keep = torch.ones(scores.shape[-2], scores.shape[-1], dtype=torch.bool).tril(
+                    scores.shape[-1] - scores.shape[-2])
+                scores = scores.masked_fill(~keep, float("-inf"))
+            return torch.einsum("bhqk,bkhd->bqhd" if bshd else "bhqk,bhkd->bhqd", scores.softmax(-1), v)
+
+    if dtype != "float16":
+        raise ValueError(f"dtype {dtype!r}: the module is imported in float32 and cast by ToMixedPrecision, "
+                         "which makes float16")
+    shape = (lambda n, heads: (b, n, heads, d)) if bshd else (lambda n, heads: (b, heads, n, d))
+    args = (torch.zeros(shape(s, h)), torch.zeros(shape(s_kv, hkv)), torch.zeros(shape(s_kv, hkv)))
+    mod = from_exported_program(torch.export.export(EinsumAttention().eval(), args), unwrap_unit_return_tuple=True)
+    # as a compile script does: float32 export, float16 compute (here with float16 inputs; the result is
+    # cast back to float32)
+    return relax.transform.ToMixedPrecision(out_dtype=dtype, fp16_input_names=["q", "k", "v"])(mod)
+
+
+def mla_chain(h=8, d=128, dv=64, s=16, b=1, dtype=F16, scale=None, causal=True):
+    """Multi-head latent attention's eager chain (DeepSeek-V3, MiniCPM3) after its K/V up-projection: Q and K
+    (B, H, S, d), V (B, H, S, dv) with dv < d, scores times ``scale`` (default ``d ** -0.5``), a causal mask
+    added as an (S, S) constant from ``arange``, softmax in float32, ``@ V``, the output (B, S, H * dv)."""
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    dim = dim_maker()
+    b, s = dim(b), dim(s)
+    params = [relax.Var("q", _tensor([b, h, s, d], dtype)), relax.Var("k", _tensor([b, h, s, d], dtype)),
+              relax.Var("v", _tensor([b, h, s, dv], dtype))]
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            q, k, v = params
+            sc = bb.emit(R.multiply(R.matmul(q, bb.emit(R.permute_dims(k, [0, 1, 3, 2]))),
+                                    relax.const(scale, dtype)))
+            if causal:
+                pos = bb.emit(R.arange(0, s, 1, "int64"))
+                future = bb.emit(R.greater(pos, bb.emit(R.reshape(pos, [s, 1]))))
+                fmin = float(np.finfo(np.float16).min)
+                sc = bb.emit(R.add(sc, bb.emit(R.where(future, relax.const(fmin, dtype), relax.const(0.0, dtype)))))
+            p = bb.emit(R.astype(R.nn.softmax(bb.emit(R.astype(sc, "float32")), axis=-1), dtype))
+            o = bb.emit(R.permute_dims(bb.emit(R.matmul(p, v)), [0, 2, 1, 3]))
+            o = bb.emit_output(R.reshape(o, [b, s, h * dv]))
+        bb.emit_func_output(o)
+    return _finish(bb)
+
+
 def onnx_gqa_chain(h=8, hkv=2, d=32, b=1, s=16, s_kv=None, dtype=F16, causal=True, unsqueeze=True):
     """Form 12: an exported decoder's attention with static shapes, built with ``onnx.helper`` and imported
     with TVM's ONNX frontend: q (b, h, s, d), k/v (b, hkv, s_kv, d) in (BNSH), out (b, h, s, d).
