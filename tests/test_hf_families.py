@@ -1,7 +1,7 @@
 """The standard HF path (``torch.export`` -> plain ``from_exported_program`` -> ``ToMixedPrecision``) on
 the GQA decoder families users compile besides Llama and Mistral: Qwen2 (q/k/v biases), Qwen3 and OLMo2
 (RMSNorm on q and k), Phi-3 (one fused ``qkv_proj``), Gemma 3 (scaled query, sliding-window layers),
-StarCoder2, Granite (its own scalings), Mixtral (its experts as batched matmuls: TVM's frontend has no
+StarCoder2, GPTBigCode (multi-query and not), Granite (its own scalings), Mixtral (its experts as batched matmuls: TVM's frontend has no
 converter for transformers' default grouped_mm), Cohere 2, EXAONE 4 and OLMo 3 (sliding-window layers), GLM-4
 (interleaved rotary embedding), ERNIE 4.5, Helium. Every attention is offloaded with the K/V expansion
 removed; Doge's learned, data-dependent mask is rejected naming its weight; Gemma 2's logit soft-capping runs on FA2's soft-capping kernel families.
@@ -134,6 +134,31 @@ def _falcon_numerics(model, mode):
     inputs = hf.example_inputs(model, mode=mode, seq_len=12, past_len=6, seed=1)
     got = G.rewritten_on_cpu(imp.mod, [inputs[0], *[x.astype("float32") for x in inputs[1:]], *imp.params])
     np.testing.assert_allclose(got, imp.reference(*inputs), rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("multi_query", [True, False])
+def test_gpt_bigcode_offloaded_with_its_kv_heads(multi_query, impl, mode):
+    """GPTBigCode (StarCoder, SantaCoder): one fused ``c_attn``; with ``multi_query`` K and V have one head,
+    which the kernels read as it is; without, as many as the queries."""
+    cfg = transformers.GPTBigCodeConfig(n_embd=256, n_head=HEADS, n_layer=LAYERS, n_positions=256, vocab_size=128,
+                                        multi_query=multi_query, bos_token_id=0, eos_token_id=0)
+    cfg._attn_implementation = impl
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    imp = _import(model, mode)
+    report = offload_report(imp.mod)
+    assert len(report) == LAYERS
+    for site in report:
+        assert site.offloaded, site.reason
+        assert (site.num_q_heads, site.num_kv_heads) == (HEADS, 1 if multi_query else HEADS)
+        assert site.causal == ("BottomRight" if mode == "prefill" else None)
+    assert not hf.kv_expansions_left(partition_for_cutlass(imp.mod))
+    if impl == "eager" and multi_query:
+        inputs = hf.example_inputs(model, mode=mode, seq_len=12, past_len=6, seed=1)
+        got = G.rewritten_on_cpu(imp.mod, [inputs[0], *[x.astype("float32") for x in inputs[1:]], *imp.params])
+        np.testing.assert_allclose(got, imp.reference(*inputs), rtol=5e-2, atol=5e-2)
 
 
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
