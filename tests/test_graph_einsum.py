@@ -138,3 +138,91 @@ def test_collapsed_chains_compute_what_the_chains_do():
     assert G.count_ops(collapsed, "relax.expand_dims") < G.count_ops(mod, "relax.expand_dims")
     ins = [a.numpy() for a in args]
     np.testing.assert_allclose(G.run_llvm(collapsed, ins), G.run_llvm(mod, ins), rtol=1e-3, atol=1e-3)
+
+
+class FoldedHeadsAttention(torch.nn.Module):
+    """K/V shared by query heads without a head axis of their own, the heads folded into the einsum's rows:
+    "mqa": PaLM-style multi-query, Q (B, H, S, D) against K/V (B, S, D) (``"bhid,bjd->bhij"``); "grouped": Q
+    (B, H_kv, G, S, D) against K/V (B, H_kv, S, D) (``"bkgqd,bksd->bkgqs"``, the output kept 5-D)."""
+
+    def __init__(self, form, causal):
+        super().__init__()
+        self.form, self.causal = form, causal
+
+    def forward(self, q, k, v):
+        mqa = self.form == "mqa"
+        scores = torch.einsum("bhid,bjd->bhij" if mqa else "bkgqd,bksd->bkgqs", q, k) * D ** -0.5
+        if self.causal:
+            s_q, s_kv = scores.shape[-2], scores.shape[-1]
+            keep = torch.ones(s_q, s_kv, dtype=torch.bool).tril(s_kv - s_q)
+            scores = scores.masked_fill(~keep, float("-inf"))
+        return torch.einsum("bhij,bjd->bhid" if mqa else "bkgqs,bksd->bkgqd", scores.softmax(-1), v)
+
+
+def _folded_args(form, b, s_q, s_kv):
+    gen = torch.Generator().manual_seed(0)
+    if form == "mqa":
+        shapes = [(b, H, s_q, D), (b, s_kv, D), (b, s_kv, D)]
+    else:
+        shapes = [(b, HKV, H // HKV, s_q, D), (b, HKV, s_kv, D), (b, HKV, s_kv, D)]
+    return tuple(torch.randn(*shape, generator=gen) for shape in shapes)
+
+
+@pytest.mark.parametrize("form, kv_heads", [("mqa", 1), ("grouped", HKV)])
+@pytest.mark.parametrize("causal, b, s_q, s_kv", [(True, 2, 12, 12), (True, 1, 4, 12), (False, 1, 1, 12)])
+def test_heads_folded_into_the_rows_are_offloaded_with_native_kv_heads(form, kv_heads, causal, b, s_q, s_kv):
+    """The einsum reads Q as (B, H*S, D) (or (B*H_kv, G*S, D)) against one K per batch (and K/V head); the
+    partition unfolds the rows to Q's axes against K with a unit head (group) axis: no K/V expansion at all."""
+    args = _folded_args(form, b, s_q, s_kv)
+    mod = _import(FoldedHeadsAttention(form, causal), args)
+    (site,) = offload_report(mod)
+    assert site.offloaded, site.reason
+    assert (site.num_q_heads, site.num_kv_heads, site.head_dim) == (H, kv_heads, D)
+    assert site.causal == ("BottomRight" if causal else None)
+    assert site.scale == pytest.approx(D ** -0.5, rel=1e-3)
+    out = partition_for_cutlass(mod)
+    assert G.composites(out) == ["flash_attn.attention_mqa"]
+    # K/V reach the kernel through reshapes (views in the VM): no copy of them is left outside it
+    assert [G.count_ops(out, op) for op in ("relax.expand_dims", "relax.repeat", "relax.broadcast_to")] == [0, 0, 0]
+    got = G.rewritten_on_cpu(mod, [a.numpy() for a in args])
+    np.testing.assert_allclose(got, FoldedHeadsAttention(form, causal)(*args).numpy(), rtol=2e-2, atol=2e-2)
+
+
+def test_folded_heads_with_mqa_false_run_on_expanded_kv():
+    args = _folded_args("mqa", 2, 12, 12)
+    mod = _import(FoldedHeadsAttention("mqa", True), args)
+    (site,) = offload_report(mod, mqa=False)
+    assert site.offloaded, site.reason
+    out = partition_for_cutlass(mod, mqa=False)
+    assert G.composites(out) == ["flash_attn.attention"]
+
+
+def test_unfolding_computes_what_the_folded_matmuls_do():
+    from mqa_byoc.compiler.graph.views import UnfoldMatmulRows
+
+    for form in ("mqa", "grouped"):
+        args = _folded_args(form, 2, 12, 12)
+        mod = _import(FoldedHeadsAttention(form, True), args)
+        collapsed = CollapseViewChains()(mod)
+        unfolded = UnfoldMatmulRows()(collapsed)
+        assert G.count_ops(unfolded, "relax.reshape") < G.count_ops(collapsed, "relax.reshape"), form
+        ins = [a.numpy() for a in args]
+        np.testing.assert_allclose(G.run_llvm(unfolded, ins), G.run_llvm(mod, ins), rtol=1e-4, atol=1e-4)
+
+
+def test_a_folded_batched_gemm_is_left_alone():
+    """The same folded shape with no softmax before or after it (a batched GEMM): not touched."""
+    from mqa_byoc.compiler.graph.views import UnfoldMatmulRows
+
+    @I.ir_module
+    class Mod:
+        @R.function
+        def main(x: R.Tensor((2, 8, 16, 32), "float16"), w: R.Tensor((2, 32, 64), "float16")):
+            with R.dataflow():
+                a = R.reshape(x, R.shape([2, 128, 32]))
+                y = R.matmul(a, w)
+                z = R.reshape(y, R.shape([2, 8, 16, 64]))
+                R.output(z)
+            return z
+
+    tvm.ir.assert_structural_equal(UnfoldMatmulRows()(Mod), Mod)

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-ARTIFACTS = Path(os.environ.get("MQA_BYOC_GPU_ARTIFACTS", ROOT / ".gpu-artifacts" / "tests"))
+# absolute: the standalone children run in a folder of their own, where a relative path would not resolve
+ARTIFACTS = Path(os.environ.get("MQA_BYOC_GPU_ARTIFACTS", ROOT / ".gpu-artifacts" / "tests")).resolve()
 # The GPU machine runs the tests from a checkout with a runtime-only TVM, where the package need not be
 # installed: this checkout's src/ on the path (only the package, nothing of tools/ or benchmarks/).
 if str(ROOT / "src") not in sys.path:

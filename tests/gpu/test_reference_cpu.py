@@ -32,6 +32,7 @@ CPU_CASES = [
     "sink_gqa_bf16_causal_prefill_sinks_bf16",  # attention sinks in the model's dtype
     "einsum_bshd_gqa_f16_causal_chunked",  # torch.einsum through torch.export, BSNH, float32 result
     "einsum_bhsd_gqa_f16_causal_prefill",  # the same, BNSH
+    "einsum_palm_mqa_f16_causal_prefill",  # PaLM-style multi-query einsum: K/V (B, S, D), heads folded into rows
     "grouped5d_gqa_bf16_noncausal",  # the query viewed as (B, H_kv, G, S, D), no K/V expansion op
     "mla_f16_d128_dv64_causal_prefill",  # V's head dim smaller than Q/K's
     "mla_f16_d64_dv32_noncausal_sym",  # the same, symbolic S

@@ -105,8 +105,10 @@ class Case:
     def layouts(self) -> dict:
         """Per-input and output layouts where the builder takes them as arguments (else {})."""
         if self.builder == "einsum_chain":
-            lay = "BSNH" if self.kwargs.get("layout", "bhsd") == "bshd" else "BNSH"
-            return {"q": lay, "k": lay, "v": lay, "output": lay, "inputs": lay}
+            layout = self.kwargs.get("layout", "bhsd")
+            lay = "BSNH" if layout == "bshd" else "BNSH"
+            kv = "BSH" if layout == "palm" else lay  # PaLM-style K/V: (B, S, D), no head axis
+            return {"q": lay, "k": kv, "v": kv, "output": lay, "inputs": lay}
         if self.builder != "attention_mixed_layouts":
             return {}
         q, k, v = self.kwargs.get("layouts", "BSNH,BNSH,BNSH").split(",")
@@ -304,6 +306,10 @@ CASES = [
          dict(GQA, b=2, s=64, s_kv=192, layout="bshd")),
     Case("einsum_bshd_gqa_f16_decode_b1", "15 einsum", "einsum_chain",
          dict(GQA, b=1, s=1, s_kv=300, layout="bshd", causal=False)),
+    Case("einsum_palm_mqa_f16_causal_prefill", "15 einsum (heads folded into rows)", "einsum_chain",
+         dict(h=H, hkv=1, d=D, b=2, s=128, layout="palm")),
+    Case("einsum_palm_mqa_f16_decode_b1", "15 einsum (heads folded into rows)", "einsum_chain",
+         dict(h=H, hkv=1, d=D, b=1, s=1, s_kv=300, layout="palm", causal=False)),
     # 16 the query viewed as (B, H_kv, G, S, D), K/V broadcast over the groups by the matmuls
     Case("grouped5d_gqa_f16_causal_prefill", "16 grouped 5-D", "grouped_5d_chain", dict(GQA, b=2, s=128)),
     Case("grouped5d_gqa_bf16_noncausal", "16 grouped 5-D", "grouped_5d_chain",

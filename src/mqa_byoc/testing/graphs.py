@@ -280,30 +280,36 @@ def einsum_chain(h=8, hkv=2, d=64, s=16, s_kv=None, b=1, dtype=F16, layout="bhsd
     ``ToMixedPrecision`` (float16 only; the inputs float16 too): K/V
     repeated to the query heads (``repeat_interleave``), ``einsum`` scores scaled by ``d ** -0.5``, a
     bottom-right causal mask filled with -inf, softmax, ``einsum`` with V. ``layout`` "bhsd": Q/K/V and the
-    output (B, H, S, D); "bshd": (B, S, H, D) (``"bqhd,bkhd->bhqk"``, output ``"bqhd"``). Needs torch."""
+    output (B, H, S, D); "bshd": (B, S, H, D) (``"bqhd,bkhd->bhqk"``, output ``"bqhd"``); "palm": PaLM-style
+    multi-query, Q (B, H, S, D) against K/V (B, S, D) with no head axis (``"bhqd,bkd->bhqk"``, hkv 1; the
+    heads fold into the matmul's rows). Needs torch."""
     import torch
     from tvm.relax.frontend.torch import from_exported_program
 
     s_kv = s if s_kv is None else s_kv
-    r, bshd = h // hkv, layout == "bshd"
-    if layout not in ("bhsd", "bshd"):
-        raise ValueError(f"layout {layout!r}: 'bhsd' or 'bshd'")
+    r, bshd, palm = h // hkv, layout == "bshd", layout == "palm"
+    if layout not in ("bhsd", "bshd", "palm") or (palm and hkv != 1):
+        raise ValueError(f"layout {layout!r}: 'bhsd', 'bshd' or 'palm' (hkv 1)")
+    score_eq = {"bshd": "bqhd,bkhd->bhqk", "bhsd": "bhqd,bhkd->bhqk", "palm": "bhqd,bkd->bhqk"}[layout]
+    out_eq = {"bshd": "bhqk,bkhd->bqhd", "bhsd": "bhqk,bhkd->bhqd", "palm": "bhqk,bkd->bhqd"}[layout]
 
     class EinsumAttention(torch.nn.Module):
         def forward(self, q, k, v):
-            k, v = (x.repeat_interleave(r, dim=2 if bshd else 1) for x in (k, v))
-            scores = torch.einsum("bqhd,bkhd->bhqk" if bshd else "bhqd,bhkd->bhqk", q, k) * d ** -0.5
+            if not palm:
+                k, v = (x.repeat_interleave(r, dim=2 if bshd else 1) for x in (k, v))
+            scores = torch.einsum(score_eq, q, k) * d ** -0.5
             if causal:
                 keep = torch.ones(scores.shape[-2], scores.shape[-1], dtype=torch.bool).tril(
                     scores.shape[-1] - scores.shape[-2])
                 scores = scores.masked_fill(~keep, float("-inf"))
-            return torch.einsum("bhqk,bkhd->bqhd" if bshd else "bhqk,bhkd->bhqd", scores.softmax(-1), v)
+            return torch.einsum(out_eq, scores.softmax(-1), v)
 
     if dtype != "float16":
         raise ValueError(f"dtype {dtype!r}: the module is imported in float32 and cast by ToMixedPrecision, "
                          "which makes float16")
     shape = (lambda n, heads: (b, n, heads, d)) if bshd else (lambda n, heads: (b, heads, n, d))
-    args = (torch.zeros(shape(s, h)), torch.zeros(shape(s_kv, hkv)), torch.zeros(shape(s_kv, hkv)))
+    kv_shape = (b, s_kv, d) if palm else shape(s_kv, hkv)
+    args = (torch.zeros(shape(s, h)), torch.zeros(kv_shape), torch.zeros(kv_shape))
     mod = from_exported_program(torch.export.export(EinsumAttention().eval(), args), unwrap_unit_return_tuple=True)
     # as a compile script does: float32 export, float16 compute (here with float16 inputs; the result is
     # cast back to float32)

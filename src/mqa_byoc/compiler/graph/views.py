@@ -11,6 +11,12 @@ softmax and move size-1 axes about (an ``expand_dims`` or ``squeeze`` in them, o
 the way than at their ends) are touched (the chains of
 upstream's and HF's forms are left as the analysis and the output folding read them), only when the
 result has fewer ops, and only with an exact match.
+
+Einsums that share K/V between query heads without a head axis of their own (PaLM-style multi-query
+``"bhid,bjd->bhij"``, grouped ``"bkgqd,bksd->bkgqs"``) fold the heads (or groups) into the rows of a 3-D
+matmul: Q (B, H, S, D) read as (B, H*S, D) against K (B, D, S_kv), the scores unfolded to (B, H, S, S_kv)
+right after. :class:`UnfoldMatmulRows` writes such a matmul as the broadcast matmul it is (Q against K
+with a unit head axis: the K/V sharing the analysis reads in R.nn.attention's terms).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from mqa_byoc.compiler.graph.exprs import function_bindings, function_results, op_name
 
-__all__ = ["CollapseViewChains", "collapsed_view"]
+__all__ = ["CollapseViewChains", "UnfoldMatmulRows", "collapsed_view"]
 
 VIEW_OPS = frozenset({"relax.reshape", "relax.permute_dims", "relax.expand_dims", "relax.squeeze"})
 # where a chain has to start or end to be collapsed: the ops of attention and GEMM sites
@@ -237,6 +243,173 @@ class CollapseViewChains:
         if not plans:
             return mod
         mod = _Collapse(mod, plans).transform(functions)
+        for gv in functions:
+            mod[gv] = relax.analysis.remove_all_unused(mod[gv])
+        return mod
+
+
+def _prod(dims):
+    out = 1
+    for d in dims:
+        out = out * d
+    return out
+
+
+def _row_split(x_dims, a_dims):
+    """k such that ``x_dims`` reshaped to ``a_dims`` (N, M, D) merges x_dims[:k] into N and the axes
+    x_dims[k:-1] into M (the rows x_dims[-2] and at least one other axis not of size 1 folded into them),
+    keeping the last axis; None when there is none."""
+    from mqa_byoc.compiler.graph.trace import prove_equal
+
+    if x_dims is None or a_dims is None or len(a_dims) != 3 or len(x_dims) < 4:
+        return None
+    if not prove_equal(x_dims[-1], a_dims[2]):
+        return None
+    for k in range(1, len(x_dims) - 2):
+        if all(_is_unit(d) for d in x_dims[k:-2]):
+            continue  # size-1 axes before the rows: nothing folded into them
+        if prove_equal(_prod(x_dims[:k]), a_dims[0]) and prove_equal(_prod(x_dims[k:-1]), a_dims[1]):
+            return k
+    return None
+
+
+def _unfold_plans(func) -> dict:
+    """{var of the reshape unfolding a folded matmul's result: (X, B, k, out_dtype)} (module doc)."""
+    from mqa_byoc.compiler.graph.trace import prove_equal
+
+    values = {b.var: b.value for b in function_bindings(func) if isinstance(b, relax.VarBinding)}
+    users = {}
+    for b in function_bindings(func):
+        if isinstance(b.value, relax.If):
+            continue
+        for var in relax.analysis.free_vars(b.value):
+            users.setdefault(var, []).append(b.var)
+    for value in function_results(func):
+        for var in relax.analysis.free_vars(value):
+            users.setdefault(var, []).append(None)
+    plans = {}
+    for var, value in values.items():
+        if op_name(value) != "relax.matmul":
+            continue
+        a, b = value.args
+        a_cast, a = _through_cast(a, values)
+        if op_name(values.get(a)) != "relax.reshape" or len(_dims(b) or []) != 3:
+            continue
+        x = values[a].args[0]
+        x_dims, a_dims, b_dims = _dims(x), _dims(a), _dims(b)
+        k = _row_split(x_dims, a_dims)
+        if k is None or not prove_equal(b_dims[0], a_dims[0]) or not prove_equal(b_dims[1], a_dims[2]):
+            continue
+        want = x_dims[:-1] + [b_dims[2]]
+        readers = users.get(var, [])
+        if not readers or any(u is None or op_name(values.get(u)) != "relax.reshape"
+                              or not _same_dims(_dims(u), want) for u in readers):
+            continue  # the folded result is read as it is somewhere: left alone
+        if not (_softmax_near(x, values, users, back=True)
+                or any(_softmax_near(u, values, users, back=False) for u in readers)):
+            continue  # not an attention matmul (its scores or probabilities): GEMMs are left as they are
+        for u in readers:
+            plans[u] = (x, a_cast, b, k, value.attrs.out_dtype)
+    return plans
+
+
+def _through_cast(expr, values):
+    """(the dtype ``expr`` is cast to or None, what is cast): ToMixedPrecision's astype before a matmul."""
+    value = values.get(expr)
+    if op_name(value) == "relax.astype":
+        return value.attrs.dtype, value.args[0]
+    return None, expr
+
+
+def _softmax_near(var, values, users, back, steps=8):
+    """Is a softmax within ``steps`` single-input ops before (``back``) or after ``var``: the scores an
+    attention's mask, scale and casts lead to a softmax, its probabilities come from one."""
+    frontier = [var]
+    for _ in range(steps):
+        nxt = []
+        for v in frontier:
+            if back:
+                value = values.get(v)
+                if op_name(value) == "relax.nn.softmax":
+                    return True
+                if value is not None and isinstance(value, relax.Call) and value.args:
+                    nxt.append(value.args[0])
+            else:
+                for u in users.get(v, []):
+                    if u is None:
+                        continue
+                    if op_name(values.get(u)) == "relax.nn.softmax":
+                        return True
+                    nxt.append(u)
+        frontier = nxt
+    return False
+
+
+@mutator
+class _Unfold(PyExprMutator):
+    def __init__(self, mod, plans, values):
+        super().__init__(mod)
+        self.mod_ = mod
+        self.plans = plans
+        self.values = values
+
+    def transform(self, functions):
+        for gv in functions:
+            self.builder_.update_func(gv, self.visit_expr(self.mod_[gv]))
+        return self.builder_.get()
+
+    def _shared(self, b, lead, rows):
+        """B (N, D, C) as lead + [1] * (rows - 1) + [D, C]: the unit axes broadcast over the folded rows
+        (a cast of B stays last)."""
+        cast, inner = _through_cast(b, self.values)
+        if cast is not None:
+            return relax.op.astype(self.builder_.emit(self._shared(inner, lead, rows)), cast)
+        b_dims = _dims(b)
+        src = self.values.get(b)
+        if op_name(src) == "relax.permute_dims" and [int(a) for a in src.attrs.axes] == [0, 2, 1] and len(lead) == 1:
+            # K^T of a 3-D K: the unit axes go onto K, then the transpose (K is read as (B, 1, S, D))
+            # (a reshape, not expand_dims: the VM makes it a view of K, where expand_dims would copy it)
+            n = len(lead) + rows + 1
+            kv = relax.op.reshape(self.visit_expr(src.args[0]), lead + [1] * (rows - 1) + b_dims[1:][::-1])
+            return relax.op.permute_dims(self.builder_.emit(kv), list(range(n - 2)) + [n - 1, n - 2])
+        if op_name(src) == "relax.reshape" and _same_dims(_dims(src.args[0]), lead + b_dims[1:]):
+            b = src.args[0]  # B was (lead..., D, C) merged
+        return relax.op.reshape(self.visit_expr(b), lead + [1] * (rows - 1) + b_dims[1:])
+
+    def visit_var_binding_(self, binding):
+        plan = self.plans.get(binding.var)
+        if plan is None:
+            return super().visit_var_binding_(binding)
+        x, cast, b, k, out_dtype = plan
+        x_dims = _dims(x)
+        shared = self.builder_.emit(self._shared(b, x_dims[:k], len(x_dims) - 1 - k))
+        lhs = self.visit_expr(x)
+        if cast is not None:
+            lhs = self.builder_.emit(relax.op.astype(lhs, cast))
+        y = relax.op.matmul(lhs, shared, out_dtype=out_dtype)
+        self.builder_.emit_normalized(relax.VarBinding(binding.var, self.builder_.normalize(y)))
+
+
+@tvm.transform.module_pass(opt_level=0, name="UnfoldMatmulRows")
+class UnfoldMatmulRows:
+    """Module pass: a 3-D matmul whose left operand folds several axes of a tensor X (heads and queries)
+    into its rows, against a right operand (N, D, C) with one matrix per leading index, whose result
+    is only read unfolded to X's axes, becomes the broadcast matmul of X against the right operand with
+    unit axes over the folded ones (module doc); the module unchanged when there is none."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        functions, plans, values = [], {}, {}
+        for gv, func in mod.functions.items():
+            if not isinstance(func, relax.Function):
+                continue
+            found = _unfold_plans(func)
+            if found:
+                plans.update(found)
+                values.update({b.var: b.value for b in function_bindings(func) if isinstance(b, relax.VarBinding)})
+                functions.append(gv)
+        if not plans:
+            return mod
+        mod = _Unfold(mod, plans, values).transform(functions)
         for gv in functions:
             mod[gv] = relax.analysis.remove_all_unused(mod[gv])
         return mod
