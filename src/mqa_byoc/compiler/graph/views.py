@@ -211,16 +211,30 @@ def _units(expr) -> int:
     return sum(_is_unit(d) for d in (_dims(expr) or []))
 
 
+def _plan(source, steps):
+    """(source, axes) the chain ``steps`` from ``source`` collapses to, or None (:func:`_plans`)."""
+    inserts = any(op_name(step) in ("relax.expand_dims", "relax.squeeze") for step in steps)
+    if not inserts and max(_units(step) for step in steps[:-1]) <= max(_units(source), _units(steps[-1])):
+        return None  # no size-1 axes moved about: a chain the analysis reads as it is (a head merge, a transpose)
+    axes = collapsed_view(source, steps)
+    if axes is False or (axes is not None) + 1 >= len(steps):
+        return None  # not a plain view, or no shorter
+    return source, axes
+
+
 def _plans(func) -> dict:
     plans = {}
-    for var, (source, steps, _names) in _chains(func).items():
-        inserts = any(op_name(step) in ("relax.expand_dims", "relax.squeeze") for step in steps)
-        if not inserts and max(_units(step) for step in steps[:-1]) <= max(_units(source), _units(steps[-1])):
-            continue  # no size-1 axes moved about: a chain the analysis reads as it is (a head merge, a transpose)
-        axes = collapsed_view(source, steps)
-        if axes is False or (axes is not None) + 1 >= len(steps):
-            continue  # not a plain view, or no shorter
-        plans[var] = (source, axes)
+    for var, (source, steps, names) in _chains(func).items():
+        # the whole chain, else its longest part that collapses: without the graph's own leading steps (a
+        # projection's output split into heads by a reshape and a transpose, then moved about by an einsum:
+        # no single transpose of the projection's output, but one of its head split) or trailing ones (the
+        # heads merged back after the einsum's own steps)
+        found = next((((source if start == 0 else names[start - 1]), steps[start:start + n], names[start + n - 1])
+                      for n in range(len(steps), 1, -1) for start in range(len(steps) - n + 1)
+                      if _plan(source if start == 0 else names[start - 1], steps[start:start + n]) is not None), None)
+        if found is not None:
+            sub_source, sub_steps, end = found
+            plans[end] = _plan(sub_source, sub_steps)
     return plans
 
 
@@ -256,25 +270,35 @@ def _prod(dims):
 
 
 def _row_split(x_dims, a_dims):
-    """k such that ``x_dims`` reshaped to ``a_dims`` (N, M, D) merges x_dims[:k] into N and the axes
-    x_dims[k:-1] into M (the rows x_dims[-2] and at least one other axis not of size 1 folded into them),
-    keeping the last axis; None when there is none."""
+    """(dims, k): ``x_dims`` reshaped to ``a_dims`` (N, M, D) merges dims[:k] into N and dims[k:-1] into M
+    (the rows dims[-2] and at least one other axis not of size 1 folded into them), keeping the last
+    axis. ``dims`` is ``x_dims``, or ``x_dims`` with the one axis split that N and M share (the heads of
+    a head split when N holds the K/V heads and M the groups); None when there is none."""
     from mqa_byoc.compiler.graph.trace import prove_equal
 
-    if x_dims is None or a_dims is None or len(a_dims) != 3 or len(x_dims) < 4:
+    if x_dims is None or a_dims is None or len(a_dims) != 3 or len(x_dims) < 3:
         return None
     if not prove_equal(x_dims[-1], a_dims[2]):
         return None
-    for k in range(1, len(x_dims) - 2):
-        if all(_is_unit(d) for d in x_dims[k:-2]):
+    candidates = []
+    for k in range(len(x_dims) - 1):
+        if k >= 1:
+            candidates.append((list(x_dims), k))
+        outer = _quotient(a_dims[0], _prod(x_dims[:k]))  # the part of axis k that N takes
+        inner = None if outer is None else _quotient(x_dims[k], outer)
+        if inner is not None and not _is_unit(outer) and not _is_unit(inner):
+            candidates.append((list(x_dims[:k]) + [outer, inner] + list(x_dims[k + 1:]), k + 1))
+    for dims, k in candidates:
+        if len(dims) < 4 or all(_is_unit(d) for d in dims[k:-2]):
             continue  # size-1 axes before the rows: nothing folded into them
-        if prove_equal(_prod(x_dims[:k]), a_dims[0]) and prove_equal(_prod(x_dims[k:-1]), a_dims[1]):
-            return k
+        if prove_equal(_prod(dims[:k]), a_dims[0]) and prove_equal(_prod(dims[k:-1]), a_dims[1]):
+            return dims, k
     return None
 
 
 def _unfold_plans(func) -> dict:
-    """{var of the reshape unfolding a folded matmul's result: (X, B, k, out_dtype)} (module doc)."""
+    """{var of the reshape unfolding a folded matmul's result: (X, X's dims as unfolded, the cast of the
+    folded operand, B, k, out_dtype)} (module doc)."""
     from mqa_byoc.compiler.graph.trace import prove_equal
 
     values = {b.var: b.value for b in function_bindings(func) if isinstance(b, relax.VarBinding)}
@@ -297,19 +321,19 @@ def _unfold_plans(func) -> dict:
             continue
         x = values[a].args[0]
         x_dims, a_dims, b_dims = _dims(x), _dims(a), _dims(b)
-        k = _row_split(x_dims, a_dims)
-        if k is None or not prove_equal(b_dims[0], a_dims[0]) or not prove_equal(b_dims[1], a_dims[2]):
+        split = _row_split(x_dims, a_dims)
+        if split is None or not prove_equal(b_dims[0], a_dims[0]) or not prove_equal(b_dims[1], a_dims[2]):
             continue
-        want = x_dims[:-1] + [b_dims[2]]
+        x_dims, k = split
         readers = users.get(var, [])
         if not readers or any(u is None or op_name(values.get(u)) != "relax.reshape"
-                              or not _same_dims(_dims(u), want) for u in readers):
+                              or len(_dims(u) or []) < 4 for u in readers):
             continue  # the folded result is read as it is somewhere: left alone
         if not (_softmax_near(x, values, users, back=True)
                 or any(_softmax_near(u, values, users, back=False) for u in readers)):
             continue  # not an attention matmul (its scores or probabilities): GEMMs are left as they are
         for u in readers:
-            plans[u] = (x, a_cast, b, k, value.attrs.out_dtype)
+            plans[u] = (x, x_dims, a_cast, b, k, value.attrs.out_dtype)
     return plans
 
 
@@ -360,33 +384,39 @@ class _Unfold(PyExprMutator):
 
     def _shared(self, b, lead, rows):
         """B (N, D, C) as lead + [1] * (rows - 1) + [D, C]: the unit axes broadcast over the folded rows
-        (a cast of B stays last)."""
+        (a cast of B stays last). Reshapes, which the VM makes views (expand_dims would copy), of what B
+        was reshaped from, and under the transpose where B is K^T."""
         cast, inner = _through_cast(b, self.values)
         if cast is not None:
             return relax.op.astype(self.builder_.emit(self._shared(inner, lead, rows)), cast)
-        b_dims = _dims(b)
+        d, c = _dims(b)[1:]
+        while op_name(self.values.get(b)) == "relax.reshape":
+            b = self.values[b].args[0]
         src = self.values.get(b)
-        if op_name(src) == "relax.permute_dims" and [int(a) for a in src.attrs.axes] == [0, 2, 1] and len(lead) == 1:
-            # K^T of a 3-D K: the unit axes go onto K, then the transpose (K is read as (B, 1, S, D))
-            # (a reshape, not expand_dims: the VM makes it a view of K, where expand_dims would copy it)
-            n = len(lead) + rows + 1
-            kv = relax.op.reshape(self.visit_expr(src.args[0]), lead + [1] * (rows - 1) + b_dims[1:][::-1])
-            return relax.op.permute_dims(self.builder_.emit(kv), list(range(n - 2)) + [n - 1, n - 2])
-        if op_name(src) == "relax.reshape" and _same_dims(_dims(src.args[0]), lead + b_dims[1:]):
-            b = src.args[0]  # B was (lead..., D, C) merged
-        return relax.op.reshape(self.visit_expr(b), lead + [1] * (rows - 1) + b_dims[1:])
+        n = len(_dims(b) or [])
+        if op_name(src) == "relax.permute_dims" and n >= 3 and \
+                [int(a) for a in src.attrs.axes] == list(range(n - 2)) + [n - 1, n - 2]:
+            # K^T: the unit axes go onto K, then the transpose (K read as (lead..., 1, S, D))
+            kv = relax.op.reshape(self.visit_expr(src.args[0]), lead + [1] * (rows - 1) + [c, d])
+            m = len(lead) + rows + 1
+            return relax.op.permute_dims(self.builder_.emit(kv), list(range(m - 2)) + [m - 1, m - 2])
+        return relax.op.reshape(self.visit_expr(b), lead + [1] * (rows - 1) + [d, c])
 
     def visit_var_binding_(self, binding):
         plan = self.plans.get(binding.var)
         if plan is None:
             return super().visit_var_binding_(binding)
-        x, cast, b, k, out_dtype = plan
-        x_dims = _dims(x)
+        x, x_dims, cast, b, k, out_dtype = plan
         shared = self.builder_.emit(self._shared(b, x_dims[:k], len(x_dims) - 1 - k))
         lhs = self.visit_expr(x)
+        if not _same_dims(_dims(x), x_dims):  # an axis N and M share, split
+            lhs = self.builder_.emit(relax.op.reshape(lhs, x_dims))
         if cast is not None:
             lhs = self.builder_.emit(relax.op.astype(lhs, cast))
         y = relax.op.matmul(lhs, shared, out_dtype=out_dtype)
+        out = _dims(binding.var)  # the reader's reshape: of the unfolded result as of the folded one
+        if not _same_dims(x_dims[:-1] + [_dims(b)[2]], out):
+            y = relax.op.reshape(self.builder_.emit(y), out)
         self.builder_.emit_normalized(relax.VarBinding(binding.var, self.builder_.normalize(y)))
 
 
