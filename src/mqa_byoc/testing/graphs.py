@@ -233,6 +233,17 @@ def hf_repeat_kv_chain(h=8, hkv=2, d=64, s=16, b=1, dtype=F16, compute_dtype="fl
     return _finish(bb)
 
 
+def _causal_softmax(bb, scores, s, dtype, causal):
+    """Softmax in float32 over ``scores`` (S x S on the last axes), a causal mask added first as an (S, S)
+    constant from ``arange`` (the float16 minimum on future keys) when ``causal``; cast back to ``dtype``."""
+    if causal:
+        pos = bb.emit(R.arange(0, s, 1, "int64"))
+        future = bb.emit(R.greater(pos, bb.emit(R.reshape(pos, [s, 1]))))
+        fmin = float(np.finfo(np.float16).min)
+        scores = bb.emit(R.add(scores, bb.emit(R.where(future, relax.const(fmin, dtype), relax.const(0.0, dtype)))))
+    return bb.emit(R.astype(R.nn.softmax(bb.emit(R.astype(scores, "float32")), axis=-1), dtype))
+
+
 def grouped_5d_chain(h=8, hkv=2, d=64, s=16, b=1, dtype=F16, outer=False, inputs="4d", causal=True):
     """Grouped-query attention written on 5-D tensors, with Relax's matmul broadcasting K/V over the
     query's groups (MLX-LM style, no K/V expansion op): Q (B, H, S, D) viewed as (B, H_kv, G, S, D), K and V
@@ -260,12 +271,7 @@ def grouped_5d_chain(h=8, hkv=2, d=64, s=16, b=1, dtype=F16, outer=False, inputs
                 k, v = (bb.emit(R.expand_dims(x, axis=[1 if outer else 2])) for x in (k, v))
             sc = bb.emit(R.matmul(q, bb.emit(R.permute_dims(k, [0, 1, 2, 4, 3]))))
             sc = bb.emit(R.multiply(sc, relax.const(1.0 / math.sqrt(d), dtype)))
-            if causal:
-                pos = bb.emit(R.arange(0, s, 1, "int64"))
-                future = bb.emit(R.greater(pos, bb.emit(R.reshape(pos, [s, 1]))))
-                fmin = float(np.finfo(np.float16).min)
-                sc = bb.emit(R.add(sc, bb.emit(R.where(future, relax.const(fmin, dtype), relax.const(0.0, dtype)))))
-            p = bb.emit(R.astype(R.nn.softmax(bb.emit(R.astype(sc, "float32")), axis=-1), dtype))
+            p = _causal_softmax(bb, sc, s, dtype, causal)
             o = bb.emit(R.matmul(p, v))
             if inputs != "5d":
                 o = bb.emit(R.reshape(o, [b, h, s, d]))
@@ -331,12 +337,7 @@ def mla_chain(h=8, d=128, dv=64, s=16, b=1, dtype=F16, scale=None, causal=True):
             q, k, v = params
             sc = bb.emit(R.multiply(R.matmul(q, bb.emit(R.permute_dims(k, [0, 1, 3, 2]))),
                                     relax.const(scale, dtype)))
-            if causal:
-                pos = bb.emit(R.arange(0, s, 1, "int64"))
-                future = bb.emit(R.greater(pos, bb.emit(R.reshape(pos, [s, 1]))))
-                fmin = float(np.finfo(np.float16).min)
-                sc = bb.emit(R.add(sc, bb.emit(R.where(future, relax.const(fmin, dtype), relax.const(0.0, dtype)))))
-            p = bb.emit(R.astype(R.nn.softmax(bb.emit(R.astype(sc, "float32")), axis=-1), dtype))
+            p = _causal_softmax(bb, sc, s, dtype, causal)
             o = bb.emit(R.permute_dims(bb.emit(R.matmul(p, v)), [0, 2, 1, 3]))
             o = bb.emit_output(R.reshape(o, [b, s, h * dv]))
         bb.emit_func_output(o)

@@ -126,7 +126,8 @@ def common_checks(site: AttentionSite) -> AttentionSite:
             return site.reject(f"{name} has an unknown shape")
     # one K/V head without a head axis against a query with heads (PaLM-style multi-query: K/V (B, S, D)
     # shared by every query head through the matmul's broadcast) is MQA; any other mix is not read
-    if len({t.layout() == "BSH" for t in (q, k, v)}) > 1 and not (q.layout() != "BSH" and k.layout() == v.layout() == "BSH"):
+    shared_kv = q.layout() != "BSH" and k.layout() == v.layout() == "BSH"
+    if len({t.layout() == "BSH" for t in (q, k, v)}) > 1 and not shared_kv:
         return site.reject("Q, K and V mix (B, S, D) single-head operands with operands that have a head axis "
                            f"({', '.join(f'{n} {t.layout()}' for n, t in zip('QKV', (q, k, v)))})")
     if "Hkv" in q.labels:

@@ -43,6 +43,14 @@ def shape_of(expr):
     return list(shape.values) if isinstance(shape, relax.ShapeExpr) else None
 
 
+def product(dims):
+    """The product of ``dims`` (ints or PrimExprs); 1 for none."""
+    out = 1
+    for d in dims:
+        out = out * d
+    return out
+
+
 def prove_equal(a, b) -> bool:
     return _ANALYZER.can_prove_equal(tirx.const(a, "int64") if isinstance(a, int) else a,
                                      tirx.const(b, "int64") if isinstance(b, int) else b)

@@ -124,11 +124,10 @@ def collapsed_view(source, steps):
     return None if perm == list(range(len(src))) else perm
 
 
-def _chains(func):
-    """{last var of a view chain: (source, [calls innermost first], [vars])} for the chains that start
-    at or feed a matmul or a softmax."""
+def _values_and_users(func):
+    """({var: its value}, {var: the vars of the bindings reading it, None for the function's result})."""
     values = {b.var: b.value for b in function_bindings(func) if isinstance(b, relax.VarBinding)}
-    users = {}  # var -> the bindings reading it (None: the function's result)
+    users = {}
     for b in function_bindings(func):
         if isinstance(b.value, relax.If):
             continue
@@ -137,6 +136,13 @@ def _chains(func):
     for value in function_results(func):
         for var in relax.analysis.free_vars(value):
             users.setdefault(var, []).append(None)
+    return values, users
+
+
+def _chains(func):
+    """{last var of a view chain: (source, [calls innermost first], [vars])} for the chains that start
+    at or feed a matmul or a softmax."""
+    values, users = _values_and_users(func)
 
     def user_ops(var):  # the ops reading ``var``, through casts (ToMixedPrecision's astype)
         out = []
@@ -262,19 +268,12 @@ class CollapseViewChains:
         return mod
 
 
-def _prod(dims):
-    out = 1
-    for d in dims:
-        out = out * d
-    return out
-
-
 def _row_split(x_dims, a_dims):
     """(dims, k): ``x_dims`` reshaped to ``a_dims`` (N, M, D) merges dims[:k] into N and dims[k:-1] into M
     (the rows dims[-2] and at least one other axis not of size 1 folded into them), keeping the last
     axis. ``dims`` is ``x_dims``, or ``x_dims`` with the one axis split that N and M share (the heads of
     a head split when N holds the K/V heads and M the groups); None when there is none."""
-    from mqa_byoc.compiler.graph.trace import prove_equal
+    from mqa_byoc.compiler.graph.trace import product, prove_equal
 
     if x_dims is None or a_dims is None or len(a_dims) != 3 or len(x_dims) < 3:
         return None
@@ -284,14 +283,14 @@ def _row_split(x_dims, a_dims):
     for k in range(len(x_dims) - 1):
         if k >= 1:
             candidates.append((list(x_dims), k))
-        outer = _quotient(a_dims[0], _prod(x_dims[:k]))  # the part of axis k that N takes
+        outer = _quotient(a_dims[0], product(x_dims[:k]))  # the part of axis k that N takes
         inner = None if outer is None else _quotient(x_dims[k], outer)
         if inner is not None and not _is_unit(outer) and not _is_unit(inner):
             candidates.append((list(x_dims[:k]) + [outer, inner] + list(x_dims[k + 1:]), k + 1))
     for dims, k in candidates:
         if len(dims) < 4 or all(_is_unit(d) for d in dims[k:-2]):
             continue  # size-1 axes before the rows: nothing folded into them
-        if prove_equal(_prod(dims[:k]), a_dims[0]) and prove_equal(_prod(dims[k:-1]), a_dims[1]):
+        if prove_equal(product(dims[:k]), a_dims[0]) and prove_equal(product(dims[k:-1]), a_dims[1]):
             return dims, k
     return None
 
@@ -301,16 +300,7 @@ def _unfold_plans(func) -> dict:
     folded operand, B, k, out_dtype)} (module doc)."""
     from mqa_byoc.compiler.graph.trace import prove_equal
 
-    values = {b.var: b.value for b in function_bindings(func) if isinstance(b, relax.VarBinding)}
-    users = {}
-    for b in function_bindings(func):
-        if isinstance(b.value, relax.If):
-            continue
-        for var in relax.analysis.free_vars(b.value):
-            users.setdefault(var, []).append(b.var)
-    for value in function_results(func):
-        for var in relax.analysis.free_vars(value):
-            users.setdefault(var, []).append(None)
+    values, users = _values_and_users(func)
     plans = {}
     for var, value in values.items():
         if op_name(value) != "relax.matmul":
