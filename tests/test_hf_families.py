@@ -356,3 +356,5 @@ def test_sparse_mla_top_k_mask_is_rejected_as_data_dependent():
     assert len(report) == LAYERS
     for site in report:
         assert not site.offloaded and "data-dependent" in site.reason, site.reason
+        # the indexer's weight and the selection are named (not the first weight a walk meets, a norm's)
+        assert "R.topk" in site.reason and "indexer" in site.reason and "layernorm" not in site.reason, site.reason

@@ -174,9 +174,7 @@ class MaskEvaluator:
                 if _is_symbolic_var(e, bindings):
                     return  # a shape variable used as a value (arange bounds): bound through the shape parameter
                 if e in bindings.weights:
-                    raise MaskError(f"the mask is computed from the model weight '{e.name}' (a learned score bias, "
-                                    "data-dependent): the kernels take causal and sliding-window masks they can "
-                                    "read off the graph")
+                    raise MaskError(_learned_mask_reason(expr, bindings, e))
                 if e in bindings.params:
                     raise MaskError(f"the mask depends on the runtime input '{e.name}': the kernels take causal and "
                                     "sliding-window masks they can read off the graph (for a padding mask, pass the "
@@ -342,6 +340,44 @@ def _prim_func_ints(func) -> list[int]:
 def _is_symbolic_var(e, bindings: Bindings) -> bool:
     # TVM 0.27 has one Var class for Relax and TIR variables; a TIR one is a bare PrimType leaf
     return isinstance(e.ty, tvm.ir.PrimType) and e not in bindings.binding and e not in bindings.params
+
+
+#: ops that pick keys by value: a mask built through one selects per query (sparse attention's top-k)
+_SELECTIONS = frozenset({"relax.topk", "relax.argsort", "relax.sort", "relax.argmax", "relax.scatter_elements",
+                         "relax.scatter_nd", "relax.gather_elements", "relax.one_hot"})
+
+
+def _learned_mask_reason(expr, bindings: Bindings, first) -> str:
+    """Why a mask computed from model weights stays: the weight nearest to the mask (not the first one a
+    depth-first walk meets, often a norm of the hidden states) and the ops that select keys by value."""
+    nearest, selections, seen, frontier = None, [], set(), [expr]
+    while frontier and nearest is None:
+        nxt = []
+        for e in frontier:
+            if not isinstance(e, relax.Var):
+                nxt += _children(e)  # a tuple of masks
+                continue
+            if e in seen:
+                continue
+            seen.add(e)
+            if e in bindings.weights:
+                nearest = e
+                break
+            b = bindings.binding.get(e)
+            if b is None:
+                continue
+            name = op_name(b.value)
+            if name in _SELECTIONS and name not in selections:
+                selections.append(name)
+            nxt += list(_children(b.value))
+        frontier = nxt
+    weight = (first if nearest is None else nearest).name
+    if selections:
+        return (f"the mask selects keys by value ({', '.join(n.replace('relax.', 'R.') for n in selections)}) from "
+                f"scores computed with the model weight '{weight}' (sparse attention, data-dependent): the kernels "
+                "take causal and sliding-window masks they can read off the graph")
+    return (f"the mask is computed from the model weight '{weight}' (a learned score bias, data-dependent): the "
+            "kernels take causal and sliding-window masks they can read off the graph")
 
 
 def _children(value):
