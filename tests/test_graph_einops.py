@@ -11,8 +11,6 @@ import pytest
 torch = pytest.importorskip("torch")
 einops = pytest.importorskip("einops")
 
-from tvm import relax  # noqa: E402
-
 from mqa_byoc import offload_report, partition_for_cutlass  # noqa: E402
 from mqa_byoc.testing import graphs as G  # noqa: E402
 
@@ -49,13 +47,10 @@ class EinopsAttention(torch.nn.Module):
 
 @pytest.mark.parametrize("form", ["sdpa", "einsum", "grouped"])
 def test_einops_attention_is_offloaded_with_native_kv_heads(form):
-    from tvm.relax.frontend.torch import from_exported_program
-
     torch.manual_seed(0)
     model = EinopsAttention(form).eval()
     x = torch.randn(2, 12, H * D)
-    mod = from_exported_program(torch.export.export(model, (x,)), unwrap_unit_return_tuple=True)
-    mod = relax.transform.ToMixedPrecision(out_dtype="float16")(mod)
+    mod = G.import_torch(model, (x,))
     (site,) = offload_report(mod)
     assert site.offloaded, site.reason
     assert (site.num_q_heads, site.num_kv_heads, site.head_dim, site.causal) == (H, HKV, D, "BottomRight")

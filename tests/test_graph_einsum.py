@@ -12,7 +12,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import tvm  # noqa: E402
-from tvm import relax  # noqa: E402
 from tvm.script import ir as I, relax as R  # noqa: E402
 
 from mqa_byoc import offload_report, partition_for_cutlass  # noqa: E402
@@ -52,10 +51,7 @@ def _args(layout, b, s_q, s_kv):
 
 
 def _import(module, args, dynamic_shapes=None):
-    from tvm.relax.frontend.torch import from_exported_program
-
-    ep = torch.export.export(module.eval(), args, dynamic_shapes=dynamic_shapes)
-    return relax.transform.ToMixedPrecision(out_dtype="float16")(from_exported_program(ep))
+    return G.import_torch(module, args, dynamic_shapes=dynamic_shapes)
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "ellipsis", "bshd"])

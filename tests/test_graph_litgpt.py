@@ -11,8 +11,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tvm import relax  # noqa: E402
-
 from mqa_byoc import offload_report, partition_for_cutlass  # noqa: E402
 from mqa_byoc.testing import graphs as G  # noqa: E402
 
@@ -45,13 +43,10 @@ class LitGPTAttention(torch.nn.Module):
 
 @pytest.mark.parametrize("groups, manual", [(2, False), (1, False), (2, True)])
 def test_litgpt_attention_is_offloaded_with_native_kv_heads(groups, manual):
-    from tvm.relax.frontend.torch import from_exported_program
-
     torch.manual_seed(0)
     model = LitGPTAttention(groups, manual).eval()
     x = torch.randn(2, 12, HEADS * HEAD_SIZE)
-    mod = from_exported_program(torch.export.export(model, (x,)), unwrap_unit_return_tuple=True)
-    mod = relax.transform.ToMixedPrecision(out_dtype="float16")(mod)
+    mod = G.import_torch(model, (x,))
     (site,) = offload_report(mod)
     assert site.offloaded, site.reason
     assert (site.num_q_heads, site.num_kv_heads, site.head_dim, site.causal) == (HEADS, groups, HEAD_SIZE, "BottomRight")

@@ -280,6 +280,18 @@ def grouped_5d_chain(h=8, hkv=2, d=64, s=16, b=1, dtype=F16, outer=False, inputs
     return _finish(bb)
 
 
+def import_torch(module, args, dynamic_shapes=None, fp16_inputs=()):
+    """``module`` as a compile script imports it: ``torch.export`` (float32), plain ``from_exported_program``
+    (a single result unwrapped), ``ToMixedPrecision(out_dtype="float16")`` (``fp16_inputs``: parameters it
+    makes float16 too). Needs torch."""
+    import torch
+    from tvm.relax.frontend.torch import from_exported_program
+
+    ep = torch.export.export(module.eval(), tuple(args), dynamic_shapes=dynamic_shapes)
+    mod = from_exported_program(ep, unwrap_unit_return_tuple=True)
+    return relax.transform.ToMixedPrecision(out_dtype="float16", fp16_input_names=list(fp16_inputs) or None)(mod)
+
+
 def einsum_chain(h=8, hkv=2, d=64, s=16, s_kv=None, b=1, dtype=F16, layout="bhsd", causal=True):
     """Attention a user writes with ``torch.einsum`` in a module of their own, exported with
     ``torch.export`` (float32), imported with plain ``from_exported_program`` and cast by
@@ -290,7 +302,6 @@ def einsum_chain(h=8, hkv=2, d=64, s=16, s_kv=None, b=1, dtype=F16, layout="bhsd
     multi-query, Q (B, H, S, D) against K/V (B, S, D) with no head axis (``"bhqd,bkd->bhqk"``, hkv 1; the
     heads fold into the matmul's rows). Needs torch."""
     import torch
-    from tvm.relax.frontend.torch import from_exported_program
 
     s_kv = s if s_kv is None else s_kv
     r, bshd, palm = h // hkv, layout == "bshd", layout == "palm"
@@ -316,10 +327,8 @@ def einsum_chain(h=8, hkv=2, d=64, s=16, s_kv=None, b=1, dtype=F16, layout="bhsd
     shape = (lambda n, heads: (b, n, heads, d)) if bshd else (lambda n, heads: (b, heads, n, d))
     kv_shape = (b, s_kv, d) if palm else shape(s_kv, hkv)
     args = (torch.zeros(shape(s, h)), torch.zeros(kv_shape), torch.zeros(kv_shape))
-    mod = from_exported_program(torch.export.export(EinsumAttention().eval(), args), unwrap_unit_return_tuple=True)
-    # as a compile script does: float32 export, float16 compute (here with float16 inputs; the result is
-    # cast back to float32)
-    return relax.transform.ToMixedPrecision(out_dtype=dtype, fp16_input_names=["q", "k", "v"])(mod)
+    # float16 inputs here too; the result is cast back to float32
+    return import_torch(EinsumAttention(), args, fp16_inputs=("q", "k", "v"))
 
 
 def mla_chain(h=8, d=128, dv=64, s=16, b=1, dtype=F16, scale=None, causal=True):
