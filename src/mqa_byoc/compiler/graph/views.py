@@ -235,12 +235,11 @@ def _plans(func) -> dict:
         # projection's output split into heads by a reshape and a transpose, then moved about by an einsum:
         # no single transpose of the projection's output, but one of its head split) or trailing ones (the
         # heads merged back after the einsum's own steps)
-        found = next((((source if start == 0 else names[start - 1]), steps[start:start + n], names[start + n - 1])
-                      for n in range(len(steps), 1, -1) for start in range(len(steps) - n + 1)
-                      if _plan(source if start == 0 else names[start - 1], steps[start:start + n]) is not None), None)
-        if found is not None:
-            sub_source, sub_steps, end = found
-            plans[end] = _plan(sub_source, sub_steps)
+        for n, start in ((n, start) for n in range(len(steps), 1, -1) for start in range(len(steps) - n + 1)):
+            plan = _plan(source if start == 0 else names[start - 1], steps[start:start + n])
+            if plan is not None:
+                plans[names[start + n - 1]] = plan
+                break
     return plans
 
 
