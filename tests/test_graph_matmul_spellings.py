@@ -1,6 +1,6 @@
 """Hand-written attention in a user's torch module, spelled the ways torch code spells it: the scale on Q
 or on K before the product (multiplied or divided), ``torch.bmm`` / ``torch.baddbmm`` on (B*H, S, D) views,
-``k.mT``, scores cast to float32 before the softmax. Exported with ``torch.export``, imported with plain
+``k.mT``, scores cast to float32 before the softmax, ``exp(log_softmax)``. Exported with ``torch.export``, imported with plain
 ``from_exported_program``, then ``ToMixedPrecision``: each is offloaded with the native K/V heads and the
 model's scale, and the rewritten graph computes what the module does."""
 
@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tvm import relax  # noqa: E402
+import tvm  # noqa: E402
 
 from mqa_byoc import offload_report, partition_for_cutlass  # noqa: E402
 from mqa_byoc.testing import graphs as G  # noqa: E402
@@ -45,19 +45,18 @@ class Spelled(torch.nn.Module):
             scores = torch.matmul(q, k.mT) * d ** -0.5
         elif self.spelling == "float scores":
             scores = (q @ k.transpose(-1, -2)).float() * d ** -0.5
+        elif self.spelling == "exp(log_softmax)":
+            return torch.exp(torch.log_softmax(q @ k.transpose(-1, -2) * d ** -0.5, -1)) @ v
         return torch.softmax(scores, -1).to(v.dtype) @ v
 
 
 @pytest.mark.parametrize("spelling", ["q / sqrt(d)", "k / sqrt(d)", "q * d**-0.5", "baddbmm", "bmm", "mT",
-                                      "float scores"])
+                                      "float scores", "exp(log_softmax)"])
 def test_spellings_are_offloaded_with_native_heads_and_the_scale(spelling):
-    from tvm.relax.frontend.torch import from_exported_program
-
     gen = torch.Generator().manual_seed(0)
     args = (torch.randn(2, H, 8, D, generator=gen), torch.randn(2, HKV, 8, D, generator=gen),
             torch.randn(2, HKV, 8, D, generator=gen))
-    ep = torch.export.export(Spelled(spelling).eval(), args)
-    mod = relax.transform.ToMixedPrecision(out_dtype="float16")(from_exported_program(ep))
+    mod = G.import_torch(Spelled(spelling), args)
     (site,) = offload_report(mod)
     assert site.offloaded, site.reason
     # the scale on Q or K is the kernel's softmax scale, K/V reach the kernel with their own heads
@@ -68,3 +67,25 @@ def test_spellings_are_offloaded_with_native_heads_and_the_scale(spelling):
     assert G.count_ops(part, "relax.divide") + G.count_ops(part, "relax.multiply") == 0  # the scale went in
     got = G.rewritten_on_cpu(mod, [a.numpy() for a in args])
     np.testing.assert_allclose(got, Spelled(spelling)(*args).numpy(), rtol=2e-2, atol=2e-2)
+
+
+def test_log_probabilities_read_elsewhere_stay():
+    """exp(log_softmax) is read as the softmax only where the probabilities reach a matmul; a
+    log_softmax whose exp reaches none (a loss, sampling) is left as it is."""
+    from tvm.script import ir as I
+    from tvm.script import relax as R
+
+    from mqa_byoc.compiler.graph.log_softmax import ExpOfLogSoftmax
+
+    @I.ir_module
+    class Mod:
+        @R.function
+        def main(x: R.Tensor((2, 16), "float32")):
+            with R.dataflow():
+                lp = R.nn.log_softmax(x, axis=-1)
+                p = R.exp(lp)
+                y = R.sum(p, axis=[1])
+                R.output(y)
+            return y
+
+    tvm.ir.assert_structural_equal(ExpOfLogSoftmax()(Mod), Mod)

@@ -42,6 +42,7 @@ from mqa_byoc.compiler.graph.patterns import flash_attn_patterns
 from mqa_byoc.compiler.graph.sink_attention import OffloadSinkAttention
 from mqa_byoc.compiler.graph.site import FUSED_FORMS, require_flag, require_module, value_padding_note
 from mqa_byoc.compiler.graph.trace import Bindings
+from mqa_byoc.compiler.graph.log_softmax import ExpOfLogSoftmax
 from mqa_byoc.compiler.graph.views import CollapseViewChains, UnfoldMatmulRows
 
 __all__ = [
@@ -137,7 +138,8 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
         from mqa_byoc.compiler.provider import cuda_target
 
         target = cuda_target(target, "offload_report", "what runs where is decided for the GPU the library is built for")
-    mod = UnfoldMatmulRows()(CollapseViewChains()(RestoreLoweredMatmul()(mod)))  # as the partition reads it
+    # as the partition reads it
+    mod = UnfoldMatmulRows()(CollapseViewChains()(ExpOfLogSoftmax()(RestoreLoweredMatmul()(mod))))
     from mqa_byoc.compiler.codegen import hopper as hopper_codegen
     from mqa_byoc.compiler.provider import build_provider, target_arch
     from mqa_byoc.compiler.kernel_options import KernelOptions

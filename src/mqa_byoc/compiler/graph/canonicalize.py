@@ -1,7 +1,7 @@
 """Step 1 of the partition: rewrite every offloadable attention to ``R.nn.attention``.
 
 View chains around matmuls are collapsed first and heads folded into a matmul's rows unfolded (:mod:`.views`:
-torch.einsum's plumbing).
+torch.einsum's plumbing); ``exp(log_softmax(x))`` is read as ``softmax(x)`` (:mod:`.log_softmax`).
 
 Every site that FA2 computes exactly (see :mod:`.analysis`) becomes ``R.nn.attention`` on the
 pre-expansion K/V (with ``mqa=True``), with BNSH operands entering through ``permute_dims`` so the
@@ -20,6 +20,7 @@ from mqa_byoc.compiler.graph.exprs import (binding_values, function_bindings, fu
                                            op_name)
 from mqa_byoc.compiler.graph.site import output_steps
 from mqa_byoc.compiler.graph.trace import Bindings
+from mqa_byoc.compiler.graph.log_softmax import ExpOfLogSoftmax
 from mqa_byoc.compiler.graph.views import CollapseViewChains, UnfoldMatmulRows
 
 
@@ -200,7 +201,7 @@ class CanonicalizeAttention:
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         # the forms the analysis reads (what offload_report analyses too)
-        mod = UnfoldMatmulRows()(CollapseViewChains()(mod))
+        mod = UnfoldMatmulRows()(CollapseViewChains()(ExpOfLogSoftmax()(mod)))
         return _canonicalize(mod, self.mqa, analyze_module(mod, self.mqa))
 
 
