@@ -3,7 +3,7 @@ the GQA decoder families users compile besides Llama and Mistral: Qwen2 (q/k/v b
 (RMSNorm on q and k), Phi-3 (one fused ``qkv_proj``), Gemma 3 (scaled query, sliding-window layers),
 StarCoder2, GPTBigCode (multi-query and not), Granite (its own scalings), Mixtral (its experts as batched matmuls: TVM's frontend has no
 converter for transformers' default grouped_mm), Cohere 2, EXAONE 4 and OLMo 3 (sliding-window layers), GLM-4
-(interleaved rotary embedding), ERNIE 4.5, Helium. Every attention is offloaded with the K/V expansion
+(interleaved rotary embedding), ERNIE 4.5, Helium, SmolLM3 (layers without RoPE), Qwen2-MoE. Every attention is offloaded with the K/V expansion
 removed; Doge's learned, data-dependent mask is rejected naming its weight; Gemma 2's logit soft-capping runs on FA2's soft-capping kernel families.
 Falcon: multi-query (Falcon-7B) is offloaded with its one K/V head; the new decoder architecture
 (Falcon-40B/180B) expands K before its rotary embedding and caches every head, so it runs as attention
@@ -41,6 +41,10 @@ FAMILIES = {
     "glm4": ("Glm4Config", dict(head_dim=HEAD_DIM, pad_token_id=0), ("eager", "sdpa"), (None, None)),
     "ernie4_5": ("Ernie4_5Config", dict(head_dim=HEAD_DIM), ("eager", "sdpa"), (None, None)),
     "helium": ("HeliumConfig", dict(head_dim=HEAD_DIM, pad_token_id=0), ("eager", "sdpa"), (None, None)),
+    "smollm3": ("SmolLM3Config", dict(pad_token_id=0), ("eager", "sdpa"), (None, None)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=64,
+                                         shared_expert_intermediate_size=64, experts_implementation="batched_mm"),
+                  ("eager", "sdpa"), (None, None)),
 }
 FALCON = dict(alibi=False, parallel_attn=True, bias=False)
 
