@@ -32,6 +32,8 @@ __all__ = ["CollapseViewChains", "UnfoldMatmulRows", "collapsed_view"]
 VIEW_OPS = frozenset({"relax.reshape", "relax.permute_dims", "relax.expand_dims", "relax.squeeze"})
 # where a chain has to start or end to be collapsed: the ops of attention and GEMM sites
 _ANCHORS = frozenset({"relax.matmul", "relax.nn.softmax"})
+# K/V expansions: a chain feeding one is the head split the expansion analysis reads, left alone
+_EXPANSIONS = frozenset({"relax.broadcast_to", "relax.repeat", "relax.tile"})
 
 
 def _dims(expr):
@@ -174,6 +176,8 @@ def _chains(func):
             steps.pop()
         starts = producer_op(expr) in _ANCHORS
         feeds = any(u in _ANCHORS for u in user_ops(var))
+        if any(u in _EXPANSIONS for u in user_ops(var)):
+            continue  # K/V's head split before an expansion (HF's repeat_kv): the analysis reads it as it is
         if len(steps) >= 2 and (starts or feeds):
             chains[var] = (expr, steps[::-1], names[::-1])
     return chains
