@@ -61,6 +61,22 @@ def binding_values(func: relax.Function) -> dict:
     return {b.var: b.value for b in function_bindings(func) if isinstance(b, relax.VarBinding)}
 
 
+def binding_readers(func: relax.Function) -> dict:
+    """``{var: the vars of the bindings reading it}`` over ``func``'s bindings (:func:`function_bindings`; an
+    ``R.If`` reads through its branches), with None where the function's results read it
+    (:func:`function_results`)."""
+    readers = {}
+    for b in function_bindings(func):
+        if isinstance(b.value, relax.If):
+            continue
+        for var in relax.analysis.free_vars(b.value):
+            readers.setdefault(var, []).append(b.var)
+    for value in function_results(func):
+        for var in relax.analysis.free_vars(value):
+            readers.setdefault(var, []).append(None)
+    return readers
+
+
 def value_of(expr, values: Mapping):
     """Follow ``expr`` through var-to-var bindings in ``values`` to the value it stands for.
 

@@ -12,7 +12,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from mqa_byoc.compiler.graph.exprs import function_bindings, op_name
+from mqa_byoc.compiler.graph.exprs import binding_readers, binding_values, op_name
 
 __all__ = ["ExpOfLogSoftmax"]
 
@@ -23,15 +23,11 @@ _PASSING = frozenset({"relax.astype", "relax.reshape", "relax.broadcast_to", "re
 
 def _plans(func) -> dict:
     """{var bound to exp(log_softmax(x, axis)) feeding a matmul: the log_softmax call}."""
-    values = {b.var: b.value for b in function_bindings(func) if isinstance(b, relax.VarBinding)}
-    readers = {}
-    for var, value in values.items():
-        for used in relax.analysis.free_vars(value):
-            readers.setdefault(used, []).append(var)
+    values, readers = binding_values(func), binding_readers(func)
 
     def reaches_matmul(var, depth=8):
         for user in readers.get(var, []):
-            name = op_name(values[user])
+            name = op_name(values.get(user))
             if name == "relax.matmul" or (depth and name in _PASSING and reaches_matmul(user, depth - 1)):
                 return True
         return False

@@ -25,7 +25,7 @@ import tvm
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from mqa_byoc.compiler.graph.exprs import function_bindings, function_results, op_name
+from mqa_byoc.compiler.graph.exprs import binding_readers, binding_values, op_name
 
 __all__ = ["CollapseViewChains", "UnfoldMatmulRows", "collapsed_view"]
 
@@ -126,25 +126,10 @@ def collapsed_view(source, steps):
     return None if perm == list(range(len(src))) else perm
 
 
-def _values_and_users(func):
-    """({var: its value}, {var: the vars of the bindings reading it, None for the function's result})."""
-    values = {b.var: b.value for b in function_bindings(func) if isinstance(b, relax.VarBinding)}
-    users = {}
-    for b in function_bindings(func):
-        if isinstance(b.value, relax.If):
-            continue
-        for var in relax.analysis.free_vars(b.value):
-            users.setdefault(var, []).append(b.var)
-    for value in function_results(func):
-        for var in relax.analysis.free_vars(value):
-            users.setdefault(var, []).append(None)
-    return values, users
-
-
 def _chains(func):
     """{last var of a view chain: (source, [calls innermost first], [vars])} for the chains that start
     at or feed a matmul or a softmax."""
-    values, users = _values_and_users(func)
+    values, users = binding_values(func), binding_readers(func)
 
     def user_ops(var):  # the ops reading ``var``, through casts (ToMixedPrecision's astype)
         out = []
@@ -303,7 +288,7 @@ def _unfold_plans(func) -> dict:
     folded operand, B, k, out_dtype)} (module doc)."""
     from mqa_byoc.compiler.graph.trace import prove_equal
 
-    values, users = _values_and_users(func)
+    values, users = binding_values(func), binding_readers(func)
     plans = {}
     for var, value in values.items():
         if op_name(value) != "relax.matmul":
@@ -428,7 +413,7 @@ class UnfoldMatmulRows:
             found = _unfold_plans(func)
             if found:
                 plans.update(found)
-                values.update({b.var: b.value for b in function_bindings(func) if isinstance(b, relax.VarBinding)})
+                values.update(binding_values(func))
                 functions.append(gv)
         if not plans:
             return mod
