@@ -1150,3 +1150,45 @@ def decode_phases_claims() -> dict[str, str]:
 @pytest.mark.parametrize("name", sorted(decode_phases_claims()))
 def test_paged_doc_decode_phases_claim(name):
     _assert_in_paged_doc(decode_phases_claims(), name)
+
+
+PAGED_DECODE_FI_NOW = "2026-12-05-paged-decode-flashinfer.json"
+
+
+def _span(xs) -> str:
+    lo, hi = f"{min(xs):.2f}", f"{max(xs):.2f}"
+    return f"{lo}x" if lo == hi else f"{lo}–{hi}x"
+
+
+def decode_flashinfer_now_claims() -> dict[str, str]:
+    """docs/paged_kv_cache.md on the decode-only run of the current decode kernel beside FlashInfer."""
+    cases = _load(PAGED_DECODE_FI_NOW)["cases"]
+    assert all(v for c in cases for v in c["ok"].values())
+    r = {id(c): c["us"]["ours"] / _fi_fastest(c) for c in cases}
+    every = list(r.values())
+    gqa = [r[id(c)] for c in cases if c["shape"].startswith("gqa")]
+    gqa_slow = [x for x in gqa if x > 1]
+    mqa = [c for c in cases if c["shape"].startswith("mqa")]
+    mqa_slow = [c for c in mqa if r[id(c)] > 1]
+    assert {(c["batch"], c["lengths_kind"]) for c in mqa_slow} == {(8, "mixed")}
+    mqa_rest = [r[id(c)] for c in mqa if c not in mqa_slow]
+    slow = _fi_case(cases, "decode", "mqa71_1_d64", 8)
+    u16 = {k: [c["us"]["ours"] / c["bytes_us"] for c in cases if c["shape"].startswith(k)
+               and c["batch"] >= 8 and c["lengths_kind"] == "uniform16k"] for k in ("gqa", "mqa")}
+    b1 = [c["us"]["ours"] / c["bytes_us"] for c in cases if c["shape"].startswith("gqa") and c["batch"] == 1]
+    return {
+        "all": f"ours no slower than FlashInfer's fastest variant in {sum(x <= 1 for x in every)} of {len(every)} cases",
+        "gqa": f"GQA {min(gqa):.2f}–{max(gqa):.2f}x its time (the {len(gqa_slow)} slower cases within "
+               f"{max(gqa_slow):.2f}x)",
+        "mqa": f"Falcon's MQA 71/1/64 {min(mqa_rest):.2f}–{max(mqa_rest):.2f}x, except at 8 sequences of mixed "
+               f"lengths: {_span([r[id(c)] for c in mqa_slow])} ({slow['us']['ours']:.1f} µs against "
+               f"{_fi_fastest(slow):.1f} in fp16)",
+        "bytes": f"With every sequence at 16k, GQA reads K/V at {min(u16['gqa']):.2f}–{max(u16['gqa']):.2f}x the bytes "
+                 f"limit at batch 8 to 64 ({min(b1):.2f}–{max(b1):.2f}x at batch 1, one sequence of 16k), MQA at "
+                 f"{min(u16['mqa']):.2f}–{max(u16['mqa']):.2f}x",
+    }
+
+
+@pytest.mark.parametrize("name", sorted(decode_flashinfer_now_claims()))
+def test_paged_doc_decode_flashinfer_now_claim(name):
+    _assert_in_paged_doc(decode_flashinfer_now_claims(), name)
