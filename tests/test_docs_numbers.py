@@ -1192,3 +1192,71 @@ def decode_flashinfer_now_claims() -> dict[str, str]:
 @pytest.mark.parametrize("name", sorted(decode_flashinfer_now_claims()))
 def test_paged_doc_decode_flashinfer_now_claim(name):
     _assert_in_paged_doc(decode_flashinfer_now_claims(), name)
+
+
+PROFILES_NOW = {name: f"2026-12-05-profile-codellama34b-4l-{name}.json" for name in ("paged-2k", "paged-16k", "inplace-16k")}
+BZ_KERNEL = "nvjet_sm90_hsh_64x8_64x16_2x1_v_bz_TNT"
+
+
+def _decode_phase(name):
+    (mode,) = [m for m in _load(PROFILES_NOW[name])["modes"].values() if m.get("mqa")]
+    return mode["phases"]["decode"]
+
+
+def decode_step_claims() -> dict[str, str]:
+    """docs/performance.md's table of what a decode step of the current builds is made of (mqa-byoc profile
+    run, batch 1): one row a profile."""
+    labels = {"paged-2k": ("PagedKVCache", "2k"), "paged-16k": ("PagedKVCache", "16k"),
+              "inplace-16k": ("in-place cache", "16k")}
+    kinds = {"Memcpy HtoD (Pinned -> Device)": "host-to-device", "Memcpy DtoD (Device -> Device)": "device-to-device"}
+    out = {}
+    for name in PROFILES_NOW:
+        p = _decode_phase(name)
+        steps = p["steps"]
+        gemm = sum(r["us_per_step"] for r in p["gemms"]["rows"])
+        limit = sum(r["limit_us_per_call"] * r["calls_per_step"] for r in p["gemms"]["rows"])
+        kernels = p["kernel_ms_per_step"] * 1000
+        count = sum(r["instances"] for r in p["kernels"]) / steps
+        mem = {r["name"]: r["instances"] / steps for r in p["memory_ops"]}
+        memsets = mem.pop("Memset (Device)", 0)
+        bz = sum(r["instances"] for r in p["kernels"] if r["name"] == BZ_KERNEL) / steps
+        assert memsets == bz, (name, memsets, bz)  # as many as that cuBLASLt kernel's calls
+        (copy_name, n_copies), = mem.items()
+        cache, ctx = labels[name]
+        out[name] = (f"| {cache} | {ctx} | {kernels:,.0f} | {gemm:,.0f} | {gemm / limit:.2f}x ({limit:,.0f}) | "
+                     f"{count:.0f} | {memsets:.0f} | {n_copies:.0f} {kinds[copy_name]} |")
+    return out
+
+
+def decode_step_summary() -> dict[str, str]:
+    """docs/performance.md's sentences under that table: the GEMMs' range against their limit and what the
+    1.20x goal leaves of a step for everything else (the decode limit counts the K/V as well)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("decoders_bench", ROOT / "benchmarks" / "decoders.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ratios, left = [], {}
+    for name in PROFILES_NOW:
+        p = _decode_phase(name)
+        gemm = sum(r["us_per_step"] for r in p["gemms"]["rows"])
+        limit = sum(r["limit_us_per_call"] * r["calls_per_step"] for r in p["gemms"]["rows"])
+        ratios.append(gemm / limit)
+        (mode,) = [m for m in _load(PROFILES_NOW[name])["modes"].values() if m.get("mqa")]
+        step_limit = bench.decode_limit_ms(mode, 1, _load(PROFILES_NOW[name])["prompt_len"]) * 1000
+        left[name] = 1.2 * step_limit - gemm
+    return {"range": f"The GEMMs alone take {min(ratios):.2f}–{max(ratios):.2f}x their bytes limit.",
+            "left": f"{left['paged-2k']:.0f} µs a step at 2k and {left['paged-16k']:.0f} µs at 16k"}
+
+
+@pytest.mark.parametrize("name", ["range", "left"])
+def test_performance_doc_decode_step_summary(name):
+    text = " ".join((ROOT / "docs" / "performance.md").read_text().split())
+    assert decode_step_summary()[name] in text, decode_step_summary()[name]
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES_NOW))
+def test_performance_doc_decode_step_claim(name):
+    text = " ".join((ROOT / "docs" / "performance.md").read_text().split())
+    claim = decode_step_claims()[name]
+    assert claim in text, claim
