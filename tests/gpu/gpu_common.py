@@ -92,9 +92,11 @@ def providers_of(m: dict) -> tuple[list[str], dict[str, str]]:
 # the fp32 reference
 
 
-def to_bsnh(x, layout: str):
+def to_bsnh(x, layout: str, heads: int | None = None):
     if layout == "BSNH":
         return x
+    if layout == "SBE":  # (S, B, H*D), sequence first (nn.MultiheadAttention)
+        return x.reshape(x.shape[0], x.shape[1], heads, x.shape[2] // heads).permute(1, 0, 2, 3)
     if layout == "BNSH":
         return x.permute(0, 2, 1, 3)
     if layout == "BSH":  # (B, S, D): one head
@@ -131,7 +133,8 @@ def torch_reference(torch, m: dict, tensors):
     head's sink logit (input ``sinks``) besides the keys; the result is put back into the output's
     layout (BSNH or BNSH) and shape ((B, S, H*D) when heads are merged)."""
     att, out = m["attention"], m["output"]
-    by_name = {spec["name"]: to_bsnh(t.float(), spec["layout"]) for spec, t in zip(m["inputs"], tensors)}
+    by_name = {spec["name"]: to_bsnh(t.float(), spec["layout"], spec.get("heads"))
+               for spec, t in zip(m["inputs"], tensors)}
     q, k, v = by_name["q"], by_name["k"], by_name["v"]
     h, hkv = q.shape[2], k.shape[2]
     assert (h, hkv) == (att["num_q_heads"], att["num_kv_heads"]) and h % hkv == 0, (q.shape, k.shape, att)
@@ -150,6 +153,8 @@ def torch_reference(torch, m: dict, tensors):
     o = torch.einsum("bhqk,bkhd->bqhd", p, v)
     if out["layout"] == "BNSH":
         o = o.permute(0, 2, 1, 3)
+    elif out["layout"] == "SBE":
+        o = o.permute(1, 0, 2, 3)
     elif out["layout"] != "BSNH":
         raise ValueError(f"unknown output layout {out['layout']!r}")
     return o.reshape(out["shape"])

@@ -29,6 +29,7 @@ CPU_CASES = [
     "onnx_gqa_f16_causal_chunked",  # TVM's ONNX frontend, BNSH in and out, bottom-right causal with S_q < S_kv
     "nn_reshape_broadcast_gqa_f16_causal_sym",  # relax.frontend.nn's spelling, TopLeft, symbolic S
     "sink_gptoss_f16_hdim64_window_chunked",  # attention sinks (float32), a window, S_q < S_kv
+    "multihead_seq_first_f16_noncausal_cross",  # (S, B, H*D) in and out, sequence first, S_q < S_kv
     "sink_gqa_bf16_causal_prefill_sinks_bf16",  # attention sinks in the model's dtype
     "einsum_bshd_gqa_f16_causal_chunked",  # torch.einsum through torch.export, BSNH, float32 result
     "einsum_bhsd_gqa_f16_causal_prefill",  # the same, BNSH
@@ -91,6 +92,8 @@ def test_layout_round_trip():
     assert torch.equal(gc.to_bsnh(x, "BNSH"), x.permute(0, 2, 1, 3))
     assert gc.to_bsnh(x, "BSNH") is x
     assert torch.equal(gc.to_bsnh(x[:, :, 0], "BSH"), x[:, :, :1])  # (B, S, D) is one head
+    sbe = x.permute(1, 0, 2, 3).reshape(3, 2, 4 * 5)  # (S, B, H*D): sequence first, heads merged
+    assert torch.equal(gc.to_bsnh(sbe, "SBE", heads=4), x)
 
 
 def test_bfloat16_rounding():
@@ -119,14 +122,18 @@ def test_manifests_are_consistent():
                 if not att.get("sinks") or spec["shape"] != [att["num_q_heads"]]:
                     problems.append(f"{name}: input {spec} vs attention {att}")
                 continue
-            shape = spec["shape"][:2] + [1] + spec["shape"][2:] if spec["layout"] == "BSH" else spec["shape"]
-            hax = 1 if spec["layout"] == "BNSH" else 2
             heads = att["num_q_heads"] if spec["name"] == "q" else att["num_kv_heads"]
+            shape = spec["shape"][:2] + [1] + spec["shape"][2:] if spec["layout"] == "BSH" else spec["shape"]
+            if spec["layout"] == "SBE":  # (S, B, H*D): sequence first, the heads merged
+                shape = [spec["shape"][1], spec["shape"][0], heads, spec["shape"][2] // heads]
+            hax = 1 if spec["layout"] == "BNSH" else 2
             head_dim = att.get("head_dim_v", att["head_dim"]) if spec["name"] == "v" else att["head_dim"]
             if len(shape) != 4 or shape[hax] != heads or shape[3] != head_dim:
                 problems.append(f"{name}: input {spec} vs attention {att}")
         b, sq, h, d = out["batch"], out["seq_q"], att["num_q_heads"], att.get("head_dim_v", att["head_dim"])
         want = [b, sq, h * d] if out["heads_merged"] else ([b, sq, h, d] if out["layout"] == "BSNH" else [b, h, sq, d])
+        if out["layout"] == "SBE":
+            want = [sq, b, h * d]
         if out["shape"] != want:
             problems.append(f"{name}: output {out}, expected shape {want}")
         if ("reference" in m["modules"]) != (m["reference"]["kind"] == "tvm"):

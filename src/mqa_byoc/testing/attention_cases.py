@@ -57,6 +57,9 @@ BUILDERS = {
     "einsum_chain": {"inputs": None, "output": None, "merged": False, "reference_matmul_rule": False},
     # multi-head latent attention: V's head dim (kwarg dv) smaller than Q/K's, BNSH in, (B, S, H*dv) out
     "mla_chain": {"inputs": "BNSH", "output": "BSNH", "merged": True, "reference_matmul_rule": False},
+    # nn.MultiheadAttention: (S, B, H*D) in and out, sequence first
+    "multihead_seq_first_chain": {"inputs": "SBE", "output": "SBE", "merged": True, "reference_matmul_rule": False,
+                                  "mha": True},
 }
 # TVM 0.27's dlight gpu.Matmul rule on the explicit chains' fp16 score matmuls: with apache-tvm-ffi
 # 0.1.15 it segfaulted at build time; with 0.1.14 it builds a kernel that faults at run time
@@ -89,7 +92,7 @@ class Case:
 
     @property
     def hkv(self) -> int:
-        if self.builder == "mla_chain":  # as many K/V heads as query heads
+        if self.builder in ("mla_chain", "multihead_seq_first_chain"):  # as many K/V heads as query heads
             return self.kwargs["h"]
         return 1 if BUILDERS[self.builder].get("single_head") else self.kwargs["hkv"]
 
@@ -153,6 +156,8 @@ class Case:
         elif self.builder == "mla_chain":
             causal = "BottomRight" if kw.get("causal", True) else None  # S_q == S_kv
             scale = default_scale if kw.get("scale") is None else kw["scale"]
+        elif self.builder == "multihead_seq_first_chain":
+            causal = "BottomRight" if kw.get("causal") else None  # S_q == S_kv where causal
         elif self.builder == "bsh_chain":
             assert kw.get("mask", "none") != "runtime"
             causal = None if kw.get("mask", "none") == "none" else "BottomRight"
@@ -320,6 +325,14 @@ CASES = [
          dict(h=H, d=D, dv=64, b=1, s=96, dtype="bfloat16", scale=0.1)),
     Case("mla_f16_d64_dv32_noncausal_sym", "17 mla", "mla_chain",
          dict(h=H, d=64, dv=32, b=1, s="n", causal=False), run={"n": 80}),
+    # 18 nn.MultiheadAttention (docs/graph_forms.md): sequence-first (S, B, H*D) operands, transposed to
+    # batch-first for the kernels
+    Case("multihead_seq_first_f16_noncausal_cross", "18 multihead seq-first", "multihead_seq_first_chain",
+         dict(h=8, d=64, b=2, s=96, s_kv=160)),
+    Case("multihead_seq_first_f16_causal_prefill", "18 multihead seq-first", "multihead_seq_first_chain",
+         dict(h=16, d=64, b=3, s=128, causal=True)),
+    Case("multihead_seq_first_f16_hdim128_decode", "18 multihead seq-first", "multihead_seq_first_chain",
+         dict(h=8, d=128, b=4, s=1, s_kv=300)),
 ]
 
 def case(name: str) -> Case:
@@ -354,8 +367,9 @@ def _concrete(shape, case: Case) -> list[int]:
 
 
 def _seq_len(spec: dict) -> int:
-    """Sequence length of an input described by :func:`describe_io` (BNSH: axis 2; BSNH, BSH: axis 1)."""
-    return spec["shape"][2 if spec["layout"] == "BNSH" else 1]
+    """Sequence length of an input described by :func:`describe_io` (BNSH: axis 2; BSNH, BSH: axis 1;
+    SBE, sequence first: axis 0)."""
+    return spec["shape"][{"BNSH": 2, "SBE": 0}.get(spec["layout"], 1)]
 
 
 def describe_io(case: Case, mod) -> tuple[list[dict], dict]:
@@ -375,6 +389,9 @@ def describe_io(case: Case, mod) -> tuple[list[dict], dict]:
         heads = case.h if p.name == "q" else case.hkv
         head_dim = case.dv if p.name == "v" else case.d
         bsnh = shape[:2] + [1] + shape[2:] if layout == "BSH" else shape  # BSH: one head
+        if layout == "SBE":  # (S, B, H*D): the heads merged, sequence first
+            spec["heads"] = heads
+            bsnh = [shape[1], shape[0], heads, shape[2] // heads] if shape[2] % heads == 0 else shape
         hax = 1 if layout == "BNSH" else 2
         if p.name not in ("q", "k", "v") or len(bsnh) != 4 or bsnh[hax] != heads or bsnh[3] != head_dim:
             raise ValueError(f"{case.name}: input {spec} does not match {layout} with {heads} heads, "
@@ -382,8 +399,8 @@ def describe_io(case: Case, mod) -> tuple[list[dict], dict]:
         inputs.append(spec)
     q = next(i for i in inputs if i["name"] == "q")
     k = next(i for i in inputs if i["name"] == "k")
-    b, sq, skv = q["shape"][0], _seq_len(q), _seq_len(k)
-    want = [b, sq, case.h * case.dv] if lay["merged"] else (
+    b, sq, skv = q["shape"][1 if q["layout"] == "SBE" else 0], _seq_len(q), _seq_len(k)
+    want = [sq, b, case.h * case.dv] if lay["output"] == "SBE" else [b, sq, case.h * case.dv] if lay["merged"] else (
         [b, sq, case.h, case.dv] if lay["output"] == "BSNH" else [b, case.h, sq, case.dv])
     shape = _concrete(func.ret_ty.shape, case)
     if shape != want:

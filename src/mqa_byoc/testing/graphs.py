@@ -331,6 +331,31 @@ def einsum_chain(h=8, hkv=2, d=64, s=16, s_kv=None, b=1, dtype=F16, layout="bhsd
     return import_torch(EinsumAttention(), args, fp16_inputs=("q", "k", "v"))
 
 
+def multihead_seq_first_chain(h=8, d=64, s=16, s_kv=None, b=1, dtype=F16, causal=False):
+    """``torch.nn.MultiheadAttention``'s attention after its projections (its functional form, with
+    ``need_weights=False``): Q (S, B, E) and K/V (S_kv, B, E), E = h * d, each viewed as (S, B*H, D),
+    transposed to (B*H, S, D) and viewed as (B, H, S, D); SDPA (``is_causal`` when ``causal``); the result
+    permuted to (S, B, H, D) and viewed as (S, B, E). Exported with ``torch.export`` (float32), imported
+    with plain ``from_exported_program`` and cast by ``ToMixedPrecision`` (float16 only). Needs torch."""
+    import torch
+
+    s_kv = s if s_kv is None else s_kv
+
+    class SeqFirstAttention(torch.nn.Module):
+        def forward(self, q, k, v):
+            n, batch, e = q.shape
+            q, k, v = (x.view(x.shape[0], batch * h, d).transpose(0, 1).view(batch, h, x.shape[0], d)
+                       for x in (q, k, v))
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return o.permute(2, 0, 1, 3).contiguous().view(n * batch, e).view(n, batch, e)
+
+    if dtype != "float16":
+        raise ValueError(f"dtype {dtype!r}: the module is imported in float32 and cast by ToMixedPrecision, "
+                         "which makes float16")
+    args = (torch.zeros(s, b, h * d), torch.zeros(s_kv, b, h * d), torch.zeros(s_kv, b, h * d))
+    return import_torch(SeqFirstAttention(), args, fp16_inputs=("q", "k", "v"))
+
+
 def mla_chain(h=8, d=128, dv=64, s=16, b=1, dtype=F16, scale=None, causal=True):
     """Multi-head latent attention's eager chain (DeepSeek-V3, MiniCPM3) after its K/V up-projection: Q and K
     (B, H, S, d), V (B, H, S, dv) with dv < d, scores times ``scale`` (default ``d ** -0.5``), a causal mask
@@ -406,10 +431,11 @@ def run_llvm(mod, args, function="main"):
     return (out[0] if not hasattr(out, "numpy") else out).numpy().astype("float32")
 
 
-def rewritten_on_cpu(mod, args, rtol=2e-2, atol=2e-2, function="main"):
+def rewritten_on_cpu(mod, args, rtol=2e-2, atol=2e-2, function="main", reference=None):
     """``mod`` rewritten as the partition does (attention on the un-expanded K/V, TVM's lowering with the
-    h // r grouping) returns on the CPU what ``mod`` returns; the rewritten graph's output. Fails when
-    the partition rewrites nothing in ``mod`` (the comparison would then check nothing)."""
+    h // r grouping) returns on the CPU what ``mod`` returns (or ``reference``, the model's own output,
+    where TVM cannot build ``mod`` for the CPU); the rewritten graph's output. Fails when the partition
+    rewrites nothing in ``mod`` (the comparison would then check nothing)."""
     from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
     from mqa_byoc.compiler.partition import canonicalize_attention
 
@@ -418,7 +444,8 @@ def rewritten_on_cpu(mod, args, rtol=2e-2, atol=2e-2, function="main"):
     assert any(call in text for call in ("R.nn.attention", "attention_sinks", "attention_softcap")), \
         "the partition rewrote no attention: the comparison would check nothing"
     got = run_llvm(LegalizeGroupedAttention()(rewritten), args, function)
-    np.testing.assert_allclose(got, run_llvm(mod, args, function), rtol=rtol, atol=atol)
+    want = run_llvm(mod, args, function) if reference is None else reference
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
     return got
 
 

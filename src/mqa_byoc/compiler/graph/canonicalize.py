@@ -89,6 +89,8 @@ class _Canonicalize(PyExprMutator):
             x = self.pad_head_dim(x, pad_to)
         if traced.layout() == "BNSH":
             x = self.builder_.emit(relax.op.permute_dims(x, [0, 2, 1, 3]))
+        elif traced.layout() == "SBNH":  # sequence first: a transpose the kernels cannot read through strides
+            x = self.builder_.emit(relax.op.permute_dims(x, [1, 0, 2, 3]))
         elif traced.layout() == "BSH":  # one head: a (B, S, 1, D) view
             b, s, d = traced.shape()
             x = self.builder_.emit(relax.op.reshape(x, [b, s, 1, d]))

@@ -38,14 +38,16 @@ def make_attention_pattern(with_output_permute: bool):
     operands = []
     for name in ("query", "key", "value"):
         x = wildcard()
-        permuted = is_op("relax.permute_dims")(x)
+        # only the BNSH swap is a layout the kernels read; another permute (a sequence-first operand's
+        # transpose to BSNH) stays outside the composite, a copy TVM makes
+        permuted = is_op("relax.permute_dims")(x).has_attr({"axes": [0, 2, 1, 3]})
         annotations[f"{name}_permute"] = permuted
         operands.append(permuted | wildcard())
     attention = is_op("relax.nn.attention")(*operands)
     annotations["attention"] = attention
     root = attention
     if with_output_permute:
-        root = is_op("relax.permute_dims")(attention)
+        root = is_op("relax.permute_dims")(attention).has_attr({"axes": [0, 2, 1, 3]})
         annotations["output_permute"] = root
     annotations["root"] = root
     return root, annotations

@@ -73,6 +73,16 @@ def strip_sink_slice(expr, bindings):
     return value.args[0], n_in - n_out
 
 
+def _same_value(a, b, bindings) -> bool:
+    """``a`` and ``b`` are the same tensor, or casts of the same tensor to the same type (ToMixedPrecision
+    binds one cast per reader)."""
+    if a.same_as(b):
+        return True
+    va, vb = bindings.get(a), bindings.get(b)
+    return (op_name(va) == op_name(vb) == "relax.astype" and va.args[0].same_as(vb.args[0])
+            and str(va.attrs.dtype) == str(vb.attrs.dtype))
+
+
 def _row_max_of(expr, x, bindings) -> bool:
     """Whether ``expr`` is the row maximum of ``x`` over its last axis (``max(x, -1, keepdims)`` or the
     values of ``topk(x, 1, -1)``, through tuple re-packing)."""
@@ -87,7 +97,7 @@ def _row_max_of(expr, x, bindings) -> bool:
                 return False
             attrs = tup_value.attrs
             nd = len(shape_of(x) or [])
-            return (tup_value.args[0].same_as(x) and int(attrs.k) == 1 and bool(attrs.largest)
+            return (_same_value(tup_value.args[0], x, bindings) and int(attrs.k) == 1 and bool(attrs.largest)
                     and int(attrs.axis) % max(nd, 1) == nd - 1)
         value = bindings.get(expr)
         if value is None:
@@ -98,7 +108,7 @@ def _row_max_of(expr, x, bindings) -> bool:
         if op_name(value) == "relax.max":
             nd = len(shape_of(x) or [])
             axes = [int(a) % nd for a in (value.attrs.axis or [])]
-            return value.args[0].same_as(x) and axes == [nd - 1] and bool(value.attrs.keepdims)
+            return _same_value(value.args[0], x, bindings) and axes == [nd - 1] and bool(value.attrs.keepdims)
         return False
     return False
 

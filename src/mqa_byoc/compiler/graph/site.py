@@ -132,6 +132,10 @@ def common_checks(site: AttentionSite) -> AttentionSite:
                            f"({', '.join(f'{n} {t.layout()}' for n, t in zip('QKV', (q, k, v)))})")
     if "Hkv" in q.labels:
         return site.reject("the query is expanded")
+    if (site.sinks is not None or site.softcap is not None) and any(t.layout() == "SBNH" for t in (q, k, v)):
+        return site.reject("sequence-first operands (sequence, batch, heads, head dim) with "
+                           f"{'attention sinks' if site.sinks is not None else 'logit soft-capping'}: their "
+                           "kernels take batch-first operands only")
     if (k.expansion, k.factor) != (v.expansion, v.factor):
         if None in (k.expansion, v.expansion):
             found, t, missing = ("K", k, "V") if k.expansion else ("V", v, "K")
@@ -188,7 +192,7 @@ def layout_problem(name: str, t: Traced) -> str:
     them and where the trace stopped."""
     return (f"{name} reaches attention with axes {describe_axes(t.labels)} where the analysis stops following "
             f"it, at {describe_stop(t)}; the kernels take (batch, sequence, heads, head dim) or "
-            f"(batch, heads, sequence, head dim)")
+            f"(batch, heads, sequence, head dim) (or (sequence, batch, heads, head dim), transposed)")
 
 
 def head_dims_problem(d: int, dk: int, dv: int) -> str | None:

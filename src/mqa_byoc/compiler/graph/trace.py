@@ -77,6 +77,10 @@ class Traced:
     unit_axis: int | None = None  # a size-1 source axis the expansion broadcast from, dropped from labels
     # two adjacent source axes (after unit_axis is dropped) read as one head axis: a grouped (.., G, ..) view
     merged_axis: int | None = None
+    # a source axis holding (heads, head dim) in that order, read as two axes of ``split_heads`` and the
+    # rest: nn.MultiheadAttention's (S, B, E) projection reshaped to (S, B*H, D)
+    split_axis: int | None = None
+    split_heads: int | None = None
     kept_expansion: bool = False  # the trace stopped before a K/V expansion it was told not to pass
     stop_op: relax.Expr | None = None  # the value bound to the source (where the trace stopped), if any
     from_param: bool = False  # the source is a parameter of the function
@@ -107,12 +111,16 @@ class Traced:
         if self.merged_axis is not None:
             m = self.merged_axis
             shape = shape[:m] + [_ANALYZER.simplify(shape[m] * shape[m + 1])] + shape[m + 2:]
+        if self.split_axis is not None:
+            a, h = self.split_axis, self.split_heads
+            shape = shape[:a] + [tirx.const(h, shape[a].ty), _ANALYZER.simplify(tirx.floordiv(shape[a], h))] + \
+                shape[a + 1:]
         return shape
 
     def is_view(self) -> bool:
         """Whether the kernels read the source through a reshape to :meth:`shape` (a dropped unit axis
-        or merged head axes), which the rewrite emits."""
-        return self.unit_axis is not None or self.merged_axis is not None
+        or merged head axes, or the heads split off the head dim), which the rewrite emits."""
+        return self.unit_axis is not None or self.merged_axis is not None or self.split_axis is not None
 
     def layout(self) -> str | None:
         core = [lab for lab in self.labels]
@@ -121,6 +129,8 @@ class Traced:
             return "BSNH"
         if core == ["B", head, "S", "D"]:
             return "BNSH"
+        if core == ["S", "B", head, "D"]:
+            return "SBNH"  # sequence first (nn.MultiheadAttention); the rewrite transposes it to BSNH
         if core == SINGLE_HEAD:
             return "BSH"
         return None
@@ -248,6 +258,11 @@ def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: b
             # expand_dims spelled as a reshape (``nn.op.reshape(k, [b, s, hkv, 1, d])``, ONNX's Unsqueeze)
             new_labels = [lab for lab, n in zip(labels, out_shape) if not (lab == "R" and as_int(n) == 1)]
             expansion = "expand_dims"
+        elif name == "relax.reshape" and in_shape is not None and _splits_batch_heads(labels, in_shape, out_shape):
+            # (.., B, H*D) -> (.., B*H, D): the heads of a sequence-first projection folded into its batch
+            p = labels.index("BH")
+            new_labels = list(labels[:p]) + ["B", "HD"] + list(labels[p + 2:])
+            t.split_heads = as_int(_ANALYZER.simplify(tirx.floordiv(out_shape[p], in_shape[p])))
         elif name == "relax.reshape" and in_shape is not None:
             new_labels = _unreshape(labels, in_shape, out_shape)
             if new_labels is not None and "H0" in new_labels and "H0" not in labels and not query:
@@ -332,8 +347,17 @@ def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: b
 
 def _settle(t: Traced, bindings: Bindings) -> Traced:
     """Finish a trace that stopped at ``t.source``: drop a unit axis an expansion grew, read adjacent
-    split head axes as one, and name what stays unexplained in ``t.problem``."""
+    split head axes as one, split a (heads, head dim) axis in two, and name what stays unexplained in
+    ``t.problem``."""
     t.stop_op, t.from_param = bindings.get(t.source), t.source in bindings.params
+    if "HD" in t.labels:
+        if t.labels.count("HD") == 1 and t.split_heads and t.expansion is None and "R" not in t.labels and not any(
+                lab in ("H0", "H1") for lab in t.labels):
+            t.split_axis = t.labels.index("HD")
+            t.labels = t.labels[:t.split_axis] + ["H", "D"] + t.labels[t.split_axis + 1:]
+            return t
+        t.problem = "heads folded into the batch of a projection together with a K/V expansion or a head split"
+        return t
     if t.expansion in (REPEAT, TILE) and "R" in t.labels and not t.problem:
         # the broadcast's input came from an op we do not pass with its unit axis in place: Falcon's
         # fused qkv indexed with a list (``qkv[:, :, :, [-2]]``: (B, S, Hkv, 1, D)), a 5-D K/V that a
@@ -355,6 +379,23 @@ def _settle(t: Traced, bindings: Bindings) -> Traced:
         # with one head per batch entry, whatever the tensor was before
         t.labels = list(SINGLE_HEAD)
     return t
+
+
+def _splits_batch_heads(labels, in_shape, out_shape) -> bool:
+    """Whether a reshape (.., B, H*D, ..) -> (.., B*H, D, ..) of the same rank folds the heads, split off the
+    inner axis, into the batch before it: labels "BH", "D" on the output's two axes, every other axis kept."""
+    if len(in_shape) != len(out_shape) or "BH" not in labels:
+        return False
+    p = labels.index("BH")
+    if p + 1 >= len(labels) or labels[p + 1] != "D" or "HD" in labels:
+        return False
+    if not all(prove_equal(a, b) for i, (a, b) in enumerate(zip(in_shape, out_shape)) if i not in (p, p + 1)):
+        return False
+    b, hd, bh, d = in_shape[p], in_shape[p + 1], out_shape[p], out_shape[p + 1]
+    h = as_int(_ANALYZER.simplify(tirx.floordiv(bh, b)))
+    if h is None or h <= 1 or as_int(d) is None:
+        return False
+    return prove_equal(b * h, bh) and prove_equal(hd, d * h)
 
 
 def _inserts_unit_r_axes(labels, in_shape, out_shape) -> bool:
@@ -441,7 +482,7 @@ def _unbroadcast(labels, in_shape, out_shape):
 
 # what each label means, for the reasons the user reads
 _AXIS_NAMES = {"B": "batch", "H": "heads", "Hkv": "K/V heads", "S": "sequence", "D": "head dim",
-               "BH": "batch*heads", "H0": "heads' outer factor", "H1": "heads' inner factor",
+               "BH": "batch*heads", "HD": "heads*head dim", "H0": "heads' outer factor", "H1": "heads' inner factor",
                "R": "repeat factor"}
 
 
