@@ -54,7 +54,7 @@ def _const(value, dtype):
 
 
 def _shape(layout, b, s, n, d):
-    return [b, s, n, d] if layout == "BSNH" else [b, n, s, d]
+    return {"BSNH": [b, s, n, d], "BNSH": [b, n, s, d], "SBNH": [s, b, n, d]}[layout]
 
 
 
@@ -190,7 +190,10 @@ class _SiteEmitter:
         return bb.emit(R.permute_dims(x, [0, 2, 1, 3]))
 
     def _swap_stored(self, layout, site, g, q, k, v):
-        """q, k, v with those stored in ``layout`` swapped to the other of BSNH / BNSH."""
+        """q, k, v with those stored in ``layout`` swapped to the other of BSNH / BNSH (a sequence-first
+        query transposed to the other one)."""
+        if site.q_layout == "SBNH":
+            q = self.bb.emit(R.permute_dims(q, [1, 0, 2, 3] if layout == "BNSH" else [1, 2, 0, 3]))
         q = self._swap(self.bb, q) if site.q_layout == layout else q
         k = self._swap(self.bb, k) if g.k_layout == layout else k
         v = self._swap(self.bb, v) if g.v_layout == layout else v
@@ -472,6 +475,8 @@ def _seq_info(built, name, values):
 
 
 def _bsnh(x, layout):
+    if layout == "SBNH":
+        return x.transpose(1, 0, 2, 3)
     return x if layout == "BSNH" else x.transpose(0, 2, 1, 3)
 
 

@@ -196,6 +196,8 @@ def _draw_site(c, gi, g: KVGroup, varlen: bool) -> Site:
     site = dict(group=gi, form=form, expand=expand, h=h, s_q=s_q, causal=causal, window=window,
                 window_without_causal=window_without_causal,
                 q_layout=c.choice(("BSNH", "BNSH")), out_layout=c.choice(("BSNH", "BNSH", "merged")))
+    if form != "varlen" and c.chance(0.12):
+        site["q_layout"] = "SBNH"  # sequence first (nn.MultiheadAttention's), transposed by the rewrite
     if form in ("fused", "varlen"):
         site["scale"] = c.choice((None, default, 0.1, 1.0, -0.2)) if c.chance(0.5) else None
         if form == "fused" and c.chance(0.15):

@@ -27,6 +27,7 @@ ROW_GUARD = ("every score of the row is -inf",)
 SOFTCAP = ("soft-capping",)
 UNKNOWN_MOD = ("unsupported op", "cannot prove")
 SCALE = ("positive, finite scale",)
+SEQ_FIRST = ("sequence-first",)
 
 
 @dataclass
@@ -120,6 +121,9 @@ def expect(spec: GraphSpec, i: int) -> Expect:
         e.causes.append(("a row guard on the scores before the soft-cap", ROW_GUARD))
     elif site.score_mod == "unknown":
         e.causes.append(("unknown score modification", UNKNOWN_MOD))
+    if site.q_layout == "SBNH" and site.score_mod in ("sinks", "softcap"):
+        # the sinks' and soft-capping's kernels take batch-first operands only
+        e.causes.append(("sinks or soft-capping on a sequence-first query", SEQ_FIRST))
     e.offload = not e.causes
     if site.form == "varlen":
         # being added: only the rejections FA2 itself forces are expected
