@@ -251,3 +251,19 @@ def test_transformer_decoder_layer_self_and_cross_attention_are_offloaded():
     # TVM 0.27 cannot build the unrewritten graph for the CPU (the R.full of the causal mask)
     got = G.rewritten_on_cpu(mod, [x.numpy(), memory.numpy()], reference=want)
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_multihead_attention_with_symbolic_batch_and_length_is_offloaded():
+    """Exported with a dynamic batch and sequence length: the heads folded into the symbolic batch still
+    split off the projection's width (B*H / B proves to H)."""
+    torch.manual_seed(8)
+    model = _peaked(SelfAttention(True).eval())
+    batch, seq = torch.export.Dim("batch", min=1, max=64), torch.export.Dim("seq", min=2, max=512)
+    mod = G.import_torch(model, (_input(True),), dynamic_shapes=({0: batch, 1: seq},))
+    (site,) = offload_report(mod)
+    assert site.offloaded, site.reason
+    assert (site.num_q_heads, site.num_kv_heads, site.head_dim) == (H, H, D)
+    x = torch.randn(3, 17, E, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        want = model(x).numpy()
+    np.testing.assert_allclose(G.rewritten_on_cpu(mod, [x.numpy()]), want, rtol=2e-2, atol=2e-2)
