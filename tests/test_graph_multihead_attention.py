@@ -67,6 +67,7 @@ def _check_offloaded(mod, model, inputs, causal=None, reference_only=False):
     (site,) = offload_report(mod)
     assert site.offloaded, site.reason
     assert (site.num_q_heads, site.num_kv_heads, site.head_dim, site.causal) == (H, H, D, causal)
+    assert "Q, K, V are sequence-first" in site.note and "transposed to batch-first" in site.note
     assert site.scale == pytest.approx(D ** -0.5, rel=1e-3)
     out = partition_for_cutlass(mod)
     assert G.composites(out) == ["flash_attn.attention"]
@@ -264,6 +265,34 @@ def test_multihead_attention_with_symbolic_batch_and_length_is_offloaded():
     assert site.offloaded, site.reason
     assert (site.num_q_heads, site.num_kv_heads, site.head_dim) == (H, H, D)
     x = torch.randn(3, 17, E, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        want = model(x).numpy()
+    np.testing.assert_allclose(G.rewritten_on_cpu(mod, [x.numpy()]), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("extra", ["add_bias_kv", "add_zero_attn"])
+def test_multihead_attention_with_appended_key_rows_is_offloaded(extra):
+    """``add_bias_kv`` appends a learned K/V row to the (S, B, E) projections, ``add_zero_attn`` a zero row
+    to the (B*H, S, D) ones (read through the (B, H, S + 1, D) view the module makes of them)."""
+    torch.manual_seed(9)
+    attn = torch.nn.MultiheadAttention(E, H, batch_first=True, **{extra: True}).eval()
+    with torch.no_grad():
+        attn.in_proj_weight[:E] *= 4
+
+    class Module(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = attn
+
+        def forward(self, x):
+            return self.attn(x, x, x, need_weights=False)[0]
+
+    model = Module().eval()
+    x = _input(True, seed=9)
+    mod = G.import_torch(model, (x,))
+    (site,) = offload_report(mod)
+    assert site.offloaded, site.reason
+    assert (site.num_q_heads, site.num_kv_heads, site.head_dim, site.causal) == (H, H, D, None)
     with torch.no_grad():
         want = model(x).numpy()
     np.testing.assert_allclose(G.rewritten_on_cpu(mod, [x.numpy()]), want, rtol=2e-2, atol=2e-2)

@@ -40,7 +40,8 @@ from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
 from mqa_byoc.compiler.graph.lowered_matmul import RestoreLoweredMatmul, has_lowered_nt_matmul
 from mqa_byoc.compiler.graph.patterns import flash_attn_patterns
 from mqa_byoc.compiler.graph.sink_attention import OffloadSinkAttention
-from mqa_byoc.compiler.graph.site import FUSED_FORMS, require_flag, require_module, value_padding_note
+from mqa_byoc.compiler.graph.site import (FUSED_FORMS, require_flag, require_module, sequence_first_note,
+                                          value_padding_note)
 from mqa_byoc.compiler.graph.trace import Bindings
 from mqa_byoc.compiler.graph.log_softmax import ExpOfLogSoftmax
 from mqa_byoc.compiler.graph.views import CollapseViewChains, UnfoldMatmulRows
@@ -181,8 +182,10 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
 
 
 def _note(site, offloaded: bool) -> str | None:
-    """The site's note, and for an offloaded site whose V is padded what that costs."""
-    parts = [getattr(site, "note", None), value_padding_note(site) if offloaded else None]
+    """The site's note, and for an offloaded site whose V is padded or whose operands are sequence-first
+    what that costs."""
+    parts = [getattr(site, "note", None), value_padding_note(site) if offloaded else None,
+             sequence_first_note(site) if offloaded else None]
     return "; ".join(p for p in parts if p) or None
 
 

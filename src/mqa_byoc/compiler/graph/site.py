@@ -224,6 +224,15 @@ def value_padding_note(site: AttentionSite) -> str | None:
             f"P @ V computed over {d} columns instead of {dv}")
 
 
+def sequence_first_note(site: AttentionSite) -> str | None:
+    """What sequence-first operands cost, for the report's note of a site that has them; None for the others."""
+    names = [n for n, t in (("Q", site.q), ("K", site.k), ("V", site.v)) if t is not None and t.layout() == "SBNH"]
+    if not names:
+        return None
+    return (f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} sequence-first (sequence, batch, heads, head dim): "
+            "transposed to batch-first before each call (a copy of each; the kernels read batch-first operands)")
+
+
 def scale_problem(scale) -> str | None:
     """Why the kernels cannot take a softmax scale (None: the default 1 / sqrt(D), or a positive one):
     FA2, FA4 and our decode kernel take the running max of the unscaled scores, which is the max of

@@ -225,6 +225,7 @@ def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: b
     """
     t = Traced(source=expr, labels=list(labels), entry_dtype=str(expr.ty.dtype))
     before_split = None  # the query's trace before it split the head axis
+    before_merge = None  # the trace at a (B, H, ..) view of a (B*H, ..) tensor, before passing it
     if implicit is not None:
         t.expansion, t.factor = implicit
         t.how = "the matmul broadcasting them over the query's outer head factor" if t.expansion == TILE else None
@@ -333,11 +334,17 @@ def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: b
                 t.factor = as_int(out_shape[new_labels.index("R")])
         if query and before_split is None and "H0" in new_labels and "H0" not in labels:
             before_split = replace(t, labels=list(t.labels), ops=list(t.ops))
+        if before_merge is None and "BH" in new_labels and "BH" not in labels and not t.expansion_ops:
+            before_merge = replace(t, labels=list(t.labels), ops=list(t.ops))
         t.ops.append(expr)
         t.labels = new_labels
         expr = arg
         t.source = expr
 
+    if before_merge is not None and "BH" in t.labels:
+        # the merged (B*H, ..) tensor is never split back into batch and heads where the trace stops (a key
+        # row concatenated to it, nn.MultiheadAttention's add_zero_attn): its (B, H, ..) view is the operand
+        t = before_merge
     settled = _settle(t, bindings)
     if before_split is not None and any(lab in ("H0", "H1") for lab in settled.labels):
         # the query's split heads do not merge back (e.g. permuted apart): it is the tensor before the split
