@@ -259,11 +259,12 @@ def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: b
             # expand_dims spelled as a reshape (``nn.op.reshape(k, [b, s, hkv, 1, d])``, ONNX's Unsqueeze)
             new_labels = [lab for lab, n in zip(labels, out_shape) if not (lab == "R" and as_int(n) == 1)]
             expansion = "expand_dims"
-        elif name == "relax.reshape" and in_shape is not None and _splits_batch_heads(labels, in_shape, out_shape):
+        elif name == "relax.reshape" and in_shape is not None and (
+                heads := _batch_heads_split(labels, in_shape, out_shape)):
             # (.., B, H*D) -> (.., B*H, D): the heads of a sequence-first projection folded into its batch
             p = labels.index("BH")
             new_labels = list(labels[:p]) + ["B", "HD"] + list(labels[p + 2:])
-            t.split_heads = as_int(_ANALYZER.simplify(tirx.floordiv(out_shape[p], in_shape[p])))
+            t.split_heads = heads
         elif name == "relax.reshape" and in_shape is not None:
             new_labels = _unreshape(labels, in_shape, out_shape)
             if new_labels is not None and "H0" in new_labels and "H0" not in labels and not query:
@@ -388,21 +389,22 @@ def _settle(t: Traced, bindings: Bindings) -> Traced:
     return t
 
 
-def _splits_batch_heads(labels, in_shape, out_shape) -> bool:
-    """Whether a reshape (.., B, H*D, ..) -> (.., B*H, D, ..) of the same rank folds the heads, split off the
-    inner axis, into the batch before it: labels "BH", "D" on the output's two axes, every other axis kept."""
+def _batch_heads_split(labels, in_shape, out_shape) -> int | None:
+    """The head count H when a reshape (.., B, H*D, ..) -> (.., B*H, D, ..) of the same rank folds the heads,
+    split off the inner axis, into the batch before it (labels "BH", "D" on the output's two axes, every
+    other axis kept); None when it does not."""
     if len(in_shape) != len(out_shape) or "BH" not in labels:
-        return False
+        return None
     p = labels.index("BH")
     if p + 1 >= len(labels) or labels[p + 1] != "D" or "HD" in labels:
-        return False
+        return None
     if not all(prove_equal(a, b) for i, (a, b) in enumerate(zip(in_shape, out_shape)) if i not in (p, p + 1)):
-        return False
+        return None
     b, hd, bh, d = in_shape[p], in_shape[p + 1], out_shape[p], out_shape[p + 1]
     h = as_int(_ANALYZER.simplify(tirx.floordiv(bh, b)))
     if h is None or h <= 1 or as_int(d) is None:
-        return False
-    return prove_equal(b * h, bh) and prove_equal(hd, d * h)
+        return None
+    return h if prove_equal(b * h, bh) and prove_equal(hd, d * h) else None
 
 
 def _inserts_unit_r_axes(labels, in_shape, out_shape) -> bool:
