@@ -362,3 +362,34 @@ def test_sparse_mla_top_k_mask_is_rejected_as_data_dependent():
         assert not site.offloaded and "data-dependent" in site.reason, site.reason
         # the indexer's weight and the selection are named (not the first weight a walk meets, a norm's)
         assert "R.topk" in site.reason and "indexer" in site.reason and "layernorm" not in site.reason, site.reason
+
+
+@pytest.mark.parametrize("convert", ["native", "fixes"])
+def test_fp16_model_with_qkv_biases_imports_and_is_offloaded(convert):
+    """An fp16 Qwen2 (biased q/k/v projections: ``addmm(bias, x, w)`` after torch.export's decompositions)
+    imports through the convert maps (the plain frontend adds the fp16 bias to its float32 matmul and fails);
+    with the native map every attention and every GEMM is offloaded, and the rewritten graph computes the
+    graph's logits, near the model's own."""
+    from tvm.relax.frontend.torch import from_exported_program
+
+    from mqa_byoc.compiler.graph import gemm
+
+    model = _peaked(_model("qwen2", "eager")).half()
+    wrapper = hf.export_wrapper(model, "prefill", LAYERS, use_cache=False)
+    with torch.no_grad():
+        ep = torch.export.export(wrapper, (torch.zeros(1, 12, dtype=torch.long),))
+    with pytest.raises(TypeError, match="same datatype"):
+        from_exported_program(ep)
+    imp = hf.import_hf(model, mode="prefill", batch=1, seq_len=12, use_cache=False, convert=convert)
+    report = offload_report(imp.mod)
+    assert len(report) == LAYERS
+    if convert == "fixes":  # the frontend's float32 matmuls: float32 attention, which FA2 does not take
+        assert all(not s.offloaded and "float32" in s.reason for s in report)
+        return
+    assert all(s.offloaded and s.dtype == "float16" for s in report), [s.reason for s in report]
+    projections = [g for g in gemm.gemm_report(imp.mod) if g.k == _SIZES["hidden_size"]]  # not attention's
+    assert projections and all(g.offloaded for g in projections), [(g.n, g.k, g.reason) for g in projections]
+    assert sum(g.composite == "cublaslt.matmul_transposed_bias" for g in projections) == 3 * LAYERS
+    inputs = hf.example_inputs(model, mode="prefill", seq_len=12, seed=1)
+    got = G.rewritten_on_cpu(imp.mod, [*inputs, *imp.params])
+    np.testing.assert_allclose(got, imp.reference(*inputs), rtol=5e-2, atol=5e-2)

@@ -6,6 +6,8 @@ are compared, tiny hidden sizes with real attention shapes where that stays chea
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -423,6 +425,44 @@ def test_fixes_convert_map_selects_a_negative_index_as_torch_does(hf):
     x = torch.randn(7, 3, 4, 5, 6)
     np.testing.assert_allclose(G.run_llvm(mod, [x.numpy()]), Select()(x).numpy(), rtol=1e-5, atol=1e-5)
 
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_convert_maps_import_a_biased_linear_in_half_precision(hf, dtype):
+    """``addmm(bias, x, w)`` (a biased ``nn.Linear`` and GPT-2's ``Conv1D`` after torch.export's
+    decompositions, ``alpha`` / ``beta`` too): the frontend adds the half-precision bias to its float32
+    matmul and fails; both maps import it, the native one in the model's type, and compute torch's result."""
+    torch = pytest.importorskip("torch")
+    from tvm.relax.frontend.torch import from_exported_program
+
+    from mqa_byoc.testing import graphs as G
+
+    class Biased(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(32, 48)
+            self.w, self.b = torch.nn.Parameter(torch.randn(48, 16) * 0.1), torch.nn.Parameter(torch.randn(16))
+
+        def forward(self, x):
+            h = self.fc(x)  # view, permute, addmm, view
+            return torch.addmm(self.b, h.reshape(-1, 48), self.w, beta=0.5, alpha=2.0) + torch.addmm(
+                self.b, h.reshape(-1, 48), self.w)
+
+    torch.manual_seed(0)
+    model = Biased().to(getattr(torch, dtype))
+    x = torch.randn(2, 5, 32).to(model.w.dtype)
+    ep = torch.export.export(model, (x,))
+    with pytest.raises(TypeError, match="same datatype"):
+        from_exported_program(ep)
+    want = copy.deepcopy(model).float()(x.float()).detach().numpy()
+    for convert_map, matmul_dtype in ((hf.fixes_convert_map(), "float32"), (hf.native_dtype_convert_map(), dtype)):
+        mod = from_exported_program(ep, custom_convert_map=convert_map)
+        matmuls = [b.var for block in mod["main"].body.blocks for b in block.bindings
+                   if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == "relax.matmul"]
+        assert len(matmuls) == 3 and {str(v.ty.dtype) for v in matmuls} == {matmul_dtype}
+        if dtype == "float16":  # llvm runs fp16 (bf16 inputs cannot be handed to it from numpy)
+            got = G.run_llvm(mod, [x.numpy()])
+            np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
 
 @pytest.mark.parametrize("kind,fused", [("llama", True), ("mistral", True), ("llama", False)])
 def test_builder_matches_hf(hf, kind, fused):

@@ -159,6 +159,7 @@ layers) takes per-layer past lengths, w - 1 for its sliding layers after a longe
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -294,6 +295,12 @@ def fixes_convert_map() -> dict:
     (DeepSeek-V3, MiniCPM3) writes its key into a new tensor slice by slice, which torch.export turns into
     ``slice_scatter``; on a static axis with step 1 it is the ``concat`` of the source with the untouched
     slices of the input instead. Other forms keep the frontend's converter.
+
+    ``addmm.default``: every biased ``nn.Linear`` (Qwen2's q/k/v, GPT-2's ``Conv1D``) is ``addmm(bias, x, w)``
+    after torch.export's decompositions; the frontend adds the bias in the model's type to its float32
+    ``matmul``, so an fp16 or bf16 model with a bias fails to import ("Binary operators must have the same
+    datatype"). The bias is cast to the matmul's type (:func:`native_dtype_convert_map`: the matmul keeps
+    the model's type).
     """
     from tvm import relax, tirx
 
@@ -365,7 +372,31 @@ def fixes_convert_map() -> dict:
     from .hf_static import index_put_converter
 
     return {"cumsum.default": cumsum, "cat.default": cat, "index_put.default": index_put_converter,
-            "index.Tensor": index, "select.int": select, "slice_scatter.default": slice_scatter}
+            "index.Tensor": index, "select.int": select, "slice_scatter.default": slice_scatter,
+            "addmm.default": partial(_addmm, out_dtype="float32")}
+
+
+def _addmm(node, importer, *, out_dtype: str | None):
+    """``beta * bias + alpha * (a @ b)`` as torch computes it, the product of type ``out_dtype`` (None: the
+    operands'), the bias cast to the product's type when it differs (the frontend's own converter adds them
+    as they are, which fails for an fp16 / bf16 bias beside its float32 product)."""
+    from tvm import relax
+
+    bias, a, b = importer.retrieve_args(node)[:3]
+    alpha, beta = node.kwargs.get("alpha", 1), node.kwargs.get("beta", 1)
+    bb = importer.block_builder
+    res = None
+    if alpha != 0:
+        res = bb.emit(relax.op.matmul(a, b, out_dtype=out_dtype))
+        if alpha != 1:
+            res = bb.emit(relax.op.multiply(res, relax.const(alpha, res.ty.dtype)))
+    if beta == 0:
+        return res
+    if res is not None and bias.ty.dtype != res.ty.dtype:
+        bias = bb.emit(relax.op.astype(bias, res.ty.dtype))
+    if beta != 1:
+        bias = bb.emit(relax.op.multiply(bias, relax.const(beta, bias.ty.dtype)))
+    return bias if res is None else bb.emit(relax.op.add(res, bias))
 
 
 def params_from_hf(model, param_spec) -> list[np.ndarray]:
@@ -387,8 +418,8 @@ def params_from_hf(model, param_spec) -> list[np.ndarray]:
 def native_dtype_convert_map() -> dict:
     """``custom_convert_map`` for ``from_exported_program``: matmuls keep their input dtype.
 
-    Replaces the converters of ``mm``, ``bmm``, ``matmul`` and ``linear``, which otherwise emit
-    ``out_dtype="float32"`` (see the module docstring).
+    Replaces the converters of ``mm``, ``bmm``, ``matmul``, ``linear`` and ``addmm`` (a biased linear after
+    torch.export's decompositions), which otherwise emit ``out_dtype="float32"`` (see the module docstring).
     """
     from tvm import relax
 
@@ -406,6 +437,7 @@ def native_dtype_convert_map() -> dict:
         "bmm.default": matmul,
         "matmul.default": matmul,
         "linear.default": linear,
+        "addmm.default": partial(_addmm, out_dtype=None),
     }
 
 
