@@ -263,3 +263,41 @@ def test_bool_cumsum_of_anything_else_is_rejected():
     (site,) = offload_report(_packed_sequence_mask_chain(3))
     assert not site.offloaded
     assert "cumulative sum of a bool tensor that is not all False" in site.reason
+
+
+# ----------------------------------------------------------------------------- a scale held by a weight
+@pytest.mark.parametrize("per_head", [False, True])
+def test_a_scale_held_by_a_weight_parameter_names_it_and_binding_offloads_a_scalar(per_head):
+    """A learned temperature (``scores * self.t``) with the weights as parameters (the frontends'
+    ``keep_params_as_input``) is not known at compile time: the reason names the weight and says to bind
+    it. Bound, a scalar becomes the kernels' softmax scale (CPU numerics of the rewrite); a per-head one is
+    then rejected as such."""
+    torch = pytest.importorskip("torch")
+    from tvm.relax.frontend.torch import from_exported_program
+
+    class Temperature(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.t = torch.nn.Parameter(torch.rand(1, 8, 1, 1) + 0.5 if per_head else torch.tensor(0.2))
+
+        def forward(self, q, k, v):
+            k, v = k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)
+            return ((q @ k.transpose(-1, -2)) * self.t).softmax(-1) @ v
+
+    model = Temperature().half()
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(s).astype(F16) for s in ((1, 8, 16, 32), (1, 2, 16, 32), (1, 2, 16, 32)))
+    ep = torch.export.export(model, tuple(torch.from_numpy(a) for a in (q, k, v)))
+    mod = from_exported_program(ep, keep_params_as_input=True)
+    [site] = offload_report(mod)
+    assert not site.offloaded and "`p_t`" in site.reason and "BindParams" in site.reason, site.reason
+    weight = model.t.detach().numpy()
+    bound = relax.transform.BindParams("main", {"p_t": weight})(mod)
+    [site] = offload_report(bound)
+    if per_head:
+        assert not site.offloaded and "per-head" in site.reason, site.reason
+        return
+    assert site.offloaded and site.scale == pytest.approx(0.2, rel=1e-3), site.reason
+    got = G.rewritten_on_cpu(bound, [q, k, v])
+    np.testing.assert_allclose(got, model.float()(*(torch.from_numpy(a).float() for a in (q, k, v))).detach().numpy(),
+                               rtol=2e-2, atol=2e-2)

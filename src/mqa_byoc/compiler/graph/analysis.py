@@ -343,7 +343,37 @@ def _scale_problem(name, call, bindings) -> str:
     if any(_from_constants(a, bindings) for a in call.args):
         return (f"scores are scaled ({op}) by a constant tensor whose values differ (a per-head or per-position "
                 "scale): the kernels take one softmax scale")
+    weight_names = {w.name for w in bindings.weights}
+    weights = next((names for names in (_params_behind(a, bindings) for a in call.args)
+                    if names and set(names) <= weight_names), None)
+    if weights is not None:  # the model's weights as parameters (the frontends' keep_params_as_input)
+        named = ", ".join(f"`{n}`" for n in weights)
+        return (f"scores are scaled ({op}) by a value computed at run time from the weight(s) {named}: "
+                "the kernels take one softmax scale known when the graph is compiled; bind the weights "
+                "(relax.transform.BindParams) so that a scalar scale becomes a constant")
     return f"scores are scaled by a non-constant ({op})"
+
+
+def _params_behind(expr, bindings, depth: int = 8) -> list[str] | None:
+    """The names of the function parameters ``expr`` is computed from (with constants, through any ops),
+    or None when it depends on something else (the scores themselves, an op without operands)."""
+    if isinstance(expr, Constant):
+        return []
+    if isinstance(expr, relax.Var) and expr in bindings.params:
+        return [expr.name]
+    value = bindings.get(expr)
+    if isinstance(value, Constant):
+        return []
+    if depth == 0 or not isinstance(value, relax.Call):
+        return None
+    args = [a for a in value.args if isinstance(a, (relax.Var, Constant))]
+    names = []
+    for a in args:
+        got = _params_behind(a, bindings, depth - 1)
+        if got is None:
+            return None
+        names += [n for n in got if n not in names]
+    return names if args else None
 
 
 def _chain_site(func_name, var, value, bindings, evaluator, allow_kv_expansion=True):
