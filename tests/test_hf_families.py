@@ -393,3 +393,34 @@ def test_fp16_model_with_qkv_biases_imports_and_is_offloaded(convert):
     inputs = hf.example_inputs(model, mode="prefill", seq_len=12, seed=1)
     got = G.rewritten_on_cpu(imp.mod, [*inputs, *imp.params])
     np.testing.assert_allclose(got, imp.reference(*inputs), rtol=5e-2, atol=5e-2)
+
+
+#: families whose linears carry biases (``addmm`` after torch.export's decompositions), as config class
+#: and sizes: what an fp16 model imported through the native map failed on before its ``addmm`` converter
+BIASED = {
+    "gpt2": ("GPT2Config", dict(n_embd=256, n_head=HEADS, n_layer=LAYERS, vocab_size=128)),
+    "phi": ("PhiConfig", dict(_SIZES)),
+    "starcoder2": ("Starcoder2Config", dict(_SIZES, sliding_window=None)),
+    "gpt_neox": ("GPTNeoXConfig", {k: v for k, v in _SIZES.items() if k != "num_key_value_heads"}),
+}
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+@pytest.mark.parametrize("family", list(BIASED))
+def test_fp16_models_with_biases_through_the_native_map(family, mode):
+    """An fp16 model with biased projections through ``import_hf``'s native map (matmuls in fp16): every
+    attention and every projection GEMM offloaded, the biases as cuBLASLt epilogues."""
+    from mqa_byoc.compiler.graph import gemm
+
+    cls_name, kw = BIASED[family]
+    cfg = getattr(transformers, cls_name)(**kw)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval().half()
+    imp = hf.import_hf(model, mode=mode, batch=1, seq_len=12, past_len=6, convert="native")
+    report = offload_report(imp.mod)
+    assert len(report) == LAYERS and all(s.offloaded and s.dtype == "float16" for s in report), \
+        [s.reason for s in report]
+    projections = [g for g in gemm.gemm_report(imp.mod) if g.k >= 64 and g.n >= 64]  # not attention's
+    assert projections and all(g.offloaded for g in projections), [(g.n, g.k, g.reason) for g in projections]
+    assert any("bias" in g.composite for g in projections)
