@@ -348,7 +348,58 @@ def test_mla_standard_path_limits():
                      mixed_precision=True)
     v2 = dict(MLA_FAMILIES["deepseek_v3"][1], q_lora_rank=None)
     with pytest.raises(AssertionError, match="view_as_complex"):
-        hf.import_hf(_mla_model("DeepseekV2Config", "eager", **v2), mode="prefill", seq_len=12, convert="fixes")
+        hf.import_hf(_mla_model("DeepseekV2Config", "eager", **v2), mode="prefill", seq_len=12, convert="standard")
+
+
+def _fp32_import_matches_eager(model, mode):
+    """The model imported in float32 through the fixes convert map computes eager's logits (to float32
+    rounding), so the converters are exact; returns the example inputs, their args and eager's logits."""
+    inputs = hf.example_inputs(model, mode=mode, seq_len=12, past_len=6, seed=1)
+    imp = hf.import_hf(model, mode=mode, batch=1, seq_len=12, past_len=6, convert="fixes")
+    args = [inputs[0], *[x.astype("float32") for x in inputs[1:]], *imp.params]
+    want = imp.reference(*inputs)
+    np.testing.assert_allclose(G.run_llvm(imp.mod, args), want, rtol=1e-4, atol=1e-4)
+    return args, want
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_deepseek_v2_complex_rotary_imports_and_is_offloaded(mode):
+    """DeepSeek-V2's rotary embedding is complex arithmetic (``view_as_complex``, ``polar``, a complex product,
+    ``view_as_real``): through the fixes convert map it imports as its real and imaginary parts and computes
+    eager's logits; every layer is then offloaded as multi-head latent attention (V padded) and the rewritten
+    graph stays near eager."""
+    model = _mla_model("DeepseekV2Config", "eager", std=0.1, **dict(MLA_FAMILIES["deepseek_v3"][1], q_lora_rank=None))
+    args, want = _fp32_import_matches_eager(model, mode)
+    imp = _mla_import(model, mode)
+    report = offload_report(imp.mod)
+    assert len(report) == LAYERS and all(s.offloaded and (s.head_dim, s.head_dim_v) == (192, 128) for s in report)
+    np.testing.assert_allclose(G.rewritten_on_cpu(imp.mod, args, rtol=5e-2, atol=0.1), want, rtol=5e-2, atol=0.1)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_llama4_imports_and_its_chunked_layers_are_named(mode):
+    """Llama 4 (text): complex rotary embedding, ``position // attention_chunk_size`` on int64 positions, an MoE
+    router's ``full_like(.., -inf)`` (three frontend failures the fixes convert map converts, exactly: the
+    float32 import computes eager's logits). Its chunked layers' prefill mask (causal within blocks of
+    ``attention_chunk_size``) is rejected naming it; the global layer (no RoPE, temperature-tuned queries) is
+    offloaded causal; a decode step within one block is plain attention and offloaded on every layer."""
+    cfg = transformers.Llama4TextConfig(**{**_SIZES, "num_hidden_layers": 4}, head_dim=HEAD_DIM, num_local_experts=2,
+                                        num_experts_per_tok=1, intermediate_size_mlp=256, attention_chunk_size=8,
+                                        experts_implementation="batched_mm")
+    cfg._attn_implementation = "eager"
+    assert cfg.layer_types == ["chunked_attention"] * 3 + ["full_attention"]
+    model = hf.build_hf_model(cfg, std=0.1)
+    args, want = _fp32_import_matches_eager(model, mode)
+    imp = hf.import_hf(model, mode=mode, batch=1, seq_len=12, past_len=6, convert="fixes", mixed_precision=True)
+    report = offload_report(imp.mod)
+    assert len(report) == 4 and all(s.num_kv_heads == KV_HEADS for s in report)
+    if mode == "prefill":
+        assert all(not s.offloaded and "chunked attention mask" in s.reason and "block of 8" in s.reason
+                   for s in report[:3]), [s.reason for s in report]
+        assert report[3].offloaded and report[3].causal == "BottomRight", report[3].reason
+    else:
+        assert all(s.offloaded for s in report), [s.reason for s in report]
+    np.testing.assert_allclose(G.rewritten_on_cpu(imp.mod, args, rtol=5e-2, atol=0.1), want, rtol=5e-2, atol=0.1)
 
 
 def test_sparse_mla_top_k_mask_is_rejected_as_data_dependent():

@@ -464,6 +464,77 @@ def test_convert_maps_import_a_biased_linear_in_half_precision(hf, dtype):
             got = G.run_llvm(mod, [x.numpy()])
             np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
 
+
+def test_fixes_map_divides_by_numbers_and_fills_with_inf_as_torch_does(hf):
+    """``torch.div(t, c, rounding_mode=...)`` of an int64 tensor (the frontend's int32 constant fails the
+    import) and of fp16, floor / trunc / true division by ints and floats, negative values included; ``full``
+    and ``full_like`` of ``-inf`` (TVM cannot legalize the ``R.full`` the frontend emits for them)."""
+    torch = pytest.importorskip("torch")
+    from tvm.relax.frontend.torch import from_exported_program
+
+    from mqa_byoc.testing import graphs as G
+
+    class Divide(torch.nn.Module):
+        def __init__(self, mode, c):
+            super().__init__()
+            self.mode, self.c = mode, c
+
+        def forward(self, i, f):
+            return torch.div(i, self.c, rounding_mode=self.mode).float() + torch.div(f, self.c, rounding_mode=self.mode)
+
+    class Fill(torch.nn.Module):
+        def forward(self, x):
+            mask = torch.full((x.shape[1], x.shape[1]), float("-inf")).triu(1)
+            rest = torch.where(x > 0, x, torch.full_like(x, float("-inf")))
+            return (x @ x.transpose(-1, -2) + mask).softmax(-1) + rest.max(-1, keepdim=True).values + torch.full_like(x, 2.0)
+
+    i, f = torch.arange(-9, 9).reshape(2, 9), torch.linspace(-5, 5, 18).reshape(2, 9).half()
+    for mode in ("floor", "trunc", None):
+        for c in (4, 2.5, -3):
+            ep = torch.export.export(Divide(mode, c), (i, f))
+            with pytest.raises(TypeError, match="same datatype"):
+                from_exported_program(ep)
+            mod = from_exported_program(ep, custom_convert_map=hf.fixes_convert_map())
+            np.testing.assert_allclose(G.run_llvm(mod, [i.numpy(), f.numpy()]),
+                                       Divide(mode, c)(i, f).float().numpy(), rtol=1e-3, atol=1e-3)
+    x = torch.randn(2, 5, 5)
+    ep = torch.export.export(Fill(), (x,))
+    with pytest.raises(TypeError, match="PrimType"):
+        G.run_llvm(from_exported_program(ep), [x.numpy()])
+    mod = from_exported_program(ep, custom_convert_map=hf.fixes_convert_map())
+    np.testing.assert_allclose(G.run_llvm(mod, [x.numpy()]), Fill()(x).numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_fixes_map_computes_complex_rotary_and_refuses_other_complex_ops(hf):
+    """A complex rotary embedding (Llama 4's and DeepSeek-V2's form: ``view_as_complex`` of pairs times
+    ``polar(1, angles)``, unsqueezed at a negative axis, times a real scale, ``view_as_real``) computes torch's
+    result; a complex tensor read by an op the map does not take fails the import naming that op."""
+    torch = pytest.importorskip("torch")
+    from tvm.relax.frontend.torch import from_exported_program
+
+    from mqa_byoc.testing import graphs as G
+
+    class Rotary(torch.nn.Module):
+        def forward(self, x, angles, scale):
+            freqs = torch.polar(torch.ones_like(angles), angles) * 0.5  # (S, D/2)
+            xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))  # (B, S, H, D/2)
+            return torch.view_as_real(xc * freqs.unsqueeze(-2) * scale.unsqueeze(-1)).flatten(3)
+
+    class Conj(torch.nn.Module):
+        def forward(self, x):
+            return torch.view_as_real(torch.view_as_complex(x).sum(0, keepdim=True))
+
+    x, angles, scale = torch.randn(2, 6, 4, 16), torch.randn(6, 8), torch.rand(2, 6, 4)
+    ep = torch.export.export(Rotary(), (x, angles, scale))
+    with pytest.raises(AssertionError, match="view_as_complex"):
+        from_exported_program(ep)
+    mod = from_exported_program(ep, custom_convert_map=hf.fixes_convert_map())
+    np.testing.assert_allclose(G.run_llvm(mod, [x.numpy(), angles.numpy(), scale.numpy()]),
+                               Rotary()(x, angles, scale).numpy(), rtol=1e-5, atol=1e-5)
+    ep = torch.export.export(Conj(), (torch.randn(3, 4, 2),))
+    with pytest.raises(NotImplementedError, match="aten.sum.dim_IntList reads the complex tensor"):
+        from_exported_program(ep, custom_convert_map=hf.fixes_convert_map())
+
 @pytest.mark.parametrize("kind,fused", [("llama", True), ("mistral", True), ("llama", False)])
 def test_builder_matches_hf(hf, kind, fused):
     """build_decoder with HF's weights computes HF's logits (RoPE, RMSNorm, SwiGLU, window); fused

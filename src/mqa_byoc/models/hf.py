@@ -34,8 +34,8 @@ limits of TVM's frontend that no partition can lift, since the import itself fai
 
 Multi-head latent attention (DeepSeek-V3, MiniCPM3) writes its key slice by slice, which imports as
 ``R.slice_scatter``, and ``ToMixedPrecision`` fails on that op: import with ``convert="fixes"`` (the
-standard path plus :func:`fixes_convert_map`, which makes it a ``concat``). DeepSeek-V2's complex rotary
-embedding does not import at all.
+standard path plus :func:`fixes_convert_map`, which makes it a ``concat``). DeepSeek-V2's and Llama 4's
+complex rotary embeddings import only through that map too (complex tensors as their real and imaginary parts).
 
 Without a cache HF's mask adds packed-sequence detection, whose ``cumsum`` of bools the frontend
 types bool (LLVM cannot compile it; the original graph does not build); the mask evaluator computes
@@ -373,7 +373,137 @@ def fixes_convert_map() -> dict:
 
     return {"cumsum.default": cumsum, "cat.default": cat, "index_put.default": index_put_converter,
             "index.Tensor": index, "select.int": select, "slice_scatter.default": slice_scatter,
-            "addmm.default": partial(_addmm, out_dtype="float32")}
+            "addmm.default": partial(_addmm, out_dtype="float32"), "div.Tensor_mode": _div_mode,
+            "full.default": partial(_full_of_inf, like=False), "full_like.default": partial(_full_of_inf, like=True),
+            **_complex_converters()}
+
+
+def _full_of_inf(node, importer, *, like: bool):
+    """``torch.full`` / ``full_like`` with an infinite or NaN fill (a causal mask's ``-inf``, an MoE router's
+    ``full_like(logits, -inf)``) as ``broadcast_to`` of that constant: TVM legalizes the ``R.full`` the
+    frontend emits through ``topi.full``, which fails on such a fill ("argument of type 'PrimType' is not
+    iterable"), so the graph builds for no target. Other fills: the frontend's converter."""
+    import math
+
+    from tvm import relax
+
+    args = importer.retrieve_args(node)
+    value = args[1]
+    val = node.meta.get("val")
+    if like:
+        shape = args[0].ty.shape if isinstance(args[0], relax.Expr) else None
+    else:
+        shape = relax.ShapeExpr(args[0] if isinstance(args[0], (list, tuple)) else [args[0]])
+    if not (isinstance(value, float) and (math.isinf(value) or math.isnan(value))) or val is None or shape is None:
+        return importer._full_like(node) if like else importer._full(node)
+    dtype = importer._convert_data_type(val.dtype, importer.env)
+    return importer.block_builder.emit(relax.op.broadcast_to(relax.const(value, dtype), shape))
+
+
+def _div_mode(node, importer):
+    """``torch.div(x, c, rounding_mode=...)`` of a tensor by a Python number, the number in the tensor's type
+    (an int64 tensor divided by an int: the frontend's constant is int32 and the import fails, "Binary
+    operators must have the same datatype": Llama 4's chunked mask, ``position // attention_chunk_size``); an
+    integer tensor divided by a float is divided as float32, as torch promotes it. Other forms: the
+    frontend's converter."""
+    from tvm import relax
+
+    x, c = importer.retrieve_args(node)[:2]
+    mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("rounding_mode", None)
+    if not (isinstance(x, relax.Expr) and isinstance(c, (int, float)) and not isinstance(c, bool)):
+        return importer._div(node)
+    bb, dtype = importer.block_builder, str(x.ty.dtype)
+    if dtype.startswith(("int", "uint")) and (isinstance(c, float) or mode is None):
+        x, dtype = bb.emit(relax.op.astype(x, "float32")), "float32"
+    c = relax.const(c, dtype)
+    if mode is None:
+        return bb.emit(relax.op.divide(x, c))
+    if mode == "floor":
+        return bb.emit(relax.op.floor_divide(x, c))
+    if mode == "trunc":
+        q = bb.emit(relax.op.divide(x, c))
+        return q if dtype.startswith(("int", "uint")) else bb.emit(relax.op.trunc(q))
+    raise ValueError(f"unsupported rounding_mode {mode!r}")
+
+
+#: what a complex tensor may feed, as torch.export names the ops (the rest fails the import by name)
+_COMPLEX_OPS = {"aten.polar.default", "aten.view_as_complex.default", "aten.view_as_real.default",
+                "aten.mul.Tensor", "aten.unsqueeze.default", "aten._assert_tensor_metadata.default"}
+
+
+def _complex_converters() -> dict:
+    """Converters for the complex arithmetic of a complex rotary embedding (Llama 4, DeepSeek-V2:
+    ``view_as_complex(x.reshape(..., -1, 2)) * polar(1, angles)`` then ``view_as_real``), which the frontend
+    does not convert at all. Relax has no complex type: a complex tensor of shape (..., n) is the float
+    tensor (..., n, 2) of its real and imaginary parts, so ``view_as_complex`` / ``view_as_real`` are the
+    identity, ``polar`` stacks ``abs * cos`` and ``abs * sin``, a product of complex tensors is computed
+    part by part, and ``unsqueeze`` counts a negative axis past the parts. A complex tensor read by any other
+    op fails the import naming that op (it would otherwise be read as a float tensor of the wrong shape)."""
+    import operator
+
+    from tvm import relax
+
+    def complex_node(arg) -> bool:
+        val = arg.meta.get("val") if hasattr(arg, "meta") else None
+        return getattr(getattr(val, "dtype", None), "is_complex", False)
+
+    def check_readers(node):
+        for user in node.users:
+            name = str(user.target)
+            if name not in _COMPLEX_OPS:
+                raise NotImplementedError(
+                    f"{name} reads the complex tensor {node.name}: the convert map takes complex tensors only "
+                    f"through {sorted(_COMPLEX_OPS)}")
+
+    def parts(bb, x):
+        return [bb.emit(relax.op.take(x, relax.const(i, "int64"), axis=-1)) for i in (0, 1)]
+
+    def stack(bb, re, im):
+        return bb.emit(relax.op.concat([bb.emit(relax.op.expand_dims(re, -1)), bb.emit(relax.op.expand_dims(im, -1))],
+                                       axis=-1))
+
+    def polar(node, importer):
+        check_readers(node)
+        bb = importer.block_builder
+        r, theta = importer.retrieve_args(node)[:2]
+        return stack(bb, bb.emit(relax.op.multiply(r, bb.emit(relax.op.cos(theta)))),
+                     bb.emit(relax.op.multiply(r, bb.emit(relax.op.sin(theta)))))
+
+    def view_as_complex(node, importer):
+        check_readers(node)
+        return importer.env[node.args[0]]
+
+    def view_as_real(node, importer):
+        return importer.env[node.args[0]]
+
+    def mul(node, importer):
+        a, b = node.args[:2]
+        if not (complex_node(a) or complex_node(b)):
+            return importer._binary_op(relax.op.multiply, operator.mul)(node)
+        check_readers(node)
+        bb = importer.block_builder
+        x, y = importer.retrieve_args(node)[:2]
+        if complex_node(a) and complex_node(b):
+            (xr, xi), (yr, yi) = parts(bb, x), parts(bb, y)
+            mul_ = lambda u, v: bb.emit(relax.op.multiply(u, v))  # noqa: E731
+            return stack(bb, bb.emit(relax.op.subtract(mul_(xr, yr), mul_(xi, yi))),
+                         bb.emit(relax.op.add(mul_(xr, yi), mul_(xi, yr))))
+        c, r = (x, y) if complex_node(a) else (y, x)
+        if isinstance(r, relax.Expr):
+            r = bb.emit(relax.op.expand_dims(r, -1)) if r.ty.ndim > 0 else r
+        else:
+            r = relax.const(r, c.ty.dtype)
+        return bb.emit(relax.op.multiply(c, r))
+
+    def unsqueeze(node, importer):
+        x, dim = importer.env[node.args[0]], node.args[1]
+        if complex_node(node.args[0]):
+            check_readers(node)
+            dim = dim - 1 if dim < 0 else dim
+        return importer.block_builder.emit(relax.op.expand_dims(x, dim))
+
+    return {"polar.default": polar, "view_as_complex.default": view_as_complex,
+            "view_as_real.default": view_as_real, "mul.Tensor": mul, "unsqueeze.default": unsqueeze}
 
 
 def _addmm(node, importer, *, out_dtype: str | None):

@@ -64,7 +64,19 @@ def classify_allowed(allowed: np.ndarray) -> MaskKind:
     window = MaskKind(True, int(allowed.sum(axis=1).max()))
     if np.array_equal(allowed, mask_allows(window, s_q, s_kv)):
         return window
+    chunk = window.window
+    if np.array_equal(allowed, _chunked_allows(chunk, s_q, s_kv)):
+        raise MaskError(f"a chunked attention mask (each query sees the earlier keys of its own block of {chunk} "
+                        "positions, as Llama 4's chunked layers): the kernels compute causal and sliding-window "
+                        "masks only")
     raise MaskError("the mask is not a causal or sliding-window mask")
+
+
+def _chunked_allows(chunk: int, s_q: int, s_kv: int) -> np.ndarray:
+    """Causal attention within blocks of ``chunk`` positions (the queries the last s_q positions)."""
+    i = np.arange(s_q)[:, None] + (s_kv - s_q)
+    j = np.arange(s_kv)[None, :]
+    return (j <= i) & (j // chunk == i // chunk)
 
 
 def mask_allows(kind: MaskKind, s_q: int, s_kv: int) -> np.ndarray:
