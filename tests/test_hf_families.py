@@ -475,3 +475,23 @@ def test_fp16_models_with_biases_through_the_native_map(family, mode):
     projections = [g for g in gemm.gemm_report(imp.mod) if g.k >= 64 and g.n >= 64]  # not attention's
     assert projections and all(g.offloaded for g in projections), [(g.n, g.k, g.reason) for g in projections]
     assert any("bias" in g.composite for g in projections)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_ministral3_position_scaled_queries_import_and_are_offloaded(mode):
+    """Ministral 3 scales its queries by ``1 + beta * log(1 + floor(positions / n))``: on int64 positions the
+    frontend divides as integers and fails on ``log`` of an integer tensor; through the fixes convert map the
+    float32 import computes eager's logits, and every layer is offloaded (the scaling is on Q, before the
+    scores), the rewritten graph near eager."""
+    cls = getattr(transformers, "Ministral3Config", None)
+    if cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no Ministral3Config")
+    cfg = cls(**_SIZES)
+    cfg.head_dim, cfg._attn_implementation = HEAD_DIM, "eager"
+    model = hf.build_hf_model(cfg, std=0.1)
+    args, want = _fp32_import_matches_eager(model, mode)
+    imp = hf.import_hf(model, mode=mode, batch=1, seq_len=12, past_len=6, convert="fixes", mixed_precision=True)
+    report = offload_report(imp.mod)
+    assert len(report) == LAYERS and all(s.offloaded and s.num_kv_heads == KV_HEADS for s in report), \
+        [s.reason for s in report]
+    np.testing.assert_allclose(G.rewritten_on_cpu(imp.mod, args, rtol=5e-2, atol=0.1), want, rtol=5e-2, atol=0.1)

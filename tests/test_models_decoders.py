@@ -505,6 +505,38 @@ def test_fixes_map_divides_by_numbers_and_fills_with_inf_as_torch_does(hf):
     np.testing.assert_allclose(G.run_llvm(mod, [x.numpy()]), Fill()(x).numpy(), rtol=1e-5, atol=1e-5)
 
 
+def test_fixes_map_computes_float_results_of_integer_tensors_as_torch_does(hf):
+    """``positions / n`` of an int64 tensor is a float division in torch; the frontend divides as integers (wrong
+    numbers, silently) and fails on ``log`` / ``exp`` / ... of an integer tensor. The map casts such operands
+    to the result's float type first."""
+    torch = pytest.importorskip("torch")
+    from tvm.relax.frontend.torch import from_exported_program
+
+    from mqa_byoc.testing import graphs as G
+
+    class Divide(torch.nn.Module):
+        def forward(self, i):
+            return i / 4 + i / (i.abs() + 1) + (i > 0) / 2
+
+    class Unary(torch.nn.Module):
+        def forward(self, i, f):
+            scale = 1 + 0.1 * torch.log(1 + torch.floor(i.abs() / 3))
+            return (scale + torch.log1p(i.abs()) + torch.exp(-i.abs()) + torch.sin(i) + torch.cos(i) + torch.sigmoid(i)
+                    + torch.tanh(i) + i / f)
+
+    i, f = torch.arange(-9, 9).reshape(2, 9), torch.linspace(1, 5, 18).reshape(2, 9)
+    ep = torch.export.export(Divide(), (i,))
+    wrong = G.run_llvm(from_exported_program(ep), [i.numpy()])
+    assert np.abs(wrong - Divide()(i).numpy()).max() > 0.5  # the frontend's integer division
+    mod = from_exported_program(ep, custom_convert_map=hf.fixes_convert_map())
+    np.testing.assert_allclose(G.run_llvm(mod, [i.numpy()]), Divide()(i).numpy(), rtol=1e-6, atol=1e-6)
+    ep = torch.export.export(Unary(), (i, f))
+    with pytest.raises(TypeError, match="requires the input tensor to have float dtype"):
+        from_exported_program(ep)
+    mod = from_exported_program(ep, custom_convert_map=hf.fixes_convert_map())
+    np.testing.assert_allclose(G.run_llvm(mod, [i.numpy(), f.numpy()]), Unary()(i, f).numpy(), rtol=1e-5, atol=1e-5)
+
+
 def test_fixes_map_computes_complex_rotary_and_refuses_other_complex_ops(hf):
     """A complex rotary embedding (Llama 4's and DeepSeek-V2's form: ``view_as_complex`` of pairs times
     ``polar(1, angles)``, unsqueezed at a negative axis, times a real scale, ``view_as_real``) computes torch's

@@ -375,7 +375,40 @@ def fixes_convert_map() -> dict:
             "index.Tensor": index, "select.int": select, "slice_scatter.default": slice_scatter,
             "addmm.default": partial(_addmm, out_dtype="float32"), "div.Tensor_mode": _div_mode,
             "full.default": partial(_full_of_inf, like=False), "full_like.default": partial(_full_of_inf, like=True),
-            **_complex_converters()}
+            **{name: partial(_float_of_integers, name=name) for name in _FLOAT_OF_INTEGERS}, **_complex_converters()}
+
+
+#: ops torch computes in floating point when given integer tensors (``positions / n``, ``log(1 + positions)``)
+_FLOAT_OF_INTEGERS = ("div.Tensor", "log.default", "log1p.default", "exp.default", "sin.default", "cos.default",
+                      "sigmoid.default", "tanh.default")
+
+
+def _float_of_integers(node, importer, *, name: str):
+    """``name`` (one of :data:`_FLOAT_OF_INTEGERS`) with its integer / bool tensor operands cast to the float
+    type torch gives the result, then the frontend's own converter. The frontend keeps their type: ``i / n`` of
+    an int64 tensor becomes an integer division (wrong numbers, silently) and ``log`` of one fails ("requires
+    the input tensor to have float dtype": Ministral 3's query scaling, ``log(1 + floor(positions / n))``)."""
+    from tvm import relax
+
+    original = getattr(importer, "_mqa_byoc_frontend_map", None)
+    if original is None:
+        original = importer._mqa_byoc_frontend_map = importer.create_convert_map()
+    val = node.meta.get("val")
+    dtype = getattr(val, "dtype", None)
+    if dtype is None or not dtype.is_floating_point:
+        return original[name](node)
+    dtype = importer._convert_data_type(dtype, importer.env)
+    swapped = {}
+    for arg in node.args:
+        value = importer.env.get(arg) if hasattr(arg, "meta") else None
+        if isinstance(value, relax.Expr) and isinstance(value.ty, relax.TensorType) and \
+                str(value.ty.dtype).startswith(("int", "uint", "bool")):
+            swapped[arg] = value
+            importer.env[arg] = importer.block_builder.emit(relax.op.astype(value, dtype))
+    try:
+        return original[name](node)
+    finally:
+        importer.env.update(swapped)
 
 
 def _full_of_inf(node, importer, *, like: bool):
