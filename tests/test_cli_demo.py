@@ -3,6 +3,7 @@ kernels it partitions, builds, exports and says what it did not do, compiling no
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from mqa_byoc import cli
@@ -41,6 +42,35 @@ def test_cli_parses_demo():
     a = cli.build_parser().parse_args(["demo", "--build-kernels", "--layers", "1"])
     assert (a.build_kernels, a.layers, a.provider) == (True, 1, "auto")
     assert cli.build_parser().parse_args(["demo"]).build_kernels is False
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--preset", "llama5"], "invalid choice: 'llama5'"),
+    (["demo", "--layers", "0"], "--layers: must be at least 1, got 0"),
+    (["demo", "--prompt-len", "-4"], "--prompt-len: must be at least 1, got -4"),
+    (["profile", "build", "--layers", "two"], "--layers: expected an integer, got 'two'"),
+    (["profile", "build", "--preset", "gpt4"], "invalid choice: 'gpt4'"),
+    (["profile", "build", "--vocab", "0"], "--vocab: must be at least 1"),
+    (["profile", "run", "DIR", "--decode-steps", "0"], "--decode-steps: must be at least 1"),
+])
+def test_cli_refuses_bad_sizes_and_presets_with_a_usage_error(argv, message, capsys):
+    """A preset that does not exist or a size below 1 is a usage error naming the argument, before any build
+    (a decoder of 0 layers used to build)."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.build_parser().parse_args(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_decoder_config_refuses_sizes_below_one():
+    import dataclasses
+
+    from mqa_byoc.models import presets
+
+    config = presets.get_preset("llama3-8b")
+    assert dataclasses.replace(config, num_layers=np.int64(2)).num_layers == 2  # numpy integers are integers
+    for field, value in (("num_layers", 0), ("num_kv_heads", -1), ("vocab_size", 2.5), ("head_dim", True)):
+        with pytest.raises(ValueError, match=f"{field} must be an integer of at least 1"):
+            dataclasses.replace(config, **{field: value})
 
 
 @pytest.mark.slow

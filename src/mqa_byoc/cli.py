@@ -6,6 +6,18 @@ import argparse
 import sys
 
 from .contract import PROVIDERS
+from .models.presets import PRESETS  # TVM-free
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 _KV_INPLACE = ("inplace (TVM's in-place cache objects: append the new K/V, attend over a zero-copy view; "
@@ -22,9 +34,9 @@ def _demo_parser(sub):
     p = sub.add_parser("demo", help="partition a real GQA decoder, print the offload report, build it "
                                     "for CUDA (and run it when a GPU is present)")
     p.add_argument("--preset", default="codellama-34b",
-                   help="attention shapes: llama2-70b, codellama-34b, llama3-8b, mistral-7b, falcon-7b-mqa")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=4096, help="vocabulary size (smaller than the model's "
+                   choices=list(PRESETS), help="attention shapes (the model's heads, head dim, sizes)")
+    p.add_argument("--layers", type=_positive_int, default=2)
+    p.add_argument("--vocab", type=_positive_int, default=4096, help="vocabulary size (smaller than the model's "
                                                            "to keep random weights small)")
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     p.add_argument("--kv-expand", default="repeat",
@@ -40,8 +52,8 @@ def _demo_parser(sub):
                    help="compile the FA2 kernels the native library needs if missing (minutes per file)")
     p.add_argument("--out", default=None, help="directory for the exported library")
     p.add_argument("--no-build", action="store_true", help="stop after the offload report")
-    p.add_argument("--decode-steps", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--decode-steps", type=_positive_int, default=8)
+    p.add_argument("--prompt-len", type=_positive_int, default=512)
 
 
 def _profile_parser(sub):
@@ -53,11 +65,11 @@ def _profile_parser(sub):
     ps = p.add_subparsers(dest="profile_command", required=True)
     b = ps.add_parser("build", help="compile and export both libraries with sidecars (needs apache-tvm; no GPU)")
     b.add_argument("--preset", default="codellama-34b",
-                   help="attention shapes: llama2-70b, codellama-34b, llama3-8b, mistral-7b, falcon-7b-mqa")
-    b.add_argument("--layers", type=int, default=4)
-    b.add_argument("--vocab", type=int, default=32000)
-    b.add_argument("--hidden-size", type=int, default=None, help="default: the preset's")
-    b.add_argument("--intermediate-size", type=int, default=None, help="default: the preset's")
+                   choices=list(PRESETS), help="attention shapes (the model's heads, head dim, sizes)")
+    b.add_argument("--layers", type=_positive_int, default=4)
+    b.add_argument("--vocab", type=_positive_int, default=32000)
+    b.add_argument("--hidden-size", type=_positive_int, default=None, help="default: the preset's")
+    b.add_argument("--intermediate-size", type=_positive_int, default=None, help="default: the preset's")
     b.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     b.add_argument("--kv-expand", default=None, choices=["repeat", "repeat-chain", "hf-broadcast", "native"],
                    help="how the graph expands K/V before attention (default repeat; not with --kv-cache paged, "
@@ -83,13 +95,13 @@ def _profile_parser(sub):
                         "size, at most 128 sequences a step)")
     r = ps.add_parser("run", help="run the libraries of DIR on the GPU (runtime-only TVM is enough)")
     r.add_argument("dir", help="directory written by `mqa-byoc profile build`")
-    r.add_argument("--prompt-len", type=int, default=2048,
+    r.add_argument("--prompt-len", type=_positive_int, default=2048,
                    help="context of the decode steps (e.g. 16384 for long-context decode tokens/s)")
-    r.add_argument("--decode-steps", type=int, default=32)
+    r.add_argument("--decode-steps", type=_positive_int, default=32)
     r.add_argument("--warmup", type=int, default=2, help="decode steps of the warm-up run (after its prefill)")
     r.add_argument("--json", default=None, help="output JSON (default: DIR/profile.json)")
     r.add_argument("--png", default=None, help="also draw the comparison chart (needs matplotlib)")
-    r.add_argument("--top", type=int, default=15, help="kernels per panel in the PNG")
+    r.add_argument("--top", type=_positive_int, default=15, help="kernels per panel in the PNG")
     r.add_argument("--no-nvtx", action="store_true",
                    help="no NVTX ranges (default: steps, and flash_attn calls via MQA_BYOC_NVTX=1)")
     r.add_argument("--no-cupti", action="store_true",
@@ -105,7 +117,7 @@ def _profile_parser(sub):
     pl = ps.add_parser("plot", help="draw the PNG from a `profile run` JSON (needs matplotlib only)")
     pl.add_argument("json")
     pl.add_argument("--png", required=True)
-    pl.add_argument("--top", type=int, default=15)
+    pl.add_argument("--top", type=_positive_int, default=15)
 
 
 def _comma_list(convert):

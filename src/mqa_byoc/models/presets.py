@@ -28,6 +28,7 @@ This module needs nothing beyond the standard library.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 
 
@@ -67,6 +68,11 @@ class DecoderConfig:
     fused_projections: bool = True
 
     def __post_init__(self):
+        for field in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size",
+                      "num_layers"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{self.name}: {field} must be an integer of at least 1, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"{self.name}: num_heads {self.num_heads} is not a multiple of "
