@@ -495,3 +495,31 @@ def test_ministral3_position_scaled_queries_import_and_are_offloaded(mode):
     assert len(report) == LAYERS and all(s.offloaded and s.num_kv_heads == KV_HEADS for s in report), \
         [s.reason for s in report]
     np.testing.assert_allclose(G.rewritten_on_cpu(imp.mod, args, rtol=5e-2, atol=0.1), want, rtol=5e-2, atol=0.1)
+
+
+#: mixture-of-experts routers that pick their experts with ``topk(sorted=False)`` (which the frontend refuses)
+MOE_ROUTERS = {
+    "glm4_moe": ("Glm4MoeConfig", dict(head_dim=HEAD_DIM, n_routed_experts=4, num_experts_per_tok=2,
+                                       moe_intermediate_size=64, first_k_dense_replace=1, n_group=2, topk_group=1)),
+    "deepseek_v3_moe": ("DeepseekV3Config", dict(MLA_FAMILIES["deepseek_v3"][1], first_k_dense_replace=1,
+                                                 n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                                 n_group=2, topk_group=1)),
+}
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+@pytest.mark.parametrize("family", list(MOE_ROUTERS))
+def test_moe_routers_with_unsorted_topk_import_and_are_offloaded(family, mode):
+    """GLM-4 MoE and DeepSeek-V3 with their routed experts (group-limited top-k routing: ``topk(sorted=False)``):
+    through the fixes convert map the float32 import computes eager's logits, and every attention is offloaded."""
+    cls_name, kw = MOE_ROUTERS[family]
+    cls = getattr(transformers, cls_name, None)
+    if cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {cls_name}")
+    cfg = cls(**{**_SIZES, **kw, "experts_implementation": "batched_mm"})
+    cfg._attn_implementation = "eager"
+    model = hf.build_hf_model(cfg, std=0.1)
+    _fp32_import_matches_eager(model, mode)
+    report = offload_report(hf.import_hf(model, mode=mode, batch=1, seq_len=12, past_len=6, convert="fixes",
+                                         mixed_precision=True).mod)
+    assert len(report) == LAYERS and all(s.offloaded for s in report), [s.reason for s in report]

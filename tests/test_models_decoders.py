@@ -537,6 +537,27 @@ def test_fixes_map_computes_float_results_of_integer_tensors_as_torch_does(hf):
     np.testing.assert_allclose(G.run_llvm(mod, [i.numpy(), f.numpy()]), Unary()(i, f).numpy(), rtol=1e-5, atol=1e-5)
 
 
+def test_fixes_map_takes_an_unsorted_topk_as_the_sorted_one(hf):
+    """``topk(sorted=False)`` (an MoE router's): the frontend refuses it; the map's sorted top k, its values and
+    indices paired, routes as torch does."""
+    torch = pytest.importorskip("torch")
+    from tvm.relax.frontend.torch import from_exported_program
+
+    from mqa_byoc.testing import graphs as G
+
+    class Route(torch.nn.Module):
+        def forward(self, x):
+            values, index = torch.topk(x, 3, dim=-1, sorted=False)
+            return torch.zeros_like(x).scatter(-1, index, values.softmax(-1))
+
+    x = torch.randn(4, 10)
+    ep = torch.export.export(Route(), (x,))
+    with pytest.raises(AssertionError, match="only sorted output for topk"):
+        from_exported_program(ep)
+    mod = from_exported_program(ep, custom_convert_map=hf.fixes_convert_map())
+    np.testing.assert_allclose(G.run_llvm(mod, [x.numpy()]), Route()(x).numpy(), rtol=1e-6, atol=1e-6)
+
+
 def test_fixes_map_computes_complex_rotary_and_refuses_other_complex_ops(hf):
     """A complex rotary embedding (Llama 4's and DeepSeek-V2's form: ``view_as_complex`` of pairs times
     ``polar(1, angles)``, unsqueezed at a negative axis, times a real scale, ``view_as_real``) computes torch's

@@ -115,7 +115,24 @@ def fixes_convert_map() -> dict:
             "index.Tensor": index, "select.int": select, "slice_scatter.default": slice_scatter,
             "addmm.default": partial(_addmm, out_dtype="float32"), "div.Tensor_mode": _div_mode,
             "full.default": partial(_full_of_inf, like=False), "full_like.default": partial(_full_of_inf, like=True),
-            **{name: partial(_float_of_integers, name=name) for name in _FLOAT_OF_INTEGERS}, **_complex_converters()}
+            **{name: partial(_float_of_integers, name=name) for name in _FLOAT_OF_INTEGERS},
+            "topk.default": _topk, **_complex_converters()}
+
+
+def _topk(node, importer):
+    """``torch.topk(x, k, dim, largest, sorted=False)`` (MoE routers: GLM-4 MoE, DeepSeek-V3's group selection)
+    as the sorted top k: torch leaves the order of an unsorted result unspecified, and the values and indices
+    stay paired, so the sorted one is a valid result. The frontend refuses ``sorted=False`` ("Currently
+    supports only sorted output for topk operator")."""
+    from tvm import relax
+
+    args = importer.retrieve_args(node)
+    x = args[0]
+    k = args[1] if len(args) > 1 else node.kwargs.get("k", 1)
+    dim = args[2] if len(args) > 2 else node.kwargs.get("dim", -1)
+    largest = args[3] if len(args) > 3 else node.kwargs.get("largest", True)
+    return importer.block_builder.emit(relax.op.topk(x, k=k, axis=dim, largest=largest, ret_type="both",
+                                                     dtype="int64"))
 
 
 #: ops torch computes in floating point when given integer tensors (``positions / n``, ``log(1 + positions)``)
