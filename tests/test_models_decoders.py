@@ -588,6 +588,63 @@ def test_fixes_map_computes_complex_rotary_and_refuses_other_complex_ops(hf):
     with pytest.raises(NotImplementedError, match="aten.sum.dim_IntList reads the complex tensor"):
         from_exported_program(ep, custom_convert_map=hf.fixes_convert_map())
 
+
+def test_meta_reference_llama_rotary_with_a_real_stored_table_imports_and_is_offloaded(hf):
+    """Meta's reference Llama (``llama/model.py``): ``freqs_cis`` sliced at the start position and viewed for
+    broadcasting, ``view_as_complex`` of the query/key pairs, ``repeat_kv`` by indexing + expand + reshape.
+    With the table stored as ``view_as_real`` of itself (a complex buffer fails in the frontend, before any
+    convert map), the fixes map imports it exactly; in fp16 the attention is offloaded on 2 K/V heads."""
+    torch = pytest.importorskip("torch")
+    from tvm.relax.frontend.torch import from_exported_program
+
+    from mqa_byoc import offload_report
+    from mqa_byoc.testing import graphs as G
+
+    def repeat_kv(x, n_rep):
+        bs, slen, n_kv_heads, head_dim = x.shape
+        return x[:, :, :, None, :].expand(bs, slen, n_kv_heads, n_rep, head_dim).reshape(
+            bs, slen, n_kv_heads * n_rep, head_dim)
+
+    class Attention(torch.nn.Module):
+        def __init__(self, dim=128, heads=8, kv_heads=2):
+            super().__init__()
+            self.h, self.hkv, self.d = heads, kv_heads, dim // heads
+            self.wq, self.wo = torch.nn.Linear(dim, dim, bias=False), torch.nn.Linear(dim, dim, bias=False)
+            self.wk = torch.nn.Linear(dim, kv_heads * self.d, bias=False)
+            self.wv = torch.nn.Linear(dim, kv_heads * self.d, bias=False)
+            freqs = torch.outer(torch.arange(64).float(), 1.0 / (1e4 ** (torch.arange(0, self.d, 2).float() / self.d)))
+            self.register_buffer("freqs_real", torch.view_as_real(torch.polar(torch.ones_like(freqs), freqs)))
+
+        def forward(self, x, start_pos: int = 3):
+            b, n, _ = x.shape
+            q = self.wq(x).view(b, n, self.h, self.d)
+            k, v = self.wk(x).view(b, n, self.hkv, self.d), self.wv(x).view(b, n, self.hkv, self.d)
+            freqs_cis = torch.view_as_complex(self.freqs_real)[start_pos:start_pos + n]
+            qc = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
+            kc = torch.view_as_complex(k.float().reshape(*k.shape[:-1], -1, 2))
+            freqs_cis = freqs_cis.view(1, n, 1, qc.shape[-1])
+            q = torch.view_as_real(qc * freqs_cis).flatten(3).type_as(x)
+            k = torch.view_as_real(kc * freqs_cis).flatten(3).type_as(x)
+            k, v = repeat_kv(k, self.h // self.hkv), repeat_kv(v, self.h // self.hkv)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            mask = torch.triu(torch.full((n, n), float("-inf")), diagonal=1)
+            scores = torch.matmul(q, k.transpose(2, 3)) / self.d ** 0.5 + mask
+            p = torch.nn.functional.softmax(scores.float(), dim=-1).type_as(q)
+            return self.wo(torch.matmul(p, v).transpose(1, 2).contiguous().view(b, n, -1))
+
+    torch.manual_seed(0)
+    model = Attention().eval()
+    x = torch.randn(2, 12, 128)
+    ep = torch.export.export(model, (x,))
+    with pytest.raises(AssertionError, match="view_as_complex"):
+        from_exported_program(ep)
+    mod = from_exported_program(ep, custom_convert_map=hf.fixes_convert_map())
+    np.testing.assert_allclose(G.run_llvm(mod, [x.numpy()]), model(x).detach().numpy(), rtol=1e-5, atol=1e-5)
+    model = model.half()
+    mod = from_exported_program(torch.export.export(model, (x.half(),)), custom_convert_map=hf.native_dtype_convert_map())
+    [site] = offload_report(mod)
+    assert site.offloaded and (site.num_q_heads, site.num_kv_heads, site.causal) == (8, 2, "BottomRight"), site.reason
+
 @pytest.mark.parametrize("kind,fused", [("llama", True), ("mistral", True), ("llama", False)])
 def test_builder_matches_hf(hf, kind, fused):
     """build_decoder with HF's weights computes HF's logits (RoPE, RMSNorm, SwiGLU, window); fused

@@ -218,7 +218,14 @@ def _div_mode(node, importer):
 
 #: what a complex tensor may feed, as torch.export names the ops (the rest fails the import by name)
 _COMPLEX_OPS = {"aten.polar.default", "aten.view_as_complex.default", "aten.view_as_real.default",
-                "aten.mul.Tensor", "aten.unsqueeze.default", "aten._assert_tensor_metadata.default"}
+                "aten.mul.Tensor", "aten.unsqueeze.default", "aten._assert_tensor_metadata.default",
+                "aten.slice.Tensor", "aten.view.default", "aten.reshape.default"}
+
+
+def _complex_parts() -> dict:
+    import torch  # only when a converter runs: torch.export made the graph
+
+    return {torch.complex32: "float16", torch.complex64: "float32", torch.complex128: "float64"}
 
 
 def _complex_converters() -> dict:
@@ -227,11 +234,16 @@ def _complex_converters() -> dict:
     does not convert at all. Relax has no complex type: a complex tensor of shape (..., n) is the float
     tensor (..., n, 2) of its real and imaginary parts, so ``view_as_complex`` / ``view_as_real`` are the
     identity, ``polar`` stacks ``abs * cos`` and ``abs * sin``, a product of complex tensors is computed
-    part by part, and ``unsqueeze`` counts a negative axis past the parts. A complex tensor read by any other
+    part by part, ``unsqueeze`` counts a negative axis past the parts, ``view`` / ``reshape`` keep them last
+    and ``slice`` takes a non-negative axis as it is (Meta's reference Llama slices and views its
+    ``freqs_cis``). A complex buffer or parameter still fails in the frontend ("input_type torch.complex64 is
+    not handled yet"): store it as ``view_as_real`` of itself. A complex tensor read by any other
     op fails the import naming that op (it would otherwise be read as a float tensor of the wrong shape)."""
     import operator
 
     from tvm import relax
+
+    parts_type = _complex_parts()  # the float type of a complex type's parts
 
     def complex_node(arg) -> bool:
         val = arg.meta.get("val") if hasattr(arg, "meta") else None
@@ -273,6 +285,9 @@ def _complex_converters() -> dict:
         check_readers(node)
         bb = importer.block_builder
         x, y = importer.retrieve_args(node)[:2]
+        parts_dtype = parts_type[node.meta["val"].dtype]  # torch promotes (a complex32 table by a complex64)
+        x, y = (bb.emit(relax.op.astype(t, parts_dtype)) if isinstance(t, relax.Expr) and str(t.ty.dtype) != parts_dtype
+                else t for t in (x, y))
         if complex_node(a) and complex_node(b):
             (xr, xi), (yr, yi) = parts(bb, x), parts(bb, y)
             mul_ = lambda u, v: bb.emit(relax.op.multiply(u, v))  # noqa: E731
@@ -292,8 +307,24 @@ def _complex_converters() -> dict:
             dim = dim - 1 if dim < 0 else dim
         return importer.block_builder.emit(relax.op.expand_dims(x, dim))
 
+    def slice_(node, importer):
+        if complex_node(node.args[0]):
+            check_readers(node)
+            if (node.args[1] if len(node.args) > 1 else 0) < 0:
+                raise NotImplementedError(f"{node.name}: a slice of a complex tensor on a negative axis")
+        return importer._slice(node)  # the parts' axis is last: the leading axes are the complex tensor's
+
+    def reshape(node, importer):
+        if not complex_node(node.args[0]):
+            return importer._reshape(node)
+        check_readers(node)
+        args = importer.retrieve_args(node)
+        dims = list(args[1]) if isinstance(args[1], (list, tuple)) or hasattr(args[1], "numel") else list(args[1:])
+        return importer._emit_torch_reshape(args[0], [*dims, 2])
+
     return {"polar.default": polar, "view_as_complex.default": view_as_complex,
-            "view_as_real.default": view_as_real, "mul.Tensor": mul, "unsqueeze.default": unsqueeze}
+            "view_as_real.default": view_as_real, "mul.Tensor": mul, "unsqueeze.default": unsqueeze,
+            "slice.Tensor": slice_, "view.default": reshape, "reshape.default": reshape}
 
 
 def _addmm(node, importer, *, out_dtype: str | None):
