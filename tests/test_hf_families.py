@@ -523,3 +523,41 @@ def test_moe_routers_with_unsorted_topk_import_and_are_offloaded(family, mode):
     report = offload_report(hf.import_hf(model, mode=mode, batch=1, seq_len=12, past_len=6, convert="fixes",
                                          mixed_precision=True).mod)
     assert len(report) == LAYERS and all(s.offloaded for s in report), [s.reason for s in report]
+
+
+#: hybrid decoders: attention layers between Mamba / linear-attention ones (the harness's cached export
+#: returns K/V per layer, which their recurrent layers do not hold, so they are imported cache-less)
+HYBRIDS = {
+    "qwen3_next": ("Qwen3NextConfig", dict(num_hidden_layers=4, head_dim=HEAD_DIM, num_experts=2, num_experts_per_tok=1,
+                                           moe_intermediate_size=64, shared_expert_intermediate_size=64)),
+    "granite_moe_hybrid": ("GraniteMoeHybridConfig", dict(layer_types=["mamba", "attention"], num_local_experts=2,
+                                                          num_experts_per_tok=1)),
+    "bamba": ("BambaConfig", dict(attn_layer_indices=[1])),
+    "jamba": ("JambaConfig", dict(attn_layer_period=2, attn_layer_offset=1, num_experts=1, use_mamba_kernels=False)),
+}
+
+
+@pytest.mark.parametrize("family", list(HYBRIDS))
+def test_hybrid_decoders_attention_layers_offloaded(family):
+    """Qwen3-Next, Granite 4 (MoE hybrid), Bamba, Jamba through the fixes convert map (prefill without a cache):
+    the float32 import computes eager's logits; the one attention layer is reported and offloaded on its 2 K/V
+    heads, the recurrent layers stay TVM's, and the rewritten graph computes the fp16 graph's logits."""
+    cls_name, kw = HYBRIDS[family]
+    cls = getattr(transformers, cls_name, None)
+    if cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {cls_name}")
+    cfg = cls(**{**_SIZES, **kw, "experts_implementation": "batched_mm"})
+    cfg._attn_implementation = "eager"
+    model = hf.build_hf_model(cfg, std=0.05)
+    inputs = hf.example_inputs(model, mode="prefill", seq_len=12, seed=1)
+    imp = hf.import_hf(model, mode="prefill", batch=1, seq_len=12, use_cache=False, convert="fixes")
+    want = imp.reference(*inputs)
+    np.testing.assert_allclose(G.run_llvm(imp.mod, [inputs[0], *imp.params]), want, rtol=1e-4, atol=1e-4)
+    imp = hf.import_hf(model, mode="prefill", batch=1, seq_len=12, use_cache=False, convert="fixes",
+                       mixed_precision=True)
+    report = offload_report(imp.mod)
+    assert [(s.offloaded, s.num_q_heads, s.num_kv_heads, s.causal) for s in report] == [
+        (True, HEADS, KV_HEADS, "BottomRight")], [s.reason for s in report]
+    # the rewrite computes what the fp16 graph does (Qwen3-Next's own fp16 graph is ~1 off eager's logits:
+    # its gated delta rule in fp16, not the attention)
+    G.rewritten_on_cpu(imp.mod, [inputs[0], *imp.params], rtol=5e-2, atol=5e-2)
