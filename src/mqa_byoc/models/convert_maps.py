@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from functools import partial
 
+
 def fixes_convert_map() -> dict:
     """Converters that fix frontend bugs HF decoders hit (always used by :func:`import_hf`).
 
@@ -41,6 +42,11 @@ def fixes_convert_map() -> dict:
     ``matmul``, so an fp16 or bf16 model with a bias fails to import ("Binary operators must have the same
     datatype"). The bias is cast to the matmul's type (:func:`native_dtype_convert_map`: the matmul keeps
     the model's type).
+
+    The rest, each in its converter's docstring: ``div.Tensor_mode`` of an integer tensor by a number
+    (:func:`_div_mode`), float results of integer tensors (``div``, ``log``, ...: :func:`_float_of_integers`),
+    ``full`` / ``full_like`` of ``-inf`` (:func:`_full_of_inf`), ``topk(sorted=False)`` (:func:`_topk`) and
+    complex arithmetic (:func:`_complex_converters`).
     """
     from tvm import relax, tirx
 
@@ -223,7 +229,7 @@ _COMPLEX_OPS = {"aten.polar.default", "aten.view_as_complex.default", "aten.view
 
 
 def _complex_parts() -> dict:
-    import torch  # only when a converter runs: torch.export made the graph
+    import torch  # there whenever a torch frontend map is: the frontend needs it
 
     return {torch.complex32: "float16", torch.complex64: "float32", torch.complex128: "float64"}
 
