@@ -497,6 +497,17 @@ def test_ministral3_position_scaled_queries_import_and_are_offloaded(mode):
     np.testing.assert_allclose(G.rewritten_on_cpu(imp.mod, args, rtol=5e-2, atol=0.1), want, rtol=5e-2, atol=0.1)
 
 
+def _drawn_model(cls_name, kw, std):
+    """A model of transformers' ``cls_name`` config with the test sizes and ``kw``, eager attention, experts as
+    batched matmuls (TVM's frontend has no converter for the default grouped_mm), weights drawn with ``std``."""
+    cls = getattr(transformers, cls_name, None)
+    if cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {cls_name}")
+    cfg = cls(**{**_SIZES, **kw, "experts_implementation": "batched_mm"})
+    cfg._attn_implementation = "eager"
+    return hf.build_hf_model(cfg, std=std)
+
+
 #: mixture-of-experts routers that pick their experts with ``topk(sorted=False)`` (which the frontend refuses)
 MOE_ROUTERS = {
     "glm4_moe": ("Glm4MoeConfig", dict(head_dim=HEAD_DIM, n_routed_experts=4, num_experts_per_tok=2,
@@ -512,13 +523,7 @@ MOE_ROUTERS = {
 def test_moe_routers_with_unsorted_topk_import_and_are_offloaded(family, mode):
     """GLM-4 MoE and DeepSeek-V3 with their routed experts (group-limited top-k routing: ``topk(sorted=False)``):
     through the fixes convert map the float32 import computes eager's logits, and every attention is offloaded."""
-    cls_name, kw = MOE_ROUTERS[family]
-    cls = getattr(transformers, cls_name, None)
-    if cls is None:
-        pytest.skip(f"transformers {transformers.__version__} has no {cls_name}")
-    cfg = cls(**{**_SIZES, **kw, "experts_implementation": "batched_mm"})
-    cfg._attn_implementation = "eager"
-    model = hf.build_hf_model(cfg, std=0.1)
+    model = _drawn_model(*MOE_ROUTERS[family], std=0.1)
     _fp32_import_matches_eager(model, mode)
     report = offload_report(hf.import_hf(model, mode=mode, batch=1, seq_len=12, past_len=6, convert="fixes",
                                          mixed_precision=True).mod)
@@ -542,13 +547,7 @@ def test_hybrid_decoders_attention_layers_offloaded(family):
     """Qwen3-Next, Granite 4 (MoE hybrid), Bamba, Jamba through the fixes convert map (prefill without a cache):
     the float32 import computes eager's logits; the one attention layer is reported and offloaded on its 2 K/V
     heads, the recurrent layers stay TVM's, and the rewritten graph computes the fp16 graph's logits."""
-    cls_name, kw = HYBRIDS[family]
-    cls = getattr(transformers, cls_name, None)
-    if cls is None:
-        pytest.skip(f"transformers {transformers.__version__} has no {cls_name}")
-    cfg = cls(**{**_SIZES, **kw, "experts_implementation": "batched_mm"})
-    cfg._attn_implementation = "eager"
-    model = hf.build_hf_model(cfg, std=0.05)
+    model = _drawn_model(*HYBRIDS[family], std=0.05)
     inputs = hf.example_inputs(model, mode="prefill", seq_len=12, seed=1)
     imp = hf.import_hf(model, mode="prefill", batch=1, seq_len=12, use_cache=False, convert="fixes")
     want = imp.reference(*inputs)
