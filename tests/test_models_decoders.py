@@ -558,6 +558,36 @@ def test_fixes_map_takes_an_unsorted_topk_as_the_sorted_one(hf):
     np.testing.assert_allclose(G.run_llvm(mod, [x.numpy()]), Route()(x).numpy(), rtol=1e-6, atol=1e-6)
 
 
+def test_fixes_map_clamps_integers_on_one_side_and_takes_amax(hf):
+    """``positions.clamp(min=0)`` of an int64 tensor: the frontend's ``clip`` gets an infinite other bound and
+    the graph builds for no target; ``torch.amax`` / ``amin`` have no converter. Both as torch computes them."""
+    torch = pytest.importorskip("torch")
+    from tvm.relax.frontend.torch import from_exported_program
+
+    from mqa_byoc.testing import graphs as G
+
+    class Clamp(torch.nn.Module):
+        def forward(self, i):
+            return i.clamp(min=1) + i.clamp(max=3) + i.clamp(-2, 3)
+
+    class Extremes(torch.nn.Module):
+        def forward(self, x):
+            return x.amax(-1, keepdim=True) - x.amin((0, 1), keepdim=True) + x.amax()
+
+    i = torch.arange(-9, 9).reshape(2, 9)
+    ep = torch.export.export(Clamp(), (i,))
+    with pytest.raises(RuntimeError, match="Cannot convert infinity to BigInt"):
+        G.run_llvm(from_exported_program(ep), [i.numpy()])
+    mod = from_exported_program(ep, custom_convert_map=hf.fixes_convert_map())
+    np.testing.assert_array_equal(G.run_llvm(mod, [i.numpy()]), Clamp()(i).numpy())
+    x = torch.randn(2, 3, 5)
+    ep = torch.export.export(Extremes(), (x,))
+    with pytest.raises(AssertionError, match="amax"):
+        from_exported_program(ep)
+    mod = from_exported_program(ep, custom_convert_map=hf.fixes_convert_map())
+    np.testing.assert_allclose(G.run_llvm(mod, [x.numpy()]), Extremes()(x).numpy(), rtol=1e-6, atol=1e-6)
+
+
 def test_fixes_map_computes_complex_rotary_and_refuses_other_complex_ops(hf):
     """A complex rotary embedding (Llama 4's and DeepSeek-V2's form: ``view_as_complex`` of pairs times
     ``polar(1, angles)``, unsqueezed at a negative axis, times a real scale, ``view_as_real``) computes torch's

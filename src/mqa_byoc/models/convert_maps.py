@@ -45,7 +45,8 @@ def fixes_convert_map() -> dict:
 
     The rest, each in its converter's docstring: ``div.Tensor_mode`` of an integer tensor by a number
     (:func:`_div_mode`), float results of integer tensors (``div``, ``log``, ...: :func:`_float_of_integers`),
-    ``full`` / ``full_like`` of ``-inf`` (:func:`_full_of_inf`), ``topk(sorted=False)`` (:func:`_topk`) and
+    ``full`` / ``full_like`` of ``-inf`` (:func:`_full_of_inf`), ``topk(sorted=False)`` (:func:`_topk`), a
+    one-sided ``clamp`` of an integer tensor (:func:`_clamp`), ``amax`` / ``amin`` (:func:`_reduce`) and
     complex arithmetic (:func:`_complex_converters`).
     """
     from tvm import relax, tirx
@@ -122,7 +123,38 @@ def fixes_convert_map() -> dict:
             "addmm.default": partial(_addmm, out_dtype="float32"), "div.Tensor_mode": _div_mode,
             "full.default": partial(_full_of_inf, like=False), "full_like.default": partial(_full_of_inf, like=True),
             **{name: partial(_float_of_integers, name=name) for name in _FLOAT_OF_INTEGERS},
-            "topk.default": _topk, **_complex_converters()}
+            "topk.default": _topk, "clamp.default": _clamp, "amax.default": partial(_reduce, op="max"),
+            "amin.default": partial(_reduce, op="min"), **_complex_converters()}
+
+
+def _clamp(node, importer):
+    """``clamp`` of an integer tensor with one bound (``positions.clamp(min=0)``) as ``maximum`` / ``minimum``:
+    the frontend's ``clip`` fills the missing bound with infinity, which an integer ``clip`` cannot legalize
+    ("Cannot convert infinity to BigInt": the graph builds for no target). Other forms: the frontend's."""
+    from tvm import relax
+
+    args = importer.retrieve_args(node)
+    x = args[0]
+    low = args[1] if len(args) > 1 else node.kwargs.get("min")
+    high = args[2] if len(args) > 2 else node.kwargs.get("max")
+    if not (isinstance(x, relax.Expr) and str(x.ty.dtype).startswith(("int", "uint"))
+            and (low is None) != (high is None) and isinstance(low if high is None else high, int)):
+        return importer._clamp(node)
+    bound = relax.const(low if high is None else high, str(x.ty.dtype))
+    op = relax.op.maximum if high is None else relax.op.minimum
+    return importer.block_builder.emit(op(x, bound))
+
+
+def _reduce(node, importer, *, op: str):
+    """``torch.amax`` / ``amin`` (the frontend has no converter: "Unsupported function types ['amax.default']")
+    as Relax's ``max`` / ``min`` over the same axes."""
+    from tvm import relax
+
+    args = importer.retrieve_args(node)
+    dims = args[1] if len(args) > 1 else node.kwargs.get("dim", ())
+    keepdim = args[2] if len(args) > 2 else node.kwargs.get("keepdim", False)
+    axis = None if dims in ((), []) else ([dims] if isinstance(dims, int) else list(dims))
+    return importer.block_builder.emit(getattr(relax.op, op)(args[0], axis=axis, keepdims=keepdim))
 
 
 def _topk(node, importer):
