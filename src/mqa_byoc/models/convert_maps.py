@@ -357,7 +357,7 @@ def _complex_converters() -> dict:
             return importer._reshape(node)
         check_readers(node)
         args = importer.retrieve_args(node)
-        dims = list(args[1]) if isinstance(args[1], (list, tuple)) or hasattr(args[1], "numel") else list(args[1:])
+        dims = list(args[1]) if isinstance(args[1], (list, tuple)) else list(args[1:])  # torch.Size is a tuple
         return importer._emit_torch_reshape(args[0], [*dims, 2])
 
     return {"polar.default": polar, "view_as_complex.default": view_as_complex,
