@@ -21,12 +21,21 @@ Per shape (nn.Linear: x @ W^T, fp16; qkv fused 10240 x 8192, o_proj 8192 x 8192,
 Each is timed with CUDA events over back-to-back calls (host overhead included where it exceeds the
 kernel), in one run; rates against the H200's 4.8 TB/s and 989 TFLOP/s (dense fp16). Writes
 ``<out>.json`` and ``<out>.md`` (commit, command, date, GPU).
+
+``--cold``: each call multiplies by the next of copies of W that together exceed twice the L2 (as a
+decoder's layers do: no call finds its weight in L2; back to back on one W, a weight under ~150 MB is
+partly read from L2). ``--read-floor``: per shape, the least time a kernel that only reads W takes
+(``testing/read_floor.cu``, the fastest of its launch shapes, from HBM), the bound under any GEMV of that
+weight; the table then gives each decode GEMM against it. ``--max-m 32``: the decode rows only.
+
+    python benchmarks/gemm.py --artifacts DIR --out OUT --cold --read-floor --max-m 32
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import subprocess
@@ -35,6 +44,7 @@ from pathlib import Path
 
 HBM_TBPS = 4.8
 PEAK_TFLOPS = 989.0
+L2_BYTES = 50 << 20  # the H200's L2 (50 MB)
 
 
 def _commit():
@@ -51,16 +61,24 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, required=True, help="path without suffix")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--iters", type=int, default=0, help="calls per timing (0: by size)")
+    ap.add_argument("--cold", action="store_true", help="each call takes the next of copies of W exceeding 2x L2")
+    ap.add_argument("--read-floor", action="store_true", help="time a kernel that only reads W, per shape")
+    ap.add_argument("--max-m", type=int, default=None, help="only the rows M up to this (32: decode)")
     args = ap.parse_args(argv)
+    if args.max_m is not None and args.max_m < 1:
+        ap.error("--max-m must be at least 1")
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from mqa_byoc.deploy import prepare_runtime
 
     prepare_runtime()  # the runtime kit's set-up where TVM is runtime-only
     import torch
     import tvm
     import tvm.runtime.vm
+    from decode_kernel import kernel_us  # summed CUPTI kernel time per call
 
+    from mqa_byoc.testing.read_floor import read_floor_us
     from mqa_byoc.testing.timing import cuda_time_us
 
     bench = args.artifacts / "bench"
@@ -68,11 +86,25 @@ def main(argv=None):
     dev = tvm.cuda(0)
     vms = {name: tvm.runtime.vm.VirtualMachine(tvm.runtime.load_module(str(bench / f"{name}.so")), dev)
            for name in ("ours", "tvm_sym", "tvm_static")}
-    rows = []
+    rows, floors = [], {}
     for name, n, k in manifest["shapes"]:
         w = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
-        tw = tvm.runtime.from_dlpack(w)
+        # --cold: copies of W taken in turns, together over twice the L2 (the first is w, the reference's)
+        ws = [w] + ([w.clone() for _ in range(-(-2 * L2_BYTES // (n * k * 2)))] if args.cold else [])
+        tws = [tvm.runtime.from_dlpack(c) for c in ws]
+        turn = itertools.count()
+
+        def pick():
+            i = next(turn) % len(ws)
+            return ws[i], tws[i]
+
+        if args.read_floor:
+            floors[name] = read_floor_us(w, lambda fn: kernel_us(fn, 20))
+            floors[name]["hbm_us"] = round(n * k * 2 / HBM_TBPS / 1e6, 2)
+            print(json.dumps({"read_floor": name, **floors[name]}), flush=True)
         for m in manifest["m"]:
+            if args.max_m is not None and m > args.max_m:
+                continue
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             tx = tvm.runtime.from_dlpack(x)
             flops = 2.0 * m * n * k
@@ -81,20 +113,21 @@ def main(argv=None):
             ref = torch.matmul(x, w.T)
             row = {"gemm": name, "M": m, "N": n, "K": k, "flop": flops, "bytes": nbytes, "iters": iters}
             calls = {
-                "ours": lambda: vms["ours"][name](tx, tw),
-                "tvm_static": lambda: vms["tvm_static"][f"{name}_m{m}"](tx, tw),
-                "tvm_sym": lambda: vms["tvm_sym"][name](tx, tw),
-                "torch": lambda: torch.matmul(x, w.T),
+                "ours": lambda: vms["ours"][name](tx, pick()[1]),
+                "tvm_static": lambda: vms["tvm_static"][f"{name}_m{m}"](tx, pick()[1]),
+                "tvm_sym": lambda: vms["tvm_sym"][name](tx, pick()[1]),
+                "torch": lambda: torch.matmul(x, pick()[0].T),
             }
             if "forms" in manifest:
-                calls["ours_cast"] = lambda: vms["ours"][f"{name}_cast"](tx, tw)
-                calls["ours_cast_unfused"] = lambda: vms["ours"][f"{name}_cast_unfused"](tx, tw)[0]
+                calls["ours_cast"] = lambda: vms["ours"][f"{name}_cast"](tx, pick()[1])
+                calls["ours_cast_unfused"] = lambda: vms["ours"][f"{name}_cast_unfused"](tx, pick()[1])[0]
             # the cast forms are timed twice, in the order fused, unfused, unfused, fused (the mean of both):
             # the GPU's clock drifts over a run, and the pair is what is compared
             order = [*calls, *(["ours_cast_unfused", "ours_cast"] if "ours_cast" in calls else [])]
             for variant in order:
                 fn = calls[variant]
                 try:
+                    turn = itertools.count()  # the first call multiplies by w, the reference's weight
                     out = fn()
                     got = torch.from_dlpack(out) if variant != "torch" else out
                     err = float((got.float() - ref.float()).abs().max())
@@ -114,15 +147,17 @@ def main(argv=None):
             rows.append(row)
             print(json.dumps(row), flush=True)
             del x, tx
-        del w, tw
+        del w, ws, tws
         torch.cuda.empty_cache()
     result = {
         "benchmark": "gemm", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": args.commit or _commit(), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "limits": {"hbm_tbps": HBM_TBPS,
                                                                                      "dense_tflops": PEAK_TFLOPS},
-        "rows": rows,
+        "cold": args.cold, "rows": rows,
     }
+    if floors:
+        result["read_floor"] = floors
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(markdown(result))
@@ -151,6 +186,22 @@ def markdown(result) -> str:
         lines.append(f"| {r['gemm']} {r['N']}x{r['K']} | {r['M']} | {_cell(r['ours'], decode)} | "
                      f"{_cell(r['tvm_static'], decode)} | {_cell(r['tvm_sym'], decode)} | {_cell(r['torch'], decode)} | "
                      f"{ratio if ratio is not None else '-'} |")
+    floors = result.get("read_floor")
+    if floors:
+        lines += ["", "The read floor: the least time a kernel that only reads W takes (`testing/read_floor.cu`, the "
+                  "fastest of its launch shapes, W from HBM), against W's bytes at the HBM limit, and the decode "
+                  "GEMMs against it" + (" (every call on a weight not in L2: `--cold`)" if result.get("cold") else "")
+                  + ".", "",
+                  "| GEMM | W MB | HBM limit µs | read floor µs | floor / limit | M | ours / floor | torch / floor |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in result["rows"]:
+            f = floors.get(r["gemm"])
+            if f is None or r["M"] > 32:
+                continue
+            fl = f["read_floor_cold_us"]
+            ratio = {v: f"{r[v]['us'] / fl:.2f}" if "us" in r.get(v, {}) else "-" for v in ("ours", "torch")}
+            lines.append(f"| {r['gemm']} {r['N']}x{r['K']} | {r['N'] * r['K'] * 2 / 1e6:.0f} | {f['hbm_us']:.1f} | "
+                         f"{fl:.1f} | {fl / f['hbm_us']:.3f} | {r['M']} | {ratio['ours']} | {ratio['torch']} |")
     cast_rows = [r for r in result["rows"] if "ours_cast" in r]
     if cast_rows:
         lines += ["", "ToMixedPrecision's default form, `astype(matmul(x, W^T, out_dtype=\"float32\"), \"float16\")`: "

@@ -24,9 +24,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
-#: (name, N, K) of the CodeLlama-34B preset's GEMMs (hidden 8192, intermediate 22016, 64/8 heads x 128)
+#: (name, N, K) of the CodeLlama-34B preset's GEMMs (hidden 8192, intermediate 22016, 64/8 heads x 128,
+#: vocabulary 32000)
 BENCH_SHAPES = (("qkv", (64 + 2 * 8) * 128, 8192), ("o_proj", 8192, 8192), ("gate_up", 2 * 22016, 8192),
-                ("down", 8192, 22016))
+                ("down", 8192, 22016), ("lm_head", 32000, 8192))
 BENCH_M = (1, 8, 32, 2048, 16384)
 
 
