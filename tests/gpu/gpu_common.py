@@ -106,9 +106,11 @@ def to_bsnh(x, layout: str, heads: int | None = None):
     raise ValueError(f"unknown layout {layout!r}")
 
 
-def attention_mask(torch, sq: int, sk: int, causal: str | None, window: int | None, device=None):
+def attention_mask(torch, sq: int, sk: int, causal: str | None, window: int | None, device=None,
+                   chunk: int | None = None):
     """keep[i, j]: query i may see key j. BottomRight causal: j <= i + S_kv - S_q (FA2's); TopLeft:
-    j <= i; window w (bottom-right aligned, diagonal included): i + S_kv - S_q - w < j <= i + S_kv - S_q."""
+    j <= i; window w (bottom-right aligned, diagonal included): i + S_kv - S_q - w < j <= i + S_kv - S_q;
+    chunk c (with BottomRight): j in the block of c positions that holds i + S_kv - S_q."""
     i = torch.arange(sq, device=device)[:, None]
     j = torch.arange(sk, device=device)[None, :]
     keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
@@ -121,6 +123,8 @@ def attention_mask(torch, sq: int, sk: int, causal: str | None, window: int | No
         raise ValueError(f"causal mask {causal!r}")
     if window is not None:
         keep &= (j <= diag) & (j > diag - int(window))
+    if chunk is not None:
+        keep &= torch.div(j, int(chunk), rounding_mode="floor") == torch.div(diag, int(chunk), rounding_mode="floor")
     return keep
 
 
@@ -129,7 +133,7 @@ def torch_reference(torch, m: dict, tensors):
 
     Inputs are turned to BSNH by their layout; query head h uses K/V head h // (H / H_kv) (R.repeat,
     FA2, HF repeat_kv); soft-capped (``softcap`` c) scores are ``c * tanh(s / c)`` before the mask; the mask
-    is :func:`attention_mask`; with ``sinks`` each row's softmax has the
+    is :func:`attention_mask` (with the case's ``chunk``); with ``sinks`` each row's softmax has the
     head's sink logit (input ``sinks``) besides the keys; the result is put back into the output's
     layout (BSNH or BNSH) and shape ((B, S, H*D) when heads are merged)."""
     att, out = m["attention"], m["output"]
@@ -143,7 +147,8 @@ def torch_reference(torch, m: dict, tensors):
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * float(att["scale"])
     if att.get("softcap"):  # logit soft-capping (Gemma 2), before the mask
         s = torch.tanh(s / float(att["softcap"])) * float(att["softcap"])
-    keep = attention_mask(torch, s.shape[-2], s.shape[-1], att["causal"], att["window"], device=s.device)
+    keep = attention_mask(torch, s.shape[-2], s.shape[-1], att["causal"], att["window"], device=s.device,
+                          chunk=att.get("chunk"))
     s = s.masked_fill(~keep, float("-inf"))
     if att.get("sinks"):  # one more logit per query head in every row, of value zero, dropped after softmax
         col = by_name["sinks"][None, :, None, None].expand(s.shape[0], h, s.shape[2], 1)

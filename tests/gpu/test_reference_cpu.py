@@ -24,6 +24,7 @@ CPU_CASES = [
     "bnsh_gqa_bf16_noncausal",  # BNSH in and out
     "hf_gqa_f16_causal",  # BNSH in, (B, S, H*D) out
     "mlc4d_gqa_bf16_add_chunked",  # BSNH in, (B, S, H*D) out, bottom-right causal with S_q < S_kv
+    "mlc4d_gqa_bf16_add_chunked_mask_past",  # a chunked mask (blocks of 64), queries from inside a block
     "fewer_mqa_f16_decode_sym",  # symbolic S_kv, H_kv = 1
     "bsh_f16_causal_chunked",  # (B, S, D) in and out, one head
     "onnx_gqa_f16_causal_chunked",  # TVM's ONNX frontend, BNSH in and out, bottom-right causal with S_q < S_kv

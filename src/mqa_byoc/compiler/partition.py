@@ -40,8 +40,8 @@ from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
 from mqa_byoc.compiler.graph.lowered_matmul import RestoreLoweredMatmul, has_lowered_nt_matmul
 from mqa_byoc.compiler.graph.patterns import flash_attn_patterns
 from mqa_byoc.compiler.graph.sink_attention import OffloadSinkAttention
-from mqa_byoc.compiler.graph.site import (FUSED_FORMS, require_flag, require_module, sequence_first_note,
-                                          value_padding_note)
+from mqa_byoc.compiler.graph.site import (FUSED_FORMS, chunk_blocks, chunked_note, require_flag, require_module,
+                                          sequence_first_note, value_padding_note)
 from mqa_byoc.compiler.graph.trace import Bindings
 from mqa_byoc.compiler.graph.log_softmax import ExpOfLogSoftmax
 from mqa_byoc.compiler.graph.views import CollapseViewChains, UnfoldMatmulRows
@@ -81,6 +81,8 @@ class OffloadSite:
     kernel_options: str | None = None  # the library's kernel choices (linked providers), see kernel_options.py
     softcap: float | None = None  # logit soft-cap c (scores = c * tanh(scores / c)); None: none
     head_dim_v: int | None = None  # V's head dim (``head_dim`` is Q's and K's); smaller: V is padded to head_dim
+    chunk: int | None = None  # chunked attention: causal within blocks of this many key positions; None: not chunked
+    composite_calls: int = 0  # composite calls the site becomes: 1, one per block of keys with ``chunk``; 0: rejected
 
     def as_dict(self) -> dict:
         """Returns
@@ -171,7 +173,8 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
                     window=s.mask.window, var_len=s.form == varlen.FORM, options=options,
                     sinks=s.sinks is not None, softcap=s.softcap is not None, arch=arch) if ok else None,
                 kernel_options=options.describe() if ok and chosen != "python" else None,
-                softcap=s.softcap, head_dim_v=s.head_dim_v,
+                softcap=s.softcap, head_dim_v=s.head_dim_v, chunk=s.mask.chunk,
+                composite_calls=(len(chunk_blocks(s)) if s.mask.chunk is not None else 1) if ok else 0,
             ))
     report = varlen.explain_unlowerable(report)
     if gemm:
@@ -185,7 +188,7 @@ def _note(site, offloaded: bool) -> str | None:
     """The site's note, and for an offloaded site whose V is padded or whose operands are sequence-first
     what that costs."""
     parts = [getattr(site, "note", None), value_padding_note(site) if offloaded else None,
-             sequence_first_note(site) if offloaded else None]
+             sequence_first_note(site) if offloaded else None, chunked_note(site) if offloaded else None]
     return "; ".join(p for p in parts if p) or None
 
 

@@ -130,7 +130,7 @@ class Case:
             scale = default_scale if kw.get("scale") is None else kw["scale"]
         elif self.builder == "mlc_4d_chain":
             assert kw.get("mask_const") is None and kw.get("mask", "minimum") != "runtime"
-            causal = None if kw.get("mask", "minimum") == "none" else "BottomRight"  # causal_mask_np
+            causal = None if kw.get("mask", "minimum") == "none" else "BottomRight"  # causal_mask_np or chunked
         elif self.builder == "hf_repeat_kv_chain":
             assert not kw.get("outer")
             causal = "BottomRight"  # key j > query i masked, S_q == S_kv
@@ -166,7 +166,7 @@ class Case:
             raise ValueError(self.builder)
         return {"num_q_heads": self.h, "num_kv_heads": self.hkv, "head_dim": self.d, "head_dim_v": self.dv,
                 "causal": causal,
-                "window": window, "scale": scale, "sinks": self.builder == "sink_chain",
+                "window": window, "chunk": kw.get("chunk"), "scale": scale, "sinks": self.builder == "sink_chain",
                 "softcap": kw.get("cap", 50.0) if self.builder == "softcap_chain" else None}
 
 
@@ -229,6 +229,11 @@ CASES = [
          dict(GQA, b=1, s=32, s_kv=160, mask="add", divide=False, dtype="bfloat16")),
     Case("mlc4d_gqa_f16_where_chunked", "3 mlc-4d", "mlc_4d_chain", dict(GQA, b=2, s=64, s_kv=192, mask="where")),
     Case("mlc4d_gqa_f16_decode", "3 mlc-4d", "mlc_4d_chain", dict(GQA, b=4, s=1, s_kv=256, mask="none")),
+    # a chunked mask (Llama 4's chunked layers): one causal attention per block of keys
+    Case("mlc4d_gqa_f16_where_chunked_mask_prefill", "3 mlc-4d chunked mask", "mlc_4d_chain",
+         dict(GQA, b=2, s=160, mask="where", chunk=64)),
+    Case("mlc4d_gqa_bf16_add_chunked_mask_past", "3 mlc-4d chunked mask", "mlc_4d_chain",
+         dict(GQA, b=1, s=80, s_kv=176, mask="add", chunk=64, dtype="bfloat16")),
     # form 4: TVM's PyTorch frontend on HF repeat_kv + eager attention, BNSH in, (B, S, H*D) out
     Case("hf_gqa_f16_causal", "4 hf-repeat-kv", "hf_repeat_kv_chain", dict(GQA, b=2, s=128)),
     Case("hf_gqa_bf16_causal", "4 hf-repeat-kv", "hf_repeat_kv_chain", dict(GQA, b=1, s=96, dtype="bfloat16")),

@@ -128,13 +128,19 @@ def causal_mask_np(s_q, s_kv, visible, hidden, dtype):
 
 
 def mlc_4d_chain(h=8, hkv=2, d=64, s=16, s_kv=None, b=1, dtype=F16, divide=True, mask="minimum",
-                 mask_const=None):
+                 mask_const=None, chunk=None):
     """Form 3: mlc-llm 2023 Llama: repeat axis 2 (BSNH), permute to BNSH, matmul with K permuted
     [0,1,3,2], divide (or multiply) by a constant sqrt(d), mask (maximum/minimum, add or where),
     astype float32 around softmax, matmul, permute back, reshape (B, S, H*D).
     ``mask``: "minimum" | "add" | "where" | "none" | "runtime" (a mask function parameter).
-    ``mask_const``: override the mask constant (numpy) to build a non-causal bias."""
+    ``mask_const``: override the mask constant (numpy) to build a non-causal bias. ``chunk`` c: the mask
+    is chunked (Llama 4's chunked layers: causal within blocks of c key positions, :func:`mask_allowed`)."""
     s_kv = s if s_kv is None else s_kv
+    if chunk is not None:
+        allowed = mask_allowed(s, s_kv, "BottomRight", chunk=chunk)[None, None]
+        fmin16, fmax16 = float(np.finfo(np.float16).min), float(np.finfo(np.float16).max)
+        mask_const = {"minimum": np.where(allowed, fmax16, fmin16), "add": np.where(allowed, 0, fmin16),
+                      "where": allowed}[mask].astype("bool" if mask == "where" else dtype)
     bb = relax.BlockBuilder()
     q = relax.Var("q", _tensor([b, s, h, d], dtype))
     k = relax.Var("k", _tensor([b, s_kv, hkv, d], dtype))
@@ -600,8 +606,8 @@ def report_partition_disagreement(mod, mqa=True, **partition_kwargs):
     part = partition_for_cutlass(mod, mqa=mqa, **partition_kwargs)
     reported = {}
     for s in report:
-        if s.offloaded:
-            reported.setdefault(s.function, []).append(s.composite)
+        if s.offloaded:  # a chunked mask's site: one composite per block
+            reported.setdefault(s.function, []).extend([s.composite] * s.composite_calls)
     reported = {f: sorted(c) for f, c in reported.items()}
     made = composite_calls_per_function(part)
     problems = [f"{f}: report offloads {reported.get(f, [])}, partition made {made.get(f, [])}"
@@ -621,32 +627,35 @@ def to_bsnh(x, layout):
     return x if layout == "BSNH" else x.transpose(0, 2, 1, 3)
 
 
-def mask_allowed(s_q, s_kv, causal=None, window=None):
+def mask_allowed(s_q, s_kv, causal=None, window=None, chunk=None):
     """(S_q, S_kv) bool: which keys each query sees. ``causal`` "BottomRight" / "TopLeft" / None;
-    ``window`` w: the w keys up to the diagonal, bottom-right aligned like FA2 (also without causal)."""
+    ``window`` w: the w keys up to the diagonal, bottom-right aligned like FA2 (also without causal);
+    ``chunk`` c: only the keys of the query's own block of c positions (Llama 4's chunked layers)."""
     i = np.arange(s_q)[:, None] + (0 if causal == "TopLeft" else s_kv - s_q)
     j = np.arange(s_kv)[None, :]
     allowed = np.ones((s_q, s_kv), bool)
-    if causal is not None or window is not None:
+    if causal is not None or window is not None or chunk is not None:
         allowed &= j <= i
     if window is not None:
         allowed &= j > i - window
+    if chunk is not None:
+        allowed &= j // chunk == i // chunk
     return allowed
 
 
 def reference_attention(q, k, v, layouts=("BSNH", "BSNH", "BSNH"), out_layout="BSNH", scale=None, causal=None,
-                        window=None, grouping="repeat"):
+                        window=None, grouping="repeat", chunk=None):
     """float32 NumPy attention: what each graph of this module computes.
 
     Query head h reads K/V head ``h // (H / H_kv)`` (``grouping="repeat"``: R.repeat, broadcast,
     HF repeat_kv, FA2) or ``h % H_kv`` (``"tile"``). ``out_layout``: "BSNH", "BNSH" or "merged"
-    ((B, S, H*D)). Rows that see no key are 0."""
+    ((B, S, H*D)). ``causal``, ``window``, ``chunk``: as :func:`mask_allowed`. Rows that see no key are 0."""
     q, k, v = (to_bsnh(x.astype("float32"), lay) for x, lay in zip((q, k, v), layouts))
     h, hkv, d = q.shape[2], k.shape[2], q.shape[3]
     heads = np.arange(h) // (h // hkv) if grouping == "repeat" else np.arange(h) % hkv
     k, v = k[:, :, heads], v[:, :, heads]
     s = np.einsum("bqhd,bkhd->bhqk", q, k) * (1.0 / math.sqrt(d) if scale is None else scale)
-    allowed = mask_allowed(s.shape[2], s.shape[3], causal, window)
+    allowed = mask_allowed(s.shape[2], s.shape[3], causal, window, chunk)
     s = np.where(allowed, s, -np.inf)
     m = np.max(s, axis=-1, keepdims=True)
     p = np.exp(s - np.where(np.isfinite(m), m, 0))

@@ -18,8 +18,8 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from mqa_byoc.compiler.graph import analysis, masks, sink_attention, varlen
 from mqa_byoc.compiler.graph.exprs import (binding_values, function_bindings, function_results, is_offloaded,
                                            op_name)
-from mqa_byoc.compiler.graph.site import output_steps
-from mqa_byoc.compiler.graph.trace import Bindings
+from mqa_byoc.compiler.graph.site import chunk_blocks, output_steps, seq_len
+from mqa_byoc.compiler.graph.trace import Bindings, as_int
 from mqa_byoc.compiler.graph.log_softmax import ExpOfLogSoftmax
 from mqa_byoc.compiler.graph.views import CollapseViewChains, UnfoldMatmulRows
 
@@ -129,7 +129,10 @@ class _Canonicalize(PyExprMutator):
             causal = str(site.causal_attr)
         elif site.mask.causal:
             causal = "BottomRight"
-        att = relax.op.nn.attention(q, k, v, scale=site.scale, causal_mask=causal, window_size=site.mask.window)
+        if site.mask.chunk is not None:
+            att = self._chunked_attention(q, k, v, site)
+        else:
+            att = relax.op.nn.attention(q, k, v, scale=site.scale, causal_mask=causal, window_size=site.mask.window)
         labels = site.out_labels
         root_ty = var.ty
         steps = []
@@ -149,6 +152,26 @@ class _Canonicalize(PyExprMutator):
         self.builder_.emit_normalized(relax.VarBinding(var, self.builder_.normalize(expr)))
         if expr is out:
             self.attention_vars.add(var)
+
+
+    def _chunked_attention(self, q, k, v, site):
+        """A chunked mask's attention on BSNH operands as one causal attention per block of ``site.mask.chunk``
+        keys (the analysis proved the lengths static): block j's keys [j c, (j + 1) c), its queries the rows
+        whose positions (row + S_kv - S_q) fall in it, bottom-right aligned as FA2's causal mask is; the
+        blocks' outputs concatenated on the sequence axis (an unbound expression)."""
+        s_q, s_kv = as_int(seq_len(site.q)), as_int(seq_len(site.k))
+        parts = []
+
+        def rows(x, begin, end, length):
+            if (begin, end) == (0, length):
+                return x
+            return self.builder_.emit(relax.op.strided_slice(x, axes=[1], begin=[begin], end=[end]))
+
+        for q0, q1, start, end in chunk_blocks(site):
+            parts.append(self.builder_.emit(relax.op.nn.attention(
+                rows(q, q0, q1, s_q), rows(k, start, end, s_kv), rows(v, start, end, s_kv), scale=site.scale,
+                causal_mask="BottomRight")))
+        return parts[0] if len(parts) == 1 else relax.op.concat(parts, axis=1)
 
 
 @mutator

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +44,9 @@ class MaskError(Exception):
 class MaskKind:
     causal: bool
     window: int | None  # w keys including the diagonal, bottom-right aligned
+    # chunked attention (Llama 4's chunked layers): causal within blocks of ``chunk`` key positions (query
+    # row i at position i + S_kv - S_q); the rewrite runs one causal attention a block. None: not chunked
+    chunk: int | None = None
 
 
 NO_MASK = MaskKind(False, None)
@@ -64,12 +68,24 @@ def classify_allowed(allowed: np.ndarray) -> MaskKind:
     window = MaskKind(True, int(allowed.sum(axis=1).max()))
     if np.array_equal(allowed, mask_allows(window, s_q, s_kv)):
         return window
-    chunk = window.window
-    if np.array_equal(allowed, _chunked_allows(chunk, s_q, s_kv)):
-        raise MaskError(f"a chunked attention mask (each query sees the earlier keys of its own block of {chunk} "
-                        "positions, as Llama 4's chunked layers): the kernels compute causal and sliding-window "
-                        "masks only")
-    raise MaskError("the mask is not a causal or sliding-window mask")
+    for chunk in _chunk_candidates(allowed):
+        chunked = MaskKind(True, None, chunk)
+        if np.array_equal(allowed, mask_allows(chunked, s_q, s_kv)):
+            return chunked
+    raise MaskError("the mask is not a causal, sliding-window or chunked mask")
+
+
+def _chunk_candidates(allowed: np.ndarray) -> list[int]:
+    """The block sizes a chunked mask equal to ``allowed`` could have, smallest first: a row's first visible
+    key is the start of its block, a multiple of the size, and no row sees more keys than a block holds (the
+    caller compares each candidate's mask with ``allowed``)."""
+    starts = allowed.argmax(axis=1)
+    starts = starts[starts > 0]
+    if not starts.size:  # every row in the first block: a causal mask, not told apart from a chunked one
+        return []
+    g, widest = int(np.gcd.reduce(starts)), int(allowed.sum(axis=1).max())
+    small = [d for d in range(1, math.isqrt(g) + 1) if g % d == 0]
+    return sorted(c for c in {*small, *(g // d for d in small)} if c >= widest)
 
 
 def _chunked_allows(chunk: int, s_q: int, s_kv: int) -> np.ndarray:
@@ -83,6 +99,8 @@ def mask_allows(kind: MaskKind, s_q: int, s_kv: int) -> np.ndarray:
     """FA2's visibility matrix for ``kind`` (bottom-right aligned causal, window of w keys)."""
     if not kind.causal:
         return np.ones((s_q, s_kv), dtype=bool)
+    if kind.chunk is not None:
+        return _chunked_allows(kind.chunk, s_q, s_kv)
     i = np.arange(s_q)[:, None]
     j = np.arange(s_kv)[None, :]
     diag = i + (s_kv - s_q)
@@ -102,7 +120,8 @@ def classify_samples(samples: list[np.ndarray]) -> MaskKind:
     if not samples:
         raise MaskError("no sample sequence lengths with S_q <= S_kv to check the mask at")
     candidates = {classify_allowed(a) for a in samples}
-    order = sorted(candidates, key=lambda k: (k.causal, k.window is not None, k.window or 0))
+    order = sorted(candidates, key=lambda k: (k.causal, k.chunk is not None, k.window is not None, k.window or 0,
+                                              k.chunk or 0))
     for kind in order:
         if all(np.array_equal(a, mask_allows(kind, *a.shape)) for a in samples):
             return kind

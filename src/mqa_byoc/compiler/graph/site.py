@@ -233,6 +233,30 @@ def sequence_first_note(site: AttentionSite) -> str | None:
             "transposed to batch-first before each call (a copy of each; the kernels read batch-first operands)")
 
 
+def chunk_blocks(site: AttentionSite) -> list[tuple[int, int, int, int]]:
+    """The causal attentions a chunked mask's site runs as (static lengths, proven by the analysis): per block of
+    ``site.mask.chunk`` keys that holds a query, (first query row, end query row, first key, end key); the
+    queries are the rows whose positions (row + S_kv - S_q) fall in the block."""
+    chunk, s_q, s_kv = site.mask.chunk, as_int(seq_len(site.q)), as_int(seq_len(site.k))
+    offset, blocks = s_kv - s_q, []
+    for start in range(0, s_kv, chunk):
+        end = min(start + chunk, s_kv)
+        if end - offset > max(start, offset) - offset:
+            blocks.append((max(start, offset) - offset, end - offset, start, end))
+    return blocks
+
+
+def chunked_note(site: AttentionSite) -> str | None:
+    """How a chunked mask's site runs, for the report's note; None for a site without one."""
+    chunk = site.mask.chunk
+    if chunk is None:
+        return None
+    calls = len(chunk_blocks(site))
+    return (f"chunked attention (causal within blocks of {chunk} positions): {calls} causal kernel "
+            f"call{'s' if calls != 1 else ''}, one per block of keys, on slices of Q, K and V (copies where a "
+            "block is not the whole sequence), their outputs concatenated")
+
+
 def scale_problem(scale) -> str | None:
     """Why the kernels cannot take a softmax scale (None: the default 1 / sqrt(D), or a positive one):
     FA2, FA4 and our decode kernel take the running max of the unscaled scores, which is the max of

@@ -1,0 +1,98 @@
+"""Chunked attention (Llama 4's chunked layers: each query sees the earlier keys of its own block of c
+positions): the mask is proven from the graph like a causal one, and the site runs as one causal attention
+per block of keys on slices of Q, K and V, the outputs concatenated. Checked on the CPU against the
+unrewritten graph and a NumPy reference, for blocks that split the sequence evenly or not, with queries
+that start inside a block (a prefill after a past), and rejected with the reason where the blocks are not
+known when compiling."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tvm import relax, te, tirx
+from tvm.relax import op as R
+
+from mqa_byoc import offload_report, partition_for_cutlass
+from mqa_byoc.compiler.graph import masks
+from mqa_byoc.testing import graphs as G
+
+F16_MIN = float(np.finfo(np.float16).min)
+
+
+def chunked_allowed(s_q, s_kv, chunk):
+    return G.mask_allowed(s_q, s_kv, "BottomRight", chunk=chunk)
+
+
+@pytest.mark.parametrize("s_q, s_kv, chunk", [(24, 24, 8), (20, 20, 8), (5, 13, 8), (12, 30, 7), (1, 19, 8),
+                                              (9, 9, 3)])
+def test_classify_finds_the_block_size(s_q, s_kv, chunk):
+    allowed = chunked_allowed(s_q, s_kv, chunk)
+    kind = masks.classify_allowed(allowed)
+    # a row that sees every key from its block's start: a window where that equals it (one query row)
+    if s_q == 1:
+        assert kind == masks.MaskKind(True, int(allowed.sum())), kind
+    else:
+        assert kind == masks.MaskKind(True, None, chunk), kind
+    np.testing.assert_array_equal(masks.mask_allows(kind, s_q, s_kv), allowed)
+
+
+def test_a_mask_one_key_off_a_chunked_one_is_rejected():
+    allowed = chunked_allowed(16, 16, 8)
+    allowed[12, 3] = True  # a key of the block before
+    with pytest.raises(masks.MaskError, match="not a causal, sliding-window or chunked mask"):
+        masks.classify_allowed(allowed)
+
+
+def test_within_one_block_a_chunked_mask_is_causal():
+    assert masks.classify_allowed(chunked_allowed(8, 8, 8)) == masks.MaskKind(True, None)
+
+
+@pytest.mark.parametrize("mask", ["where", "add", "minimum"])
+@pytest.mark.parametrize("s_q, s_kv, chunk, calls", [(24, 24, 8, 3), (20, 20, 8, 3), (5, 13, 8, 1), (12, 30, 7, 3)])
+def test_chunked_chain_runs_one_causal_attention_per_block(mask, s_q, s_kv, chunk, calls):
+    mod = G.mlc_4d_chain(h=8, hkv=2, d=64, s=s_q, s_kv=s_kv, b=2, mask=mask, chunk=chunk)
+    (site,) = offload_report(mod)
+    assert site.offloaded and site.chunk == chunk and site.causal == "BottomRight" and site.window is None, site
+    assert site.num_kv_heads == 2 and site.expansion_ops_removed == 2
+    assert f"{calls} causal kernel call" in site.note and site.composite_calls == calls, site
+    part = partition_for_cutlass(mod, gemm=False)
+    assert len(G.composites(part)) == calls and G.count_ops(part, "relax.repeat") == 0
+    assert G.report_partition_disagreement(mod) == []
+    rng = np.random.default_rng(s_q + s_kv)
+    q = rng.normal(size=(2, s_q, 8, 64)).astype("float16")
+    k = rng.normal(size=(2, s_kv, 2, 64)).astype("float16")
+    v = rng.normal(size=(2, s_kv, 2, 64)).astype("float16")
+    got = G.rewritten_on_cpu(mod, [q, k, v])  # against the unrewritten graph on the CPU
+    want = G.reference_attention(q, k, v, out_layout="merged", causal="BottomRight", chunk=chunk)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_chunked_mask_with_symbolic_lengths_is_rejected_saying_why():
+    n = tirx.Var("n", "int64")
+    h, hkv, d = 8, 2, 64
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", relax.TensorType([1, n, h, d], "float16"))
+    k = relax.Var("k", relax.TensorType([1, n, hkv, d], "float16"))
+    v = relax.Var("v", relax.TensorType([1, n, hkv, d], "float16"))
+
+    def mask_te():
+        def body(i, j):
+            hidden = tirx.Or(j > i, tirx.floordiv(j, 8) != tirx.floordiv(i, 8))
+            return tirx.Select(hidden, tirx.const(F16_MIN, "float16"), tirx.const(0.0, "float16"))
+
+        return te.compute((n, n), body, name="chunk_mask")
+
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            kk, vv = (bb.emit(R.repeat(x, h // hkv, axis=2)) for x in (k, v))
+            qt, kt, vt = (bb.emit(R.permute_dims(x, [0, 2, 1, 3])) for x in (q, kk, vv))
+            sc = bb.emit(R.matmul(qt, bb.emit(R.permute_dims(kt, [0, 1, 3, 2]))))
+            sc = bb.emit(R.add(bb.emit(R.multiply(sc, relax.const(d ** -0.5, "float16"))), bb.emit_te(mask_te)))
+            p = bb.emit(R.astype(R.nn.softmax(bb.emit(R.astype(sc, "float32")), axis=-1), "float16"))
+            o = bb.emit_output(R.permute_dims(bb.emit(R.matmul(p, vt)), [0, 2, 1, 3]))
+        bb.emit_func_output(o)
+    mod = bb.get()
+    (site,) = offload_report(mod)
+    assert not site.offloaded and "chunked attention mask" in site.reason and "block of 8" in site.reason
+    assert "symbolic lengths" in site.reason and "static sequence lengths" in site.reason, site.reason
+    assert site.composite_calls == 0 and G.composites(partition_for_cutlass(mod, gemm=False)) == []
