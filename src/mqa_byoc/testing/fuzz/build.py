@@ -393,6 +393,10 @@ class _SiteEmitter:
         if site.window is not None:
             lo = bb.emit(R.subtract(qcol, relax.const(site.window, "int64")))
             cond = bb.emit(R.logical_and(cond, bb.emit(R.greater(kpos, lo))))
+        if site.chunk is not None:  # the query's block of positions (Llama 4: position // chunk size)
+            block = relax.const(site.chunk, "int64")
+            same = bb.emit(R.equal(bb.emit(R.floor_divide(kpos, block)), bb.emit(R.floor_divide(qcol, block))))
+            cond = bb.emit(R.logical_and(cond, same))
         return cond
 
 
@@ -409,6 +413,8 @@ def allowed_np(site: Site, sq: int, skv: int) -> np.ndarray:
     ok = j <= diag
     if site.window is not None:
         ok &= j > diag - site.window
+    if site.chunk is not None:
+        ok &= j // site.chunk == diag // site.chunk
     return ok
 
 

@@ -67,6 +67,7 @@ class Site:
     causal: str | None = None  # None | "TopLeft" | "BottomRight"
     window: int | None = None
     window_without_causal: bool = False  # fused only: window_size with causal_mask=None
+    chunk: int | None = None  # chains, BottomRight without a window: causal within blocks of this many positions
     scale: float | None = None  # fused: the scale attribute; chains: the softmax scale (1/sqrt(d))
     q_prescale: float | None = None  # fused: q multiplied by a constant first
     scale_op: str = "multiply"  # chains: "multiply" by scale | "divide" by 1/scale
@@ -223,6 +224,9 @@ def _draw_site(c, gi, g: KVGroup, varlen: bool) -> Site:
     site["fill"] = c.choice(("min", "-inf"))
     site["mask_dims"] = c.choice((4, 3)) if form == "chain3d" else 4
     site["softmax_f32"] = c.chance(0.7)
+    if causal == "BottomRight" and window is None and site["mask_op"] in ("where", "add", "minmax") \
+            and c.chance(0.2):
+        site["chunk"] = c.integer(2, 12)  # Llama 4's chunked layers
     site["row_guard"] = "none" if c.chance(0.7) else c.choice(("safe", "safe", "any"))
     site["score_mod"] = "none" if c.chance(0.6) else c.choice(("sinks", "sinks", "sinks", "softcap", "unknown"))
     site["softcap_first"] = c.chance(0.7)

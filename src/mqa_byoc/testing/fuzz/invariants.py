@@ -4,8 +4,8 @@
    ``flash_attn`` composite after the partition, and no other attention is;
 2. ``build-native`` / ``build-python``: a module with offloaded sites goes through RunCodegen and
    ``relax.build`` for sm_90 with both providers;
-3. ``truth``: reported (and composite) heads, K/V heads, head dim, dtype, causal kind, window and
-   scale equal the generator's;
+3. ``truth``: reported (and composite) heads, K/V heads, head dim, dtype, causal kind, window, chunk (and
+   how many composites a chunked mask's site becomes) and scale equal the generator's;
 4. ``numerics``: the canonicalized graph (LegalizeGroupedAttention, built for llvm) equals a NumPy
    reference of the generated graph (query head h reads K/V head h // group);
 5. ``verdict`` / ``reason``: offloaded exactly when the generator says FA2 computes the site, and a
@@ -240,9 +240,9 @@ def _check_verdict(res, i, spec, e, r):
         return
     # offloaded, as expected: the reported parameters
     got = dict(num_q_heads=r.num_q_heads, num_kv_heads=r.num_kv_heads, head_dim=r.head_dim, dtype=r.dtype,
-               causal=r.causal, window=r.window)
+               causal=r.causal, window=r.window, chunk=r.chunk, composite_calls=r.composite_calls)
     want = dict(num_q_heads=e.num_q_heads, num_kv_heads=e.num_kv_heads, head_dim=e.head_dim, dtype=e.dtype,
-                causal=e.causal, window=e.window)
+                causal=e.causal, window=e.window, chunk=e.chunk, composite_calls=e.composite_calls)
     for name in got:
         if got[name] != want[name]:
             res.add("truth", f"report {name} ({site.form}, {site.expand})",
@@ -293,9 +293,11 @@ def _check_partition(res, spec, expects, reported_off, part):
                 f"site {i}: reported offloaded, but no flash_attn composite computes it", i)
     for i in sorted(part_off - reported_off):
         res.add("report", "partitioned, not reported offloaded", f"site {i}: in a composite, report says rejected", i)
-    dup = [i for i in part_off if sum(1 for s, _ in calls if s == {i}) > 1]
-    for i in dup:
-        res.add("report", "site in two composites", f"site {i}", i)
+    for i in sorted(part_off):  # one composite a site; a chunked mask's site one a block of keys
+        made, want = sum(1 for s, _ in calls if s == {i}), expects[i].composite_calls if expects[i].offload else 1
+        if made != want:
+            res.add("report", "site in two composites" if want == 1 else "chunked site's composites",
+                    f"site {i}: {made} composites, expected {want}", i)
 
 
 def _check_build(res, spec, mod, provider, left_to_tvm=False):

@@ -28,6 +28,8 @@ SOFTCAP = ("soft-capping",)
 UNKNOWN_MOD = ("unsupported op", "cannot prove")
 SCALE = ("positive, finite scale",)
 SEQ_FIRST = ("sequence-first",)
+CHUNK_SYMBOLIC = ("symbolic lengths", "same causal", "no sample")
+CHUNK_WITH_MOD = ("chunked attention mask",)
 
 
 @dataclass
@@ -42,6 +44,8 @@ class Expect:
     softcap: float | None = None  # the soft-cap an offloaded site reports (the generator's 30)
     causal: str | None = None  # report's causal
     window: int | None = None
+    chunk: int | None = None  # report's chunk: the smallest block size whose chunked mask is the graph's
+    composite_calls: int = 1  # composites an offloaded site becomes (one per block of keys holding a query)
     scale: float | None = None
     note_tile: bool = False  # offloaded with the expansion kept (tile)
     sinks: bool = False  # offloaded as attention with sinks
@@ -64,21 +68,33 @@ def _lengths(site: Site, g: KVGroup):
 
 
 def _chain_mask_kind(site: Site, g: KVGroup, sq, skv):
-    """(report causal, report window) of a chain mask that FA2 can compute."""
+    """(report causal, report window, report chunk) of a chain mask that FA2 can compute."""
     if site.mask_op in ("none", "runtime_bias", "runtime_mask", "const_bias"):
-        return None, None
+        return None, None, None
     if sq is not None and skv is not None:
         a = allowed_np(site, sq, skv)
         if a.all():
-            return None, None
+            return None, None, None
         i = np.arange(sq)[:, None]
         j = np.arange(skv)[None, :]
-        if np.array_equal(a, j <= i + (skv - sq)):
-            return "BottomRight", None
-        return "BottomRight", site.window
+        diag = i + (skv - sq)
+        if np.array_equal(a, j <= diag):
+            return "BottomRight", None, None
+        if site.chunk is not None:
+            if sq == 1:  # one row: the keys from its block's start, a window of that many
+                return "BottomRight", int(a.sum()), None
+            # the smallest block size with the same mask (at these lengths a larger one can be the same)
+            chunk = next(c for c in range(1, skv + 1) if np.array_equal(a, (j <= diag) & (j // c == diag // c)))
+            return "BottomRight", None, chunk
+        return "BottomRight", site.window, None
     if sq == 1:  # one query row over a symbolic S_kv
-        return ("BottomRight", site.window) if site.window is not None else (None, None)
-    return "BottomRight", site.window
+        return ("BottomRight", site.window, None) if site.window is not None else (None, None, None)
+    return "BottomRight", site.window, None
+
+
+def chunk_calls(sq: int, skv: int, chunk: int) -> int:
+    """Blocks of ``chunk`` keys that hold a query position (row + S_kv - S_q): one causal attention each."""
+    return sum(1 for start in range(0, skv, chunk) if min(start + chunk, skv) > skv - sq)
 
 
 def expect(spec: GraphSpec, i: int) -> Expect:
@@ -121,6 +137,11 @@ def expect(spec: GraphSpec, i: int) -> Expect:
         e.causes.append(("a row guard on the scores before the soft-cap", ROW_GUARD))
     elif site.score_mod == "unknown":
         e.causes.append(("unknown score modification", UNKNOWN_MOD))
+    if site.chunk is not None and site.mask_op in ("where", "add", "minmax"):
+        if sq is None or skv is None:  # sampled at lengths past the block size: chunked there
+            e.causes.append(("a chunked mask with symbolic lengths", CHUNK_SYMBOLIC))
+        elif _chain_mask_kind(site, g, sq, skv)[2] is not None and site.score_mod in ("sinks", "softcap"):
+            e.causes.append(("a chunked mask with sinks or soft-capping", CHUNK_WITH_MOD))
     if site.q_layout == "SBNH" and site.score_mod in ("sinks", "softcap"):
         # the sinks' and soft-capping's kernels take batch-first operands only
         e.causes.append(("sinks or soft-capping on a sequence-first query", SEQ_FIRST))
@@ -150,7 +171,9 @@ def expect(spec: GraphSpec, i: int) -> Expect:
             s *= rounded(site.q_prescale, g.dtype)
         e.scale = s
     else:
-        e.causal, e.window = _chain_mask_kind(site, g, sq, skv)
+        e.causal, e.window, e.chunk = _chain_mask_kind(site, g, sq, skv)
+        if e.chunk is not None:
+            e.composite_calls = chunk_calls(sq, skv, e.chunk)
         if site.scale_op == "multiply":
             e.scale = rounded(site.scale, g.dtype)
         else:

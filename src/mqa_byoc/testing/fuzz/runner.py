@@ -104,6 +104,9 @@ def valid(spec: GraphSpec) -> bool:
             return False
         if s.window_without_causal and (s.form != "fused" or s.causal is not None or s.window is None):
             return False
+        if s.chunk is not None and (s.form == "fused" or s.causal != "BottomRight" or s.window is not None
+                                    or s.mask_op not in ("where", "add", "minmax")):
+            return False
         want_sq = {"concat1": 1, "same": "n", "concat": "n"}.get(g.lengths)
         if want_sq is not None and s.s_q != want_sq or g.lengths == "static" and not isinstance(s.s_q, int):
             return False
