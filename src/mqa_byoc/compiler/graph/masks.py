@@ -32,8 +32,9 @@ MASKED_LOGIT_BOUND = -2048.0
 _SAMPLE_LENGTHS = (1, 2, 5, 16, 37)
 # integer constants up to this are treated as possible length thresholds
 _MAX_THRESHOLD = 1 << 24
-# the largest mask (S_q x S_kv elements) evaluated at compile time
-MAX_SAMPLE_ELEMENTS = 1 << 26
+# the largest mask (S_q x S_kv elements) evaluated at compile time: a square prompt of 16384 positions (Llama 4's
+# chunked layers split prompts beyond 8192); such a mask took ~5 s and ~3 GB to evaluate on one CPU core
+MAX_SAMPLE_ELEMENTS = 1 << 28
 
 
 class MaskError(Exception):
