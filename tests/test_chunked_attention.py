@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tvm import relax, te, tirx
-from tvm.relax import op as R
+from tvm import tirx
 
 from mqa_byoc import offload_report, partition_for_cutlass
 from mqa_byoc.compiler.graph import masks
@@ -68,30 +67,7 @@ def test_chunked_chain_runs_one_causal_attention_per_block(mask, s_q, s_kv, chun
 
 
 def test_chunked_mask_with_symbolic_lengths_is_rejected_saying_why():
-    n = tirx.Var("n", "int64")
-    h, hkv, d = 8, 2, 64
-    bb = relax.BlockBuilder()
-    q = relax.Var("q", relax.TensorType([1, n, h, d], "float16"))
-    k = relax.Var("k", relax.TensorType([1, n, hkv, d], "float16"))
-    v = relax.Var("v", relax.TensorType([1, n, hkv, d], "float16"))
-
-    def mask_te():
-        def body(i, j):
-            hidden = tirx.Or(j > i, tirx.floordiv(j, 8) != tirx.floordiv(i, 8))
-            return tirx.Select(hidden, tirx.const(F16_MIN, "float16"), tirx.const(0.0, "float16"))
-
-        return te.compute((n, n), body, name="chunk_mask")
-
-    with bb.function("main", [q, k, v]):
-        with bb.dataflow():
-            kk, vv = (bb.emit(R.repeat(x, h // hkv, axis=2)) for x in (k, v))
-            qt, kt, vt = (bb.emit(R.permute_dims(x, [0, 2, 1, 3])) for x in (q, kk, vv))
-            sc = bb.emit(R.matmul(qt, bb.emit(R.permute_dims(kt, [0, 1, 3, 2]))))
-            sc = bb.emit(R.add(bb.emit(R.multiply(sc, relax.const(d ** -0.5, "float16"))), bb.emit_te(mask_te)))
-            p = bb.emit(R.astype(R.nn.softmax(bb.emit(R.astype(sc, "float32")), axis=-1), "float16"))
-            o = bb.emit_output(R.permute_dims(bb.emit(R.matmul(p, vt)), [0, 2, 1, 3]))
-        bb.emit_func_output(o)
-    mod = bb.get()
+    mod = G.symbolic_mask_chain(lambda i, j, n: tirx.Or(j > i, tirx.floordiv(j, 8) != tirx.floordiv(i, 8)))
     (site,) = offload_report(mod)
     assert not site.offloaded and "chunked attention mask" in site.reason and "block of 8" in site.reason
     assert "symbolic lengths" in site.reason and "static sequence lengths" in site.reason, site.reason

@@ -4,8 +4,7 @@
 import numpy as np
 import pytest
 import tvm
-from tvm import relax, te, tirx
-from tvm.relax import op as R
+from tvm import relax, tirx
 
 from mqa_byoc.testing import graphs as G
 from mqa_byoc import offload_report, partition_for_cutlass
@@ -89,33 +88,7 @@ def test_symbolic_mask_offloaded_with_the_right_kind(form, mode, window):
 
 def _threshold_mask_chain(limit):
     """A chain whose mask is causal while S <= limit and hides nothing beyond: not an FA2 mask."""
-    n = tirx.Var("n", "int64")
-    h, hkv, d = 8, 2, 64
-    bb = relax.BlockBuilder()
-    q = relax.Var("q", relax.TensorType([1, n, h, d], "float16"))
-    k = relax.Var("k", relax.TensorType([1, n, hkv, d], "float16"))
-    v = relax.Var("v", relax.TensorType([1, n, hkv, d], "float16"))
-    lo, hi = float(np.finfo(np.float16).min), float(np.finfo(np.float16).max)
-
-    def mask_te():
-        def body(i, j):
-            masked = tirx.And(j > i, n <= limit)
-            return tirx.Select(masked, tirx.const(lo, "float16"), tirx.const(hi, "float16"))
-
-        return te.compute((n, n), body, name="mask")
-
-    with bb.function("main", [q, k, v]):
-        with bb.dataflow():
-            kk, vv = (bb.emit(R.repeat(x, h // hkv, axis=2)) for x in (k, v))
-            qt, kt, vt = (bb.emit(R.permute_dims(x, [0, 2, 1, 3])) for x in (q, kk, vv))
-            sc = bb.emit(R.matmul(qt, bb.emit(R.permute_dims(kt, [0, 1, 3, 2]))))
-            sc = bb.emit(R.multiply(sc, relax.const(d ** -0.5, "float16")))
-            sc = bb.emit(R.minimum(sc, bb.emit_te(mask_te)))
-            p = bb.emit(R.astype(R.nn.softmax(bb.emit(R.astype(sc, "float32")), axis=-1), "float16"))
-            o = bb.emit(R.permute_dims(bb.emit(R.matmul(p, vt)), [0, 2, 1, 3]))
-            o = bb.emit_output(o)
-        bb.emit_func_output(o)
-    return bb.get()
+    return G.symbolic_mask_chain(lambda i, j, n: tirx.And(j > i, n <= limit))
 
 
 def test_mask_that_changes_past_a_length_is_rejected():

@@ -183,6 +183,36 @@ def mlc_4d_chain(h=8, hkv=2, d=64, s=16, s_kv=None, b=1, dtype=F16, divide=True,
     return _finish(bb)
 
 
+def symbolic_mask_chain(hidden, h=8, hkv=2, d=64):
+    """A chain over a symbolic length n (B = 1, BSNH in and out, K/V repeated) whose mask is a TE compute:
+    ``hidden(i, j, n)`` (a TIR bool) hides key j from query i; the mask is applied as ``minimum`` with the
+    dtype's extremes."""
+    from tvm import te, tirx
+
+    n = tirx.Var("n", "int64")
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", relax.TensorType([1, n, h, d], "float16"))
+    k = relax.Var("k", relax.TensorType([1, n, hkv, d], "float16"))
+    v = relax.Var("v", relax.TensorType([1, n, hkv, d], "float16"))
+    lo, hi = float(np.finfo(np.float16).min), float(np.finfo(np.float16).max)
+
+    def mask_te():
+        return te.compute((n, n), lambda i, j: tirx.Select(hidden(i, j, n), tirx.const(lo, "float16"),
+                                                           tirx.const(hi, "float16")), name="mask")
+
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            kk, vv = (bb.emit(R.repeat(x, h // hkv, axis=2)) for x in (k, v))
+            qt, kt, vt = (bb.emit(R.permute_dims(x, [0, 2, 1, 3])) for x in (q, kk, vv))
+            sc = bb.emit(R.matmul(qt, bb.emit(R.permute_dims(kt, [0, 1, 3, 2]))))
+            sc = bb.emit(R.multiply(sc, relax.const(d ** -0.5, "float16")))
+            sc = bb.emit(R.minimum(sc, bb.emit_te(mask_te)))
+            p = bb.emit(R.astype(R.nn.softmax(bb.emit(R.astype(sc, "float32")), axis=-1), "float16"))
+            o = bb.emit_output(R.permute_dims(bb.emit(R.matmul(p, vt)), [0, 2, 1, 3]))
+        bb.emit_func_output(o)
+    return bb.get()
+
+
 def hf_repeat_kv(bb, x, b, hkv, r, s, d):
     """HF's ``repeat_kv`` on a BNSH (b, hkv, s, d) tensor as TVM's torch frontend emits it:
     ``expand_dims(axis=2)`` -> 5-D ``broadcast_to`` (b, hkv, r, s, d) -> ``reshape`` (b, hkv * r, s, d)."""
