@@ -12,6 +12,7 @@ import pytest
 from tvm import tirx
 
 from mqa_byoc import offload_report, partition_for_cutlass
+from mqa_byoc.demo import format_report
 from mqa_byoc.compiler.graph import masks
 from mqa_byoc.testing import graphs as G
 
@@ -57,6 +58,7 @@ def test_chunked_chain_runs_one_causal_attention_per_block(mask, s_q, s_kv, chun
     part = partition_for_cutlass(mod, gemm=False)
     assert len(G.composites(part)) == calls and G.count_ops(part, "relax.repeat") == 0
     assert G.report_partition_disagreement(mod) == []
+    assert f"BottomRight chunk={chunk}" in format_report([site])
     rng = np.random.default_rng(s_q + s_kv)
     q = rng.normal(size=(2, s_q, 8, 64)).astype("float16")
     k = rng.normal(size=(2, s_kv, 2, 64)).astype("float16")

@@ -42,6 +42,8 @@ def format_report(sites) -> str:
             mask += f" w={s.window}"
         if getattr(s, "softcap", None):
             mask += f" softcap={s.softcap:g}"
+        if getattr(s, "chunk", None):
+            mask += f" chunk={s.chunk}"
         what = s.composite if s.offloaded else f"REJECTED: {s.reason}"
         if s.note:
             what += f" ({s.note})"
