@@ -694,25 +694,6 @@ struct RowsAsN {
   }
 };
 
-// One warp turns a row's n split LSEs (base 2, at w[sp * stride]) into their weights exp2(lse - max) in place
-// (0 for an empty split); returns {max, the weights' sum} in every lane.
-__device__ __forceinline__ float2 split_weights(float* w, int stride, int n, int lane) {
-  float mx = -INFINITY;
-  for (int sp = lane; sp < n; sp += 32) mx = fmaxf(mx, w[sp * stride]);
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-  float tot = 0.f;
-  for (int sp = lane; sp < n; sp += 32) {
-    const float l = w[sp * stride];
-    const float e = l == -INFINITY ? 0.f : exp2f(l - mx);
-    w[sp * stride] = e;
-    tot += e;
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, off);
-  return make_float2(mx, tot);
-}
-
 // The end of a block's work once s_o holds its rows' outputs ([kSumWarps][row][kOStride], fp32, normalized
 // by the block's LSE, summed over the kSumWarps shares) and s_f their base-2 LSEs: written out (one split),
 // merged in the cluster, or stored as a partial and merged by the slot's last block (`defer`: by the
@@ -803,8 +784,19 @@ __device__ __forceinline__ void finish_block(const mqa_byoc_decode_args& a, unsi
   }
   __syncthreads();
   for (int r = warp; r < rows_here; r += n_threads / 32) {  // one warp per row: max, weights, sum
-    const float2 ms = split_weights(s_w + r, kRows, n_splits, lane);
-    const float mx = ms.x, tot = ms.y;
+    float mx = -INFINITY;
+    for (int sp = lane; sp < n_splits; sp += 32) mx = fmaxf(mx, s_w[sp * kRows + r]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    float tot = 0.f;
+    for (int sp = lane; sp < n_splits; sp += 32) {
+      const float l = s_w[sp * kRows + r];
+      const float w = l == -INFINITY ? 0.f : exp2f(l - mx);
+      s_w[sp * kRows + r] = w;
+      tot += w;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, off);
     if (lane == 0) {
       s_l[r] = tot > 0.f ? 1.f / tot : 0.f;
       if (a.lse != nullptr) {
@@ -1131,19 +1123,6 @@ struct SharedSmem {
 // into as many splits of even size (whole tiles, none over that size). Every CTA finds it and its own
 // sequence from the lengths (in s_len, the batch's ints, before the pipeline uses that memory), by block
 // sums and one warp's prefix sum of the split counts. b = -1: a CTA past the last split.
-// The packed split size's arithmetic, shared by packed_work and packed_work_warp: keys rounded up to whole
-// tiles; the first guess (at least min_kps, the longest sequence in at most max_splits splits, the batch's
-// tiles over the grid); the next, larger guess; a sequence's n splits of even size (whole tiles, none
-// over the batch's size).
-__device__ __forceinline__ int tile_up(int k) { return (k + kShTileKeys - 1) / kShTileKeys * kShTileKeys; }
-__device__ __forceinline__ int packed_first_kps(int min_kps, int longest, int max_splits, int tiles, int grid) {
-  return max(min_kps, max(tile_up((longest + max_splits - 1) / max_splits), (tiles + grid - 1) / grid * kShTileKeys));
-}
-__device__ __forceinline__ int packed_next_kps(int kps) { return tile_up(kps + max(kShTileKeys, kps / 16)); }
-__device__ __forceinline__ int packed_even_split(int len, int n) {
-  return max(kShTileKeys, tile_up((len + n - 1) / n));
-}
-
 struct PackedWork {
   int b, split, n_splits, first, kps;  // first: the number of the sequence's split 0
   int begin, end;                      // the sequence's keys (SeqRange), where found (end < 0: not)
@@ -1162,7 +1141,8 @@ __device__ __forceinline__ PackedWork packed_work_warp(const mqa_byoc_decode_arg
       tiles += __shfl_xor_sync(0xffffffffu, tiles, off);
       longest = max(longest, __shfl_xor_sync(0xffffffffu, longest, off));
     }
-    int kps = packed_first_kps(min_kps, longest, max_splits, tiles, grid);
+    auto up = [](int k) { return (k + kShTileKeys - 1) / kShTileKeys * kShTileKeys; };
+    int kps = max(min_kps, max(up((longest + max_splits - 1) / max_splits), (tiles + grid - 1) / grid * kShTileKeys));
     int c;
     for (;;) {  // as packed_work: at most the longest sequence's keys (one split each: batch <= grid)
       c = lane < batch ? max(1, (len + kps - 1) / kps) : 0;
@@ -1170,7 +1150,7 @@ __device__ __forceinline__ PackedWork packed_work_warp(const mqa_byoc_decode_arg
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) count += __shfl_xor_sync(0xffffffffu, count, off);
       if (count <= grid) break;
-      kps = packed_next_kps(kps);
+      kps = up(kps + max(kShTileKeys, kps / 16));
     }
     int incl = c;
 #pragma unroll
@@ -1185,7 +1165,7 @@ __device__ __forceinline__ PackedWork packed_work_warp(const mqa_byoc_decode_arg
       const int src = __ffs(hit) - 1, f = __shfl_sync(0xffffffffu, first, src);
       const int n = __shfl_sync(0xffffffffu, c, src), l = __shfl_sync(0xffffffffu, len, src);
       const int begin = __shfl_sync(0xffffffffu, sr.begin, src), end = __shfl_sync(0xffffffffu, sr.end, src);
-      w = {src, x - f, n, f, packed_even_split(l, n), begin, end};
+      w = {src, x - f, n, f, max(kShTileKeys, up((l + n - 1) / n)), begin, end};
     }
     if (lane == 0) *s_work = w;
   }
@@ -1222,12 +1202,13 @@ __device__ __forceinline__ PackedWork packed_work(const mqa_byoc_decode_args& a,
   if (lane == 0) s_red[2 * kShMaxWarps + warp] = longest;
   const int total_tiles = block_sum(tiles);  // (its barrier also publishes the maxima and s_len)
   for (int w = 0; w < n_warps; ++w) longest = max(longest, s_red[2 * kShMaxWarps + w]);
-  int kps = packed_first_kps(min_kps, longest, max_splits, total_tiles, grid);
+  auto up = [](int k) { return (k + kShTileKeys - 1) / kShTileKeys * kShTileKeys; };
+  int kps = max(min_kps, max(up((longest + max_splits - 1) / max_splits), (total_tiles + grid - 1) / grid * kShTileKeys));
   for (;;) {  // at most the longest sequence's keys (one split each: batch <= grid)
     int count = 0;
     for (int j = threadIdx.x; j < batch; j += n_threads) count += max(1, (s_len[j] + kps - 1) / kps);
     if (block_sum(count) <= grid) break;
-    kps = packed_next_kps(kps);
+    kps = up(kps + max(kShTileKeys, kps / 16));
   }
   if (threadIdx.x < 32) {
     int carry = 0;
@@ -1247,7 +1228,7 @@ __device__ __forceinline__ PackedWork packed_work(const mqa_byoc_decode_args& a,
         const int n = __shfl_sync(0xffffffffu, c, src), len = s_len[j0 + src];
         // the sequence's n splits of even size (whole tiles: still n of them, none over kps): a split of
         // kps keys and a short last one would set the pace
-        w = {j0 + src, x - f, n, f, packed_even_split(len, n), 0, -1};
+        w = {j0 + src, x - f, n, f, max(kShTileKeys, up((len + n - 1) / n)), 0, -1};
         break;
       }
       carry += __shfl_sync(0xffffffffu, incl, 31);
@@ -1485,13 +1466,28 @@ __global__ void __launch_bounds__(kMergeThreads)
   const int row0 = rg * k_rows, rows_here = min(k_rows, group - row0), r_block = blockIdx.x * kRows;
   if (r_block >= rows_here) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // The splits' weights, written out here and in finish_block's last-CTA merge: one shared helper for both
+  // loops (and named helpers for the packed splits' arithmetic) made 8 sequences of 71/1/64 with mixed
+  // lengths 1.06x slower on the H200, outputs equal to the bit (results/2026-12-05-decode-builds-bisect-71).
   for (int i = warp; i < kRows; i += kMergeThreads / 32) {  // a warp a row: the splits' weights
     const int row = r_block + i;
-    for (int sp = lane; sp < n; sp += 32) {  // each lane's own splits (split_weights reads the same ones)
-      s_w[i][sp] = row < rows_here ? __ldcg(lse_part + int64_t(ps.x + sp) * k_rows + row) : -INFINITY;
+    float mx = -INFINITY;
+    for (int sp = lane; sp < n; sp += 32) {
+      const float l = row < rows_here ? __ldcg(lse_part + int64_t(ps.x + sp) * k_rows + row) : -INFINITY;
+      s_w[i][sp] = l;
+      mx = fmaxf(mx, l);
     }
-    const float2 ms = split_weights(s_w[i], 1, n, lane);
-    const float mx = ms.x, tot = ms.y;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    float tot = 0.f;
+    for (int sp = lane; sp < n; sp += 32) {
+      const float l = s_w[i][sp];
+      const float w = l == -INFINITY ? 0.f : exp2f(l - mx);
+      s_w[i][sp] = w;
+      tot += w;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, off);
     if (lane == 0) {
       s_inv[i] = tot > 0.f ? 1.f / tot : 0.f;
       if (a.lse != nullptr && row < rows_here) {
