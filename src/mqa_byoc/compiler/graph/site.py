@@ -241,7 +241,7 @@ def chunk_blocks(site: AttentionSite) -> list[tuple[int, int, int, int]]:
     offset, blocks = s_kv - s_q, []
     for start in range(0, s_kv, chunk):
         end = min(start + chunk, s_kv)
-        if end - offset > max(start, offset) - offset:
+        if end > max(start, offset):  # a query position falls in the block
             blocks.append((max(start, offset) - offset, end - offset, start, end))
     return blocks
 
