@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import json
 import os
 import subprocess
@@ -78,7 +77,7 @@ def main(argv=None):
     import tvm.runtime.vm
     from decode_kernel import kernel_us  # summed CUPTI kernel time per call
 
-    from mqa_byoc.testing.read_floor import read_floor_us
+    from mqa_byoc.testing.read_floor import cold_copies, read_floor_us
     from mqa_byoc.testing.timing import cuda_time_us
 
     bench = args.artifacts / "bench"
@@ -90,12 +89,12 @@ def main(argv=None):
     for name, n, k in manifest["shapes"]:
         w = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
         # --cold: copies of W taken in turns, together over twice the L2 (the first is w, the reference's)
-        ws = [w] + ([w.clone() for _ in range(-(-2 * L2_BYTES // (n * k * 2)))] if args.cold else [])
+        ws = cold_copies(w, L2_BYTES) if args.cold else [w]
         tws = [tvm.runtime.from_dlpack(c) for c in ws]
-        turn = itertools.count()
+        turn = [0]  # the next copy; each variant starts again at w, the reference's weight
 
         def pick():
-            i = next(turn) % len(ws)
+            i, turn[0] = turn[0] % len(ws), turn[0] + 1
             return ws[i], tws[i]
 
         if args.read_floor:
@@ -127,7 +126,7 @@ def main(argv=None):
             for variant in order:
                 fn = calls[variant]
                 try:
-                    turn = itertools.count()  # the first call multiplies by w, the reference's weight
+                    turn[0] = 0
                     out = fn()
                     got = torch.from_dlpack(out) if variant != "torch" else out
                     err = float((got.float() - ref.float()).abs().max())

@@ -49,6 +49,12 @@ def reader(bufs, blocks: int, threads: int):
     return call
 
 
+def cold_copies(buf, l2_bytes: int = 50 << 20) -> list:
+    """``buf`` and as many clones of it as make them together exceed twice ``l2_bytes``: taken in turns, no
+    read finds its buffer in L2."""
+    return [buf] + [buf.clone() for _ in range(-(-2 * l2_bytes // (buf.numel() * buf.element_size())))]
+
+
 def read_floor_us(buf, time_us, l2_bytes: int = 50 << 20) -> dict:
     """The fastest of :data:`SHAPES` at reading ``buf``, timed by ``time_us(fn)``: ``warm``, the same buffer
     every call (as a decode loop reads its cache), and ``cold``, copies taking turns that together exceed
@@ -56,7 +62,7 @@ def read_floor_us(buf, time_us, l2_bytes: int = 50 << 20) -> dict:
     import torch
 
     sms = torch.cuda.get_device_properties(buf.device).multi_processor_count
-    copies = [buf] + [buf.clone() for _ in range(-(-2 * l2_bytes // (buf.numel() * buf.element_size())))]
+    copies = cold_copies(buf, l2_bytes)
     rec = {"empty_kernel_us": time_us(reader([buf], 0, 32))}
     for name, bufs in (("warm", [buf]), ("cold", copies)):
         times = {(bps, t): time_us(reader(bufs, bps * sms, t)) for bps, t in SHAPES}
