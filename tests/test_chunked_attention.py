@@ -1,6 +1,7 @@
 """Chunked attention (Llama 4's chunked layers: each query sees the earlier keys of its own block of c
-positions): the mask is proven from the graph like a causal one, and the site runs as one causal attention
-per block of keys on slices of Q, K and V, the outputs concatenated. Checked on the CPU against the
+positions): the mask is proven from the graph like a causal one, and the site runs as causal attentions on
+blocks: the whole blocks as one call on a batch of blocks (Q, K and V reshaped), a block entered midway or
+a short last block as a call of its own, the outputs concatenated. Checked on the CPU against the
 unrewritten graph and a NumPy reference, for blocks that split the sequence evenly or not, with queries
 that start inside a block (a prefill after a past), and rejected with the reason where the blocks are not
 known when compiling."""
@@ -48,8 +49,15 @@ def test_within_one_block_a_chunked_mask_is_causal():
 
 
 @pytest.mark.parametrize("mask", ["where", "add", "minimum"])
-@pytest.mark.parametrize("s_q, s_kv, chunk, calls", [(24, 24, 8, 3), (20, 20, 8, 3), (5, 13, 8, 1), (12, 30, 7, 3)])
-def test_chunked_chain_runs_one_causal_attention_per_block(mask, s_q, s_kv, chunk, calls):
+@pytest.mark.parametrize("s_q, s_kv, chunk, calls", [
+    (24, 24, 8, 1),  # three whole blocks: one call on a batch of 3 blocks, Q/K/V reshaped
+    (20, 20, 8, 2),  # two whole blocks, then a block of 4
+    (5, 13, 8, 1),  # the queries start at a block boundary: one short block
+    (12, 30, 7, 3),  # a block entered midway, a whole one, a short last one
+    (16, 24, 8, 1),  # queries from a boundary after a past: K/V from there, two whole blocks
+    (3, 21, 8, 1),  # within one block, entered midway (a prefill's continuation)
+])
+def test_chunked_chain_runs_the_blocks_as_few_causal_attentions(mask, s_q, s_kv, chunk, calls):
     mod = G.mlc_4d_chain(h=8, hkv=2, d=64, s=s_q, s_kv=s_kv, b=2, mask=mask, chunk=chunk)
     (site,) = offload_report(mod)
     assert site.offloaded and site.chunk == chunk and site.causal == "BottomRight" and site.window is None, site

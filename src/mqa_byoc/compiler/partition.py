@@ -40,7 +40,7 @@ from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
 from mqa_byoc.compiler.graph.lowered_matmul import RestoreLoweredMatmul, has_lowered_nt_matmul
 from mqa_byoc.compiler.graph.patterns import flash_attn_patterns
 from mqa_byoc.compiler.graph.sink_attention import OffloadSinkAttention
-from mqa_byoc.compiler.graph.site import (FUSED_FORMS, chunk_blocks, chunked_note, require_flag, require_module,
+from mqa_byoc.compiler.graph.site import (FUSED_FORMS, chunk_calls, chunked_note, require_flag, require_module,
                                           sequence_first_note, value_padding_note)
 from mqa_byoc.compiler.graph.trace import Bindings
 from mqa_byoc.compiler.graph.log_softmax import ExpOfLogSoftmax
@@ -82,7 +82,7 @@ class OffloadSite:
     softcap: float | None = None  # logit soft-cap c (scores = c * tanh(scores / c)); None: none
     head_dim_v: int | None = None  # V's head dim (``head_dim`` is Q's and K's); smaller: V is padded to head_dim
     chunk: int | None = None  # chunked attention: causal within blocks of this many key positions; None: not chunked
-    composite_calls: int = 0  # composite calls the site becomes: 1, one per block of keys with ``chunk``; 0: rejected
+    composite_calls: int = 0  # composite calls the site becomes: 1, with ``chunk`` 1 to 3 (site.chunk_calls); 0: rejected
 
     def as_dict(self) -> dict:
         """Returns
@@ -174,7 +174,7 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
                     sinks=s.sinks is not None, softcap=s.softcap is not None, arch=arch) if ok else None,
                 kernel_options=options.describe() if ok and chosen != "python" else None,
                 softcap=s.softcap, head_dim_v=s.head_dim_v, chunk=s.mask.chunk,
-                composite_calls=(len(chunk_blocks(s)) if s.mask.chunk is not None else 1) if ok else 0,
+                composite_calls=(len(chunk_calls(s)) if s.mask.chunk is not None else 1) if ok else 0,
             ))
     report = varlen.explain_unlowerable(report)
     if gemm:

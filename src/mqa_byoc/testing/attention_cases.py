@@ -229,11 +229,14 @@ CASES = [
          dict(GQA, b=1, s=32, s_kv=160, mask="add", divide=False, dtype="bfloat16")),
     Case("mlc4d_gqa_f16_where_chunked", "3 mlc-4d", "mlc_4d_chain", dict(GQA, b=2, s=64, s_kv=192, mask="where")),
     Case("mlc4d_gqa_f16_decode", "3 mlc-4d", "mlc_4d_chain", dict(GQA, b=4, s=1, s_kv=256, mask="none")),
-    # a chunked mask (Llama 4's chunked layers): one causal attention per block of keys
+    # a chunked mask (Llama 4's chunked layers): whole blocks batched in one call (prefill: two, then a short
+    # block; whole_blocks: after a past of one block), a block entered midway alone (past)
     Case("mlc4d_gqa_f16_where_chunked_mask_prefill", "3 mlc-4d chunked mask", "mlc_4d_chain",
          dict(GQA, b=2, s=160, mask="where", chunk=64)),
     Case("mlc4d_gqa_bf16_add_chunked_mask_past", "3 mlc-4d chunked mask", "mlc_4d_chain",
          dict(GQA, b=1, s=80, s_kv=176, mask="add", chunk=64, dtype="bfloat16")),
+    Case("mlc4d_gqa_f16_minimum_chunked_mask_whole_blocks", "3 mlc-4d chunked mask", "mlc_4d_chain",
+         dict(GQA, b=2, s=128, s_kv=192, mask="minimum", chunk=64)),
     # form 4: TVM's PyTorch frontend on HF repeat_kv + eager attention, BNSH in, (B, S, H*D) out
     Case("hf_gqa_f16_causal", "4 hf-repeat-kv", "hf_repeat_kv_chain", dict(GQA, b=2, s=128)),
     Case("hf_gqa_bf16_causal", "4 hf-repeat-kv", "hf_repeat_kv_chain", dict(GQA, b=1, s=96, dtype="bfloat16")),

@@ -18,7 +18,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from mqa_byoc.compiler.graph import analysis, masks, sink_attention, varlen
 from mqa_byoc.compiler.graph.exprs import (binding_values, function_bindings, function_results, is_offloaded,
                                            op_name)
-from mqa_byoc.compiler.graph.site import chunk_blocks, output_steps, seq_len
+from mqa_byoc.compiler.graph.site import chunk_calls, output_steps, seq_len
 from mqa_byoc.compiler.graph.trace import Bindings, as_int
 from mqa_byoc.compiler.graph.log_softmax import ExpOfLogSoftmax
 from mqa_byoc.compiler.graph.views import CollapseViewChains, UnfoldMatmulRows
@@ -155,22 +155,31 @@ class _Canonicalize(PyExprMutator):
 
 
     def _chunked_attention(self, q, k, v, site):
-        """A chunked mask's attention on BSNH operands as one causal attention per block of ``site.mask.chunk``
-        keys (the analysis proved the lengths static): block j's keys [j c, (j + 1) c), its queries the rows
-        whose positions (row + S_kv - S_q) fall in it, bottom-right aligned as FA2's causal mask is; the
-        blocks' outputs concatenated on the sequence axis (an unbound expression)."""
+        """A chunked mask's attention on BSNH operands as causal attentions on blocks of ``site.mask.chunk``
+        positions (the analysis proved the lengths static; :func:`chunk_calls`): the whole blocks in one call,
+        their rows and keys reshaped from (B, n c, H, D) to a batch of blocks (B n, c, H, D), a partial block
+        at either end in one call of its own; bottom-right aligned as FA2's causal mask is; the calls' outputs
+        concatenated on the sequence axis (an unbound expression)."""
         s_q, s_kv = as_int(seq_len(site.q)), as_int(seq_len(site.k))
         parts = []
 
-        def rows(x, begin, end, length):
-            if (begin, end) == (0, length):
+        def rows(x, begin, end, length, blocks):
+            if (begin, end) != (0, length):
+                x = self.builder_.emit(relax.op.strided_slice(x, axes=[1], begin=[begin], end=[end]))
+            if blocks == 1:
                 return x
-            return self.builder_.emit(relax.op.strided_slice(x, axes=[1], begin=[begin], end=[end]))
+            b, _s, heads, dim = x.ty.shape.values
+            return self.builder_.emit(relax.op.reshape(x, [b * blocks, (end - begin) // blocks, heads, dim]))
 
-        for q0, q1, start, end in chunk_blocks(site):
-            parts.append(self.builder_.emit(relax.op.nn.attention(
-                rows(q, q0, q1, s_q), rows(k, start, end, s_kv), rows(v, start, end, s_kv), scale=site.scale,
-                causal_mask="BottomRight")))
+        for q0, q1, k0, k1, blocks in chunk_calls(site):
+            att = relax.op.nn.attention(rows(q, q0, q1, s_q, blocks), rows(k, k0, k1, s_kv, blocks),
+                                        rows(v, k0, k1, s_kv, blocks), scale=site.scale, causal_mask="BottomRight")
+            if blocks > 1:
+                att = self.builder_.emit(att)
+                b = q.ty.shape.values[0]
+                _bn, _c, heads, dim_v = att.ty.shape.values
+                att = relax.op.reshape(att, [b, q1 - q0, heads, dim_v])
+            parts.append(self.builder_.emit(att))
         return parts[0] if len(parts) == 1 else relax.op.concat(parts, axis=1)
 
 

@@ -233,17 +233,27 @@ def sequence_first_note(site: AttentionSite) -> str | None:
             "transposed to batch-first before each call (a copy of each; the kernels read batch-first operands)")
 
 
-def chunk_blocks(site: AttentionSite) -> list[tuple[int, int, int, int]]:
-    """The causal attentions a chunked mask's site runs as (static lengths, proven by the analysis): per block of
-    ``site.mask.chunk`` keys that holds a query, (first query row, end query row, first key, end key); the
-    queries are the rows whose positions (row + S_kv - S_q) fall in the block."""
+def chunk_calls(site: AttentionSite) -> list[tuple[int, int, int, int, int]]:
+    """The causal attentions a chunked mask's site runs as (static lengths, proven by the analysis), as
+    (first query row, end query row, first key, end key, blocks) each; a query row's position is
+    row + S_kv - S_q. The whole blocks of ``site.mask.chunk`` positions that start at or after the first
+    query are one call on a batch of ``blocks`` blocks (their rows and keys coincide: each block is c queries
+    on c keys); a block that the first query enters midway, and a last block shorter than c, one call each.
+    So at most three calls, one when the queries start at a block boundary and end at one."""
     chunk, s_q, s_kv = site.mask.chunk, as_int(seq_len(site.q)), as_int(seq_len(site.k))
-    offset, blocks = s_kv - s_q, []
-    for start in range(0, s_kv, chunk):
-        end = min(start + chunk, s_kv)
-        if end > max(start, offset):  # a query position falls in the block
-            blocks.append((max(start, offset) - offset, end - offset, start, end))
-    return blocks
+    offset = s_kv - s_q
+    pos, calls = offset, []
+    if pos % chunk:  # the first query's block began before it: its keys from the block's start
+        end = min(pos - pos % chunk + chunk, s_kv)
+        calls.append((0, end - offset, pos - pos % chunk, end, 1))
+        pos = end
+    whole = (s_kv - pos) // chunk
+    if whole:
+        calls.append((pos - offset, pos - offset + whole * chunk, pos, pos + whole * chunk, whole))
+        pos += whole * chunk
+    if pos < s_kv:
+        calls.append((pos - offset, s_q, pos, s_kv, 1))
+    return calls
 
 
 def chunked_note(site: AttentionSite) -> str | None:
@@ -251,10 +261,20 @@ def chunked_note(site: AttentionSite) -> str | None:
     chunk = site.mask.chunk
     if chunk is None:
         return None
-    calls = len(chunk_blocks(site))
-    return (f"chunked attention (causal within blocks of {chunk} positions): {calls} causal kernel "
-            f"call{'s' if calls != 1 else ''}, one per block of keys, on slices of Q, K and V (copies where a "
-            "block is not the whole sequence), their outputs concatenated")
+    calls = chunk_calls(site)
+    offset = as_int(seq_len(site.k)) - as_int(seq_len(site.q))
+    parts = []
+    for _q0, _q1, k0, k1, blocks in calls:
+        if blocks > 1:
+            parts.append(f"{blocks} whole blocks as one batch (Q, K and V reshaped)")
+        elif k0 < offset:
+            parts.append("a block the queries enter midway")
+        else:
+            parts.append("a whole block" if k1 - k0 == chunk else "a short last block")
+    n = len(calls)
+    return (f"chunked attention (causal within blocks of {chunk} positions): {n} causal kernel "
+            f"call{'s' if n != 1 else ''}: {', '.join(parts)}; rows that are not the whole sequence are slices "
+            f"(copies){', the outputs concatenated' if n > 1 else ''}")
 
 
 def scale_problem(scale) -> str | None:

@@ -293,7 +293,7 @@ def _check_partition(res, spec, expects, reported_off, part):
                 f"site {i}: reported offloaded, but no flash_attn composite computes it", i)
     for i in sorted(part_off - reported_off):
         res.add("report", "partitioned, not reported offloaded", f"site {i}: in a composite, report says rejected", i)
-    for i in sorted(part_off):  # one composite a site; a chunked mask's site one a block of keys
+    for i in sorted(part_off):  # one composite a site; a chunked mask's site one to three (oracle.chunk_calls)
         made, want = sum(1 for s, _ in calls if s == {i}), expects[i].composite_calls if expects[i].offload else 1
         if made != want:
             res.add("report", "site in two composites" if want == 1 else "chunked site's composites",

@@ -45,7 +45,7 @@ class Expect:
     causal: str | None = None  # report's causal
     window: int | None = None
     chunk: int | None = None  # report's chunk: the smallest block size whose chunked mask is the graph's
-    composite_calls: int = 1  # composites an offloaded site becomes (one per block of keys holding a query)
+    composite_calls: int = 1  # composites an offloaded site becomes (a chunked one: chunk_calls)
     scale: float | None = None
     note_tile: bool = False  # offloaded with the expansion kept (tile)
     sinks: bool = False  # offloaded as attention with sinks
@@ -93,8 +93,13 @@ def _chain_mask_kind(site: Site, g: KVGroup, sq, skv):
 
 
 def chunk_calls(sq: int, skv: int, chunk: int) -> int:
-    """Blocks of ``chunk`` keys that hold a query position (row + S_kv - S_q): one causal attention each."""
-    return sum(1 for start in range(0, skv, chunk) if min(start + chunk, skv) > skv - sq)
+    """Causal attentions a chunked site runs as: of the blocks of ``chunk`` keys that hold a query position
+    (row + S_kv - S_q), those whose every position is a query's (c queries on c keys) together in one call,
+    each other one (entered midway, or shorter) alone."""
+    first = skv - sq
+    held = [(start, min(start + chunk, skv)) for start in range(0, skv, chunk) if min(start + chunk, skv) > first]
+    whole = [b for b in held if b[0] >= first and b[1] - b[0] == chunk]
+    return len(held) - len(whole) + (1 if whole else 0)
 
 
 def expect(spec: GraphSpec, i: int) -> Expect:
