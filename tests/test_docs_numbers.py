@@ -1118,6 +1118,43 @@ def test_gemm_doc_cast_claim(name):
     assert gemm_cast_claims()[name] in text, f"docs/gemm.md lacks {name}: {gemm_cast_claims()[name]!r}"
 
 
+# ---------------------------------------------------------------------------------------------
+# cuBLASLt's configurations against our measured choice (benchmarks/cublaslt_search.cu's log)
+
+def cublaslt_search_claims() -> dict[str, str]:
+    """docs/gemm.md's figures of the configuration search, parsed from its raw log."""
+    log = (RESULTS / "2026-12-05-cublaslt-search.log").read_text()
+    ours, wider, by_hand, counts = {}, {}, {}, set()
+    for block in log.split("\n== ")[1:]:
+        name = block.split()[0]
+        ours[name] = float(re.search(r"our rule best of \d+: ([\d.]+)", block).group(1))
+        wider[name] = float(re.search(r"heuristic64 x splits best of \d+: ([\d.]+)", block).group(1))
+        n, t = re.search(r"enumerated \d+ configs \((\d+) ran\): best ([\d.]+)", block).groups()
+        by_hand[name], _ = float(t), counts.add(int(n))
+    assert len(ours) == 6 and len(counts) == 1, (ours, counts)
+    worst = max(ours[k] / min(ours[k], wider[k], by_hand[k]) - 1 for k in ours)
+    equal = [k for k in ours if ours[k] <= min(wider[k], by_hand[k])]
+    return {
+        "within": f"within {100 * worst:.1f}% of the fastest of all of them for every weight",
+        "gate_up": f"gate_up_proj {ours['gate_up']:.1f} µs against {min(wider['gate_up'], by_hand['gate_up']):.1f}",
+        "by hand": f"(the fastest of those {_range([by_hand[k] / ours[k] for k in ours])} its time)",
+        "count": f"set by hand ({counts.pop():,} a weight)",
+        "equal": str(len(equal)),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(set(cublaslt_search_claims()) - {"equal"}))
+def test_gemm_doc_cublaslt_search_claim(name):
+    text = " ".join(GEMM_DOC.read_text().split())
+    assert cublaslt_search_claims()[name] in text, f"docs/gemm.md lacks {name}: {cublaslt_search_claims()[name]!r}"
+
+
+def test_cublaslt_search_every_other_weight_equal():
+    """The doc names five weights (qkv_proj, o_proj, down_proj, lm_head; o_proj with and without the residual)
+    where the choice was the fastest: the log must say so for all but gate_up."""
+    assert cublaslt_search_claims()["equal"] == "5"
+
+
 DECODE_PHASES = "2026-12-04-decode-phases.json"
 
 
