@@ -381,8 +381,8 @@ def test_llama4_imports_and_its_chunked_layers_are_offloaded(mode):
     """Llama 4 (text): complex rotary embedding, ``position // attention_chunk_size`` on int64 positions, an MoE
     router's ``full_like(.., -inf)`` (three frontend failures the fixes convert map converts, exactly: the
     float32 import computes eager's logits). Its chunked layers' prefill mask (causal within blocks of
-    ``attention_chunk_size``) is offloaded as one causal attention per block (12 positions in blocks of 8: two
-    calls); the global layer (no RoPE, temperature-tuned queries) is offloaded causal; a decode step within one
+    ``attention_chunk_size``) is offloaded as causal attention on its blocks (12 positions in blocks of 8: a whole
+    block and a short last one, two calls); the global layer (no RoPE, temperature-tuned queries) is offloaded causal; a decode step within one
     block is plain attention and offloaded on every layer. The rewritten graph computes eager's logits."""
     cfg = transformers.Llama4TextConfig(**{**_SIZES, "num_hidden_layers": 4}, head_dim=HEAD_DIM, num_local_experts=2,
                                         num_experts_per_tok=1, intermediate_size_mlp=256, attention_chunk_size=8,

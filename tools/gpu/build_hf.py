@@ -167,14 +167,16 @@ def check_reports(spec: HFModel, fname: str, mode: str, mod) -> dict:
         want = spec.composite(mqa)  # plain attention, or with sinks / soft-capping
         causal = "BottomRight" if mode == "prefill" else None  # one decode query sees every cached key
         windows = spec.site_windows(mode)  # decode: the sliding cache holds <= w keys
+        chunks = spec.site_chunks(mode)  # Llama 4's chunked layers in prefill
         kv_heads = spec.kv_heads if mqa else spec.heads  # mqa=False: FA2 sees the expanded K/V
-        bad = [s for s, window in zip(report, windows) if not (
+        bad = [s for s, window, chunk in zip(report, windows, chunks) if not (
             s["offloaded"] and s["composite"] == want and s["causal"] == causal and s["window"] == window
+            and s["chunk"] == chunk
             and (s["num_q_heads"], s["num_kv_heads"], s["head_dim"]) == (spec.heads, kv_heads, spec.head_dim)
             and math.isclose(s["scale"], spec.scale, rel_tol=2e-3) and s["softcap"] == spec.softcap)]
         if len(report) != spec.layers or bad:
             raise SystemExit(f"{fname} mqa={mqa}: expected {spec.layers} sites offloaded as {want} "
-                             f"(causal={causal}, windows={windows}, scale={spec.scale:.4g}, softcap={spec.softcap}), "
+                             f"(causal={causal}, windows={windows}, chunks={chunks}, scale={spec.scale:.4g}, softcap={spec.softcap}), "
                              f"report: {report}")
         out[variant] = report
     return out

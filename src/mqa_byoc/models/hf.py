@@ -577,7 +577,8 @@ def kv_expansions_left(mod, func: str = "main") -> list[str]:
     grow a tensor of rank >= 4 (HF's ``repeat_kv`` broadcasts (B, H_kv, r, S, D)). The others an HF
     import keeps are not K/V's: the frontend's no-op ``broadcast_to`` before a batched matmul,
     in sdpa graphs the o_proj weight broadcast to (B, K, N), and interleaved RoPE's cos / sin grown on
-    the last axis (GLM, Cohere: (..., D/2, 1) -> (..., D/2, 2); a K/V expansion never grows the head dim)."""
+    the last axis (GLM, Cohere: (..., D/2, 1) -> (..., D/2, 2); a K/V expansion never grows the head dim),
+    and a tensor whose last axis is 1 before and after (Llama 4's query temperature per position)."""
     from tvm import relax
 
     left = []
@@ -591,7 +592,10 @@ def kv_expansions_left(mod, func: str = "main") -> list[str]:
             src, dst = dims(e.args[0].ty), dims(e.ty)
             grows_last_only = src is not None and dst is not None and len(src) == len(dst) and \
                 src[:-1] == dst[:-1] and src[-1] == 1 and e.op.name == "relax.broadcast_to"
-            if e.ty.ndim >= 4 and (src is None or src != dst) and not grows_last_only:
+            # K/V's last axis is the head dim, never 1 (Llama 4 broadcasts its per-position query
+            # temperature (1, S, 1, 1) over the batch)
+            per_position = bool(src) and bool(dst) and src[-1] == 1 and dst[-1] == 1
+            if e.ty.ndim >= 4 and (src is None or src != dst) and not grows_last_only and not per_position:
                 left.append(f"{e.op.name} {src} -> {dst}")
 
     relax.analysis.post_order_visit(mod[func].body, visit)

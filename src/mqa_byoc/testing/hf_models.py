@@ -19,13 +19,13 @@ SCORE_STD = 2.5  # std of q.k / sqrt(D) for unit-RMS inputs: q/k projection std 
 INIT_STD = 0.02  # build_hf_model's default
 SINK_STD = 4.0  # std of GPT-OSS's sink logits (a fresh model's are zeros): moves the decode logits beyond 2x the tolerance
 #: the HF config class of each ``HFModel.kind`` besides llama / mistral (mqa_byoc.models.hf.make_hf_config)
-FAMILY_CONFIGS = {"gpt_oss": "GptOssConfig", "gemma2": "Gemma2Config"}
+FAMILY_CONFIGS = {"gpt_oss": "GptOssConfig", "gemma2": "Gemma2Config", "llama4": "Llama4TextConfig"}
 
 
 @dataclass(frozen=True)
 class HFModel:
     name: str
-    kind: str  # "llama" | "mistral" | "gpt_oss" | "gemma2"
+    kind: str  # "llama" | "mistral" | "gpt_oss" | "gemma2" | "llama4"
     heads: int
     kv_heads: int
     head_dim: int
@@ -47,6 +47,7 @@ class HFModel:
     experts: int = 0  # GPT-OSS's experts and how many each token takes
     experts_per_tok: int = 0
     score_std: float = SCORE_STD  # Gemma 2: scores large enough that its soft-cap bends them
+    chunk: int | None = None  # Llama 4: attention_chunk_size (its chunked layers: causal within blocks)
 
     @property
     def scale(self) -> float:
@@ -59,6 +60,13 @@ class HFModel:
             return [None] * self.layers
         types = self.layer_types or ("sliding_attention",) * self.layers
         return [self.window if t == "sliding_attention" else None for t in types]
+
+    def site_chunks(self, mode: str) -> list:
+        """The block size every layer's site is offloaded with: Llama 4's chunked layers' in prefill (the
+        prompt spans more than one block); None elsewhere."""
+        if mode != "prefill" or self.chunk is None:
+            return [None] * self.layers
+        return [self.chunk if t == "chunked_attention" else None for t in self.config().layer_types]
 
     def composite(self, mqa: bool) -> str:
         """The composite every site must be offloaded as."""
@@ -94,6 +102,13 @@ class HFModel:
             # (a discontinuity no tolerance covers); batched_mm: TVM's frontend has no converter for the
             # default grouped_mm
             kw.update(num_local_experts=self.experts, num_experts_per_tok=self.experts_per_tok,
+                      experts_implementation="batched_mm")
+        elif self.kind == "llama4":
+            # one routed expert (always taken: no top-k flips between fp16 and fp32) beside the shared one;
+            # batched_mm as for GPT-OSS; layer_types from the config (every 4th layer global, no RoPE)
+            kw.pop("sliding_window"), kw.pop("layer_types")
+            kw.update(num_local_experts=max(self.experts, 1), num_experts_per_tok=max(self.experts_per_tok, 1),
+                      intermediate_size_mlp=self.intermediate, attention_chunk_size=self.chunk,
                       experts_implementation="batched_mm")
         else:
             kw.update(attn_logit_softcapping=self.softcap, final_logit_softcapping=self.final_softcap,

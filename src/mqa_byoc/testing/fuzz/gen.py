@@ -228,7 +228,10 @@ def _draw_site(c, gi, g: KVGroup, varlen: bool) -> Site:
             and c.chance(0.2):
         site["chunk"] = c.integer(2, 12)  # Llama 4's chunked layers
     site["row_guard"] = "none" if c.chance(0.7) else c.choice(("safe", "safe", "any"))
-    site["score_mod"] = "none" if c.chance(0.6) else c.choice(("sinks", "sinks", "sinks", "softcap", "unknown"))
+    # a chunked site with a score modification is rejected: keep most of them plain, so that the rewrite of
+    # the blocks (batched whole blocks, a block entered midway, a short last block) is drawn often
+    plain = 0.85 if site.get("chunk") else 0.6
+    site["score_mod"] = "none" if c.chance(plain) else c.choice(("sinks", "sinks", "sinks", "softcap", "unknown"))
     site["softcap_first"] = c.chance(0.7)
     if site["score_mod"] == "sinks":
         if form == "chain3d":  # GPT-OSS's sinks are 4-D
