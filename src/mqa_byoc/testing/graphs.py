@@ -636,7 +636,7 @@ def report_partition_disagreement(mod, mqa=True, **partition_kwargs):
     part = partition_for_cutlass(mod, mqa=mqa, **partition_kwargs)
     reported = {}
     for s in report:
-        if s.offloaded:  # a chunked mask's site: one composite per block
+        if s.offloaded:  # a chunked mask's site: one composite per call (site.composite_calls)
             reported.setdefault(s.function, []).extend([s.composite] * s.composite_calls)
     reported = {f: sorted(c) for f, c in reported.items()}
     made = composite_calls_per_function(part)

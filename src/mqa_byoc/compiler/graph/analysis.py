@@ -595,12 +595,12 @@ def _prove_masks(site, bindings, evaluator, post_scale=None, scales=None):
 
 
 def _check_chunked(site, s_q, s_kv):
-    """A chunked mask runs as one causal attention per block of keys (the rewrite slices Q, K and V): the
+    """A chunked mask runs as causal attention on its blocks (the rewrite slices and reshapes Q, K and V): the
     blocks must be known when compiling, and no kernel applies sinks or a soft-cap block by block."""
     what = f"a chunked attention mask (each query sees the earlier keys of its own block of {site.mask.chunk} positions)"
     if as_int(s_q) is None or as_int(s_kv) is None:
         site.reject(f"{what} with symbolic lengths (S_q {_dim_text(s_q)}, S_kv {_dim_text(s_kv)}): the rewrite "
-                    "runs one causal attention per block, so the blocks must be known when compiling; export "
+                    "runs causal attention on the blocks, so they must be known when compiling; export "
                     "the graph with static sequence lengths")
     elif site.sinks is not None or site.softcap is not None:
         site.reject(f"{what} together with {'attention sinks' if site.sinks is not None else 'logit soft-capping'}")
