@@ -82,3 +82,23 @@ def test_chunked_mask_with_symbolic_lengths_is_rejected_saying_why():
     assert not site.offloaded and "chunked attention mask" in site.reason and "block of 8" in site.reason
     assert "symbolic lengths" in site.reason and "static sequence lengths" in site.reason, site.reason
     assert site.composite_calls == 0 and G.composites(partition_for_cutlass(mod, gemm=False)) == []
+
+
+def test_whole_blocks_of_a_symbolic_batch_run_as_one_call():
+    """The batch may stay symbolic (only the lengths must be static): the whole blocks become a batch of
+    b * n blocks, and the output permutes the caller wrote around the attention still cancel."""
+    b = tirx.Var("b", "int64")
+    mod = G.mlc_4d_chain(h=8, hkv=2, d=64, s=48, b=b, mask="where", chunk=16)
+    (site,) = offload_report(mod)
+    assert site.offloaded and site.chunk == 16 and site.composite_calls == 1, site
+    assert "3 whole blocks as one batch" in site.note, site.note
+    part = partition_for_cutlass(mod, gemm=False)
+    assert len(G.composites(part)) == 1 and G.count_ops(part, "relax.permute_dims") == 0
+    assert G.count_ops(part, "relax.strided_slice") == 0  # the blocks span the sequence: reshapes only
+    rng = np.random.default_rng(48)
+    q = rng.normal(size=(3, 48, 8, 64)).astype("float16")
+    k = rng.normal(size=(3, 48, 2, 64)).astype("float16")
+    v = rng.normal(size=(3, 48, 2, 64)).astype("float16")
+    got = G.rewritten_on_cpu(mod, [q, k, v])
+    want = G.reference_attention(q, k, v, out_layout="merged", causal="BottomRight", chunk=16)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)

@@ -179,8 +179,10 @@ class _Canonicalize(PyExprMutator):
                 b = q.ty.shape.values[0]
                 _bn, _c, heads, dim_v = att.ty.shape.values
                 att = relax.op.reshape(att, [b, q1 - q0, heads, dim_v])
-            parts.append(self.builder_.emit(att))
-        return parts[0] if len(parts) == 1 else relax.op.concat(parts, axis=1)
+            parts.append(att)
+        if len(parts) == 1:  # unbound, as the caller's other attentions: its output permutes then fold
+            return parts[0]
+        return relax.op.concat([self.builder_.emit(p) for p in parts], axis=1)
 
 
 @mutator
