@@ -10,7 +10,7 @@ a float32 ``LlamaForCausalLM`` / ``MistralForCausalLM`` (random weights from a c
     partition_for_cutlass(mod, mqa=True, provider="native")       # and not partitioned at all ("tvm")
     mqa_byoc.build(target sm_90, cuda_decoder_pipeline) + mqa_byoc.export_library (tools/gpu/bundle.py)
 
-Models (``MODELS``), 2 layers, hidden 256, vocab 512:
+Models (``MODELS``), 2 layers (Llama 4: 4, its fourth the global one), hidden 256, vocab 512:
 
 - ``llama_gqa``: Llama, 8 query heads, 2 K/V heads, head dim 64, ``attn_implementation="eager"``;
 - ``llama_gqa_default_mp``: the same Llama through TVM's default ``ToMixedPrecision()`` (out_dtype float32:
@@ -124,7 +124,7 @@ MODELS = [
                   vocab=512, layers=4, window=None, rope_theta=500000.0, batch=2, seq_len=48, impl="eager",
                   chunk=18, convert="fixes", modes=("prefill",),
                   note="Llama 4 (text), GQA 8/2, head dim 64, three chunked layers (blocks of 18: a prompt of 48 "
-                       "is two whole blocks, one call on a batch of blocks, and a short block of 8, a second "
+                       "is two whole blocks, one call on a batch of blocks, and a short block of 12, a second "
                        "call) and a global one without RoPE, one routed expert and the shared one, eager "
                        "attention; imported with the fixes convert map; prefill only"),
 ]
