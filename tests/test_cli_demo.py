@@ -51,6 +51,8 @@ def test_cli_parses_demo():
     (["profile", "build", "--layers", "two"], "--layers: expected an integer, got 'two'"),
     (["profile", "build", "--preset", "gpt4"], "invalid choice: 'gpt4'"),
     (["profile", "build", "--vocab", "0"], "--vocab: must be at least 1"),
+    (["profile", "build", "--kernel-options", "gemm_gemv=fast"],
+     "gemm_gemv='fast': expected one of ('measure', 'off', 'always')"),
     (["profile", "run", "DIR", "--decode-steps", "0"], "--decode-steps: must be at least 1"),
 ])
 def test_cli_refuses_bad_sizes_and_presets_with_a_usage_error(argv, message, capsys):

@@ -89,6 +89,9 @@ def _profile_parser(sub):
     b.add_argument("--out", default=".profile-artifacts", help="directory for the libraries and sidecars")
     b.add_argument("--no-gemm", action="store_true",
                    help="leave the GEMMs on TVM's kernels (default: on cuBLASLt, partition_for_cutlass(gemm=True))")
+    b.add_argument("--kernel-options", default=None, metavar="NAME=VALUE,...", type=_kernel_options,
+                   help="kernel choices compiled into the libraries (mqa_byoc.build's kernel_options, e.g. "
+                        "gemm_gemv=off; default: the measured best)")
     b.add_argument("--cuda-graph", action="store_true",
                    help="build with TVM's relax.backend.use_cuda_graph: the regions of a step with static shapes are "
                         "captured once and replayed as CUDA graphs (--kv-cache paged: decode captured per batch "
@@ -118,6 +121,15 @@ def _profile_parser(sub):
     pl.add_argument("json")
     pl.add_argument("--png", required=True)
     pl.add_argument("--top", type=_positive_int, default=15)
+
+
+def _kernel_options(value: str) -> str:
+    from .compiler.kernel_options import KernelOptions
+
+    try:
+        return KernelOptions.of(value).describe()
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _comma_list(convert):
@@ -254,7 +266,7 @@ def _profile_build_paged(args, config) -> int:
                                       extra={"preset": args.preset, "gemm": not args.no_gemm},
                                       progress=lambda m: print(m, flush=True), gemm=not args.no_gemm,
                                       cuda_graph=args.cuda_graph, logits=args.logits or "last",
-                                      provider=args.provider)
+                                      provider=args.provider, kernel_options=args.kernel_options)
     except ValueError as e:  # a sliding-window preset
         print(f"mqa-byoc profile build: error: {e}", file=sys.stderr)
         return 2
@@ -263,6 +275,7 @@ def _profile_build_paged(args, config) -> int:
 
 def _profile_build(args) -> int:
     from .models.presets import get_preset, scaled
+
 
     config = scaled(get_preset(args.preset), num_layers=args.layers, vocab_size=args.vocab,
                     hidden_size=args.hidden_size, intermediate_size=args.intermediate_size)
@@ -283,7 +296,8 @@ def _profile_build(args) -> int:
                                     provider=args.provider, arch=args.arch, logits=args.logits or "last",
                                     extra={"preset": args.preset, "gemm": not args.no_gemm,
                                            **({"cuda_graph": True} if args.cuda_graph else {})},
-                                    progress=lambda m: print(m, flush=True), gemm=not args.no_gemm)
+                                    progress=lambda m: print(m, flush=True), gemm=not args.no_gemm,
+                                    kernel_options=args.kernel_options)
         rc = 0
     if rc == 0:
         print(f"next, on the GPU (a runtime-only TVM is enough; --setup MODULE imports its set-up first):\n"

@@ -120,3 +120,51 @@ def test_gemm_library_without_cublaslt_names_the_fix(vm, tmp_path):
     if result["error"] is None:
         pytest.skip("libcublasLt.so.13 is on the loader's default path here")
     assert "pip install nvidia-cublas" in result["error"], result["error"]
+
+
+# ------------------------------------------------------------------ GEMMs of one row: CUTLASS's GEMV
+
+GEMV = ART.parent / "gemv"
+
+
+def _gemv_cases():
+    path = GEMV / "manifest.json"
+    return sorted(json.loads(path.read_text())["functions"]) if path.is_file() else []
+
+
+@pytest.fixture(scope="module")
+def gemv_vm(vm):
+    if not (GEMV / "ours.so").is_file():
+        pytest.skip(f"no GEMV artifacts at {GEMV}: run tools/gpu/build_gemm.py")
+    import tvm
+    import tvm.runtime.vm
+
+    _machine, dev = vm
+    return tvm.runtime.vm.VirtualMachine(tvm.runtime.load_module(str(GEMV / "ours.so")), dev), dev
+
+
+@pytest.mark.parametrize("name", _gemv_cases())
+def test_one_row_runs_on_cutlass_gemv_where_it_fits_and_matches_tvm(gemv_vm, name):
+    """Built with gemm_gemv=always: a GEMM of one row that CUTLASS's GEMV computes launches its kernel and
+    nothing else; the others (bias and residual together, an activation, a (K, N) weight) run on cuBLASLt.
+    Either way the result matches TVM's."""
+    from mqa_byoc.testing.cupti import capture_kernels
+
+    machine, dev = gemv_vm
+    data = np.load(GEMV / "inputs.npz")
+    meta = json.loads(str(data["__meta__"]))[name]
+    args = _args(data, name, meta, dev)
+    machine[name](*args)  # the first call plans (and times the GEMV's configurations)
+    with capture_kernels() as cap:
+        raw = machine[name](*args)
+    names = cap.names()
+    gemv = [n for n in names if "mqa_byoc_gemv_" in n]
+    if meta["gemv"]:
+        assert len(names) == 1 and len(gemv) == 1, names
+        assert ("bf16" in gemv[0]) == (meta["dtype"] == "bfloat16"), gemv
+    else:
+        assert names and not gemv, names
+    out = np.asarray(raw.numpy()).astype("float32")
+    ref = data[f"{name}.ref"]
+    assert out.shape == ref.shape and np.isfinite(out).all()
+    _close(out, ref, meta["dtype"])

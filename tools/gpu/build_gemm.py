@@ -7,6 +7,9 @@ one function of one module: ``ours.so`` (``partition_for_cutlass(gemm=True)``, c
 ``mqa_byoc.export_library``), random inputs and the unpartitioned module's outputs as TVM computes them
 on the CPU (``inputs.npz``: ``<function>.<i>`` and ``<function>.ref``).
 
+``gemv/``: GEMMs of one row (:func:`gemv_cases`), built with ``kernel_options gemm_gemv=always``: those
+CUTLASS's GEMV computes run on it, the rest on cuBLASLt; the same files as ``patterns/``.
+
 ``bench/``: the CodeLlama-34B GEMM shapes (nn.Linear: x @ W^T, fp16): ``ours.so`` with symbolic M on
 cuBLASLt, ``tvm_sym.so`` the same functions on TVM (decoder pipeline: FuseTransposeMatmul + dlight) and
 ``tvm_static.so`` one function per (shape, M) on TVM (where dlight's GEMV rule applies to M = 1).
@@ -103,7 +106,31 @@ def merged(cases, dtype=None, lower=True):
     return tvm.IRModule(functions), specs
 
 
-def build_patterns(out: Path, arch: str):
+def gemv_cases():
+    """GEMMs of one row, as decode runs them: (name, form, kw, whether CUTLASS's GEMV computes it). Built
+    with ``kernel_options gemm_gemv=always``, so that each one the GEMV can compute runs on it (the others
+    on cuBLASLt): symbolic rows run with one row."""
+    from mqa_byoc.testing.gemm_graphs import FORMS
+
+    plain, bias, residual = FORMS[5], FORMS[3], FORMS[4]  # (transposed, bias, activation, residual)
+    cases = []
+    for dt, tag in (("float16", "fp16"), ("bfloat16", "bf16")):
+        cases += [(f"gemv_{tag}_plain_sym", plain, dict(dtype=dt, rows=("n",), k=1024, n=768), True),
+                  (f"gemv_{tag}_bias_static", bias, dict(dtype=dt, rows=(1,), k=512, n=256), True),
+                  (f"gemv_{tag}_residual_sym", residual, dict(dtype=dt, rows=("n",), k=2048, n=520), True),
+                  # what the GEMV does not compute stays on cuBLASLt: bias and residual together, an
+                  # activation, a (K, N) weight
+                  (f"gemv_{tag}_bias_residual", FORMS[0], dict(dtype=dt, rows=(1,), k=256, n=256), False),
+                  (f"gemv_{tag}_gelu", FORMS[1], dict(dtype=dt, rows=(1,), k=256, n=256), False),
+                  (f"gemv_{tag}_weight_kn", FORMS[11], dict(dtype=dt, rows=(1,), k=256, n=256), False)]
+    # decode's hidden state (1, 1, K); N not a multiple of any configuration's rows per block
+    cases.append(("gemv_fp16_rows_1x1", plain, dict(dtype="float16", rows=(1, 1), k=4096, n=1000), True))
+    return cases
+
+
+def build_patterns(out: Path, arch: str, cases=None, kernel_options=None, sizes_of=None):
+    """``cases`` (default: :func:`pattern_cases`) into ``out``: ``ours.so`` built with ``kernel_options``,
+    ``inputs.npz`` and ``manifest.json``. ``sizes_of(name)``: the symbolic axes' sizes of a case."""
     import ml_dtypes
     import numpy as np
     import tvm
@@ -114,24 +141,29 @@ def build_patterns(out: Path, arch: str):
     from mqa_byoc.compiler.graph.gemm import gemm_report
 
     target = tvm.target.Target({"kind": "cuda", "arch": arch})
-    cases = pattern_cases()
+    runs_gemv = {c[0]: c[3] for c in cases if len(c) == 4} if cases else {}
+    cases = [c[:3] for c in cases] if cases else pattern_cases()
     mod, specs = merged(cases)
     report = gemm_report(mod)
     not_offloaded = [s for s in report if not s.offloaded]
     if not_offloaded or len(report) != len(cases):
         raise SystemExit(f"not every pattern case offloaded: {not_offloaded}")
     out.mkdir(parents=True, exist_ok=True)
-    ex = mqa_byoc.build(mod, target, mqa=True)  # partition_for_cutlass(gemm=True) + RunCodegen + build
+    ex = mqa_byoc.build(mod, target, mqa=True,  # partition_for_cutlass(gemm=True) + RunCodegen + build
+                        kernel_options=kernel_options)
     mqa_byoc.export_library(ex, out / "ours.so")
     # the reference: the unpartitioned graph as TVM builds it for the CPU, in float32 on the inputs rounded
     # to their type (TVM's llvm matmul sums in the operands' type, a bf16 sum is off by a few %; TVM's CUDA
     # default pipeline fails in dlight's Matmul rule on the fused transposed-weight + bias forms)
     ref_mod, _ = merged(cases, dtype="float32", lower=False)
     ref_vm = tvm.runtime.vm.VirtualMachine(tvm.compile(ref_mod, target="llvm"), tvm.cpu())
-    manifest = {"functions": {}}
+    manifest = {"functions": {}, "kernel_options": str(kernel_options or "")}
     arrays = {}
     for name, form, kw in cases:
-        sizes = {"n": 37, "m": 19, "h": 3} if "sym" in name or "const" in name or "batched" in name else {}
+        if sizes_of is not None:
+            sizes = sizes_of(name)
+        else:
+            sizes = {"n": 37, "m": 19, "h": 3} if "sym" in name or "const" in name or "batched" in name else {}
         ins = draw_inputs(specs[name], sizes, seed=len(arrays))
         for j, a in enumerate(ins):
             arrays[f"{name}.{j}"] = a
@@ -143,7 +175,8 @@ def build_patterns(out: Path, arch: str):
         manifest["functions"][name] = {"form": list(form), **{k: v for k, v in kw.items() if k != "rows"},
                                        "rows": [str(r) for r in kw["rows"]], "sizes": sizes,
                                        "dtypes": [s[2] for s in specs[name]], "num_inputs": len(ins),
-                                       "composite": next(s.composite for s in report if s.function == name)}
+                                       "composite": next(s.composite for s in report if s.function == name),
+                                       **({"gemv": runs_gemv[name]} if name in runs_gemv else {})}
     arrays["__meta__"] = np.array(json.dumps(manifest["functions"]))
     np.savez(out / "inputs.npz", **arrays)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
@@ -215,6 +248,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not args.no_patterns:
         build_patterns(args.out / "patterns", args.arch)
+        build_patterns(args.out / "gemv", args.arch, gemv_cases(), kernel_options={"gemm_gemv": "always"},
+                       sizes_of=lambda name: {"n": 1} if "sym" in name else {})
     if not args.no_bench:
         build_bench(args.out / "bench", args.arch)
 

@@ -1,7 +1,9 @@
 """The object of ``native/cublaslt_gemm.cc`` (the cuBLASLt dispatcher): compiled once with the host
 C++ compiler, cached, linked by :func:`mqa_byoc.export_library` when a GEMM wrapper is in the executable.
 
-Host code only (no nvcc). It needs cuBLASLt's headers (``pip install nvidia-cublas``:
+Host code (g++), with CUTLASS's GEMV for GEMMs of one row embedded as a fatbin when nvcc and the
+nvidia-cutlass wheel are here (:mod:`mqa_byoc.kernels.gemv`; the dispatcher launches it through the CUDA
+driver, so nothing more is linked; without them GEMMs run on cuBLASLt alone). It needs cuBLASLt's headers (``pip install nvidia-cublas``:
 ``nvidia/cu13/include``), the CUDA runtime headers they include (``$CUDA_HOME/include``, else
 ``/usr/local/cuda/include``, else the ``nvidia-cuda-runtime`` wheel) and TVM's ``c_backend_api.h``.
 The library itself is opened at run time (``dlopen``), so nothing is linked but ``-ldl``.
@@ -15,7 +17,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from mqa_byoc.kernels import gemv as _gemv
 from mqa_byoc.kernels import paths as _paths
+from mqa_byoc.kernels import toolchain as _toolchain
+from mqa_byoc.kernels.errors import NativeKernelsUnavailable
 
 SOURCE = _paths.NATIVE_DIR / "cublaslt_gemm.cc"
 #: the line every generated GEMM wrapper source carries so that export links the dispatcher
@@ -87,6 +92,26 @@ def compile_flags() -> list[str]:
             *([f'-DMQA_BYOC_CUBLASLT_HINT="{hint}"'] if hint else [])]
 
 
+def gemv_flags(progress=None) -> list[str]:
+    """``-DMQA_BYOC_GEMV_FATBIN="<inc>"`` when CUTLASS's GEMV can be built here (nvcc and the nvidia-cutlass
+    wheel: :func:`mqa_byoc.kernels.gemv.fatbin_include`), else none (the dispatcher runs cuBLASLt alone,
+    and :func:`gemv_unavailable` says why)."""
+    try:
+        return [f'-DMQA_BYOC_GEMV_FATBIN="{_gemv.fatbin_include(progress)}"']
+    except NativeKernelsUnavailable:
+        return []
+
+
+def gemv_unavailable() -> str | None:
+    """Why the dispatcher compiled here has no CUTLASS GEMV (None when it has one)."""
+    try:
+        _gemv.cutlass_include_dir()
+        _toolchain.find_nvcc()
+    except NativeKernelsUnavailable as err:
+        return str(err)
+    return None
+
+
 def include_flags() -> list[str]:
     """``-I`` flags: cuBLASLt, the CUDA runtime headers, TVM's runtime headers."""
     return [f"-I{p}" for p in (cublaslt_include_dir(), _cuda_include(), *_tvm_includes())]
@@ -102,9 +127,11 @@ def dispatcher_object(progress=print) -> Path:
     RuntimeError
         The compile failed (with its output).
     """
-    flags = compile_flags()
+    flags = compile_flags() + gemv_flags(progress)
     includes = include_flags()
     h = hashlib.sha256(SOURCE.read_bytes())
+    for header in (_paths.GEMV_HEADER, _paths.DISPATCH_HEADER):
+        h.update(header.read_bytes())
     h.update(repr(flags).encode())
     h.update(repr(includes).encode())
     out = _paths.cache_root() / "cublaslt" / f"cublaslt_gemm-{h.hexdigest()[:12]}.o"

@@ -27,6 +27,9 @@ LSE_RULE_HEADER = NATIVE_DIR / "lse_rule.h"
 SUPPORT_SOURCE = NATIVE_DIR / "decode_support.cu"
 #: the sink epilogue of attention with sinks (output * sigmoid(lse - sink)), in the support object too
 SINK_EPILOGUE_SOURCE = NATIVE_DIR / "sink_epilogue.cu"
+#: CUTLASS's GEMV for GEMMs of one row (a fatbin the cuBLASLt dispatcher embeds and launches itself)
+GEMV_SOURCE = NATIVE_DIR / "cutlass_gemv.cu"
+GEMV_HEADER = NATIVE_DIR / "cutlass_gemv.h"
 #: stand-ins for the three torch headers flash-attn's forward kernels include
 SHIM_DIR = NATIVE_DIR / "shim"
 

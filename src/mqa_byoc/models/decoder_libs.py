@@ -49,6 +49,12 @@ def offloaded_composites(mod) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+def _options_text(kernel_options) -> str:
+    from ..compiler.kernel_options import KernelOptions
+
+    return KernelOptions.of(kernel_options).describe()
+
+
 def build_decoder_libraries(
     config,
     out_dir: str,
@@ -65,10 +71,12 @@ def build_decoder_libraries(
     progress: Callable[[str], None] | None = print,
     tensor_parallel_shards: int = 1,
     gemm: bool = True,
+    kernel_options=None,
 ) -> list[str]:
     """Build ``config`` (batch 1) once per mode in ``modes``; returns the exported library paths.
 
     ``gemm``: passed to :func:`mqa_byoc.partition_for_cutlass` (GEMMs on cuBLASLt; False: on TVM's kernels).
+    ``kernel_options``: compiled into each library (:func:`mqa_byoc.build`'s; sidecar ``kernel_options``).
 
     Both modes are partitions of one graph, so they share its KV cache (``kv_cache``: "inplace",
     TVM's in-place cache objects, or "functional", K/V tensors concatenated per step; see
@@ -108,7 +116,8 @@ def build_decoder_libraries(
     for mqa in modes:
         part = partition_for_cutlass(mod, mqa=mqa, gemm=gemm)
         offloaded = offloaded_composites(part)
-        ex = build(part, target, mqa=None, provider=provider, pipeline=cuda_decoder_pipeline(target))
+        ex = build(part, target, mqa=None, provider=provider, pipeline=cuda_decoder_pipeline(target),
+                   kernel_options=kernel_options)
         path = os.path.join(out_dir, library_name(config.name, mqa))
         export_library(ex, path, arch=arch)  # a plain export without native kernels
         write_sidecar(path, config, spec, dtype, {
@@ -116,7 +125,8 @@ def build_decoder_libraries(
             "fused_projections": config.fused_projections, "functions": list(functions),
             "arch": arch, "logits": logits, "num_heads": config.num_heads, "hidden_size": config.hidden_size,
             "intermediate_size": config.intermediate_size, "offloaded": offloaded,
-            "tensor_parallel_shards": tensor_parallel_shards, **(extra or {}),
+            "tensor_parallel_shards": tensor_parallel_shards, "kernel_options": _options_text(kernel_options),
+            **(extra or {}),
         })
         progress(f"built {path} (mqa={mqa}, {provider} provider, {kv_cache} KV cache, "
                  f"{'fused' if config.fused_projections else 'separate'} projections, offloaded: "
@@ -192,6 +202,7 @@ def build_paged_decoder_libraries(
     cuda_graph: bool = False,
     logits: str = "last",
     provider: str = "native",
+    kernel_options=None,
 ) -> list[str]:
     """Build ``config`` as :class:`~mqa_byoc.models.paged_llama.PagedLlama` (``relax.frontend.nn`` on TVM's
     PagedKVCache) once per mode; returns the exported library paths.
@@ -207,7 +218,8 @@ def build_paged_decoder_libraries(
     as a server does) or "all") plus ``paged_attention`` ("fa2" / "tir"), ``page_size``, ``paged_config`` (what
     :class:`mqa_byoc.runtime.paged_driver.PagedModel` needs) and ``paged_served`` (TVM kernels on FA2).
     ``gemm``: both libraries run their GEMMs on cuBLASLt (:func:`mqa_byoc.compiler.build.offload_gemms`;
-    ``gemm_offloaded`` in the sidecar counts the sites); False: on TVM's kernels. ``cuda_graph``: TVM's
+    ``gemm_offloaded`` in the sidecar counts the sites); False: on TVM's kernels. ``kernel_options``: compiled
+    into each library (:class:`~mqa_byoc.compiler.link.AttachKernelLibraries`; sidecar ``kernel_options``). ``cuda_graph``: TVM's
     ``relax.backend.use_cuda_graph`` (RewriteCUDAGraph captures the static regions between the cache's
     calls), with ``decode``'s batch as a symbolic variable captured per value
     (``relax.rewrite_cuda_graph.capture_symbolic_vars`` and ``tir_var_upper_bound``, as mlc-llm marks its
@@ -277,6 +289,10 @@ def build_paged_decoder_libraries(
                              and str(f.attrs.get("Codegen", "")) == GEMM_CODEGEN)
             with target:
                 lib_mod = relax.transform.RunCodegen()(lib_mod)
+        if kernel_options is not None:
+            from ..compiler.link import AttachKernelLibraries
+
+            lib_mod = AttachKernelLibraries(arch, kernel_options)(lib_mod)
         with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": True} if cuda_graph else {}):
             ex = tvm.compile(lib_mod, target=target, relax_pipeline=cuda_decoder_pipeline(target))
         export_library(ex, path, arch=arch)  # links FA2 + fa2_paged for the FA2 library; a plain export for TIR
@@ -285,6 +301,7 @@ def build_paged_decoder_libraries(
             "page_size": fa2_page if mqa else TVM_TIR_PAGE_SIZE, "paged_config": dataclasses.asdict(pcfg),
             "paged_served": served if mqa else [], **({"provider": provider} if mqa else {}),
             "gemm_offloaded": gemm_sites, **({"cuda_graph": True} if cuda_graph else {}),
+            "kernel_options": _options_text(kernel_options),
             "functions": ["prefill", "batch_prefill", "decode"], "arch": arch, "logits": logits,
             "num_heads": config.num_heads,
             "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size, **(extra or {}),

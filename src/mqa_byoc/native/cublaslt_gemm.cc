@@ -46,6 +46,7 @@
 #include <string>
 #include <tuple>
 
+#include "cutlass_gemv.h"  // CUTLASS's GEMV configurations (the fatbin below, when the build has it)
 #include "fa2_dispatch.h"  // mqa_byoc_kernel_options (the struct only; no FA2 code is needed here)
 
 // Defined (hidden) by the library's options module when the build gives one; null otherwise.
@@ -55,6 +56,16 @@ extern "C" __attribute__((weak, visibility("hidden"))) const mqa_byoc_kernel_opt
 #define MQA_BYOC_CUBLASLT_HINT ""
 #endif
 
+// cutlass_gemv.cu compiled to a fatbin (nvcc -fatbin), its bytes as a C initializer list, when the build
+// had nvcc and CUTLASS's headers (mqa_byoc/compiler/cublaslt_build.py); without it GEMMs run on cuBLASLt only.
+#ifdef MQA_BYOC_GEMV_FATBIN
+namespace {
+alignas(8) const unsigned char kGemvFatbin[] = {
+#include MQA_BYOC_GEMV_FATBIN
+};
+}  // namespace
+#endif
+
 namespace {
 
 constexpr size_t kWorkspaceBytes = 32u << 20;  // what NVIDIA recommends for Hopper
@@ -62,6 +73,17 @@ constexpr int kCandidates = 16;                 // heuristic results timed for a
 constexpr int kTimed = 2 * kCandidates;         // with the split-count-1 form of each split-K one
 constexpr int64_t kMeasureMaxM = 64;            // rows up to which a plan is measured
 constexpr int kMeasureRounds = 5;               // timed calls per candidate (after one untimed), in turns
+#define MQA_BYOC_GEMV_ONE(I, TH, PR) +1
+constexpr int kGemvConfigs = 0 MQA_BYOC_GEMV_CONFIGS(MQA_BYOC_GEMV_ONE);
+#undef MQA_BYOC_GEMV_ONE
+#define MQA_BYOC_GEMV_FIELD(I, TH, PR) {TH, PR},
+constexpr int kGemvShape[kGemvConfigs][2] = {MQA_BYOC_GEMV_CONFIGS(MQA_BYOC_GEMV_FIELD)};
+#undef MQA_BYOC_GEMV_FIELD
+#ifdef MQA_BYOC_GEMV_FATBIN
+constexpr bool kGemvBuilt = true;
+#else
+constexpr bool kGemvBuilt = false;
+#endif
 
 // The CUDA driver's event calls, opened from libcuda.so.1 (already loaded by any CUDA process).
 struct Driver {
@@ -78,6 +100,11 @@ struct Driver {
   int (*mem_alloc)(unsigned long long*, size_t) = nullptr;
   int (*mem_free)(unsigned long long) = nullptr;
   int (*memset_async)(unsigned long long, unsigned char, size_t, void*) = nullptr;
+  // For CUTLASS's GEMV (optional: without them GEMMs run on cuBLASLt only).
+  int (*module_load)(void**, const void*) = nullptr;
+  int (*module_function)(void**, void*, const char*) = nullptr;
+  int (*launch)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**,
+                void**) = nullptr;
 };
 
 const Driver& driver() {
@@ -100,6 +127,9 @@ const Driver& driver() {
     d.mem_free = reinterpret_cast<int (*)(unsigned long long)>(dlsym(lib, "cuMemFree_v2"));
     d.memset_async =
         reinterpret_cast<int (*)(unsigned long long, unsigned char, size_t, void*)>(dlsym(lib, "cuMemsetD8Async"));
+    d.module_load = reinterpret_cast<int (*)(void**, const void*)>(dlsym(lib, "cuModuleLoadData"));
+    d.module_function = reinterpret_cast<int (*)(void**, void*, const char*)>(dlsym(lib, "cuModuleGetFunction"));
+    d.launch = reinterpret_cast<decltype(d.launch)>(dlsym(lib, "cuLaunchKernel"));
   });
   return d;
 }
@@ -108,6 +138,12 @@ const Driver& driver() {
 // the heuristic's candidates for small M; 1 keeps its first choice.
 bool measure_requested() {
   return &mqa_byoc_library_kernel_options == nullptr || mqa_byoc_library_kernel_options.gemm_algorithm == 0;
+}
+
+// The library's kernel option gemm_gemv: 0 (the default) times CUTLASS's GEMV with cuBLASLt's candidates
+// for a GEMM of one row, 1 never runs it, 2 runs it wherever it can (its fastest configuration).
+int gemv_option() {
+  return &mqa_byoc_library_kernel_options == nullptr ? 0 : mqa_byoc_library_kernel_options.gemm_gemv;
 }
 
 struct Api {
@@ -192,11 +228,16 @@ struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo;
+  int gemv = -1;  // >= 0: the call runs CUTLASS's GEMV configuration `gemv` instead of cuBLASLt
 };
 
 struct Device {
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
+  // CUTLASS's GEMV entries in this device's context, [bf16][config] (loaded at the first GEMM of one row)
+  bool gemv_loaded = false;
+  void* gemv_module = nullptr;
+  void* gemv[2][kGemvConfigs] = {};
 };
 
 // (device, dtype, transposed, epilogue, residual, m, n, k, alignment, batch)
@@ -236,6 +277,52 @@ cublasLtEpilogue_t epilogue_of(int epilogue) {
     case 3: return CUBLASLT_EPILOGUE_GELU_BIAS;
     default: return CUBLASLT_EPILOGUE_DEFAULT;
   }
+}
+
+// Whether CUTLASS's GEMV can compute this call (cutlass_gemv.h): the library carries it, the option
+// allows it, one row of fp16/bf16 out of (N, K) weights, no batch, a bias or a residual but not both, no
+// activation, 16-byte aligned operands, K a multiple of 8.
+bool gemv_fits(int dtype, int transposed, int epilogue, int64_t batch, int64_t m, int64_t n, int64_t k, int align,
+               bool bias, bool residual) {
+  const Driver& d = driver();
+  return kGemvBuilt && gemv_option() != 1 && d.module_load && d.module_function && d.launch && (dtype == 0 || dtype == 1) &&
+         transposed == 1 && batch == 1 && m == 1 && (epilogue == 0 || epilogue == 1) && !(bias && residual) &&
+         align >= 16 && k % MQA_BYOC_GEMV_VECTOR == 0 && n <= INT32_MAX && k <= INT32_MAX;
+}
+
+// Loads the GEMV fatbin into the current context (TVM's, on this device) once; false when it cannot.
+bool gemv_load(Device* dev) {
+#ifdef MQA_BYOC_GEMV_FATBIN
+  if (!dev->gemv_loaded) {
+    dev->gemv_loaded = true;
+    const Driver& d = driver();
+    if (d.module_load(&dev->gemv_module, kGemvFatbin) != 0) {
+      dev->gemv_module = nullptr;
+      return false;
+    }
+#define MQA_BYOC_GEMV_GET(I, TH, PR)                                                       \
+    d.module_function(&dev->gemv[0][I], dev->gemv_module, "mqa_byoc_gemv_f16_" #I);        \
+    d.module_function(&dev->gemv[1][I], dev->gemv_module, "mqa_byoc_gemv_bf16_" #I);
+    MQA_BYOC_GEMV_CONFIGS(MQA_BYOC_GEMV_GET)
+#undef MQA_BYOC_GEMV_GET
+  }
+  return dev->gemv_module != nullptr;
+#else
+  (void)dev;
+  return false;
+#endif
+}
+
+// D = X W^T + beta C on CUTLASS's GEMV configuration `config`; 0 on success.
+int gemv_run(const Device& dev, int config, int dtype, int64_t n, int64_t k, const void* x, const void* w,
+             const void* c, float beta, void* out, void* stream) {
+  void* fn = dev.gemv[dtype][config];
+  if (fn == nullptr) return -1;
+  mqa_byoc_gemv_args args{n, k, x, w, c, out, beta};
+  void* params[] = {&args};
+  const unsigned threads = kGemvShape[config][0], per_row = kGemvShape[config][1], rows = threads / per_row;
+  const unsigned blocks = static_cast<unsigned>((n + rows - 1) / rows);
+  return driver().launch(fn, blocks, 1, 1, per_row, rows, 1, 0, stream, params, nullptr);
 }
 
 // Appends, for each split-K candidate (split count > 1), the same algorithm with a split count of 1 when
@@ -356,35 +443,52 @@ struct L2Flush {
   }
 };
 
-// The fastest of `found` candidates on the call's operands (D is written; the call after this writes
-// it again). Each candidate runs once untimed (a first call may load its kernel), then kMeasureRounds
-// times, in turns over all candidates, each call after an L2 flush and timed alone; a candidate counts
-// its median. (Timed back to back on the same weight, part of it can still be in L2 from the call
-// before, and the ranking differed from the kernels' speed in a model, docs/gemm.md; turns spread clock
-// drift over all candidates.) A candidate that fails to run is skipped; if every one fails the heuristic's first stays.
+// One GEMM of one row on CUTLASS's GEMV, as the measurement times it (`gemv` configurations after
+// cuBLASLt's candidates): the problem and what C and beta are.
+struct GemvCall {
+  int configs = 0;  // 0: not timed
+  int dtype = 0;
+  int64_t n = 0, k = 0;
+  const void* c = nullptr;
+  float beta = 0.0f;
+};
+
+// The fastest of `found` cuBLASLt candidates and `gemv.configs` GEMV configurations on the call's operands
+// (D is written; the call after this writes it again). Each candidate runs once untimed (a first call may
+// load its kernel), then kMeasureRounds times, in turns over all candidates, each call after an L2 flush
+// and timed alone; a candidate counts its median. (Timed back to back on the same weight, part of it can
+// still be in L2 from the call before, and the ranking differed from the kernels' speed in a model,
+// docs/gemm.md; turns spread clock drift over all candidates.) A candidate that fails to run is skipped;
+// if every one fails the heuristic's first stays. `cublaslt` false: only the GEMV configurations are timed.
 void pick_fastest(const Api& a, const Device& dev, int device_id, Plan* plan,
-                  const cublasLtMatmulHeuristicResult_t* candidates, int found, const void* alpha, const void* beta,
-                  const void* x, const void* w, const void* c, void* out, cudaStream_t stream) {
+                  const cublasLtMatmulHeuristicResult_t* candidates, int found, bool cublaslt, const GemvCall& gemv,
+                  const void* alpha, const void* beta, const void* x, const void* w, const void* c, void* out,
+                  cudaStream_t stream) {
   const Driver& d = driver();
   void *start = nullptr, *stop = nullptr;
   if (d.event_create(&start, 0) != 0 || d.event_create(&stop, 0) != 0) return;
   const L2Flush flush(d, device_id);
-  float times[kTimed][kMeasureRounds];
-  bool usable[kTimed];
-  for (int i = 0; i < found; ++i) usable[i] = candidates[i].state == CUBLAS_STATUS_SUCCESS;
+  const int total = found + gemv.configs;
+  float times[kTimed + kGemvConfigs][kMeasureRounds];
+  bool usable[kTimed + kGemvConfigs];
+  for (int i = 0; i < found; ++i) usable[i] = cublaslt && candidates[i].state == CUBLAS_STATUS_SUCCESS;
+  for (int i = found; i < total; ++i) usable[i] = true;
   auto run = [&](int i) {
+    if (i >= found) {
+      return gemv_run(dev, i - found, gemv.dtype, gemv.n, gemv.k, x, w, gemv.c, gemv.beta, out, stream) == 0;
+    }
     return a.matmul(dev.handle, plan->desc, alpha, w, plan->a, x, plan->b, beta, c, plan->c, out, plan->d,
-                    &candidates[i].algo, dev.workspace, kWorkspaceBytes, stream);
+                    &candidates[i].algo, dev.workspace, kWorkspaceBytes, stream) == CUBLAS_STATUS_SUCCESS;
   };
-  for (int i = 0; i < found; ++i) {
-    if (usable[i] && run(i) != CUBLAS_STATUS_SUCCESS) usable[i] = false;
+  for (int i = 0; i < total; ++i) {
+    if (usable[i] && !run(i)) usable[i] = false;
   }
   for (int round = 0; round < kMeasureRounds; ++round) {
-    for (int i = 0; i < found; ++i) {
+    for (int i = 0; i < total; ++i) {
       if (!usable[i]) continue;
       flush(stream);
       d.event_record(start, stream);
-      const bool ok = run(i) == CUBLAS_STATUS_SUCCESS;
+      const bool ok = run(i);
       d.event_record(stop, stream);
       float ms = 0.0f;
       if (!ok || d.event_sync(stop) != 0 || d.event_elapsed(&ms, start, stop) != 0) {
@@ -395,13 +499,18 @@ void pick_fastest(const Api& a, const Device& dev, int device_id, Plan* plan,
     }
   }
   float best = -1.0f;
-  for (int i = 0; i < found; ++i) {
+  for (int i = 0; i < total; ++i) {
     if (!usable[i]) continue;
     std::sort(times[i], times[i] + kMeasureRounds);
     const float median = times[i][kMeasureRounds / 2];
     if (best < 0.0f || median < best) {
       best = median;
-      plan->algo = candidates[i].algo;
+      if (i >= found) {
+        plan->gemv = i - found;
+      } else {
+        plan->gemv = -1;
+        plan->algo = candidates[i].algo;
+      }
     }
   }
   d.event_destroy(start);
@@ -460,10 +569,31 @@ int mqa_byoc_cublaslt_gemm(int device_id, void* stream, int dtype, int transpose
   if (bias != nullptr) {
     MQA_BYOC_LT(a.desc_set(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)), "set BIAS_POINTER");
   }
+  // CUTLASS's GEMV at one row: C is the bias or the residual (one row of N either way), beta 1 with one.
+  GemvCall gemv;
+  if (fresh && gemv_fits(dtype, transposed, epilogue, batch, m, n, k, align, bias != nullptr, residual != nullptr) &&
+      gemv_load(&dev)) {
+    gemv = GemvCall{kGemvConfigs, dtype, n, k, bias != nullptr ? bias : residual,
+                    (bias != nullptr || residual != nullptr) ? 1.0f : 0.0f};
+  }
   int capturing = 0;
-  if (fresh && found > 1 && driver().stream_is_capturing(stream, &capturing) == 0 && capturing == 0) {
-    pick_fastest(a, dev, device_id, &plan, candidates, found, &alpha, &beta, x, w, c, out,
+  const bool can_time =
+      fresh && driver().ok && driver().stream_is_capturing(stream, &capturing) == 0 && capturing == 0;
+  const bool gemv_only = gemv.configs > 0 && gemv_option() == 2;
+  if (can_time && (gemv_only || (measure_requested() && (found > 1 || gemv.configs > 0)))) {
+    pick_fastest(a, dev, device_id, &plan, candidates, found, !gemv_only, gemv, &alpha, &beta, x, w, c, out,
                  static_cast<cudaStream_t>(stream));
+  } else if (gemv_only) {
+    plan.gemv = 0;  // not timed (a first call inside a CUDA graph capture): the first configuration
+  }
+  if (plan.gemv >= 0) {
+    const void* gc = bias != nullptr ? bias : residual;
+    const float gbeta = gc != nullptr ? 1.0f : 0.0f;
+    if (gemv_run(dev, plan.gemv, dtype, n, k, x, w, gc, gbeta, out, stream) != 0) {
+      return fail("CUTLASS's GEMV (configuration " + std::to_string(plan.gemv) + ") failed to launch for N=" +
+                  std::to_string(n) + " K=" + std::to_string(k));
+    }
+    return 0;
   }
   MQA_BYOC_LT(a.matmul(dev.handle, plan.desc, &alpha, w, plan.a, x, plan.b, &beta, c, plan.c, out, plan.d,
                        &plan.algo, dev.workspace, kWorkspaceBytes, static_cast<cudaStream_t>(stream)),

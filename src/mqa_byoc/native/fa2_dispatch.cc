@@ -222,7 +222,7 @@ std::string arch_of(int device) {
 
 bool fits_int(int64_t x) { return x >= 0 && x <= INT_MAX; }
 
-const mqa_byoc_kernel_options kDefaultOptions = {0, 0, 0, 0, 0};
+const mqa_byoc_kernel_options kDefaultOptions = {0, 0, 0, 0, 0, 0};
 
 // The kernel options the build compiled into this library (mqa_byoc_kernel_options in fa2_dispatch.h).
 const mqa_byoc_kernel_options& library_options() {

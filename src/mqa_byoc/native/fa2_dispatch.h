@@ -22,6 +22,7 @@ typedef struct {
   int split_combine;  // 0: batch-1 FA2 split-KV through chunks and our combine kernel; 1: FA2's own
   int hopper_fa4;     // hopper provider: 0 FA4 for prefill-sized calls, 1 for every call it can, 2 never
   int gemm_algorithm; // cuBLASLt GEMMs (cublaslt_gemm.cc): 0 measure small-M candidates once, 1 heuristic
+  int gemm_gemv;      // GEMMs of one row: 0 CUTLASS's GEMV timed with cuBLASLt's candidates, 1 never, 2 always
 } mqa_byoc_kernel_options;
 
 // The options of this library (all zero when it defines none).

@@ -484,6 +484,20 @@ def _composite_output(composite_func):
     return body.blocks[-1].bindings[-1].value if isinstance(body, relax.SeqExpr) and body.blocks else body
 
 
+#: what the report says of a site whose calls of one row may run on CUTLASS's GEMV (native/cutlass_gemv.cu)
+GEMV_NOTE = ("a call of one row (decode) also times CUTLASS's GEMV and runs on it when faster "
+             "(kernel_options gemm_gemv; the library carries it when nvcc was at hand at build)")
+
+
+def _gemv_note(fields, m: str, batched: bool, dtype: str, out_dtype: str) -> str | None:
+    """:data:`GEMV_NOTE` when the site's calls of one row fit CUTLASS's GEMV (cutlass_gemv.h): an (N, K)
+    weight, M of 1 or symbolic, no batch, no activation, not both bias and residual, the operands' type out."""
+    one_row = m == "1" or m.isidentifier()  # a symbolic M of one variable can be 1; 2 * n cannot
+    fits = (fields["transposed"] and not batched and not fields["activation"]
+            and not (fields["bias"] and fields["residual"]) and (out_dtype == dtype or fields.get("cast")))
+    return GEMV_NOTE if one_row and fits else None
+
+
 def _join_notes(*notes):
     return "; ".join(n for n in notes if n) or None
 
@@ -602,7 +616,9 @@ def gemm_report(mod: tvm.IRModule) -> list[GemmSite]:
                                       _epilogue(fields), None,
                                       _join_notes(_followed_by(users, var, bindings),
                                                   _computed_weight_note(
-                                                      _weight_argument(value, codegen_funcs[value.op]), bindings)),
+                                                      _weight_argument(value, codegen_funcs[value.op]), bindings),
+                                                  _gemv_note(fields, str(m), len(w) > 2, str(mm.args[0].ty.dtype),
+                                                             str(out_ty.dtype))),
                                       str(out_ty.dtype),
                                       str(batch) if len(w) > 2 else None))
             elif getattr(value.op, "name", None) == "relax.matmul":
