@@ -164,6 +164,8 @@ struct Api {
   decltype(&cublasLtMatmulAlgoConfigGetAttribute) config_get = nullptr;
   decltype(&cublasLtMatmulAlgoConfigSetAttribute) config_set = nullptr;
   decltype(&cublasLtMatmulAlgoCheck) algo_check = nullptr;
+  decltype(&cublasLtMatmulDescDestroy) desc_destroy = nullptr;
+  decltype(&cublasLtMatrixLayoutDestroy) layout_destroy = nullptr;
 };
 
 std::string self_dir() {
@@ -220,6 +222,8 @@ const Api& api() {
     a.config_get = reinterpret_cast<decltype(a.config_get)>(dlsym(a.lib, "cublasLtMatmulAlgoConfigGetAttribute"));
     a.config_set = reinterpret_cast<decltype(a.config_set)>(dlsym(a.lib, "cublasLtMatmulAlgoConfigSetAttribute"));
     a.algo_check = reinterpret_cast<decltype(a.algo_check)>(dlsym(a.lib, "cublasLtMatmulAlgoCheck"));
+    a.desc_destroy = reinterpret_cast<decltype(a.desc_destroy)>(dlsym(a.lib, "cublasLtMatmulDescDestroy"));
+    a.layout_destroy = reinterpret_cast<decltype(a.layout_destroy)>(dlsym(a.lib, "cublasLtMatrixLayoutDestroy"));
   });
   return a;
 }
@@ -420,26 +424,69 @@ int make_plan(const Api& a, cublasLtHandle_t handle, const Key& key, Plan* plan,
   return 0;
 }
 
-// A scratch buffer of twice the device's L2, written before each timed call so that the call reads its
-// operands from HBM as it does inside a model (where other weights passed through L2 in between); 0
-// when the driver calls are missing or the allocation fails (the calls are then timed back to back).
+// A scratch buffer of twice the device's L2, read before each timed call (by a cuBLASLt GEMM of one row
+// over it, the heuristic's algorithm), so that the call finds its operands in HBM and L2 full of clean
+// lines of other data, as inside a model, where the step's other weights passed through L2 in between.
+// The buffer is written once, when it is made. Written before each call instead (a memset, as this did
+// before), L2 is left full of dirty lines whose write-back runs during the timed call: on an H100 that
+// made the decode GEMVs 10-15% slower than in a decoder, and their ranking differed from the decoder's
+// (docs/gemm.md). Where the reading GEMM cannot be set up, the buffer is written before each call;
+// without the driver calls or the allocation, the calls are timed back to back.
 struct L2Flush {
+  static constexpr int64_t kCols = 4096;  // K of the reading GEMM: the buffer is (rows, kCols) fp16
   const Driver& d;
-  unsigned long long ptr = 0;
+  const Api& a;
+  const Device& dev;
+  unsigned long long ptr = 0, x = 0, y = 0;
   size_t bytes = 0;
-  L2Flush(const Driver& drv, int device_id) : d(drv) {
-    int dev = 0, l2 = 0;
+  int64_t rows = 0;
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lx = nullptr, ly = nullptr;
+  bool reads = false;
+  L2Flush(const Driver& drv, const Api& api, const Device& device, int device_id, void* stream)
+      : d(drv), a(api), dev(device) {
+    int ordinal = 0, l2 = 0;
     if (!d.device_get || !d.device_attribute || !d.mem_alloc || !d.mem_free || !d.memset_async) return;
     const int l2_size = 38;  // CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE
-    if (d.device_get(&dev, device_id) != 0 || d.device_attribute(&l2, l2_size, dev) != 0 || l2 <= 0) return;
-    bytes = 2 * static_cast<size_t>(l2);
-    if (d.mem_alloc(&ptr, bytes) != 0) ptr = 0;
+    if (d.device_get(&ordinal, device_id) != 0 || d.device_attribute(&l2, l2_size, ordinal) != 0 || l2 <= 0) return;
+    rows = (2 * static_cast<int64_t>(l2) + 2 * kCols - 1) / (2 * kCols);
+    bytes = static_cast<size_t>(rows * kCols * 2);
+    if (d.mem_alloc(&ptr, bytes) != 0) {
+      ptr = 0;
+      return;
+    }
+    d.memset_async(ptr, 0, bytes, stream);
+    if (d.mem_alloc(&x, kCols * 2) != 0 || d.mem_alloc(&y, static_cast<size_t>(rows) * 2) != 0) return;
+    d.memset_async(x, 0, kCols * 2, stream);
+    const cublasOperation_t op_t = CUBLAS_OP_T;
+    reads = a.desc_create(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS &&
+            a.desc_set(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)) == CUBLAS_STATUS_SUCCESS &&
+            a.layout_create(&la, CUDA_R_16F, kCols, rows, kCols) == CUBLAS_STATUS_SUCCESS &&
+            a.layout_create(&lx, CUDA_R_16F, kCols, 1, kCols) == CUBLAS_STATUS_SUCCESS &&
+            a.layout_create(&ly, CUDA_R_16F, rows, 1, rows) == CUBLAS_STATUS_SUCCESS && read(stream);
   }
   ~L2Flush() {
-    if (ptr != 0) d.mem_free(ptr);
+    if (a.layout_destroy) {
+      for (cublasLtMatrixLayout_t l : {la, lx, ly}) {
+        if (l != nullptr) a.layout_destroy(l);
+      }
+    }
+    if (a.desc_destroy && desc != nullptr) a.desc_destroy(desc);
+    for (unsigned long long p : {ptr, x, y}) {
+      if (p != 0) d.mem_free(p);
+    }
+  }
+  bool read(void* stream) const {
+    const float one = 1.0f, zero = 0.0f;
+    void* buf = reinterpret_cast<void*>(ptr);
+    void* in = reinterpret_cast<void*>(x);
+    void* out = reinterpret_cast<void*>(y);
+    return a.matmul(dev.handle, desc, &one, buf, la, in, lx, &zero, out, ly, out, ly, nullptr, dev.workspace,
+                    kWorkspaceBytes, static_cast<cudaStream_t>(stream)) == CUBLAS_STATUS_SUCCESS;
   }
   void operator()(void* stream) const {
-    if (ptr != 0) d.memset_async(ptr, 0, bytes, stream);
+    if (ptr == 0) return;
+    if (!reads || !read(stream)) d.memset_async(ptr, 0, bytes, stream);
   }
 };
 
@@ -467,7 +514,7 @@ void pick_fastest(const Api& a, const Device& dev, int device_id, Plan* plan,
   const Driver& d = driver();
   void *start = nullptr, *stop = nullptr;
   if (d.event_create(&start, 0) != 0 || d.event_create(&stop, 0) != 0) return;
-  const L2Flush flush(d, device_id);
+  const L2Flush flush(d, a, dev, device_id, stream);
   const int total = found + gemv.configs;
   float times[kTimed + kGemvConfigs][kMeasureRounds];
   bool usable[kTimed + kGemvConfigs];
