@@ -1297,3 +1297,137 @@ def test_performance_doc_decode_step_claim(name):
     text = " ".join((ROOT / "docs" / "performance.md").read_text().split())
     claim = decode_step_claims()[name]
     assert claim in text, claim
+
+
+# ---------------------------------------------------------------------------------------------
+# CUTLASS's GEMV at one row (benchmarks/cutlass_gemv.cu's log, the decoders with and without it)
+
+DECODERS_GEMV = "2026-12-05-decoders-gemv.json"
+DECODERS_GEMV_BEFORE_AFTER = "2026-12-05-decoders-gemv-before-after.json"
+GEMV_ROWS = {
+    "paged, cuBLASLt alone (`gemm_gemv=off`)": "paged-nogemv",
+    "paged, the default: CUTLASS's GEMV at one row": "paged-gemv",
+    "paged, the default, CUDA graphs": "paged-gemv-graph",
+    "in-place, cuBLASLt alone (`gemm_gemv=off`)": "inplace-nogemv",
+    "in-place, the default": "inplace-gemv",
+    "in-place, the default, CUDA graphs": "inplace-gemv-graph",
+}
+
+
+def _own_limit_cells(parts, name) -> list[str]:
+    out = []
+    for b, c in DECODE_CASES:
+        d = _decode_rec(parts, name, b, c)
+        out.append("–" if d is None else f"{d['ms_per_step']:.3f} ({d['ms_per_step'] / d['limit_ms']:.2f}x)")
+    return out
+
+
+def gemv_table_rows() -> dict[str, list[str]]:
+    parts = _load(DECODERS_GEMV)["parts"]
+    rows = {}
+    for label, name in GEMV_ROWS.items():
+        rows[label] = _own_limit_cells(parts, name)
+        rows[f"{label}, second pass"] = _own_limit_cells(parts, f"{name}.2")
+    return rows
+
+
+def gemv_decoder_claims() -> dict[str, str]:
+    """performance.md's sentences on the run with and without CUTLASS's GEMV, and the run before/after."""
+    parts = _load(DECODERS_GEMV)["parts"]
+
+    def ratio(name, b, c):
+        d = _decode_rec(parts, name, b, c)
+        return f"{d['ms_per_step'] / d['limit_ms']:.2f}x"
+
+    def gemm_us(name, gemm):
+        d = _decode_rec(parts, name, 1, 2048)
+        return next(r for r in d["gemms"]["rows"] if r["gemm"] == gemm)["us_per_call"]
+
+    def ms(name, b, c, p=parts):
+        return _decode_rec(p, name, b, c)["ms_per_step"]
+
+    many = [ms(f"paged-gemv{s}", b, c) / ms(f"paged-nogemv{s}", b, c) for s in ("", ".2") for b, c in ((8, 2048), (32, 2048))]
+    logits = _load(DECODERS_GEMV)["logits"]
+    diffs = [v["max_abs"] for v in logits.values()]
+    ref = max(v["ref_max_abs"] for v in logits.values())
+    assert all(v["argmax_equal"] for v in logits.values())
+    ba = _load(DECODERS_GEMV_BEFORE_AFTER)["parts"]
+
+    def pair(name, b, c):
+        return f"{ms(name, b, c, ba):.3f} and {ms(name + '.2', b, c, ba):.3f}"
+
+    def faster(before, now, b, c):
+        return _range([ms(f"{before}{s}", b, c, ba) / ms(f"{now}{s}", b, c, ba) for s in ("", ".2")])
+
+    per_gemm = {g: (gemm_us("paged-gemv", g), gemm_us("paged-nogemv", g)) for g in
+                ("gate_up_proj", "qkv_proj", "lm_head", "down_proj", "o_proj")}
+    return {
+        "paged 2k": f"takes {ratio('paged-gemv', 1, 2048)} and {ratio('paged-gemv.2', 1, 2048)} the bytes limit "
+                    f"(1.27x on cuBLASLt alone in the same run), with CUDA graphs {ratio('paged-gemv-graph', 1, 2048)} and "
+                    f"{ratio('paged-gemv-graph.2', 1, 2048)}",
+        "paged 16k": f"At 16k it takes {ratio('paged-gemv-graph', 1, 16384)} and {ratio('paged-gemv-graph.2', 1, 16384)} "
+                     "with CUDA graphs",
+        "inplace 16k": f"the in-place decoder at 16k {ratio('inplace-gemv', 1, 16384)}, with CUDA graphs "
+                       f"{ratio('inplace-gemv-graph', 1, 16384)}",
+        "many rows": f"({_range(many)} the time of the builds on cuBLASLt alone)",
+        "gemms": "gate_up_proj {:.1f} µs a call on the GEMV against {:.1f} on cuBLASLt, qkv_proj {:.1f} against {:.1f}, "
+                 "lm_head {:.1f} against {:.1f}, down_proj {:.1f} against {:.1f}; o_proj runs on the GEMV too, {:.1f} "
+                 "against {:.1f} µs".format(*[x for g in per_gemm.values() for x in g]),
+        "logits": f"differ from cuBLASLt's by at most {max(diffs):.3f} (logits up to {ref:.1f}), argmax equal",
+        "before paged": f"a paged batch-1 step at 2k took {pair('A-paged', 1, 2048)} ms before and {pair('C-paged', 1, 2048)} "
+                        f"now ({faster('A-paged', 'C-paged', 1, 2048)} faster)",
+        "before graph": f"with CUDA graphs {pair('A-paged-graph', 1, 2048)} before, {pair('C-paged-graph', 1, 2048)} now "
+                        f"({faster('A-paged-graph', 'C-paged-graph', 1, 2048)})",
+        "before inplace": f"the in-place step at 16k {pair('A-inplace', 1, 16384)} before, {pair('C-inplace', 1, 16384)} now "
+                          f"({faster('A-inplace', 'C-inplace', 1, 16384)})",
+    }
+
+
+def test_gemv_table():
+    text = PERF.read_text()
+    for label, cells in gemv_table_rows().items():
+        assert _table_row(text, label) == cells, label
+
+
+@pytest.mark.parametrize("name", sorted(gemv_decoder_claims()))
+def test_gemv_decoders_claim(name):
+    text = " ".join(PERF.read_text().split())
+    assert gemv_decoder_claims()[name] in text, f"performance.md lacks {name}: {gemv_decoder_claims()[name]!r}"
+
+
+def cutlass_gemv_claims() -> dict[str, str]:
+    """docs/gemm.md's figures of benchmarks/cutlass_gemv.cu's H200 run (read and write flush), from its log."""
+    log = (RESULTS / "2026-12-05-cutlass-gemv.log").read_text()
+    runs = {}
+    for part in re.split(r"(?m)^device ", log)[1:]:
+        mode = "read" if "read twice" in part.splitlines()[0] else "write"
+        rows = {}
+        for block in part.split("\n== ")[1:]:
+            name, m = re.match(r"(\S+) M=(\d+)", block).groups()
+            lt = float(re.search(r"cublasLt \(our rule\): ([\d.]+) us", block).group(1))
+            gv = [float(t) for t in re.findall(r"cutlass Gemv threads=\d+ per_row=\d+: ([\d.]+) us", block)]
+            sm = [float(t) for t in re.findall(r"cutlass sm90 swapped .+?: ([\d.]+) us", block)]
+            assert "WRONG" not in block
+            rows[(name, int(m))] = (lt, min(gv) if gv else None, min(sm))
+        runs[mode] = rows
+    read = runs["read"]
+    gu = read[("gate_up_proj", 1)]
+    others = [g / lt for (n, m), (lt, g, _) in read.items() if m == 1 and n != "gate_up_proj"]
+    sm1 = [s / lt for (n, m), (lt, _, s) in read.items() if m == 1]
+    sm8 = [s / lt for (n, m), (lt, _, s) in read.items() if m == 8]
+    decoders = _load(DECODERS_GEMV)["parts"]
+    qkv_in_decoder = next(r for r in _decode_rec(decoders, "paged-nogemv", 1, 2048)["gemms"]["rows"]
+                          if r["gemm"] == "qkv_proj")["us_per_call"]
+    return {
+        "gate_up": f"read gate_up_proj in {gu[1]:.1f} µs against {gu[0]:.1f} for cuBLASLt's measured choice "
+                   f"({gu[1] / gu[0]:.3f}x) and was within {min(others):.3f}–{max(others):.3f}x of it on the other weights",
+        "sm90": f"took {_range(sm1)} cuBLASLt's time at M = 1 and {_range(sm8)} at M = 8",
+        "flush": f"cuBLASLt's qkv_proj GEMV took {runs['write'][('qkv_proj', 1)][0]:.1f} µs after the write, "
+                 f"{read[('qkv_proj', 1)][0]:.1f} after the read, {qkv_in_decoder:.1f} inside the paged decoder",
+    }
+
+
+@pytest.mark.parametrize("name", sorted(cutlass_gemv_claims()))
+def test_gemm_doc_cutlass_gemv_claim(name):
+    text = " ".join(GEMM_DOC.read_text().split())
+    assert cutlass_gemv_claims()[name] in text, f"docs/gemm.md lacks {name}: {cutlass_gemv_claims()[name]!r}"
