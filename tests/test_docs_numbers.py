@@ -1389,6 +1389,11 @@ def test_gemv_table():
         assert _table_row(text, label) == cells, label
 
 
+def test_readme_gemv_claim():
+    text = " ".join(README.read_text().split())
+    assert gemv_decoder_claims()["paged 2k"] in text
+
+
 @pytest.mark.parametrize("name", sorted(gemv_decoder_claims()))
 def test_gemv_decoders_claim(name):
     text = " ".join(PERF.read_text().split())
