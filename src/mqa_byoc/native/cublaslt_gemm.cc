@@ -18,9 +18,11 @@
 // (decode: the weight is read once, and the heuristic's first choice is often a split-K algorithm with a
 // reduction kernel after it) times up to kCandidates of the heuristic's algorithms, and each split-K one
 // of them again with its split count set to 1 (the same kernel reading all of K: the heuristic often
-// offers only the split form of the tile shape that streams a decode weight fastest), on the call's own
-// operands, on its stream (CUDA driver events, libcuda.so.1 opened the same way), each call from a cold
-// L2 (pick_fastest), and keeps the fastest; the measurement runs at most kTimed x (1 + kMeasureRounds)
+// offers only the split form of the tile shape that streams a decode weight fastest), and for a GEMM of
+// one row that it can compute the configurations of CUTLASS's GEMV (cutlass_gemv.cu, a fatbin in this
+// object, launched through the driver), on the call's own operands, on its stream (CUDA driver events,
+// libcuda.so.1 opened the same way), each call after reading twice the L2 (pick_fastest, L2Flush), and
+// keeps the fastest; the measurement runs at most kTimed x (1 + kMeasureRounds)
 // calls, once per shape (tens of ms for a weight of several hundred MB). Measured on the H200
 // (CodeLlama-34B shapes, the paged decoder): 1.5-4% less time per decode step at batch 1-32 than the
 // heuristic's first choice (benchmarks/results/2026-12-01-decoders.md); the split-count-1 forms and the
@@ -105,6 +107,7 @@ struct Driver {
   int (*module_function)(void**, void*, const char*) = nullptr;
   int (*launch)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**,
                 void**) = nullptr;
+  int (*ctx_get_device)(int*) = nullptr;
 };
 
 const Driver& driver() {
@@ -130,6 +133,7 @@ const Driver& driver() {
     d.module_load = reinterpret_cast<int (*)(void**, const void*)>(dlsym(lib, "cuModuleLoadData"));
     d.module_function = reinterpret_cast<int (*)(void**, void*, const char*)>(dlsym(lib, "cuModuleGetFunction"));
     d.launch = reinterpret_cast<decltype(d.launch)>(dlsym(lib, "cuLaunchKernel"));
+    d.ctx_get_device = reinterpret_cast<int (*)(int*)>(dlsym(lib, "cuCtxGetDevice"));
   });
   return d;
 }
@@ -289,17 +293,22 @@ cublasLtEpilogue_t epilogue_of(int epilogue) {
 bool gemv_fits(int dtype, int transposed, int epilogue, int64_t batch, int64_t m, int64_t n, int64_t k, int align,
                bool bias, bool residual) {
   const Driver& d = driver();
-  return kGemvBuilt && gemv_option() != 1 && d.module_load && d.module_function && d.launch && (dtype == 0 || dtype == 1) &&
+  return kGemvBuilt && gemv_option() != 1 && d.module_load && d.module_function && d.launch && d.ctx_get_device &&
+         d.device_get && (dtype == 0 || dtype == 1) &&
          transposed == 1 && batch == 1 && m == 1 && (epilogue == 0 || epilogue == 1) && !(bias && residual) &&
          align >= 16 && k % MQA_BYOC_GEMV_VECTOR == 0 && n <= INT32_MAX && k <= INT32_MAX;
 }
 
-// Loads the GEMV fatbin into the current context (TVM's, on this device) once; false when it cannot.
-bool gemv_load(Device* dev) {
+// Loads the GEMV fatbin into the current context once, when that context is on `device_id` (TVM's: it
+// makes the device's context current before a call); false when it cannot. Not while the stream is being
+// captured (loading a module is no stream work; the caller checks).
+bool gemv_load(Device* dev, int device_id) {
 #ifdef MQA_BYOC_GEMV_FATBIN
   if (!dev->gemv_loaded) {
-    dev->gemv_loaded = true;
     const Driver& d = driver();
+    int current = -1, wanted = -2;
+    if (d.ctx_get_device(&current) != 0 || d.device_get(&wanted, device_id) != 0 || current != wanted) return false;
+    dev->gemv_loaded = true;
     if (d.module_load(&dev->gemv_module, kGemvFatbin) != 0) {
       dev->gemv_module = nullptr;
       return false;
@@ -313,6 +322,7 @@ bool gemv_load(Device* dev) {
   return dev->gemv_module != nullptr;
 #else
   (void)dev;
+  (void)device_id;
   return false;
 #endif
 }
@@ -617,15 +627,18 @@ int mqa_byoc_cublaslt_gemm(int device_id, void* stream, int dtype, int transpose
     MQA_BYOC_LT(a.desc_set(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)), "set BIAS_POINTER");
   }
   // CUTLASS's GEMV at one row: C is the bias or the residual (one row of N either way), beta 1 with one.
+  // Whether nothing is being captured on the stream: only then may a new plan time its candidates or
+  // load the GEMV's module (a first call inside a CUDA graph capture keeps the heuristic's choice).
+  int capturing = 0;
+  const bool quiet = driver().stream_is_capturing != nullptr &&
+                     driver().stream_is_capturing(stream, &capturing) == 0 && capturing == 0;
   GemvCall gemv;
   if (fresh && gemv_fits(dtype, transposed, epilogue, batch, m, n, k, align, bias != nullptr, residual != nullptr) &&
-      gemv_load(&dev)) {
+      (dev.gemv_module != nullptr || (quiet && gemv_load(&dev, device_id)))) {
     gemv = GemvCall{kGemvConfigs, dtype, n, k, bias != nullptr ? bias : residual,
                     (bias != nullptr || residual != nullptr) ? 1.0f : 0.0f};
   }
-  int capturing = 0;
-  const bool can_time =
-      fresh && driver().ok && driver().stream_is_capturing(stream, &capturing) == 0 && capturing == 0;
+  const bool can_time = fresh && driver().ok && quiet;
   const bool gemv_only = gemv.configs > 0 && gemv_option() == 2;
   if (can_time && (gemv_only || (measure_requested() && (found > 1 || gemv.configs > 0)))) {
     pick_fastest(a, dev, device_id, &plan, candidates, found, !gemv_only, gemv, &alpha, &beta, x, w, c, out,
