@@ -14,9 +14,11 @@
 // writes it (`./cutlass_gemv write`: L2 holds dirty lines whose write-back runs during the timed call).
 // Each CUTLASS output is checked against cuBLASLt's (random weights, fp32 accumulation on both).
 //
-//   nvcc -O3 -DNDEBUG -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -I<cutlass>/include -I<cutlass>/tools/util/include \
+//   nvcc -O3 -DNDEBUG -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -I<cutlass include> \
 //        -o cutlass_gemv benchmarks/cutlass_gemv.cu -lcublasLt && ./cutlass_gemv read && ./cutlass_gemv write
-// <cutlass>: the nvidia-cutlass wheel's cutlass_library/source (pip install nvidia-cutlass).
+// <cutlass include>: CUTLASS's headers, e.g. the nvidia-cutlass wheel's cutlass_library/source/include or
+// apache-tvm's tvm/3rdparty/cutlass/include (python -c "from mqa_byoc.kernels import gemv;
+// print(gemv.cutlass_include_dir())").
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -39,7 +41,6 @@
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
-#include "cutlass/util/packed_stride.hpp"
 
 #include "../src/mqa_byoc/testing/read_floor.cu"
 
@@ -128,10 +129,11 @@ struct Sm90Swapped {
     using StrideB = typename Op::GemmKernel::StrideB;
     using StrideC = typename Op::GemmKernel::StrideC;
     using StrideD = typename Op::GemmKernel::StrideD;
-    auto sa = cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(b.n, b.k, 1));
-    auto sb = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(b.m, b.k, 1));
-    auto sc = cutlass::make_cute_packed_stride(StrideC{}, cute::make_shape(b.n, b.m, 1));
-    auto sd = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(b.n, b.m, 1));
+    // packed strides: A (N x K) K-major, B (M x K) K-major, C and D (N x M) N-major; one batch
+    StrideA sa = cute::make_stride(int64_t(b.k), cute::Int<1>{}, int64_t(b.n) * b.k);
+    StrideB sb = cute::make_stride(int64_t(b.k), cute::Int<1>{}, int64_t(b.m) * b.k);
+    StrideC sc = cute::make_stride(cute::Int<1>{}, int64_t(b.n), int64_t(b.n) * b.m);
+    StrideD sd = cute::make_stride(cute::Int<1>{}, int64_t(b.n), int64_t(b.n) * b.m);
     typename Op::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
                                 {b.n, b.m, b.k, 1},
                                 {b.w, sa, b.x, sb},

@@ -8,6 +8,7 @@ import importlib.util
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -109,3 +110,25 @@ def test_report_notes_the_gemv_for_a_float32_result_cast_back_but_not_for_a_floa
     f32, _ = gemm_graph(*FORMS[5], rows=("n",), k=128, n=256, out_dtype="float32")
     assert GEMV_NOTE in (gemm_report(cast)[0].note or "")
     assert GEMV_NOTE not in (gemm_report(f32)[0].note or "")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["cutlass_gemv.cu", "cublaslt_search.cu"])
+def test_the_gemm_benchmarks_compile(source, tmp_path):
+    """benchmarks/cutlass_gemv.cu and cublaslt_search.cu (no TVM: CUTLASS and cuBLASLt alone) compile as their
+    headers say, against the CUTLASS headers found here (apache-tvm's copy in CI) and the nvidia-cublas wheel's."""
+    from mqa_byoc.kernels import toolchain
+
+    missing = _cublaslt_headers_missing()
+    if missing:
+        pytest.skip(missing)
+    try:
+        nvcc = toolchain.find_nvcc()
+    except NativeKernelsUnavailable as e:
+        pytest.skip(str(e))
+    src = Path(__file__).resolve().parents[1] / "benchmarks" / source
+    cmd = [nvcc, "-O3", "-DNDEBUG", "-std=c++17", "-arch=sm_90a", "--expt-relaxed-constexpr",
+           f"-I{gemv.cutlass_include_dir()}", f"-I{cublaslt_build.cublaslt_include_dir()}", "-c", str(src),
+           "-o", str(tmp_path / "bench.o")]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
