@@ -438,9 +438,9 @@ int make_plan(const Api& a, cublasLtHandle_t handle, const Key& key, Plan* plan,
 // over it, the heuristic's algorithm), so that the call finds its operands in HBM and L2 full of clean
 // lines of other data, as inside a model, where the step's other weights passed through L2 in between.
 // The buffer is written once, when it is made. Written before each call instead (a memset, as this did
-// before), L2 is left full of dirty lines whose write-back runs during the timed call: on an H100 that
-// made the decode GEMVs 10-15% slower than in a decoder, and their ranking differed from the decoder's
-// (docs/gemm.md). Where the reading GEMM cannot be set up, the buffer is written before each call;
+// before), L2 is left full of dirty lines whose write-back runs during the timed call: on the H100 and
+// the H200 that made the decode GEMVs up to a third slower than inside a decoder, and the decoders landed
+// on different kernels from one process to the next (docs/gemm.md). Where the reading GEMM cannot be set up, the buffer is written before each call;
 // without the driver calls or the allocation, the calls are timed back to back.
 struct L2Flush {
   static constexpr int64_t kCols = 4096;  // K of the reading GEMM: the buffer is (rows, kCols) fp16
