@@ -26,14 +26,6 @@ def _codegen_funcs(mod):
             if isinstance(f, relax.Function) and f.attrs is not None and str(f.attrs.get("Codegen", "")) == GEMM_CODEGEN}
 
 
-def _have_cublaslt_headers():
-    try:
-        cublaslt_build.include_flags()
-    except cublaslt_build.CublasLtUnavailable as err:
-        return str(err)
-    return None
-
-
 def test_pattern_table_is_registered_with_tvm_largest_first():
     names = [p.name for p in get_patterns_with_prefix(GEMM_CODEGEN)]
     assert names == list(GEMM_COMPOSITES)
@@ -297,7 +289,7 @@ def test_codegen_errors_are_typed():
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
 def test_generated_source_and_dispatcher_compile(tmp_path):
-    missing = _have_cublaslt_headers()
+    missing = cublaslt_build.headers_unavailable()
     if missing:
         pytest.skip(missing)
     import dataclasses
@@ -326,7 +318,7 @@ def test_generated_source_and_dispatcher_compile(tmp_path):
 
 @pytest.mark.slow
 def test_export_links_the_dispatcher(tmp_path):
-    missing = _have_cublaslt_headers()
+    missing = cublaslt_build.headers_unavailable()
     if missing:
         pytest.skip(missing)
     mod, _ = gemm_graph(True, True, "gelu_tanh", False)

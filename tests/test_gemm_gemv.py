@@ -22,14 +22,6 @@ from mqa_byoc.testing.gemm_graphs import FORMS, gemm_graph
 CONFIGS = [tuple(int(v) for v in m) for m in re.findall(r"X\((\d+), (\d+), (\d+)\)", paths.GEMV_HEADER.read_text())]
 
 
-def _cublaslt_headers_missing():
-    try:
-        cublaslt_build.include_flags()
-    except cublaslt_build.CublasLtUnavailable as e:
-        return str(e)
-    return None
-
-
 def test_the_configurations_are_whole_warps_of_rows():
     assert [c[0] for c in CONFIGS] == list(range(len(CONFIGS))) and len(CONFIGS) >= 2
     for _, threads, per_row in CONFIGS:
@@ -38,7 +30,7 @@ def test_the_configurations_are_whole_warps_of_rows():
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
 def test_dispatcher_embeds_the_gemv_fatbin_with_every_entry():
-    missing = _cublaslt_headers_missing() or cublaslt_build.gemv_unavailable()
+    missing = cublaslt_build.headers_unavailable() or cublaslt_build.gemv_unavailable()
     if missing:
         pytest.skip(f"no CUTLASS GEMV here: {missing}")
     inc = gemv.fatbin_include(progress=None)
@@ -57,7 +49,7 @@ def test_dispatcher_embeds_the_gemv_fatbin_with_every_entry():
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
 def test_without_nvcc_the_dispatcher_runs_cublaslt_alone(monkeypatch, tmp_path):
-    missing = _cublaslt_headers_missing()
+    missing = cublaslt_build.headers_unavailable()
     if missing:
         pytest.skip(missing)
     monkeypatch.setenv("MQA_BYOC_NVCC", "")  # no nvcc (authoritative when set)
@@ -119,7 +111,7 @@ def test_the_gemm_benchmarks_compile(source, tmp_path):
     headers say, against the CUTLASS headers found here (apache-tvm's copy in CI) and the nvidia-cublas wheel's."""
     from mqa_byoc.kernels import toolchain
 
-    missing = _cublaslt_headers_missing()
+    missing = cublaslt_build.headers_unavailable()
     if missing:
         pytest.skip(missing)
     try:

@@ -102,6 +102,16 @@ def gemv_flags(progress=None) -> list[str]:
         return []
 
 
+def headers_unavailable() -> str | None:
+    """Why the dispatcher cannot be compiled here (cuBLASLt's or the CUDA runtime's headers missing, with
+    the install command), or None."""
+    try:
+        include_flags()
+    except CublasLtUnavailable as err:
+        return str(err)
+    return None
+
+
 def gemv_unavailable() -> str | None:
     """Why the dispatcher compiled here has no CUTLASS GEMV (None when it has one)."""
     try:
