@@ -56,7 +56,8 @@ def cutlass_include_dir() -> Path:
 
 
 def _nvcc_version(nvcc: str) -> str:
-    return subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1:][0]
+    lines = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 def fatbin_include(progress: Callable[[str], None] | None = None) -> Path:
