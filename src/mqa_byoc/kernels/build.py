@@ -42,7 +42,7 @@ class _Killed(RuntimeError):
     """A compiler process was killed (usually by the OOM killer)."""
 
 
-def _compile(cmd: list[str], out: Path, log: Path, niceness: int = 0) -> float:
+def run_compile(cmd: list[str], out: Path, log: Path, niceness: int = 0) -> float:
     """Run one compile to a temp name, then rename; returns seconds. Raises with the log tail."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -191,11 +191,11 @@ def build_kernels(
         out = cfg.dir / f"{key.stem}.o"
         try:
             try:
-                dt = _compile(kernel_command(cfg, key), out, cfg.dir / f"{key.stem}.log", niceness)
+                dt = run_compile(kernel_command(cfg, key), out, cfg.dir / f"{key.stem}.log", niceness)
             except _Killed as e:  # one retry: memory pressure is often transient
                 progress(f"[mqa-byoc] {arch} {key.label}: {e}; retrying once")
                 time.sleep(30)
-                dt = _compile(kernel_command(cfg, key), out, cfg.dir / f"{key.stem}.log", niceness)
+                dt = run_compile(kernel_command(cfg, key), out, cfg.dir / f"{key.stem}.log", niceness)
         except Exception as e:  # noqa: BLE001 - reported below
             with lock:
                 done += 1
@@ -243,7 +243,7 @@ def build_dispatcher(
         return out
     # compiled even with build=False: it takes seconds (``build`` guards the kernels, minutes each), and
     # a prebuilt kernel dir stays usable after a change of our dispatcher source
-    dt = _compile(dispatcher_command(nvcc, fa_root), out, out.with_suffix(".log"))
+    dt = run_compile(dispatcher_command(nvcc, fa_root), out, out.with_suffix(".log"))
     progress(f"[mqa-byoc] dispatcher: {dt:.0f}s -> {out}")
     return out
 
@@ -285,7 +285,7 @@ def source_object(
     out = paths.cache_root() / subdir / name
     if not out.is_file():
         cmd = [find_nvcc(), *flags, *(includes() if includes else []), "-c", str(source)]
-        dt = _compile(cmd, out, out.with_suffix(".log"))
+        dt = run_compile(cmd, out, out.with_suffix(".log"))
         (progress or (lambda _m: None))(f"[mqa-byoc] {source.name}: {dt:.0f}s -> {out}")
     return out
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import paths
-from .build import _compile
+from .build import run_compile
 from .errors import NativeKernelsUnavailable
 from .toolchain import find_nvcc
 
@@ -83,7 +83,7 @@ def fatbin_include(progress: Callable[[str], None] | None = None) -> Path:
         return out
     fatbin = out.with_suffix(".fatbin")
     if not fatbin.is_file():
-        dt = _compile([nvcc, *FLAGS, f"-I{include}", f"-I{paths.NATIVE_DIR}", str(paths.GEMV_SOURCE)], fatbin,
+        dt = run_compile([nvcc, *FLAGS, f"-I{include}", f"-I{paths.NATIVE_DIR}", str(paths.GEMV_SOURCE)], fatbin,
                       fatbin.with_suffix(".log"))
         (progress or (lambda _m: None))(f"[mqa-byoc] {paths.GEMV_SOURCE.name}: {dt:.0f}s -> {fatbin}")
     data = fatbin.read_bytes()
