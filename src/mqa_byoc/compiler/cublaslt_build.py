@@ -1,8 +1,8 @@
 """The object of ``native/cublaslt_gemm.cc`` (the cuBLASLt dispatcher): compiled once with the host
 C++ compiler, cached, linked by :func:`mqa_byoc.export_library` when a GEMM wrapper is in the executable.
 
-Host code (g++), with CUTLASS's GEMV for GEMMs of one row embedded as a fatbin when nvcc and the
-nvidia-cutlass wheel are here (:mod:`mqa_byoc.kernels.gemv`; the dispatcher launches it through the CUDA
+Host code (g++), with CUTLASS's GEMV for GEMMs of one row embedded as a fatbin when nvcc and CUTLASS's
+headers (the nvidia-cutlass wheel, else apache-tvm's copy) are here (:mod:`mqa_byoc.kernels.gemv`; the dispatcher launches it through the CUDA
 driver, so nothing more is linked; without them GEMMs run on cuBLASLt alone). It needs cuBLASLt's headers (``pip install nvidia-cublas``:
 ``nvidia/cu13/include``), the CUDA runtime headers they include (``$CUDA_HOME/include``, else
 ``/usr/local/cuda/include``, else the ``nvidia-cuda-runtime`` wheel) and TVM's ``c_backend_api.h``.
@@ -93,8 +93,8 @@ def compile_flags() -> list[str]:
 
 
 def gemv_flags(progress=None) -> list[str]:
-    """``-DMQA_BYOC_GEMV_FATBIN="<inc>"`` when CUTLASS's GEMV can be built here (nvcc and the nvidia-cutlass
-    wheel: :func:`mqa_byoc.kernels.gemv.fatbin_include`), else none (the dispatcher runs cuBLASLt alone,
+    """``-DMQA_BYOC_GEMV_FATBIN="<inc>"`` when CUTLASS's GEMV can be built here (nvcc and CUTLASS's
+    headers: :func:`mqa_byoc.kernels.gemv.fatbin_include`), else none (the dispatcher runs cuBLASLt alone,
     and :func:`gemv_unavailable` says why)."""
     try:
         return [f'-DMQA_BYOC_GEMV_FATBIN="{_gemv.fatbin_include(progress)}"']
