@@ -62,6 +62,13 @@ def test_projection_weights_and_matmuls(fused):
                  "self_attn.v_proj.weight": (hkv * d, hid), "mlp.gate_proj.weight": (inter, hid),
                  "mlp.up_proj.weight": (inter, hid)}
     assert layer0 == want
+    # the default: with fused projections, qkv's split and RoPE are one TIR kernel a layer
+    ops = _op_counts(mod["prefill"])
+    assert ops["relax.split"] == (1 if fused else 2) * cfg.num_layers  # gate_up | RoPE's halves of q and k
+    assert _tir_calls(mod["prefill"]).get("split_rope", 0) == (cfg.num_layers if fused else 0)
+    # with Relax ops instead (fused_rope=False; the separate form has no choice)
+    mod, _ = build_decoder(cfg, functions=("prefill",), fused_rope=False)
+    assert "split_rope" not in _tir_calls(mod["prefill"])
     ops = _op_counts(mod["prefill"])
     # per layer: (qkv | q, k, v), o, (gate_up | gate, up), down; then the LM head (kv_expand "repeat":
     # the attention is R.nn.attention, no matmul)
@@ -72,6 +79,16 @@ def test_projection_weights_and_matmuls(fused):
         cuts = [_split_points(c.attrs.indices_or_sections) for c in _calls(mod["prefill"], "relax.split")
                 if int(c.args[0].ty.shape.values[-1]) != d]
         assert cuts == [[h * d, (h + hkv) * d], 2] * cfg.num_layers, cuts  # per layer: qkv, then gate_up
+
+
+def _tir_calls(func) -> Counter:
+    """Callees of R.call_tir in ``func`` by name."""
+    names = Counter()
+    for block in func.body.blocks:
+        for b in block.bindings:
+            if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == "relax.call_tir":
+                names[b.value.args[0].name_hint] += 1
+    return names
 
 
 def _calls(func, op_name):
@@ -132,7 +149,7 @@ def test_every_attention_offloaded(fused, kv_cache, form):
     for fname in FUNCS:
         ops = _op_counts(part[fname])
         assert not {"relax.repeat", "relax.broadcast_to", "relax.nn.softmax"} & set(ops), (fname, ops)
-        assert ops["relax.split"] == (4 if fused else 2) * cfg.num_layers  # the projections stay TVM's
+        assert ops["relax.split"] == (1 if fused else 2) * cfg.num_layers  # the projections stay TVM's
 
 
 # ------------------------------------------------------------------------------------------ CPU numerics
@@ -180,11 +197,14 @@ def separate_reference():
     return ids, get
 
 
-@pytest.mark.parametrize("fused,kv_cache,dtype,mqa", [
-    (True, "functional", "float32", False),  # the fused graph computes the separate graph's function
-    (False, "inplace", "float16", True),  # the separate form's mqa rewrite on the in-place cache
-], ids=["fused-functional-f32", "separate-inplace-f16-mqa-rewrite"])
-def test_forms_agree_on_one_set_of_weights(separate_reference, fused, kv_cache, dtype, mqa):
+@pytest.mark.parametrize("fused,kv_cache,dtype,mqa,fused_rope", [
+    (True, "functional", "float32", False, True),  # the fused graph computes the separate graph's function
+    (True, "functional", "float32", False, False),  # ... with qkv's split and RoPE as Relax ops too
+    (True, "inplace", "float16", False, True),  # the in-place cache and the RoPE kernel in fp16
+    (False, "inplace", "float16", True, True),  # the separate form's mqa rewrite on the in-place cache
+], ids=["fused-functional-f32", "fused-functional-f32-rope-ops", "fused-inplace-f16",
+        "separate-inplace-f16-mqa-rewrite"])
+def test_forms_agree_on_one_set_of_weights(separate_reference, fused, kv_cache, dtype, mqa, fused_rope):
     """(The fused form's mqa rewrite on both caches: tests/test_models_inplace_cache.py, whose decoders are fused.)"""
     from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
     from mqa_byoc.compiler.partition import canonicalize_attention
@@ -192,7 +212,8 @@ def test_forms_agree_on_one_set_of_weights(separate_reference, fused, kv_cache, 
     ids, get = separate_reference
     weights, want = get(dtype)
     cfg = _tiny(fused)
-    mod, spec = build_decoder(cfg, dtype=dtype, logits="all", kv_cache=kv_cache, functions=("prefill", "decode"))
+    mod, spec = build_decoder(cfg, dtype=dtype, logits="all", kv_cache=kv_cache, functions=("prefill", "decode"),
+                              fused_rope=fused_rope)
     if mqa:
         mod = canonicalize_attention(mod, mqa=True)
         for fname in ("prefill", "decode"):

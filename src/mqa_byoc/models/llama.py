@@ -14,6 +14,11 @@ x ``(B, S, hidden)``::
     gate, up = R.split(R.matmul(x, R.permute_dims(gate_up_proj.weight)), 2, axis=-1)
     mlp = down_proj(R.nn.silu(gate) * up)
 
+With ``build_decoder(fused_rope=True)`` (the default) the split, the reshapes and RoPE on q and k are
+one TIR kernel instead (:func:`mqa_byoc.models.rope.split_rope`, the same values)::
+
+    q, k, v = R.call_tir(split_rope, (qkv, inv_freq, past_len), out=[(B, S, H, D), (B, S, H_kv, D), ...])
+
 ``qkv_proj.weight`` stacks HF's q, k, v weights by rows (in that order), ``gate_up_proj.weight`` gate's
 then up's (:data:`FUSED_PROJECTIONS`, :func:`params_by_name`). Separate (``fused_projections=False``,
 Hugging Face's form): ``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj``, ``up_proj``, one matmul each.
@@ -38,7 +43,7 @@ symbolic ``kv_len``, see ``fresh_kv_len`` of :func:`build_decoder`); every form 
 ``(B, S, H, D)``, then the layer does ``R.reshape(o, (B, S, H * D))`` and the o projection. RoPE
 (HF's non-interleaved ``rotate_half``) is applied to q and k in BSNH before all of this, with
 cos/sin tables ``(1, S, 1, D)`` computed in float32 from ``R.arange(S_past, S_past + S)`` and cast
-to the model dtype.
+to the model dtype (or inside ``split_rope``, the same way).
 
 ``"repeat"`` (K/V repeated to H heads in BSNH, then TVM's fused attention op)::
 
@@ -117,6 +122,7 @@ import numpy as np
 from .attention_forms import KV_EXPAND_FORMS, attention, build_mask, emit_expr, nn_frontend, simplify_index  # noqa: F401
 from .kv_caches import FRESH_LEN_FORMS, FunctionalKV
 from .presets import DecoderConfig
+from .rope import apply_rope, rope_ops, rope_tables, split_rope
 
 KV_CACHES = ("functional", "inplace")
 
@@ -133,33 +139,6 @@ class ParamInfo:
 # --------------------------------------------------------------------------------------------
 # the decoder
 # --------------------------------------------------------------------------------------------
-
-
-def _rope_tables(positions_start, seq_len, head_dim: int, theta: float, dtype: str):
-    """cos / sin tables ``(1, S, 1, D)`` in ``dtype`` for positions start .. start + S - 1."""
-    nn, op = nn_frontend()
-    from tvm import relax
-
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    pos = op.arange(positions_start, simplify_index(positions_start + seq_len), dtype="float32")
-    freqs = op.multiply(
-        op.reshape(pos, (seq_len, 1)),
-        nn.Tensor.from_const(inv_freq.astype("float32").reshape(1, head_dim // 2)),
-    )
-    emb = op.concat([freqs, freqs], dim=-1)  # (S, D), HF's non-interleaved layout
-    cos = emit_expr(relax.op.cos(emb._expr), "rope_cos")
-    sin = emit_expr(relax.op.sin(emb._expr), "rope_sin")
-    if dtype != "float32":
-        cos, sin = op.astype(cos, dtype), op.astype(sin, dtype)
-    return op.reshape(cos, (1, seq_len, 1, head_dim)), op.reshape(sin, (1, seq_len, 1, head_dim))
-
-
-def _apply_rope(x, cos, sin):
-    """x * cos + rotate_half(x) * sin on ``(B, S, N, D)``; rotate_half = concat(-x2, x1)."""
-    _, op = nn_frontend()
-    x1, x2 = op.split(x, 2, axis=-1)
-    rot = op.concat([op.negative(x2), x1], dim=-1)
-    return op.add(op.multiply(x, cos), op.multiply(rot, sin))
 
 
 def _make_module_classes(tensor_parallel_shards: int = 1):
@@ -185,18 +164,20 @@ def _make_module_classes(tensor_parallel_shards: int = 1):
                 self.v_proj = linear(cfg.hidden_size, cfg.kv_size, dtype)
             self.o_proj = linear(cfg.q_size, cfg.hidden_size, dtype)
 
-        def forward(self, x, cos, sin, kv, mask, kv_expand, window):
+        def forward(self, x, rope_in, kv, mask, kv_expand, window):
+            """``rope_in``: the (cos, sin) tables, or the first row's position for :func:`rope.split_rope`."""
             cfg = self.cfg
             b, s, _ = x.shape
-            if cfg.fused_projections:
-                q, k, v = op.split(self.qkv_proj(x), [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
-            else:
+            heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            if not cfg.fused_projections:
                 q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            q = op.reshape(q, (b, s, cfg.num_heads, cfg.head_dim))
-            k = op.reshape(k, (b, s, cfg.num_kv_heads, cfg.head_dim))
-            v = op.reshape(v, (b, s, cfg.num_kv_heads, cfg.head_dim))
-            q = _apply_rope(q, cos, sin)
-            k = _apply_rope(k, cos, sin)
+                q = apply_rope(op.reshape(q, (b, s, cfg.num_heads, cfg.head_dim)), *rope_in)
+                k = apply_rope(op.reshape(k, (b, s, cfg.num_kv_heads, cfg.head_dim)), *rope_in)
+                v = op.reshape(v, (b, s, cfg.num_kv_heads, cfg.head_dim))
+            elif isinstance(rope_in, tuple):
+                q, k, v = rope_ops(self.qkv_proj(x), rope_in, *heads)
+            else:
+                q, k, v = split_rope(self.qkv_proj(x), rope_in, *heads, cfg.rope_theta)
             k, v, k_out, v_out = kv.update(self, k, v)
             o = attention(q, k, v, kv_expand=kv_expand, mask=mask, window=window)
             o = op.reshape(o, (b, s, cfg.q_size))
@@ -228,17 +209,19 @@ def _make_module_classes(tensor_parallel_shards: int = 1):
             )
             self.mlp = MLP(cfg, dtype)
 
-        def forward(self, x, cos, sin, kv, mask, kv_expand, window):
-            a, k, v = self.self_attn(self.input_layernorm(x), cos, sin, kv, mask, kv_expand, window)
+        def forward(self, x, rope_in, kv, mask, kv_expand, window):
+            a, k, v = self.self_attn(self.input_layernorm(x), rope_in, kv, mask, kv_expand, window)
             x = op.add(x, a)
             x = op.add(x, self.mlp(self.post_attention_layernorm(x)))
             return x, k, v
 
     class Decoder(nn.Module):
         def __init__(
-            self, cfg: DecoderConfig, dtype: str, kv_expand: str, window, logits: str, fresh_kv_len
+            self, cfg: DecoderConfig, dtype: str, kv_expand: str, window, logits: str, fresh_kv_len,
+            fused_rope: bool = True,
         ):
             self.cfg = cfg
+            self.fused_rope = fused_rope and cfg.fused_projections
             self.fresh_kv_len = fresh_kv_len
             self.dtype = dtype
             self.kv_expand = kv_expand
@@ -254,13 +237,16 @@ def _make_module_classes(tensor_parallel_shards: int = 1):
             cfg = self.cfg
             b, s = input_ids.shape
             x = self.embed_tokens(input_ids)
-            cos, sin = _rope_tables(kv.past_len, s, cfg.head_dim, cfg.rope_theta, self.dtype)
+            if self.fused_rope:
+                rope_in = kv.past_len
+            else:
+                rope_in = rope_tables(kv.past_len, s, cfg.head_dim, cfg.rope_theta, self.dtype)
             mask = build_mask(
                 self.kv_expand, b, s, kv.kv_len(s), self.dtype, "BottomRight", self.window
             )
             caches = []
             for layer in self.layers:
-                x, k, v = layer(x, cos, sin, kv, mask, self.kv_expand, self.window)
+                x, k, v = layer(x, rope_in, kv, mask, self.kv_expand, self.window)
                 caches += [k, v]
             if self.logits_mode == "last":
                 from tvm import relax
@@ -332,6 +318,7 @@ def build_decoder(
     fresh_kv_len: bool = True,
     kv_cache: str = "functional",
     tensor_parallel_shards: int = 1,
+    fused_rope: bool = True,
 ):
     """Build the decoder as an IRModule; returns ``(mod, param_spec)``.
 
@@ -359,6 +346,10 @@ def build_decoder(
       ``intermediate_size / N`` MLP width, an all-reduce (``op.ccl_allreduce``, run by TVM's disco) after
       o_proj and after down_proj; ``param_spec`` then has the shard's shapes, the caches its K/V heads.
       Raises :class:`mqa_byoc.tp.ShardingError` for a model that cannot be cut so (e.g. H_kv < N).
+    - ``fused_rope``: with fused projections, split qkv and apply RoPE in one TIR kernel a layer
+      (:func:`mqa_byoc.models.rope.split_rope`; default), or with Relax ops (``R.split``, reshapes,
+      ``x * cos + rotate_half(x) * sin`` with tables computed per call; the module docstring's form).
+      Both compute the same values; the kernel saves four launches a layer and three a call.
     """
     _check_common(kv_expand, dtype)
     if kv_cache not in KV_CACHES:
@@ -387,7 +378,7 @@ def build_decoder(
         from . import kv_caches
 
         model = kv_caches.inplace_decoder_class(Decoder)(
-            config, dtype, kv_expand, window, logits, fresh_kv_len
+            config, dtype, kv_expand, window, logits, fresh_kv_len, fused_rope
         )
         kv_caches.attach_caches(model, config, dtype)
         mod, params = model.export_tvm(spec=kv_caches.method_specs(functions))
@@ -395,7 +386,7 @@ def build_decoder(
             mod, config.num_layers, config.num_kv_heads, config.head_dim, dtype
         )
         return mod, [ParamInfo(n, tuple(int(x) for x in p.shape), str(p.dtype)) for n, p in params]
-    model = Decoder(config, dtype, kv_expand, window, logits, fresh_kv_len)
+    model = Decoder(config, dtype, kv_expand, window, logits, fresh_kv_len, fused_rope)
     bdim = "batch" if batch is None else int(batch)
     cache = nn.spec.Tensor([bdim, "past_len", config.num_kv_heads, config.head_dim], dtype)
     past = [cache] * (2 * config.num_layers)
