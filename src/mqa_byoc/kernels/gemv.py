@@ -9,6 +9,7 @@ dispatcher object is the same for every arch.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import subprocess
@@ -55,7 +56,9 @@ def cutlass_include_dir() -> Path:
                                    f"one row; GEMMs run on cuBLASLt alone")
 
 
+@functools.lru_cache(maxsize=None)
 def _nvcc_version(nvcc: str) -> str:
+    """nvcc's version line (asked once per process and nvcc: each export looks the fatbin up)."""
     lines = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
     return lines[-1] if lines else ""
 
