@@ -96,6 +96,16 @@ def split_rope_func(num_heads: int, num_kv_heads: int, head_dim: int, dtype: str
                                 qkv[b, s, h * d_all + d - half])
         return x * tirx.Cast(dtype, tirx.cos(angle)) + rot * tirx.Cast(dtype, tirx.sin(angle))
 
+    def b_of(r, seq_len):
+        """b of row r of the B * S rows, in 32-bit arithmetic (a division by a symbolic size)."""
+        return tirx.Cast("int64", tirx.floordiv(tirx.Cast("int32", r), tirx.Cast("int32", seq_len)))
+
+    def s_of(r, seq_len):
+        """s of row r of the B * S rows."""
+        return tirx.Cast("int64", tirx.floormod(tirx.Cast("int32", r), tirx.Cast("int32", seq_len)))
+
+    # One block over (row, head, d), rows = B * S: the fused loop's index splits by constants (heads, D)
+    # but for the row's (b, s).
     # fmt: off
     @T.prim_func(private=True, s_tir=True)
     def split_rope(var_qkv: T.handle, var_inv_freq: T.handle, offset: T.int64, var_q: T.handle,
@@ -108,15 +118,18 @@ def split_rope_func(num_heads: int, num_kv_heads: int, head_dim: int, dtype: str
         q = T.match_buffer(var_q, (batch, seq_len, T.int64(n_q), T.int64(d_all)), dtype)
         k = T.match_buffer(var_k, (batch, seq_len, T.int64(num_kv_heads), T.int64(d_all)), dtype)
         v = T.match_buffer(var_v, (batch, seq_len, T.int64(num_kv_heads), T.int64(d_all)), dtype)
-        for b_, s_, h_, d_ in T.grid(batch, seq_len, T.int64(heads), T.int64(d_all)):
+        for r_, h_, d_ in T.grid(batch * seq_len, T.int64(heads), T.int64(d_all)):
             with T.sblock("split_rope"):
-                b, s, h, d = T.axis.remap("SSSS", [b_, s_, h_, d_])
+                r, h, d = T.axis.remap("SSS", [r_, h_, d_])
                 if h < T.int64(n_q):
-                    q[b, s, h, d] = rotated(qkv, freq, b, s, h, d, offset)
+                    q[b_of(r, seq_len), s_of(r, seq_len), h, d] = rotated(
+                        qkv, freq, b_of(r, seq_len), s_of(r, seq_len), h, d, offset)
                 elif h < T.int64(n_qk):
-                    k[b, s, h - T.int64(n_q), d] = rotated(qkv, freq, b, s, h, d, offset)
+                    k[b_of(r, seq_len), s_of(r, seq_len), h - T.int64(n_q), d] = rotated(
+                        qkv, freq, b_of(r, seq_len), s_of(r, seq_len), h, d, offset)
                 else:
-                    v[b, s, h - T.int64(n_qk), d] = qkv[b, s, h * d_all + d]
+                    v[b_of(r, seq_len), s_of(r, seq_len), h - T.int64(n_qk), d] = qkv[
+                        b_of(r, seq_len), s_of(r, seq_len), h * d_all + d]
     # fmt: on
     return split_rope
 
