@@ -1,6 +1,7 @@
 """Decoders on TVM's in-place KV cache (``kv_cache="inplace"``), offloaded to FA2 (mqa=True, native
-provider), against the same graph lowered by TVM alone: a prompt, then decode steps; and what a
-decode step launches (no kernel copies the cache). Artifacts: ``python tools/gpu/build_inplace.py``."""
+provider), against the same decoder lowered by TVM alone (its qkv split and RoPE as Relax ops, where the
+offloaded build has the one ``split_rope`` kernel): a prompt, then decode steps; and what a decode step
+launches (no kernel copies the cache). Artifacts: ``python tools/gpu/build_inplace.py``."""
 
 from __future__ import annotations
 

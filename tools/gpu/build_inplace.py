@@ -4,7 +4,9 @@
 
 For each case: the decoder with ``kv_cache="inplace"`` (batch 1, prefill + decode, the form the
 presets, ``mqa-byoc demo`` and ``mqa-byoc profile`` build) partitioned with ``mqa=True`` and the
-native provider, and the same graph unpartitioned, lowered by TVM's own CUDA pipeline. The test
+native provider, and the same decoder unpartitioned, lowered by TVM's own CUDA pipeline; the
+reference splits qkv and applies RoPE with Relax ops (``build_decoder(fused_rope=False)``), so that
+the comparison also checks the one-kernel ``split_rope`` of the offloaded build on the GPU. The test
 runs both with the same random weights and compares prefill and decode logits and the caches. The
 decoders have mlc-llm's fused ``qkv_proj`` / ``gate_up_proj`` (the default); one case keeps Hugging
 Face's separate projections (``DecoderConfig.fused_projections=False``).
@@ -67,6 +69,9 @@ def build(out: Path, arch: str, names=None) -> None:
                      ).replace(fused_projections=fused)
         mod, spec = build_decoder(cfg, kv_expand=form, logits="all", functions=("prefill", "decode"),
                                   batch=1, kv_cache="inplace")
+        # the reference: RoPE as Relax ops (the same weights; mod's split_rope kernel is checked against it)
+        ref_mod, _ = build_decoder(cfg, kv_expand=form, logits="all", functions=("prefill", "decode"),
+                                   batch=1, kv_cache="inplace", fused_rope=False)
         report = mqa_byoc.offload_report(mod)
         bad = [s for s in report if not s.offloaded or s.composite != "flash_attn.attention_mqa"]
         if bad or len(report) != 2 * cfg.num_layers:
@@ -77,7 +82,7 @@ def build(out: Path, arch: str, names=None) -> None:
         if readers != {"reshape": n, "attention": n}:
             raise SystemExit(f"{name}: the mqa=True decode reads the cache outside attention: {readers}")
         files, executables = export_decoder_variants(
-            out, name, target, arch, cfg, spec, part, mod, mqa=None,
+            out, name, target, arch, cfg, spec, part, ref_mod, mqa=None,
             meta={"kv_cache": "inplace", "functions": ["prefill", "decode"]})
         decode_calls = {variant: vm_calls(ex)["decode"] for variant, ex in executables.items()}
         manifest[name] = {"preset": preset, "form": form, "fused_projections": fused, "files": files,
