@@ -58,7 +58,7 @@ def _numpy_rope(x, offset, heads=(H, HKV, D)):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-@pytest.mark.parametrize("batch,seq,offset", [(1, 1, 16383), (2, 5, 0), (1, 3, 2047)])
+@pytest.mark.parametrize("batch,seq,offset", [(1, 1, 16383), (2, 5, 0), (1, 3, 2047), (3, 4, 4093)])
 def test_kernel_equals_the_ops_form(dtype, batch, seq, offset):
     x = np.random.default_rng(offset + seq).standard_normal((batch, seq, (H + 2 * HKV) * D)).astype(dtype)
     got = _run(_module(True, dtype), x, offset)
