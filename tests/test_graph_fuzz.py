@@ -129,3 +129,18 @@ def test_verdicts_and_reasons_are_accurate():
 
 def test_no_exception_escapes():
     _property("exception")()
+
+
+def test_reason_keys_count_reasons_by_their_words():
+    """The run's rejection counts key each reason by its words: without the quoted op names and the details in
+    parentheses that differ between graphs, and never empty (a reason that starts with an op's name)."""
+    from mqa_byoc.testing.fuzz.invariants import reason_key
+
+    softcap = ("'relax.where' inside the soft-capping tanh (only constant scales of the scores: the kernels "
+               "soft-cap before the mask)")
+    assert reason_key(softcap) == "'…' inside the soft-capping tanh"
+    assert reason_key(softcap.replace("relax.where", "relax.add")) == reason_key(softcap)
+    assert reason_key("unsupported op 'relax.cumsum' in the chain") == "unsupported op '…' in the chain"
+    assert reason_key("head dim 12: FA2 needs a multiple of 8 up to 256") == "head dim 12: FA2 needs a multiple of 8 up to 256"
+    assert reason_key("(B, S) operands") == "(B, S) operands"
+    assert reason_key("") == ""

@@ -76,8 +76,13 @@ def _error_key(err) -> str:
     return re.sub(r"\d+", "N", text)[:120]
 
 
-def _reason_key(reason: str) -> str:
-    return reason.split("(")[0].split("'")[0][:70]
+def reason_key(reason: str) -> str:
+    """A rejection reason without what differs between graphs (quoted op names, parenthesized details), for
+    counting; never empty for a non-empty reason (one that starts with an op's name keeps its words)."""
+    import re
+
+    key = re.sub(r"'[^']*'", "'…'", reason).split("(")[0].strip()[:70]
+    return key or reason.strip()[:70]
 
 
 # ----------------------------------------------------------------------------- partition mapping
@@ -195,7 +200,7 @@ def check_graph(spec: GraphSpec, do_build: bool = True, do_numerics: bool = True
             res.offloaded += 1
             reported_off.add(i)
         else:
-            key = _reason_key(r.reason or "")
+            key = reason_key(r.reason or "")
             res.rejected[key] = res.rejected.get(key, 0) + 1
         _check_verdict(res, i, spec, expects[i], r)
     try:
@@ -223,7 +228,7 @@ def _check_verdict(res, i, spec, e, r):
         res.add("verdict", f"offloaded although {e.causes[0][0]}", f"site {i}: offloaded, but {causes}", i)
         return
     if not r.offloaded and e.offload:
-        key = e.known_bug or f"rejected: {_reason_key(r.reason)} ({site.form})"
+        key = e.known_bug or f"rejected: {reason_key(r.reason)} ({site.form})"
         res.add("verdict", key, f"site {i} ({site.form}, {site.expand}, mask {site.mask_op}) rejected: {r.reason}", i)
         return
     if not r.offloaded:
@@ -235,7 +240,7 @@ def _check_verdict(res, i, spec, e, r):
             return
         if not any(any(kw in reason for kw in kws) for _, kws in e.causes):
             causes = ", ".join(label for label, _ in e.causes)
-            res.add("reason", f"reason '{_reason_key(reason)}' for {e.causes[0][0]}",
+            res.add("reason", f"reason '{reason_key(reason)}' for {e.causes[0][0]}",
                     f"site {i}: reason {reason!r}; real causes: {causes}", i)
         return
     # offloaded, as expected: the reported parameters
