@@ -628,9 +628,10 @@ int mqa_byoc_cublaslt_gemm(int device_id, void* stream, int dtype, int transpose
   }
   // CUTLASS's GEMV at one row: C is the bias or the residual (one row of N either way), beta 1 with one.
   // Whether nothing is being captured on the stream: only then may a new plan time its candidates or
-  // load the GEMV's module (a first call inside a CUDA graph capture keeps the heuristic's choice).
+  // load the GEMV's module (a first call inside a CUDA graph capture keeps the heuristic's choice). Asked
+  // of the driver for a new plan only: the calls after it take no host time for it.
   int capturing = 0;
-  const bool quiet = driver().stream_is_capturing != nullptr &&
+  const bool quiet = fresh && driver().stream_is_capturing != nullptr &&
                      driver().stream_is_capturing(stream, &capturing) == 0 && capturing == 0;
   GemvCall gemv;
   if (fresh && gemv_fits(dtype, transposed, epilogue, batch, m, n, k, align, bias != nullptr, residual != nullptr) &&
