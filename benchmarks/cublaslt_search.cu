@@ -21,6 +21,8 @@
 #include <set>
 #include <tuple>
 
+#include "cold_median.h"
+
 #define CK(x) do { auto _s = (x); if (_s != 0) { printf("ERR %s:%d %d\n", __FILE__, __LINE__, (int)_s); exit(1);} } while (0)
 
 static void* g_flush; static size_t g_flush_bytes;
@@ -33,19 +35,10 @@ struct Prob { cublasLtMatmulDesc_t desc; cublasLtMatrixLayout_t a, b, c, d; void
 float time_algo(Prob& p, const cublasLtMatmulAlgo_t& algo, int reps) {
   float alpha = 1.f, beta = p.resid ? 1.f : 0.f;
   const void* c = p.resid ? p.res : p.out;
-  if (cublasLtMatmul(h, p.desc, &alpha, p.w, p.a, p.x, p.b, &beta, c, p.c, p.out, p.d, &algo, ws, WS, 0) != 0) return -1;
-  std::vector<float> t;
-  for (int r = 0; r < reps; ++r) {
-    cudaMemsetAsync(g_flush, r, g_flush_bytes, 0);
-    cudaEventRecord(e0, 0);
-    if (cublasLtMatmul(h, p.desc, &alpha, p.w, p.a, p.x, p.b, &beta, c, p.c, p.out, p.d, &algo, ws, WS, 0) != 0) return -1;
-    cudaEventRecord(e1, 0);
-    cudaEventSynchronize(e1);
-    float ms; cudaEventElapsedTime(&ms, e0, e1); t.push_back(ms * 1000.f);
-  }
-  if (cudaGetLastError() != cudaSuccess) return -1;
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  auto call = [&] {
+    return int(cublasLtMatmul(h, p.desc, &alpha, p.w, p.a, p.x, p.b, &beta, c, p.c, p.out, p.d, &algo, ws, WS, 0));
+  };
+  return median_cold_us(call, [](int r) { cudaMemsetAsync(g_flush, r, g_flush_bytes, 0); }, reps, e0, e1);
 }
 
 std::string describe(const cublasLtMatmulAlgo_t& algo) {

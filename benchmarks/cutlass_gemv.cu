@@ -43,6 +43,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 
 #include "../src/mqa_byoc/testing/read_floor.cu"
+#include "cold_median.h"
 
 #define CK(x) do { auto _s = (x); if ((int)_s != 0) { printf("ERR %s:%d %d\n", __FILE__, __LINE__, (int)_s); exit(1);} } while (0)
 
@@ -61,22 +62,8 @@ static void flush_l2(int round) {
 }
 static const int kReps = 7;
 
-// Median GPU time (µs) of `call`, each after flushing the L2; -1 when a call fails.
-static float time_cold(const std::function<int()>& call) {
-  if (call() != 0) return -1;
-  std::vector<float> t;
-  for (int r = 0; r < kReps; ++r) {
-    flush_l2(r);
-    cudaEventRecord(e0, 0);
-    if (call() != 0) return -1;
-    cudaEventRecord(e1, 0);
-    cudaEventSynchronize(e1);
-    float ms; cudaEventElapsedTime(&ms, e0, e1); t.push_back(ms * 1000.f);
-  }
-  if (cudaGetLastError() != cudaSuccess) return -1;
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
+// Median GPU time (µs) of `call`, each after reading twice the L2 (flush_l2); -1 when a call fails.
+static float time_cold(const std::function<int()>& call) { return median_cold_us(call, flush_l2, kReps, e0, e1); }
 
 struct Weight { const char* name; int n, k; bool resid; };
 struct Buffers { cutlass::half_t *w, *x, *res, *out, *ref; int n, k, m; bool resid; };
