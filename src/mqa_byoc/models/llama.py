@@ -122,7 +122,7 @@ import numpy as np
 from .attention_forms import KV_EXPAND_FORMS, attention, build_mask, emit_expr, nn_frontend, simplify_index  # noqa: F401
 from .kv_caches import FRESH_LEN_FORMS, FunctionalKV
 from .presets import DecoderConfig
-from .rope import apply_rope, rope_ops, rope_tables, split_rope
+from .rope import heads_with_rope, rope_ops, rope_tables, split_rope
 
 KV_CACHES = ("functional", "inplace")
 
@@ -170,10 +170,7 @@ def _make_module_classes(tensor_parallel_shards: int = 1):
             b, s, _ = x.shape
             heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             if not cfg.fused_projections:
-                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-                q = apply_rope(op.reshape(q, (b, s, cfg.num_heads, cfg.head_dim)), *rope_in)
-                k = apply_rope(op.reshape(k, (b, s, cfg.num_kv_heads, cfg.head_dim)), *rope_in)
-                v = op.reshape(v, (b, s, cfg.num_kv_heads, cfg.head_dim))
+                q, k, v = heads_with_rope(self.q_proj(x), self.k_proj(x), self.v_proj(x), rope_in, *heads)
             elif isinstance(rope_in, tuple):
                 q, k, v = rope_ops(self.qkv_proj(x), rope_in, *heads)
             else:

@@ -6,8 +6,8 @@ HF's ``x * cos + rotate_half(x) * sin`` on q and k with cos / sin tables compute
 builds it for CUDA as five kernels a layer (three for the split, whose outputs are separate blocks,
 and one for each RoPE) plus three a call for the tables: a decode step of batch 1 spends more time
 in launches and gaps than in these kernels' work. :func:`split_rope` computes the same values in one
-kernel a layer: one spatial block over ``(B, S, H + 2 H_kv, D)`` (dlight's fallback schedule on
-CUDA) that writes q and k rotated and v as it is, with the angles computed in the kernel.
+kernel a layer: one spatial block over ``(B * S rows, H + 2 H_kv heads, D)`` (dlight's fallback
+schedule on CUDA) that writes q and k rotated and v as it is, with the angles computed in the kernel.
 
 Numerics are those of :func:`rope_ops`, element by element: the angle is
 ``float32(position) * inv_freq[d % (D / 2)]`` (``inv_freq`` the same float32 constant), cos and sin
@@ -58,20 +58,29 @@ def apply_rope(x, cos, sin):
     return op.add(op.multiply(x, cos), op.multiply(rot, sin))
 
 
-def rope_ops(qkv, tables, num_heads: int, num_kv_heads: int, head_dim: int):
-    """q, k, v ``(B, S, N, D)`` from the fused ``qkv`` with Relax ops: split, reshape, RoPE on q and k
-    with ``tables`` (cos, sin from :func:`rope_tables`)."""
+def heads_with_rope(q, k, v, tables, num_heads: int, num_kv_heads: int, head_dim: int):
+    """q, k, v ``(B, S, N * D)`` (the projections' outputs) as ``(B, S, N, D)``, q and k rotated with
+    ``tables`` (cos, sin from :func:`rope_tables`), with Relax ops."""
     from .attention_forms import nn_frontend
 
     _, op = nn_frontend()
-    b, s, _ = qkv.shape
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    q, k, v = op.split(qkv, [q_size, q_size + kv_size], axis=-1)
+    b, s, _ = q.shape
     q = op.reshape(q, (b, s, num_heads, head_dim))
     k = op.reshape(k, (b, s, num_kv_heads, head_dim))
     v = op.reshape(v, (b, s, num_kv_heads, head_dim))
     cos, sin = tables
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def rope_ops(qkv, tables, num_heads: int, num_kv_heads: int, head_dim: int):
+    """q, k, v ``(B, S, N, D)`` from the fused ``qkv`` with Relax ops: ``R.split``, then
+    :func:`heads_with_rope`."""
+    from .attention_forms import nn_frontend
+
+    _, op = nn_frontend()
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = op.split(qkv, [q_size, q_size + kv_size], axis=-1)
+    return heads_with_rope(q, k, v, tables, num_heads, num_kv_heads, head_dim)
 
 
 def split_rope_func(num_heads: int, num_kv_heads: int, head_dim: int, dtype: str):
