@@ -627,6 +627,8 @@ int mqa_byoc_cublaslt_gemm(int device_id, void* stream, int dtype, int transpose
     MQA_BYOC_LT(a.desc_set(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)), "set BIAS_POINTER");
   }
   // CUTLASS's GEMV at one row: C is the bias or the residual (one row of N either way), beta 1 with one.
+  const void* gemv_c = bias != nullptr ? bias : residual;
+  const float gemv_beta = gemv_c != nullptr ? 1.0f : 0.0f;
   // Whether nothing is being captured on the stream: only then may a new plan time its candidates or
   // load the GEMV's module (a first call inside a CUDA graph capture keeps the heuristic's choice). Asked
   // of the driver for a new plan only: the calls after it take no host time for it.
@@ -636,8 +638,7 @@ int mqa_byoc_cublaslt_gemm(int device_id, void* stream, int dtype, int transpose
   GemvCall gemv;
   if (fresh && gemv_fits(dtype, transposed, epilogue, batch, m, n, k, align, bias != nullptr, residual != nullptr) &&
       (dev.gemv_module != nullptr || (quiet && gemv_load(&dev, device_id)))) {
-    gemv = GemvCall{kGemvConfigs, dtype, n, k, bias != nullptr ? bias : residual,
-                    (bias != nullptr || residual != nullptr) ? 1.0f : 0.0f};
+    gemv = GemvCall{kGemvConfigs, dtype, n, k, gemv_c, gemv_beta};
   }
   const bool can_time = fresh && driver().ok && quiet;
   const bool gemv_only = gemv.configs > 0 && gemv_option() == 2;
@@ -648,9 +649,7 @@ int mqa_byoc_cublaslt_gemm(int device_id, void* stream, int dtype, int transpose
     plan.gemv = 0;  // not timed (a first call inside a CUDA graph capture): the first configuration
   }
   if (plan.gemv >= 0) {
-    const void* gc = bias != nullptr ? bias : residual;
-    const float gbeta = gc != nullptr ? 1.0f : 0.0f;
-    if (gemv_run(dev, plan.gemv, dtype, n, k, x, w, gc, gbeta, out, stream) != 0) {
+    if (gemv_run(dev, plan.gemv, dtype, n, k, x, w, gemv_c, gemv_beta, out, stream) != 0) {
       return fail("CUTLASS's GEMV (configuration " + std::to_string(plan.gemv) + ") failed to launch for N=" +
                   std::to_string(n) + " K=" + std::to_string(k));
     }
