@@ -5,7 +5,9 @@ tests/gpu/test_gpu_decoder_masks.py.
 
 For each case: the decoder (prefill + decode, symbolic batch and lengths) partitioned with
 ``mqa=True`` and the native provider, and the same graph unpartitioned, lowered by TVM's own CUDA
-pipeline (an explicit matmul/softmax chain: no grouped R.nn.attention for TVM to get wrong). The
+pipeline (an explicit matmul/softmax chain: no grouped R.nn.attention for TVM to get wrong); the
+reference splits qkv and applies RoPE with Relax ops (``build_decoder(fused_rope=False)``), so that the
+comparison also checks the offloaded build's ``split_rope`` kernel at a symbolic batch on the GPU. The
 test runs both with the same random weights and compares prefill and decode logits and caches.
 The windowed case uses a window (24) shorter than the test's prompt, so the window matters.
 """
@@ -48,11 +50,12 @@ def build(out: Path, arch: str, names=None) -> None:
         cfg = scaled(preset, num_layers=2, vocab_size=256, hidden_size=256, intermediate_size=512,
                      sliding_window=window if window is not None else False)
         mod, spec = build_decoder(cfg, kv_expand=form, logits="all", functions=("prefill", "decode"))
+        ref_mod, _ = build_decoder(cfg, kv_expand=form, logits="all", functions=("prefill", "decode"), fused_rope=False)
         report = mqa_byoc.offload_report(mod)
         bad = [s for s in report if not s.offloaded or s.window != window]
         if bad:
             raise SystemExit(f"{name}: not offloaded as expected: {bad}")
-        files, _ = export_decoder_variants(out, name, target, arch, cfg, spec, mod, mod, mqa=True)
+        files, _ = export_decoder_variants(out, name, target, arch, cfg, spec, mod, ref_mod, mqa=True)
         manifest[name] = {"preset": preset, "form": form, "window": window,
                           "fused_projections": cfg.fused_projections, "files": files,
                           "sites": [{"function": s.function, "causal": s.causal, "window": s.window,
