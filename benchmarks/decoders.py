@@ -594,6 +594,19 @@ def compare_logits(parts_dir: Path, reference: str, prefix: str = "") -> dict:
     return out
 
 
+def _prefill_args(parser, lengths: list[int]) -> None:
+    """``--prefill [N ...]`` (the flag alone, or left out: ``lengths``) and ``--no-prefill`` (decode only)."""
+    import argparse
+
+    class Lengths(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            setattr(namespace, self.dest, values or list(lengths))
+
+    parser.add_argument("--prefill", type=int, nargs="*", action=Lengths, default=list(lengths),
+                        help=f"prompt lengths of the timed prefills (default, and the flag alone: {' '.join(map(str, lengths))})")
+    parser.add_argument("--no-prefill", dest="prefill", action="store_const", const=[], help="time no prefill")
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -601,7 +614,7 @@ def main(argv=None):
     t = sub.add_parser("tvm", help="one exported decoder library (GPU)")
     t.add_argument("--lib", type=Path, required=True, help="a `mqa-byoc profile build` directory")
     t.add_argument("--name", required=True)
-    t.add_argument("--prefill", type=int, nargs="*", default=[2048, 16384])
+    _prefill_args(t, [2048, 16384])
     t.add_argument("--prefill-reps", type=int, default=3)
     t.add_argument("--decode", nargs="*", default=["1x2048", "1x16384", "8x2048", "32x2048"], help="BATCHxCONTEXT")
     t.add_argument("--steps", type=int, default=30)
@@ -612,7 +625,7 @@ def main(argv=None):
     g.add_argument("--out", type=Path, required=True)
     h = sub.add_parser("hf", help="HF transformers LlamaForCausalLM of the same shapes (GPU)")
     h.add_argument("--mode", choices=["eager", "compile"], default="eager")
-    h.add_argument("--prefill", type=int, nargs="*", default=[2048])
+    _prefill_args(h, [2048])
     h.add_argument("--prefill-reps", type=int, default=3)
     h.add_argument("--decode", nargs="*", default=["1x2048", "8x2048"])
     h.add_argument("--steps", type=int, default=24)

@@ -84,3 +84,14 @@ def test_decode_only_run_compares_the_algorithm_choices_and_plots(decoders, tmp_
         p["decode"] = []
     with pytest.raises(ValueError, match="decode rows"):
         decoders.plot(result, tmp_path / "none.png")
+
+
+@pytest.mark.parametrize("argv, lengths", [([], [2048, 16384]), (["--prefill"], [2048, 16384]),
+                                           (["--prefill", "512"], [512]), (["--no-prefill"], [])])
+def test_prefill_flag(decoders, argv, lengths):
+    """``--prefill`` alone times the default prompt lengths (it used to mean none); ``--no-prefill`` none."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    decoders._prefill_args(parser, [2048, 16384])
+    assert parser.parse_args(argv).prefill == lengths
