@@ -23,7 +23,7 @@ def decoders():
 @pytest.mark.parametrize("stem", ["2026-12-01-decoders", "2026-12-01-decoders-prefill-gemms", "2026-12-02-decoders",
                                   "2026-12-02-decoders-paged-hopper", "2026-12-03-decoders-gemm-measure",
                                   "2026-12-03-decoders-gemm-unsplit-warm", "2026-12-05-decoders-gemv",
-                                  "2026-12-05-decoders-gemv-before-after"])
+                                  "2026-12-05-decoders-gemv-before-after", "2026-12-06-decoders-split-rope"])
 def test_committed_markdown_is_the_reports(decoders, stem):
     result = json.loads((RESULTS / f"{stem}.json").read_text())
     assert decoders.markdown(result) == (RESULTS / f"{stem}.md").read_text()

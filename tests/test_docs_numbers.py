@@ -1436,3 +1436,47 @@ def cutlass_gemv_claims() -> dict[str, str]:
 def test_gemm_doc_cutlass_gemv_claim(name):
     text = " ".join(GEMM_DOC.read_text().split())
     assert cutlass_gemv_claims()[name] in text, f"docs/gemm.md lacks {name}: {cutlass_gemv_claims()[name]!r}"
+
+
+# ---------------------------------------------------------------------------------------------
+# split_rope on the GPU: the in-place decoder with it and with the Relax-op form (one run, two passes)
+
+SPLIT_ROPE = "2026-12-06-decoders-split-rope.json"
+SPLIT_ROPE_PROFILE = "2026-12-06-profile-codellama34b-4l-inplace-16k-h100.json"
+
+
+def split_rope_claims() -> dict[str, str]:
+    parts = _load(SPLIT_ROPE)["parts"]
+
+    def ms(name, context, key="ms_per_step"):
+        return _decode_rec(parts, name, 1, context)[key]
+
+    def both(name, context, key="ms_per_step"):
+        return f"{ms(name, context, key):.3f}, {ms(name + '.2', context, key):.3f}"
+
+    def ratio(graph):
+        return _range([ms(f"inplace-rope{graph}{s}", c) / ms(f"inplace-ops{graph}{s}", c)
+                       for s in ("", ".2") for c in (2048, 16384)])
+
+    rows = {}
+    for label, name in (("ops form", "inplace-ops"), ("`split_rope`", "inplace-rope"),
+                        ("ops form, CUDA graphs", "inplace-ops-graph"), ("`split_rope`, CUDA graphs", "inplace-rope-graph")):
+        rows[label] = (f"| {label} | {both(name, 2048)} | {both(name, 16384)} | "
+                       f"{both(name, 16384, 'kernel_ms_per_step')} |")
+    (mode,) = [m for m in _load(SPLIT_ROPE_PROFILE)["modes"].values() if m.get("mqa")]
+    phase = mode["phases"]["decode"]
+    kernels = sum(k["instances"] for k in phase["kernels"]) / phase["steps"]
+    (rope,) = [k for k in phase["kernels"] if k["name"] == "split_rope_kernel"]
+    (logits,) = _load(SPLIT_ROPE)["logits"].values()
+    assert logits["argmax_equal"]
+    return {**rows,
+            "ratios": f"took {ratio('')} the time of the ops form's without CUDA graphs and {ratio('-graph')} with them",
+            "profile": f"has {kernels:.0f} kernels a step: `split_rope` takes {rope['avg_ns'] / 1000:.2f} µs a call",
+            "logits": f"by at most {logits['max_abs']:.3f} (logits up to {logits['ref_max_abs']:.1f};"}
+
+
+@pytest.mark.parametrize("name", sorted(split_rope_claims()))
+def test_performance_doc_split_rope_claim(name):
+    text = " ".join((ROOT / "docs" / "performance.md").read_text().split())
+    claim = " ".join(split_rope_claims()[name].split())
+    assert claim in text, claim
