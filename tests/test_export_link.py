@@ -55,10 +55,11 @@ def test_kernel_options_forms_and_codes():
     assert KernelOptions.of(None) == KernelOptions() and KernelOptions().is_default()
     a = KernelOptions.of({"hopper_fa4": "always", "decode_kernel": "fa2"})
     assert a == KernelOptions.of("hopper_fa4=always, decode_kernel=fa2") == KernelOptions.of(a)
-    assert a.codes() == (1, 0, 0, 1, 0, 0)  # field order of fa2_dispatch.h's mqa_byoc_kernel_options
-    assert KernelOptions(decode_merge="cluster", split_combine="fa2", hopper_fa4="never").codes() == (0, 2, 1, 2, 0, 0)
-    assert KernelOptions(gemm_algorithm="heuristic").codes() == (0, 0, 0, 0, 1, 0)
-    assert KernelOptions(gemm_gemv="always").codes() == (0, 0, 0, 0, 0, 2)
+    assert a.codes() == (1, 0, 0, 1, 0, 0, 0)  # field order of fa2_dispatch.h's mqa_byoc_kernel_options
+    assert KernelOptions(decode_merge="cluster", split_combine="fa2", hopper_fa4="never").codes() == (0, 2, 1, 2, 0, 0, 0)
+    assert KernelOptions(gemm_algorithm="heuristic").codes() == (0, 0, 0, 0, 1, 0, 0)
+    assert KernelOptions(gemm_gemv="always").codes() == (0, 0, 0, 0, 0, 2, 0)
+    assert KernelOptions(launch_overlap="off").codes() == (0, 0, 0, 0, 0, 0, 2)
     assert KernelOptions.of(a.describe()) == a
 
 
@@ -112,7 +113,7 @@ def test_build_attaches_the_options_module():
     ex = mqa_byoc.build(mod, TARGET, provider="native", kernel_options={"decode_merge": "global"})
     sources = [m.inspect_source() for m in link.iter_modules(ex) if m.kind == "c"]
     opts = [s for s in sources if kernel_options.SYMBOL in s and "TVM_FFI_DLL_EXPORT_TYPED_FUNC" in s]
-    assert len(opts) == 1 and "= {0, 1, 0, 0, 0, 0};" in opts[0] and '"decode_kernel=auto,decode_merge=global,' in opts[0]
+    assert len(opts) == 1 and "= {0, 1, 0, 0, 0, 0, 0};" in opts[0] and '"decode_kernel=auto,decode_merge=global,' in opts[0]
     # the python provider links nothing and gets no options module
     ex = mqa_byoc.build(mod, TARGET, provider="python", kernel_options={"decode_merge": "global"})
     assert not any(kernel_options.SYMBOL in m.inspect_source() for m in link.iter_modules(ex) if m.kind == "c")

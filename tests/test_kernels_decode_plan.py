@@ -172,6 +172,7 @@ def test_plan_for_a_given_split_size(lib):
     made, again = DecodePlan(), DecodePlan()
     cap = (ctypes.c_int * 16)(*H200_CAPACITY[128, 1])
     assert lib.mqa_byoc_decode_make_plan(ctypes.byref(a), 0, SMS, cap, ctypes.byref(made)) == 0
+    assert made.overlap == 1  # launched as a programmatic dependent unless the library's options say off
     assert lib.mqa_byoc_decode_plan_split(ctypes.byref(a), made.keys_per_split, 0, ctypes.byref(again)) == 0
     fields = [f for f, _ in DecodePlan._fields_]
     assert [getattr(again, f) for f in fields] == [getattr(made, f) for f in fields]

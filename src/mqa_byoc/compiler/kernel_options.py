@@ -52,6 +52,15 @@ CHOICES: dict[str, dict[str, str]] = {
         "always": "a GEMM of one row that CUTLASS's GEMV can compute runs on it (its fastest configuration, "
                   "cuBLASLt not timed)",
     },
+    "launch_overlap": {
+        "prefetch": "on sm_90 and later our decode kernel and CUTLASS's GEMV launch as programmatic dependents "
+                    "(PDL: their CTAs may start while the kernel before them ends, and wait for its results "
+                    "before reading any operand); the decode kernel lets the next kernel start once all its "
+                    "CTAs run, and each GEMV CTA asks the L2 for the first bytes of its weight rows before it "
+                    "waits",
+        "pdl": "as prefetch, without the GEMV's L2 prefetch",
+        "off": "plain launches: a kernel starts when the one before it has ended",
+    },
 }
 
 #: Name of the constant the build defines and the dispatcher reads (weakly).
@@ -70,6 +79,7 @@ class KernelOptions:
     hopper_fa4: str = "auto"
     gemm_algorithm: str = "measure"
     gemm_gemv: str = "measure"
+    launch_overlap: str = "prefetch"
 
     def __post_init__(self):
         for f in fields(self):
@@ -111,7 +121,7 @@ class KernelOptions:
         return tuple(list(CHOICES[f.name]).index(getattr(self, f.name)) for f in fields(self))
 
     def describe(self) -> str:
-        """``decode_kernel=auto,decode_merge=auto,split_combine=own,hopper_fa4=auto,gemm_algorithm=measure,gemm_gemv=measure``."""
+        """``decode_kernel=auto,decode_merge=auto,split_combine=own,hopper_fa4=auto,gemm_algorithm=measure,gemm_gemv=measure,launch_overlap=prefetch``."""
         return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
 
     def is_default(self) -> bool:

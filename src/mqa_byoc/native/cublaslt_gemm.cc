@@ -88,6 +88,25 @@ constexpr bool kGemvBuilt = false;
 #endif
 
 // The CUDA driver's event calls, opened from libcuda.so.1 (already loaded by any CUDA process).
+// The driver's CUlaunchAttribute and CUlaunchConfig (cuda.h, CUDA 12+; this file includes no driver
+// header), for cuLaunchKernelEx with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (6).
+struct LaunchAttribute {
+  int id;
+  char pad[4];
+  union {
+    char bytes[64];
+    unsigned char programmatic_stream_serialization;
+  } value;
+};
+static_assert(sizeof(LaunchAttribute) == 72, "CUlaunchAttribute");
+struct LaunchConfig {
+  unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes;
+  void* stream;
+  LaunchAttribute* attrs;
+  unsigned num_attrs;
+};
+constexpr int kProgrammaticStreamSerialization = 6;
+
 struct Driver {
   bool ok = false;
   int (*event_create)(void**, unsigned) = nullptr;
@@ -108,6 +127,7 @@ struct Driver {
   int (*launch)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**,
                 void**) = nullptr;
   int (*ctx_get_device)(int*) = nullptr;
+  int (*launch_ex)(const struct LaunchConfig*, void*, void**, void**) = nullptr;  // CUDA 12+ drivers
 };
 
 const Driver& driver() {
@@ -134,6 +154,7 @@ const Driver& driver() {
     d.module_function = reinterpret_cast<int (*)(void**, void*, const char*)>(dlsym(lib, "cuModuleGetFunction"));
     d.launch = reinterpret_cast<decltype(d.launch)>(dlsym(lib, "cuLaunchKernel"));
     d.ctx_get_device = reinterpret_cast<int (*)(int*)>(dlsym(lib, "cuCtxGetDevice"));
+    d.launch_ex = reinterpret_cast<decltype(d.launch_ex)>(dlsym(lib, "cuLaunchKernelEx"));
   });
   return d;
 }
@@ -148,6 +169,13 @@ bool measure_requested() {
 // for a GEMM of one row, 1 never runs it, 2 runs it wherever it can (its fastest configuration).
 int gemv_option() {
   return &mqa_byoc_library_kernel_options == nullptr ? 0 : mqa_byoc_library_kernel_options.gemm_gemv;
+}
+
+// The library's kernel option launch_overlap: 0 (the default) launches CUTLASS's GEMV as a programmatic
+// dependent on sm_90+, each block prefetching its first rows of W into L2 before it waits; 1 the same
+// without the prefetch; 2 plain launches.
+int launch_overlap_option() {
+  return &mqa_byoc_library_kernel_options == nullptr ? 0 : mqa_byoc_library_kernel_options.launch_overlap;
 }
 
 struct Api {
@@ -246,6 +274,10 @@ struct Device {
   bool gemv_loaded = false;
   void* gemv_module = nullptr;
   void* gemv[2][kGemvConfigs] = {};
+  // For the GEMV's programmatic dependent launch (read when the module loads): sm_90 or later, and the L2
+  // bytes and the threads that can be resident at once, which bound the blocks' prefetch.
+  bool pdl = false;
+  int64_t l2_bytes = 0, resident_threads = 0;
 };
 
 // (device, dtype, transposed, epilogue, residual, m, n, k, alignment, batch)
@@ -318,6 +350,13 @@ bool gemv_load(Device* dev, int device_id) {
     d.module_function(&dev->gemv[1][I], dev->gemv_module, "mqa_byoc_gemv_bf16_" #I);
     MQA_BYOC_GEMV_CONFIGS(MQA_BYOC_GEMV_GET)
 #undef MQA_BYOC_GEMV_GET
+    int major = 0, sms = 0, per_sm = 0, l2 = 0;
+    if (d.device_attribute && d.device_attribute(&major, 75, wanted) == 0 &&  // COMPUTE_CAPABILITY_MAJOR
+        d.device_attribute(&sms, 16, wanted) == 0 && d.device_attribute(&per_sm, 39, wanted) == 0 &&
+        d.device_attribute(&l2, 38, wanted) == 0) {  // MULTIPROCESSOR_COUNT, MAX_THREADS_PER_MULTIPROCESSOR, L2
+      dev->pdl = major >= 9 && d.launch_ex != nullptr;
+      dev->l2_bytes = l2, dev->resident_threads = int64_t(sms) * per_sm;
+    }
   }
   return dev->gemv_module != nullptr;
 #else
@@ -332,11 +371,22 @@ int gemv_run(const Device& dev, int config, int dtype, int64_t n, int64_t k, con
              const void* c, float beta, void* out, void* stream) {
   void* fn = dev.gemv[dtype][config];
   if (fn == nullptr) return -1;
-  mqa_byoc_gemv_args args{n, k, x, w, c, out, beta};
-  void* params[] = {&args};
   const unsigned threads = kGemvShape[config][0], per_row = kGemvShape[config][1], rows = threads / per_row;
   const unsigned blocks = static_cast<unsigned>((n + rows - 1) / rows);
-  return driver().launch(fn, blocks, 1, 1, per_row, rows, 1, 0, stream, params, nullptr);
+  const int overlap = launch_overlap_option();
+  mqa_byoc_gemv_args args{n, k, x, w, c, out, beta, 0};
+  void* params[] = {&args};
+  if (!dev.pdl || overlap == 2) return driver().launch(fn, blocks, 1, 1, per_row, rows, 1, 0, stream, params, nullptr);
+  // The blocks that can be resident at once prefetch a third of the L2 together at most.
+  if (overlap == 0 && dev.resident_threads > 0) {
+    const int64_t resident = std::min<int64_t>(blocks, dev.resident_threads / threads);
+    args.prefetch_bytes = resident > 0 ? (dev.l2_bytes / 3 / resident) & ~int64_t(15) : 0;
+  }
+  LaunchAttribute attr = {};
+  attr.id = kProgrammaticStreamSerialization;
+  attr.value.programmatic_stream_serialization = 1;
+  const LaunchConfig cfg{blocks, 1, 1, per_row, rows, 1, 0, stream, &attr, 1};
+  return driver().launch_ex(&cfg, fn, params, nullptr);
 }
 
 // Appends, for each split-K candidate (split count > 1), the same algorithm with a split count of 1 when

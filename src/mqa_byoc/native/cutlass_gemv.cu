@@ -45,13 +45,41 @@ __device__ __forceinline__ void run(const mqa_byoc_gemv_args& a) {
   op(*p, shared);
 }
 
+// Before CUTLASS's kernel: on sm_90+, one thread of the block asks the L2 for the first prefetch_bytes of
+// the block's rows of W (they do not depend on the previous kernel; CUTLASS's GEMV gives block b the rows
+// b * rows .. b * rows + rows - 1, contiguous in W), then the block waits until the previous kernel on the
+// stream has ended and its writes are visible (a programmatic dependent launch starts the block earlier;
+// in a plain launch the wait returns at once), then lets a dependent kernel start.
+template <int Threads, int PerRow>
+__device__ __forceinline__ void enter(const mqa_byoc_gemv_args& a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int64_t kRows = Threads / PerRow;
+  if (a.prefetch_bytes > 0 && threadIdx.x == 0 && threadIdx.y == 0) {
+    const int64_t row0 = int64_t(blockIdx.x) * kRows, row_bytes = a.k * 2;  // 16-bit types
+    const int64_t rows = a.n - row0 < kRows ? a.n - row0 : kRows;
+    int64_t bytes = rows * row_bytes < a.prefetch_bytes ? rows * row_bytes : a.prefetch_bytes;
+    bytes &= ~int64_t(15);
+    if (bytes > 0) {
+      const size_t at = __cvta_generic_to_global(static_cast<const char*>(a.w) + row0 * row_bytes);
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(at), "r"(unsigned(bytes)) : "memory");
+    }
+  }
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#else
+  (void)a;
+#endif
+}
+
 }  // namespace
 
 #define MQA_BYOC_GEMV_ENTRY(I, TH, PR)                                                              \
   extern "C" __global__ void __launch_bounds__(TH) mqa_byoc_gemv_f16_##I(mqa_byoc_gemv_args a) {  \
+    enter<TH, PR>(a);                                                                               \
     run<cutlass::half_t, TH, PR>(a);                                                                \
   }                                                                                                 \
   extern "C" __global__ void __launch_bounds__(TH) mqa_byoc_gemv_bf16_##I(mqa_byoc_gemv_args a) { \
+    enter<TH, PR>(a);                                                                               \
     run<cutlass::bfloat16_t, TH, PR>(a);                                                            \
   }
 MQA_BYOC_GEMV_CONFIGS(MQA_BYOC_GEMV_ENTRY)

@@ -12,6 +12,10 @@ typedef struct {
   const void* c;
   void* out;
   float beta;
+  // Bytes of its first rows of W each block asks the L2 for before it waits for the previous kernel (0:
+  // none; a multiple of 16). The entries wait (PDL's griddepcontrol.wait) before reading any operand and
+  // then let a dependent kernel start: a plain launch runs them as before.
+  int64_t prefetch_bytes;
 } mqa_byoc_gemv_args;
 
 // Configuration i: blocks of kGemvThreads[i] threads, kGemvPerRow[i] of them (one warp or part of one)

@@ -222,7 +222,7 @@ std::string arch_of(int device) {
 
 bool fits_int(int64_t x) { return x >= 0 && x <= INT_MAX; }
 
-const mqa_byoc_kernel_options kDefaultOptions = {0, 0, 0, 0, 0, 0};
+const mqa_byoc_kernel_options kDefaultOptions = {0, 0, 0, 0, 0, 0, 0};
 
 // The kernel options the build compiled into this library (mqa_byoc_kernel_options in fa2_dispatch.h).
 const mqa_byoc_kernel_options& library_options() {
@@ -462,6 +462,7 @@ int own_decode(const mqa_byoc_decode_args& a, int device_id, cudaStream_t stream
                 std::to_string(a.num_heads) + " / " + std::to_string(a.num_heads_k) + " heads");
   }
   plan.merge = own_decode_merge();
+  plan.overlap = library_options().launch_overlap != 2;
   void* ws = nullptr;
   if (plan.workspace_bytes > 0) {
     if (int rc = alloc_workspace(&ws, plan.workspace_bytes, device_id, stream)) return rc;

@@ -848,10 +848,22 @@ __device__ __forceinline__ void finish_block(const mqa_byoc_decode_args& a, unsi
 // as the M (RowsAsM; a block holds 16 MT query rows).
 // W: warps of the block (kMaxWarps or kFewWarps); kWarpsPerSm of them an SM: 16 at head dim 64 with one
 // tile a warp (shared memory), else 8 (shared memory at 128; registers for more tiles).
+// Programmatic dependent launch (plan.overlap, sm_90+): each kernel below first waits until the kernel
+// before it on the stream has ended and its writes are visible (nothing is read before), then lets the next
+// kernel, if launched as a programmatic dependent, have its CTAs scheduled once all of this grid's CTAs
+// have got here. Both instructions do nothing in a plain launch.
+__device__ __forceinline__ void enter_after_previous_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 template <typename T, int D, bool SWAP, bool PAGED, bool CLUSTER, int W, int MT>
 __global__ void __launch_bounds__(W * 32, kWarpsPerSm<D, MT> / W)
     gqa_decode_kernel(const mqa_byoc_decode_args a, int keys_per_split, int row_groups, float* o_part, float* lse_part,
                       int* counters) {
+  enter_after_previous_kernel();
   using M = Mma<T>;
   using S = Smem<D, SWAP, W, MT>;
   using Warp = std::conditional_t<SWAP, RowsAsN<T, D>, RowsAsM<T, D, MT>>;
@@ -1243,6 +1255,7 @@ template <typename T, int D, bool PAGED, bool CLUSTER, int KG>
 __global__ void __launch_bounds__(KG * kShMaxWarps * 32, 2 / KG)
     gqa_decode_shared_kernel(const mqa_byoc_decode_args a, int keys_per_split, int row_groups, float* o_part,
                              float* lse_part, int* counters, int packed, int2* slot_splits) {
+  enter_after_previous_kernel();
   using S = SharedSmem<D>;
   using Warp = RowsAsM<T, D, 1>;
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
@@ -1453,6 +1466,7 @@ template <typename T, int D, int G>
 __global__ void __launch_bounds__(kMergeThreads)
     gqa_decode_split_merge_kernel(const mqa_byoc_decode_args a, int k_rows, int row_groups, const float* o_part,
                                   const float* lse_part, const int2* slot_splits) {
+  enter_after_previous_kernel();
   using M = Mma<T>;
   constexpr int kRowThreads = D / 4, kRows = kMergeThreads / (kRowThreads * G);
   __shared__ float s_w[kRows][kMaxSplits];
@@ -1725,6 +1739,47 @@ cudaLaunchConfig_t cluster_launch(dim3 grid, int warps, int n, size_t smem, cuda
   return cfg;
 }
 
+// A launch of `grid` blocks of `threads` threads, in clusters of `cluster` blocks along x (cluster > 0), and
+// as a programmatic dependent where `overlap` (the plan's, on sm_90+: the kernels wait for the previous
+// kernel themselves, enter_after_previous_kernel). Used in place: cfg points at attrs.
+struct Launch {
+  cudaLaunchAttribute attrs[2];
+  cudaLaunchConfig_t cfg = {};
+  Launch(dim3 grid, unsigned threads, size_t smem, cudaStream_t stream, int cluster, bool overlap) {
+    cfg.gridDim = grid, cfg.blockDim = dim3(threads), cfg.dynamicSmemBytes = smem, cfg.stream = stream;
+    unsigned n = 0;
+    if (cluster > 0) {
+      attrs[n].id = cudaLaunchAttributeClusterDimension;
+      attrs[n].val.clusterDim.x = unsigned(cluster), attrs[n].val.clusterDim.y = 1, attrs[n].val.clusterDim.z = 1;
+      ++n;
+    }
+    if (overlap) {
+      attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attrs[n].val.programmaticStreamSerializationAllowed = 1;
+      ++n;
+    }
+    cfg.attrs = attrs, cfg.numAttrs = n;
+  }
+  Launch(const Launch&) = delete;
+  Launch& operator=(const Launch&) = delete;
+};
+
+// The plan's overlap where the device has programmatic dependent launch (sm_90+), asked once per device.
+bool overlap_on(const mqa_byoc_decode_plan& p, int device) {
+  static std::mutex mutex;
+  static std::map<int, bool> known;
+  if (!p.overlap) return false;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = known.find(device);
+  if (it != known.end()) return it->second;
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    cudaGetLastError();
+    major = 0;
+  }
+  return known[device] = major >= 9;
+}
+
 // Max co-resident clusters of `n` blocks of a kernel on a device (0: none), asked once per (device, size).
 template <typename K>
 int max_clusters(K kernel, int warps, int device, int n, size_t smem) {
@@ -1793,10 +1848,10 @@ int launch_typed(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, v
   if (p.merge == MQA_BYOC_DECODE_MERGE_CLUSTER && !cluster) return 4;
   float* o_part = static_cast<float*>(ws);
   float* lse_part = o_part + p.o_part_floats;
+  const bool overlap = overlap_on(p, device);
   if (cluster) {
-    cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = cluster_launch(grid, W, p.splits, S::kBytes, stream, &attr);
-    return cudaLaunchKernelEx(&cfg, ckernel, a, p.keys_per_split, p.row_groups, o_part, lse_part, counters) ==
+    const Launch l(grid, unsigned(W * 32), S::kBytes, stream, p.splits, overlap);
+    return cudaLaunchKernelEx(&l.cfg, ckernel, a, p.keys_per_split, p.row_groups, o_part, lse_part, counters) ==
                    cudaSuccess
                ? 0
                : 1;
@@ -1804,8 +1859,11 @@ int launch_typed(const mqa_byoc_decode_args& a, const mqa_byoc_decode_plan& p, v
   auto kernel =
       paged ? gqa_decode_kernel<T, D, SWAP, true, false, W, MT> : gqa_decode_kernel<T, D, SWAP, false, false, W, MT>;
   if (!configure(kernel, false)) return 1;
-  kernel<<<grid, W * 32, S::kBytes, stream>>>(a, p.keys_per_split, p.row_groups, o_part, lse_part, counters);
-  return cudaGetLastError() == cudaSuccess ? 0 : 1;
+  const Launch l(grid, unsigned(W * 32), S::kBytes, stream, 0, overlap);
+  return cudaLaunchKernelEx(&l.cfg, kernel, a, p.keys_per_split, p.row_groups, o_part, lse_part, counters) ==
+                 cudaSuccess
+             ? 0
+             : 1;
 }
 
 template <typename T, int D, int KG>
@@ -1840,10 +1898,10 @@ int launch_shared_groups(const mqa_byoc_decode_args& a, const mqa_byoc_decode_pl
   if (p.merge == MQA_BYOC_DECODE_MERGE_CLUSTER && !cluster) return 4;
   float* o_part = static_cast<float*>(ws);
   float* lse_part = o_part + p.o_part_floats;
+  const bool overlap = overlap_on(p, device);
   if (cluster) {
-    cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = cluster_launch(grid, p.warps, p.splits, S::bytes(rows, true), stream, &attr);
-    return cudaLaunchKernelEx(&cfg, ckernel, a, p.keys_per_split, p.row_groups, o_part, lse_part, counters, 0,
+    const Launch l(grid, unsigned(p.warps * 32), S::bytes(rows, true), stream, p.splits, overlap);
+    return cudaLaunchKernelEx(&l.cfg, ckernel, a, p.keys_per_split, p.row_groups, o_part, lse_part, counters, 0,
                               static_cast<int2*>(nullptr)) == cudaSuccess
                ? 0
                : 1;
@@ -1853,23 +1911,33 @@ int launch_shared_groups(const mqa_byoc_decode_args& a, const mqa_byoc_decode_pl
       p.splits == 1 && !packed ? nullptr : reinterpret_cast<int2*>(lse_part + p.o_part_floats / a.head_dim);
   auto kernel = paged ? gqa_decode_shared_kernel<T, D, true, false, KG> : gqa_decode_shared_kernel<T, D, false, false, KG>;
   if (!configure(kernel, false)) return 1;
-  kernel<<<grid, p.warps * 32, S::bytes(rows, false), stream>>>(a, p.keys_per_split, p.row_groups, o_part, lse_part,
-                                                                counters, packed, slot_splits);
-  if (cudaGetLastError() != cudaSuccess) return 1;
+  {
+    const Launch l(grid, unsigned(p.warps * 32), S::bytes(rows, false), stream, 0, overlap);
+    if (cudaLaunchKernelEx(&l.cfg, kernel, a, p.keys_per_split, p.row_groups, o_part, lse_part, counters, packed,
+                           slot_splits) != cudaSuccess) {
+      return 1;
+    }
+  }
   if (p.splits == 1 && !packed) return 0;  // every slot wrote its output
   // the grid's y and z: the main kernel's (K/V head, row group) and sequences (each within 65535: the plans')
   const unsigned ys = unsigned(a.num_heads_k * p.row_groups), batch = unsigned(a.batch);
   if (int64_t(ys) * batch <= kMergeFewSlots) {
     const dim3 mgrid(unsigned((rows + 1) / 2), ys, batch);  // two rows a block
-    gqa_decode_split_merge_kernel<T, D, 4><<<mgrid, kMergeThreads, 0, stream>>>(a, rows, p.row_groups, o_part,
-                                                                               lse_part, slot_splits);
-  } else {
-    constexpr int kRowsPerBlock = kMergeThreads / (D / 4);
-    const dim3 mgrid(unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock), ys, batch);
-    gqa_decode_split_merge_kernel<T, D, 1><<<mgrid, kMergeThreads, 0, stream>>>(a, rows, p.row_groups, o_part,
-                                                                               lse_part, slot_splits);
+    const Launch l(mgrid, kMergeThreads, 0, stream, 0, overlap);
+    return cudaLaunchKernelEx(&l.cfg, gqa_decode_split_merge_kernel<T, D, 4>, a, rows, p.row_groups,
+                              static_cast<const float*>(o_part), static_cast<const float*>(lse_part),
+                              static_cast<const int2*>(slot_splits)) == cudaSuccess
+               ? 0
+               : 1;
   }
-  return cudaGetLastError() == cudaSuccess ? 0 : 1;
+  constexpr int kRowsPerBlock = kMergeThreads / (D / 4);
+  const dim3 mgrid(unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock), ys, batch);
+  const Launch l(mgrid, kMergeThreads, 0, stream, 0, overlap);
+  return cudaLaunchKernelEx(&l.cfg, gqa_decode_split_merge_kernel<T, D, 1>, a, rows, p.row_groups,
+                            static_cast<const float*>(o_part), static_cast<const float*>(lse_part),
+                            static_cast<const int2*>(slot_splits)) == cudaSuccess
+             ? 0
+             : 1;
 }
 
 // A SharedTiles launch: one key group (`warps` the row tiles) or two (twice them, up to 5 row tiles).
@@ -1928,6 +1996,7 @@ int shared_plan(const mqa_byoc_decode_args& a, int64_t keys_per_split, int64_t s
                                   : 0;
   p->counters = 0;  // merged in a cluster or by the merge kernel
   p->merge = MQA_BYOC_DECODE_MERGE_AUTO;
+  p->overlap = 1;
   return 0;
 }
 
@@ -1953,6 +2022,7 @@ int shared_packed_plan(const mqa_byoc_decode_args& a, int64_t ctas, mqa_byoc_dec
   p->workspace_bytes = size_t(p->o_part_floats + ys * grid * rows) * sizeof(float) + size_t(a.batch * ys) * sizeof(int2);
   p->counters = 0;  // merged by the merge kernel
   p->merge = MQA_BYOC_DECODE_MERGE_GLOBAL;
+  p->overlap = 1;
   return 0;
 }
 
@@ -1996,6 +2066,7 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_plan_grid(const mqa_b
   p->workspace_bytes = size_t(p->o_part_floats + lse_floats) * sizeof(float);
   p->counters = splits > 1 ? slots : 0;
   p->merge = MQA_BYOC_DECODE_MERGE_AUTO;
+  p->overlap = 1;
   return 0;
 }
 

@@ -32,7 +32,7 @@ class DecodePlan(ctypes.Structure):
         ("splits", ctypes.c_int), ("keys_per_split", ctypes.c_int), ("row_groups", ctypes.c_int),
         ("o_part_floats", ctypes.c_int64), ("counters", ctypes.c_int64), ("workspace_bytes", ctypes.c_size_t),
         ("merge", ctypes.c_int), ("warps", ctypes.c_int), ("row_tiles", ctypes.c_int),
-        ("shared_tiles", ctypes.c_int),
+        ("shared_tiles", ctypes.c_int), ("overlap", ctypes.c_int),
     ]
 
 
