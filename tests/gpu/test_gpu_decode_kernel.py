@@ -454,3 +454,35 @@ def test_paged_packed_splits_many_slots():
     lengths = torch.randint(1, 200, (4200,), generator=torch.Generator().manual_seed(5)).tolist()
     call = _paged_case(torch.float16, 64, 272, 16, 64, "auto", lengths)
     assert call.plan.shared_tiles == 2 and len(lengths) * 16 * call.plan.row_groups > 65535
+
+
+@pytest.mark.parametrize("batch,heads,heads_k,dim,seqlen,merge,row_tiles", [
+    (1, 64, 8, 128, 16411, "auto", 0),        # classic blocks, splits merged in a cluster
+    (2, 64, 8, 128, 4096, "global", 0),       # classic blocks, the last CTA merges through the workspace
+    (16, 71, 1, 64, 3000, "global", dk.SHARED_TILES),  # SharedTiles and its merge kernel
+])
+def test_programmatic_dependent_launches_read_the_previous_calls_output(batch, heads, heads_k, dim, seqlen, merge,
+                                                                        row_tiles):
+    """Launched as programmatic dependents (the plan's overlap, as a library built with launch_overlap on
+    launches them): a call whose query is the previous call's output, queued right behind it, waits for it
+    (its blocks may start early); repeated, so the arrival counters and the workspace are reused too."""
+    first, out1, lse1, ref_o1, ref_lse1 = _contiguous_case(batch, heads, heads_k, dim, seqlen, torch.float16,
+                                                           merge=merge, row_tiles=row_tiles, seed=1)
+    first = dk.Decode(*first.keep[:5], k_stride=first.keep[1].stride()[:3], v_stride=first.keep[2].stride()[:3],
+                      seqlen_k=seqlen, num_heads_k=heads_k, merge=merge, row_tiles=row_tiles, overlap=True)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    k2 = (torch.randn(batch, seqlen, heads_k, dim, generator=gen, device="cuda") * 2).half()
+    v2 = torch.randn(batch, seqlen, heads_k, dim, generator=gen, device="cuda").half()
+    out2 = torch.zeros_like(out1)
+    lse2 = torch.zeros_like(lse1)
+    second = dk.Decode(out1, k2, v2, out2, lse2, k_stride=k2.stride()[:3], v_stride=v2.stride()[:3], seqlen_k=seqlen,
+                       num_heads_k=heads_k, merge=merge, row_tiles=row_tiles, overlap=True)
+    assert first.plan.overlap == 1 and second.plan.overlap == 1
+    for _ in range(3):
+        out1.zero_()  # a plain kernel before the pair: the first call then waits for nothing of its own
+        first()
+        second()
+    torch.cuda.synchronize()
+    _check(out1, lse1, ref_o1, ref_lse1, torch.float16)
+    ref_o2, ref_lse2 = dk.reference(out1, k2, v2, [seqlen] * batch, heads_k)
+    _check(out2, lse2, ref_o2, ref_lse2, torch.float16)

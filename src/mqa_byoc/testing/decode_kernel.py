@@ -134,14 +134,20 @@ class Decode:
     """One prepared call: ``plan`` holds the grid; ``__call__`` launches on torch's current stream."""
 
     def __init__(self, q, k, v, out, lse=None, *, k_stride, v_stride, seqlen_k, num_heads_k, scale=None,
-                 window_left=-1, pages=None, merge: str = "auto", row_tiles: int = 0, lib=None):
+                 window_left=-1, pages=None, merge: str = "auto", row_tiles: int = 0, lib=None,
+                 overlap: bool = False):
         """``merge``: how the splits merge (:data:`MERGES`; "cluster" fails the launch with rc 4 where the
         grid's clusters are not co-resident); ``row_tiles``: the M tiles of 16 query rows a warp carries
-        (0: the kernel's rule; :data:`SHARED_TILES`: SharedTiles); ``lib``: a library of :func:`load_library` (default: :func:`library`)."""
+        (0: the kernel's rule; :data:`SHARED_TILES`: SharedTiles); ``lib``: a library of :func:`load_library` (default: :func:`library`);
+        ``overlap``: launch as a programmatic dependent (the plan's ``overlap``, what a library built with
+        ``launch_overlap`` on does). Off by default: back-to-back calls of one kernel launched so would
+        overlap one another, which a model's attention (after TVM's kernels) never does, so a call's time
+        would not be its own."""
         import torch
 
         self.lib = lib if lib is not None else library()
         self.merge = MERGES[merge]
+        self.overlap = int(overlap)
         self.row_tiles = row_tiles
         self.keep = (q, k, v, out, lse, pages)
         self.args = _args(q, k, v, out, lse, k_stride=k_stride, v_stride=v_stride, seqlen_k=seqlen_k,
@@ -162,6 +168,7 @@ class Decode:
 
         assert rc == 0, f"{what} rc={rc}"
         self.plan.merge = self.merge
+        self.plan.overlap = self.overlap
         self.ws = torch.empty(max(1, self.plan.workspace_bytes), dtype=torch.uint8, device=device)
 
     def set_keys_per_split(self, kps: int) -> None:
