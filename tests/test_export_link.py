@@ -59,7 +59,7 @@ def test_kernel_options_forms_and_codes():
     assert KernelOptions(decode_merge="cluster", split_combine="fa2", hopper_fa4="never").codes() == (0, 2, 1, 2, 0, 0, 0)
     assert KernelOptions(gemm_algorithm="heuristic").codes() == (0, 0, 0, 0, 1, 0, 0)
     assert KernelOptions(gemm_gemv="always").codes() == (0, 0, 0, 0, 0, 2, 0)
-    assert KernelOptions(launch_overlap="off").codes() == (0, 0, 0, 0, 0, 0, 2)
+    assert KernelOptions(launch_overlap="prefetch").codes() == (0, 0, 0, 0, 0, 0, 2)
     assert KernelOptions.of(a.describe()) == a
 
 

@@ -68,9 +68,9 @@ def _check_waits_first(body: str, name: str, prefetch: bool):
 
 
 def test_option_values_and_default():
-    assert list(kernel_options.CHOICES["launch_overlap"]) == ["prefetch", "pdl", "off"]
-    assert kernel_options.KernelOptions().launch_overlap == "prefetch"
-    assert kernel_options.KernelOptions.of("launch_overlap=off").codes()[-1] == 2
+    assert list(kernel_options.CHOICES["launch_overlap"]) == ["off", "pdl", "prefetch"]
+    assert kernel_options.KernelOptions().launch_overlap == "off"
+    assert kernel_options.KernelOptions.of("launch_overlap=prefetch").codes()[-1] == 2
 
 
 def test_gemv_entries_wait_before_reading(tmp_path):

@@ -7,8 +7,9 @@ one function of one module: ``ours.so`` (``partition_for_cutlass(gemm=True)``, c
 ``mqa_byoc.export_library``), random inputs and the unpartitioned module's outputs as TVM computes them
 on the CPU (``inputs.npz``: ``<function>.<i>`` and ``<function>.ref``).
 
-``gemv/``: GEMMs of one row (:func:`gemv_cases`), built with ``kernel_options gemm_gemv=always``: those
-CUTLASS's GEMV computes run on it, the rest on cuBLASLt; the same files as ``patterns/``.
+``gemv/``: GEMMs of one row (:func:`gemv_cases`), built with ``kernel_options gemm_gemv=always`` and
+``launch_overlap=prefetch``: those CUTLASS's GEMV computes run on it (launched as programmatic dependents,
+with its L2 prefetch), the rest on cuBLASLt; the same files as ``patterns/``.
 
 ``bench/``: the CodeLlama-34B GEMM shapes (nn.Linear: x @ W^T, fp16): ``ours.so`` with symbolic M on
 cuBLASLt, ``tvm_sym.so`` the same functions on TVM (decoder pipeline: FuseTransposeMatmul + dlight) and
@@ -248,8 +249,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not args.no_patterns:
         build_patterns(args.out / "patterns", args.arch)
-        build_patterns(args.out / "gemv", args.arch, gemv_cases(), kernel_options={"gemm_gemv": "always"},
-                       sizes_of=lambda name: {"n": 1} if "sym" in name else {})
+        build_patterns(args.out / "gemv", args.arch, gemv_cases(),
+                       kernel_options={"gemm_gemv": "always", "launch_overlap": "prefetch"}, sizes_of=lambda name: {"n": 1} if "sym" in name else {})
     if not args.no_bench:
         build_bench(args.out / "bench", args.arch)
 

@@ -53,13 +53,11 @@ CHOICES: dict[str, dict[str, str]] = {
                   "cuBLASLt not timed)",
     },
     "launch_overlap": {
-        "prefetch": "on sm_90 and later our decode kernel and CUTLASS's GEMV launch as programmatic dependents "
-                    "(PDL: their CTAs may start while the kernel before them ends, and wait for its results "
-                    "before reading any operand); the decode kernel lets the next kernel start once all its "
-                    "CTAs run, and each GEMV CTA asks the L2 for the first bytes of its weight rows before it "
-                    "waits",
-        "pdl": "as prefetch, without the GEMV's L2 prefetch",
         "off": "plain launches: a kernel starts when the one before it has ended",
+        "pdl": "on sm_90 and later our decode kernel and CUTLASS's GEMV launch as programmatic dependents "
+               "(PDL: their CTAs may start while the kernel before them ends, and wait for its results before "
+               "reading any operand); the decode kernel lets the next kernel start once all its CTAs run",
+        "prefetch": "as pdl, and each GEMV CTA asks the L2 for the first bytes of its weight rows before it waits",
     },
 }
 
@@ -79,7 +77,7 @@ class KernelOptions:
     hopper_fa4: str = "auto"
     gemm_algorithm: str = "measure"
     gemm_gemv: str = "measure"
-    launch_overlap: str = "prefetch"
+    launch_overlap: str = "off"
 
     def __post_init__(self):
         for f in fields(self):
@@ -121,7 +119,7 @@ class KernelOptions:
         return tuple(list(CHOICES[f.name]).index(getattr(self, f.name)) for f in fields(self))
 
     def describe(self) -> str:
-        """``decode_kernel=auto,decode_merge=auto,split_combine=own,hopper_fa4=auto,gemm_algorithm=measure,gemm_gemv=measure,launch_overlap=prefetch``."""
+        """``decode_kernel=auto,decode_merge=auto,split_combine=own,hopper_fa4=auto,gemm_algorithm=measure,gemm_gemv=measure,launch_overlap=off``."""
         return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
 
     def is_default(self) -> bool:

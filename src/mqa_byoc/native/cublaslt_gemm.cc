@@ -171,9 +171,9 @@ int gemv_option() {
   return &mqa_byoc_library_kernel_options == nullptr ? 0 : mqa_byoc_library_kernel_options.gemm_gemv;
 }
 
-// The library's kernel option launch_overlap: 0 (the default) launches CUTLASS's GEMV as a programmatic
-// dependent on sm_90+, each block prefetching its first rows of W into L2 before it waits; 1 the same
-// without the prefetch; 2 plain launches.
+// The library's kernel option launch_overlap: 0 (the default) plain launches; on sm_90+, 1 launches
+// CUTLASS's GEMV as a programmatic dependent, 2 the same with each block prefetching its first rows of W
+// into L2 before it waits.
 int launch_overlap_option() {
   return &mqa_byoc_library_kernel_options == nullptr ? 0 : mqa_byoc_library_kernel_options.launch_overlap;
 }
@@ -376,9 +376,9 @@ int gemv_run(const Device& dev, int config, int dtype, int64_t n, int64_t k, con
   const int overlap = launch_overlap_option();
   mqa_byoc_gemv_args args{n, k, x, w, c, out, beta, 0};
   void* params[] = {&args};
-  if (!dev.pdl || overlap == 2) return driver().launch(fn, blocks, 1, 1, per_row, rows, 1, 0, stream, params, nullptr);
+  if (!dev.pdl || overlap == 0) return driver().launch(fn, blocks, 1, 1, per_row, rows, 1, 0, stream, params, nullptr);
   // The blocks that can be resident at once prefetch a third of the L2 together at most.
-  if (overlap == 0 && dev.resident_threads > 0) {
+  if (overlap == 2 && dev.resident_threads > 0) {
     const int64_t resident = std::min<int64_t>(blocks, dev.resident_threads / threads);
     args.prefetch_bytes = resident > 0 ? (dev.l2_bytes / 3 / resident) & ~int64_t(15) : 0;
   }

@@ -462,7 +462,7 @@ int own_decode(const mqa_byoc_decode_args& a, int device_id, cudaStream_t stream
                 std::to_string(a.num_heads) + " / " + std::to_string(a.num_heads_k) + " heads");
   }
   plan.merge = own_decode_merge();
-  plan.overlap = library_options().launch_overlap != 2;
+  plan.overlap = library_options().launch_overlap != 0;
   void* ws = nullptr;
   if (plan.workspace_bytes > 0) {
     if (int rc = alloc_workspace(&ws, plan.workspace_bytes, device_id, stream)) return rc;

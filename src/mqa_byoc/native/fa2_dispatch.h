@@ -23,8 +23,8 @@ typedef struct {
   int hopper_fa4;     // hopper provider: 0 FA4 for prefill-sized calls, 1 for every call it can, 2 never
   int gemm_algorithm; // cuBLASLt GEMMs (cublaslt_gemm.cc): 0 measure small-M candidates once, 1 heuristic
   int gemm_gemv;      // GEMMs of one row: 0 CUTLASS's GEMV timed with cuBLASLt's candidates, 1 never, 2 always
-  int launch_overlap; // sm_90+: 0 our decode kernel and the GEMV launch as programmatic dependents, the GEMV
-                      // prefetching its first weight rows into L2; 1 the same without the prefetch; 2 plain
+  int launch_overlap; // 0 plain launches; sm_90+: 1 our decode kernel and the GEMV launch as programmatic
+                      // dependents, 2 the same with the GEMV prefetching its first weight rows into L2
 } mqa_byoc_kernel_options;
 
 // The options of this library (all zero when it defines none).

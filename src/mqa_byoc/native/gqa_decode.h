@@ -62,7 +62,8 @@ typedef struct {
   // SharedTiles' splits outside a cluster merge in a second kernel on the same stream (no arrival counters:
   // its plans' `counters` 0; the workspace also holds each slot's first partial and split count)
   int shared_tiles;
-  // 1 (the plan functions' choice): on sm_90 and later the kernels launch as programmatic dependents (PDL):
+  // 1 (the plan functions' choice; the library's dispatcher sets its launch_overlap option's): on sm_90 and
+  // later the kernels launch as programmatic dependents (PDL):
   // their CTAs may be scheduled while the previous kernel on the stream ends, and wait for it before
   // reading anything; once all of a kernel's CTAs run, the next kernel launched as a dependent may start
   // (CUTLASS's GEMV of the offloaded GEMMs is, cublaslt_gemm.cc). 0: plain launches.
