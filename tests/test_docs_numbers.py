@@ -1480,3 +1480,98 @@ def test_performance_doc_split_rope_claim(name):
     text = " ".join((ROOT / "docs" / "performance.md").read_text().split())
     claim = " ".join(split_rope_claims()[name].split())
     assert claim in text, claim
+
+
+# ------------------------------------------------------------------ launch overlap and split_rope's prefill
+LAUNCH_OVERLAP = "2026-12-06-decoders-launch-overlap.json"
+SPLIT_ROPE_PREFILL = "2026-12-06-decoders-split-rope-prefill.json"
+#: performance.md's launch-overlap table: label -> part (the second pass is the part + ".2")
+LAUNCH_OVERLAP_ROWS = {
+    "paged, `off`": "po", "paged, `prefetch`": "pf",
+    "paged, `off`, CUDA graphs": "po-graph", "paged, `pdl`, CUDA graphs": "pp-graph",
+    "paged, `prefetch`, CUDA graphs": "pf-graph", "paged, `prefetch`, `gemm_gemv=always`, CUDA graphs": "pg-graph",
+    "in-place, `off`, CUDA graphs": "io-graph", "in-place, `prefetch`, CUDA graphs": "if-graph",
+}
+
+
+def launch_overlap_claims() -> dict[str, str]:
+    data = _load(LAUNCH_OVERLAP)
+    parts = data["parts"]
+
+    def ms(name, b, c):
+        rec = _decode_rec(parts, name, b, c)
+        return None if rec is None else rec["ms_per_step"]
+
+    rows = {}
+    for label, name in LAUNCH_OVERLAP_ROWS.items():
+        cells = []
+        for b, c in ((1, 2048), (1, 16384), (8, 2048), (32, 2048)):
+            a, z = ms(name, b, c), ms(name + ".2", b, c)
+            cells.append("–" if a is None else f"{a:.3f}, {z:.3f}")
+        rows[label] = f"| {label} | " + " | ".join(cells) + " |"
+
+    def ratios(on, off, cases):
+        return _range([ms(f"{on}{s}", b, c) / ms(f"{off}{s}", b, c) for s in ("", ".2") for b, c in cases])
+
+    paged = ((1, 2048), (1, 16384), (8, 2048), (32, 2048))
+    inplace = ((1, 2048), (1, 16384))
+    spread = _range([ms(f"{n}.2", b, c) / ms(n, b, c) for n in LAUNCH_OVERLAP_ROWS.values()
+                     for b, c in (paged if n.startswith("p") else inplace)])
+    logits = data["logits"]
+    assert all(v["argmax_equal"] for v in logits.values())
+    paged_diff = _range([v["max_abs"] for k, v in logits.items() if k.startswith("p")], digits=3, unit="")
+    return {**rows,
+            "ratios": (f"`pdl` took {ratios('pp-graph', 'po-graph', paged)} the time of `off` with CUDA graphs, "
+                       f"`prefetch` {ratios('pf-graph', 'po-graph', paged)} with them and "
+                       f"{ratios('pf', 'po', paged)} without; the in-place decoder with `prefetch` "
+                       f"{ratios('if-graph', 'io-graph', inplace)}"),
+            "spread": f"the second pass took {spread} the time of the first",
+            "logits": (f"differ from the `off` build's by {paged_diff} (paged; the builds measure their GEMM "
+                       f"algorithms separately) and {logits['if-graph vs io-graph']['max_abs']:.1f} (in-place)")}
+
+
+def split_rope_prefill_claims() -> dict[str, str]:
+    parts = _load(SPLIT_ROPE_PREFILL)["parts"]
+
+    def ms(name, tokens):
+        return next(p["ms"] for p in parts[name]["prefill"] if p["tokens"] == tokens)
+
+    cells = {n: {t: f"{ms(n, t):.2f}, {ms(n + '.2', t):.2f}" for t in (2048, 16384)}
+             for n in ("ops-prefill", "rope-prefill")}
+    ratio = _range([ms(f"rope-prefill{s}", t) / ms(f"ops-prefill{s}", t) for s in ("", ".2") for t in (2048, 16384)])
+    return {"prefill": (f"a prefill of 2k tokens took {cells['rope-prefill'][2048]} ms with `split_rope` and "
+                        f"{cells['ops-prefill'][2048]} with the ops form, of 16k tokens {cells['rope-prefill'][16384]} "
+                        f"and {cells['ops-prefill'][16384]} ({ratio} the time)")}
+
+
+@pytest.mark.parametrize("name", sorted(launch_overlap_claims()) + [f"rope:{n}" for n in split_rope_prefill_claims()])
+def test_performance_doc_launch_overlap_claim(name):
+    text = " ".join((ROOT / "docs" / "performance.md").read_text().split())
+    claims = split_rope_prefill_claims() if name.startswith("rope:") else launch_overlap_claims()
+    claim = " ".join(claims[name.removeprefix("rope:")].split())
+    assert claim in text, claim
+
+
+FLASHINFER_71 = "2026-12-06-paged-decode-flashinfer-71.json"
+
+
+def flashinfer_71_claims() -> dict[str, str]:
+    cases = _load(FLASHINFER_71)["cases"]
+    assert all(all(c["ok"].values()) for c in cases)
+    cells, slower = [], []
+    for c in sorted(cases, key=lambda c: (c["batch"], c["lengths_kind"] != "mixed")):
+        fi = min(v for k, v in c["us"].items() if k.startswith("flashinfer") and c["ok"][k])
+        what = f"{c['batch']} {'sequence' if c['batch'] == 1 else 'sequences'}" + (
+            "" if c["batch"] == 1 else (" of mixed lengths" if c["lengths_kind"] == "mixed" else " at 16k"))
+        cells.append(f"{what}: {c['us']['ours']:.1f} µs against {fi:.1f}")
+        if c["us"]["ours"] > fi:
+            slower.append(f"{c['us']['ours'] / fi:.2f}x")
+    no_slower = len(cases) - len(slower)
+    return {"cases": "; ".join(cells),
+            "count": f"no slower than FlashInfer's fastest variant in {no_slower} of {len(cases)} cases",
+            "slower": f"({', '.join(slower)})"}
+
+
+@pytest.mark.parametrize("name", sorted(flashinfer_71_claims()))
+def test_paged_doc_flashinfer_71_claim(name):
+    _assert_in_paged_doc(flashinfer_71_claims(), name)
