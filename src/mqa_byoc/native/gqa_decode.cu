@@ -1921,21 +1921,14 @@ int launch_shared_groups(const mqa_byoc_decode_args& a, const mqa_byoc_decode_pl
   if (p.splits == 1 && !packed) return 0;  // every slot wrote its output
   // the grid's y and z: the main kernel's (K/V head, row group) and sequences (each within 65535: the plans')
   const unsigned ys = unsigned(a.num_heads_k * p.row_groups), batch = unsigned(a.batch);
-  if (int64_t(ys) * batch <= kMergeFewSlots) {
-    const dim3 mgrid(unsigned((rows + 1) / 2), ys, batch);  // two rows a block
-    const Launch l(mgrid, kMergeThreads, 0, stream, 0, overlap);
-    return cudaLaunchKernelEx(&l.cfg, gqa_decode_split_merge_kernel<T, D, 4>, a, rows, p.row_groups,
-                              static_cast<const float*>(o_part), static_cast<const float*>(lse_part),
-                              static_cast<const int2*>(slot_splits)) == cudaSuccess
-               ? 0
-               : 1;
-  }
+  // few slots: 4 groups of splits a row, two rows a block; else one group, kRowsPerBlock rows a block
+  const bool few = int64_t(ys) * batch <= kMergeFewSlots;
   constexpr int kRowsPerBlock = kMergeThreads / (D / 4);
-  const dim3 mgrid(unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock), ys, batch);
+  const dim3 mgrid(unsigned(few ? (rows + 1) / 2 : (rows + kRowsPerBlock - 1) / kRowsPerBlock), ys, batch);
   const Launch l(mgrid, kMergeThreads, 0, stream, 0, overlap);
-  return cudaLaunchKernelEx(&l.cfg, gqa_decode_split_merge_kernel<T, D, 1>, a, rows, p.row_groups,
-                            static_cast<const float*>(o_part), static_cast<const float*>(lse_part),
-                            static_cast<const int2*>(slot_splits)) == cudaSuccess
+  return cudaLaunchKernelEx(&l.cfg, few ? gqa_decode_split_merge_kernel<T, D, 4> : gqa_decode_split_merge_kernel<T, D, 1>,
+                            a, rows, p.row_groups, static_cast<const float*>(o_part),
+                            static_cast<const float*>(lse_part), static_cast<const int2*>(slot_splits)) == cudaSuccess
              ? 0
              : 1;
 }
