@@ -1727,18 +1727,6 @@ int with_kernel_types(const mqa_byoc_decode_args& a, int tiles, F&& fn) {
   return a.is_bf16 ? by_dim(Tag<__nv_bfloat16>{}) : by_dim(Tag<__half>{});
 }
 
-// The launch of `grid` blocks of `warps` warps in clusters of n along x (the splits of a slot); attr: its
-// storage.
-cudaLaunchConfig_t cluster_launch(dim3 grid, int warps, int n, size_t smem, cudaStream_t stream,
-                                  cudaLaunchAttribute* attr) {
-  attr->id = cudaLaunchAttributeClusterDimension;
-  attr->val.clusterDim.x = unsigned(n), attr->val.clusterDim.y = 1, attr->val.clusterDim.z = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid, cfg.blockDim = dim3(unsigned(warps * 32)), cfg.dynamicSmemBytes = smem, cfg.stream = stream;
-  cfg.attrs = attr, cfg.numAttrs = 1;
-  return cfg;
-}
-
 // A launch of `grid` blocks of `threads` threads, in clusters of `cluster` blocks along x (cluster > 0), and
 // as a programmatic dependent where `overlap` (the plan's, on sm_90+: the kernels wait for the previous
 // kernel themselves, enter_after_previous_kernel). Used in place: cfg points at attrs.
@@ -1791,9 +1779,8 @@ int max_clusters(K kernel, int warps, int device, int n, size_t smem) {
   auto it = known.find(key);
   if (it != known.end()) return it->second;
   int count = 0;
-  cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = cluster_launch(dim3(unsigned(n)), warps, n, smem, nullptr, &attr);
-  if (cudaOccupancyMaxActiveClusters(&count, kernel, &cfg) != cudaSuccess) {
+  const Launch l(dim3(unsigned(n)), unsigned(warps * 32), smem, nullptr, n, false);
+  if (cudaOccupancyMaxActiveClusters(&count, kernel, &l.cfg) != cudaSuccess) {
     cudaGetLastError();
     count = 0;
   }
