@@ -34,6 +34,9 @@ BUILDERS = {
                                          "--layers", "2", "--vocab", "4096", "--hidden-size", "2048",
                                          "--intermediate-size", "4096", "--out", ".gpu-artifacts/profile-paged"],
                       "test_gpu_profile_paged.py"),
+    "gemm": ("build_gemm.py", ["--no-bench"], "test_gpu_gemm.py"),
+    "cpp-runtime": ("build_cpp_runtime.py", [], "test_gpu_cpp_runtime.py"),
+    "tp": ("build_tp.py", [], "test_gpu_tp.py"),
 }
 ROOT = HERE.parents[1]
 
