@@ -313,8 +313,18 @@ def test_paged_row_tiles(row_tiles, merge):
     _paged_case(torch.bfloat16, 256, 71, 1, 64, merge, [3000], row_tiles=row_tiles)
 
 
+@pytest.mark.parametrize("lengths", [[4100], [12000, 300], [40000] + [10] * 31])
+@pytest.mark.parametrize("heads,heads_k,dim,page_size", [(64, 8, 128, 128), (71, 1, 64, 256)])
+@pytest.mark.parametrize("merge", ["auto", "global"])
+def test_paged_page_list_past_entry_0(lengths, heads, heads_k, dim, page_size, merge):
+    """The first sequence's pages start past entry 0 of the page list (a view into a larger table, the
+    entries before it other pages): every sequence's pages are read from its own offset; classic blocks
+    and SharedTiles (71/1/64), one sequence, two, and a long one beside 31 short ones."""
+    _paged_case(torch.float16, page_size, heads, heads_k, dim, merge, lengths, first_entry=37)
+
+
 def _paged_case(dtype, page_size, heads, heads_k, dim, merge, lengths, row_tiles=0, window_left=-1, key_groups=1,
-                packed=False, lib=None):
+                packed=False, lib=None, first_entry=0):
     gen = torch.Generator(device="cuda").manual_seed(1)
     batch = len(lengths)
     n_pages = [math.ceil(n / page_size) for n in lengths]
@@ -326,6 +336,10 @@ def _paged_case(dtype, page_size, heads, heads_k, dim, merge, lengths, row_tiles
     # where no page is in use, one entry no sequence's indptr covers: an empty tensor's null pointer would
     # read as contiguous K/V (TVM's page table is a buffer)
     values = (perm if len(perm) else torch.zeros(1, dtype=torch.int64)).to(torch.int32).cuda()
+    if first_entry:  # entries before the first sequence's: pages no sequence uses
+        unused = torch.tensor(sorted(set(range(pool)) - set(perm.tolist())), dtype=torch.int32, device="cuda")
+        values = torch.cat([unused.repeat(first_entry // len(unused) + 1)[:first_entry], values])
+        indptr = indptr + first_entry
     last = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(lengths, n_pages)],
                         dtype=torch.int32, device="cuda")
     q = torch.randn(batch, heads, dim, generator=gen, device="cuda").to(dtype)
