@@ -109,6 +109,32 @@ def test_report_names_each_offloaded_site_by_its_matmul_in_the_users_graph():
     assert {s.output for s in mqa_byoc.offload_report(mod, gemm=True)} == set(by_name)
 
 
+def test_report_names_matmuls_of_the_same_operands_each_by_its_own_variable():
+    """A graph that computes ``x @ W^T`` (and ``x2 @ W2``) twice, with different epilogues: each offloaded
+    call is named by its own matmul, in the graph's order, not both by the first."""
+    bb = relax.BlockBuilder()
+    n = tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType([n, 256], "float16"))
+    w = relax.Var("w", relax.TensorType([512, 256], "float16"))
+    b = relax.Var("b", relax.TensorType([512], "float16"))
+    x2 = relax.Var("x2", relax.TensorType([7, 256], "bfloat16"))
+    w2 = relax.Var("w2", relax.TensorType([256, 128], "bfloat16"))
+    with bb.function("main", [x, w, b, x2, w2]):
+        with bb.dataflow():
+            first = bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(w))), "first")
+            biased = bb.emit(relax.op.add(first, b), "biased")
+            second = bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(w))), "second")
+            act = bb.emit(relax.op.nn.silu(second), "act")
+            third = bb.emit(relax.op.matmul(x2, w2), "third")
+            fourth = bb.emit(relax.op.matmul(x2, w2), "fourth")
+            out = bb.emit_output(relax.Tuple([biased, act, third, fourth]))
+        bb.emit_func_output(out)
+    sites = gemm.gemm_report(bb.get())
+    assert [s.output for s in sites] == ["first", "second", "third", "fourth"], gemm.format_gemm_report(sites)
+    assert all(s.offloaded for s in sites)
+    assert [s.epilogue for s in sites] == ["bias", None, None, None]
+
+
 def test_bf16_and_static_shapes_and_constant_weights():
     # a static M of one row (decode at batch 1) too: cuBLASLt's measured choice outruns dlight's GEMV there
     for kw in (dict(dtype="bfloat16"), dict(rows=(4, 33)), dict(rows=("b", "s")), dict(weight_const=True),

@@ -681,13 +681,15 @@ class _OriginalNames:
     offloaded site by its matmul's variable in ``original`` instead, the one the user's graph printed. A
     call's matmul is found there by its operands (each traced back to ``original``'s variables: the ones
     the partition kept, and earlier calls' fused outputs), its fused output by following the
-    composite's epilogue ops from that matmul.
+    composite's epilogue ops from that matmul. Matmuls of the same operands (a graph that computes
+    ``x @ W^T`` twice) name the calls in their order, each original matmul one call.
     """
 
     def __init__(self, original):
         self.bindings, self.users = _bindings_and_users(original) if isinstance(original, relax.Function) else ({}, {})
         self.of, self.matmul_of_call = {}, {}
         self.matmuls_of_x = {}  # the original's matmuls by their left operand
+        self.named = set()  # the original's matmuls that name a call already
         for var, value in self.bindings.items():
             if isinstance(value, relax.Call) and getattr(value.op, "name", None) == "relax.matmul":
                 self.matmuls_of_x.setdefault(value.args[0], []).append((var, value))
@@ -717,12 +719,15 @@ class _OriginalNames:
         if x is None or w is None:
             return None
         for var, value in self.matmuls_of_x.get(x, ()):
+            if var in self.named:
+                continue
             rhs = value.args[1]
             producer = self.bindings.get(rhs) if isinstance(rhs, relax.Var) else None
             if transposed and not (isinstance(producer, relax.Call) and producer.args and producer.args[0].same_as(w)):
                 continue
             if not transposed and not rhs.same_as(w):
                 continue
+            self.named.add(var)
             return var, self._fused_output(var, comp)
         return None
 
