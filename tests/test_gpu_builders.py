@@ -7,6 +7,7 @@ from ``tests/`` (test_package_layers.py), so the builders are read from ``build_
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 import sys
@@ -15,20 +16,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _listed() -> dict[str, str]:
+@functools.lru_cache(maxsize=1)
+def _list_lines() -> tuple[str, ...]:
+    """``build_all.py --list``: one line a builder, ``name script args  ->  tests/gpu/test files``."""
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu" / "build_all.py"), "--list"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    out = {}
-    for line in r.stdout.splitlines():
-        name, _, tests = line.partition("->")
-        for t in re.findall(r"test_\w+\.py", tests):
-            out[t] = name.split()[0]
-    return out
+    return tuple(r.stdout.splitlines())
 
 
 def test_every_gpu_test_reading_artifacts_has_a_builder_in_build_all():
-    listed = _listed()
+    listed = {t for line in _list_lines() for t in re.findall(r"test_\w+\.py", line.partition("->")[2])}
     readers = sorted(p.name for p in (ROOT / "tests" / "gpu").glob("test_gpu_*.py")
                      if ".gpu-artifacts" in p.read_text())
     assert readers, "no GPU test reads .gpu-artifacts: the check would check nothing"
@@ -37,7 +35,5 @@ def test_every_gpu_test_reading_artifacts_has_a_builder_in_build_all():
 
 
 def test_every_listed_builder_script_exists():
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu" / "build_all.py"), "--list"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
-    scripts = [line.split()[1] for line in r.stdout.splitlines() if line.split()[1].endswith(".py")]
+    scripts = [line.split()[1] for line in _list_lines() if line.split()[1].endswith(".py")]
     assert scripts and all((ROOT / "tools" / "gpu" / s).is_file() for s in scripts), scripts
