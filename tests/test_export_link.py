@@ -158,6 +158,14 @@ def test_plain_export_links_the_attached_kernel_objects(tmp_path, monkeypatch):
     keys = K.plan_kernels(AttentionSpec(8, 2, 64, 64, "float16", AttentionSpec.default_scale(64), True))
     assert len(keys) >= 2  # causal and non-causal families of hdim64 fp16
     first, rest = keys[:1], keys[1:]
+    # a kernel cache without FA2 kernel objects (this machine's may hold them all): its dispatcher, decode
+    # support object and flash-attn sources are the user cache's, the kernels only the stand-ins below
+    real = K.cache_root()
+    monkeypatch.setenv("MQA_BYOC_CACHE", str(tmp_path / "cache"))
+    for sub in ("fa2/dispatch", "fa2/support", "src"):
+        (real / sub).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "cache" / sub).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "cache" / sub).symlink_to(real / sub, target_is_directory=True)
     monkeypatch.setenv("MQA_BYOC_KERNEL_DIR", str(_stand_in_kernel_dir(tmp_path / "some", first)))
     ex = mqa_byoc.build(mod, TARGET, provider="native", kernel_options={"decode_kernel": "fa2"})
     assert link.Needs.of(ex).fa2 == keys
