@@ -28,8 +28,10 @@ Parts (each writes ``<out>/<name>.json``; ``report`` merges them):
   dynamic cache, or ``--mode compile``: ``cache_implementation="static"``, which ``generate`` compiles
   with ``torch.compile``).
 
-Limits (the H200's): decode: every weight the step multiplies by (6.06 GB) and the K/V of every
-sequence once at 4.8 TB/s; prefill: the GEMM and causal-attention FLOPs at 989 TFLOP/s (dense fp16).
+Limits (the GPU's own, :mod:`mqa_byoc.runtime.gpu_limits`: the H200's 4.8 TB/s and 989 TFLOP/s, the
+H100 SXM's 3.35 TB/s and 989 TFLOP/s): decode: every weight the step multiplies by (6.06 GB) and the K/V
+of every sequence once at the HBM bandwidth; prefill: the GEMM and causal-attention FLOPs at the dense
+fp16 tensor rate. Each part records the limits of the GPU it ran on; ``report`` measures against them.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import sys
 import time
 from pathlib import Path
 
-HBM_TBPS = 4.8
+HBM_TBPS = 4.8  # the H200's: the limits of parts that record none
 DENSE_TFLOPS = 989.0
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,9 +63,11 @@ def _commit():
 
 
 def _header(torch, argv) -> dict:
+    from mqa_byoc.runtime.gpu_limits import this_gpu_limits
+
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-            "command": " ".join(["decoders.py", *argv])}
+            "limits": this_gpu_limits(torch).as_dict(), "command": " ".join(["decoders.py", *argv])}
 
 
 # -- limits -----------------------------------------------------------------------------------
@@ -78,16 +82,16 @@ def kv_bytes(shapes: dict, batch: int, context: int) -> float:
     return 2.0 * 2 * shapes["num_layers"] * shapes["num_kv_heads"] * shapes["head_dim"] * batch * context
 
 
-def decode_limit_ms(shapes: dict, batch: int, context: int) -> float:
-    return (weight_bytes(shapes) + kv_bytes(shapes, batch, context)) / (HBM_TBPS * 1e9)
+def decode_limit_ms(shapes: dict, batch: int, context: int, hbm_tbps: float = HBM_TBPS) -> float:
+    return (weight_bytes(shapes) + kv_bytes(shapes, batch, context)) / (hbm_tbps * 1e9)
 
 
-def prefill_limit_ms(shapes: dict, tokens: int, logits: str = "all") -> float:
+def prefill_limit_ms(shapes: dict, tokens: int, logits: str = "all", tflops: float = DENSE_TFLOPS) -> float:
     from mqa_byoc.runtime.gemm_rates import model_gemms
 
     gemm = sum(g.flop * g.count for g in model_gemms({**shapes, "logits": logits}, "prefill", tokens))
     attn = 2.0 * tokens * tokens * shapes["num_heads"] * shapes["head_dim"] * shapes["num_layers"]
-    return (gemm + attn) / (DENSE_TFLOPS * 1e9)
+    return (gemm + attn) / (tflops * 1e9)
 
 
 # -- TVM libraries ------------------------------------------------------------------------------
@@ -140,12 +144,10 @@ def _cupti_phase(fn, steps: int):
     return phase_record(cap.stats(), [], steps, cap.events)
 
 
-def _gemm_summary(meta: dict, phase: dict, name: str, context: int, batch: int) -> dict:
+def _gemm_summary(meta: dict, phase: dict, name: str, context: int, batch: int, limits) -> dict:
     from mqa_byoc.runtime.gemm_rates import gemm_table
 
-    rec = {**meta, "phases": {name: phase}}
-    table = gemm_table(rec, name, context, batch)
-    return table
+    return gemm_table({**meta, "phases": {name: phase}}, name, context, batch, limits=limits)
 
 
 def library_kernel_options(runner) -> str | None:
@@ -166,6 +168,9 @@ def run_tvm(args) -> dict:
     from mqa_byoc.sidecar import read_sidecar
     from mqa_byoc.testing.timing import cuda_time_us, time_call_us
 
+    from mqa_byoc.runtime.gpu_limits import this_gpu_limits
+
+    limits = this_gpu_limits(torch)
     lib = find_libraries(str(args.lib))[0]  # mqa=True's
     meta = read_sidecar(lib)
     runner = open_runner(lib, meta)
@@ -192,8 +197,8 @@ def run_tvm(args) -> dict:
         ms = statistics.median(times)
         logits = shapes.get("logits", "last")
         rec = {"tokens": tokens, "ms": round(ms, 3), "runs_ms": [round(t, 3) for t in times],
-               "kernel_ms": phase["kernel_ms_per_step"], "limit_ms": round(prefill_limit_ms(shapes, tokens, logits), 3),
-               "gemms": _gemm_summary(shapes, phase, "prefill", tokens, 1)}
+               "kernel_ms": phase["kernel_ms_per_step"], "limit_ms": round(prefill_limit_ms(shapes, tokens, logits, limits.dense_tflops), 3),
+               "gemms": _gemm_summary(shapes, phase, "prefill", tokens, 1, limits)}
         rec["vs_limit"] = round(ms / rec["limit_ms"], 3)
         out["prefill"].append(rec)
         print(json.dumps({k: v for k, v in rec.items() if k != "gemms"}), flush=True)
@@ -215,12 +220,12 @@ def run_tvm(args) -> dict:
                 caches["c"] = runner.decode(caches["c"], 1, ids=tok)[1]
         ms = cuda_time_us(step, args.steps, warmup=3) / 1e3
         phase = _cupti_phase(step, max(args.steps // 2, 4))
-        limit = decode_limit_ms(shapes, batch, context)
+        limit = decode_limit_ms(shapes, batch, context, limits.hbm_tbps)
         rec = {"batch": batch, "context": context, "ms_per_step": round(ms, 4),
                "tokens_per_s": round(batch * 1000 / ms, 1), "kernel_ms_per_step": phase["kernel_ms_per_step"],
                "limit_ms": round(limit, 4), "vs_limit": round(ms / limit, 3),
                "kernels_vs_limit": round(phase["kernel_ms_per_step"] / limit, 3),
-               "gemms": _gemm_summary(shapes, phase, "decode", context, batch),
+               "gemms": _gemm_summary(shapes, phase, "decode", context, batch, limits),
                "top_kernels": [{"name": k["name"][:90], "us_per_step": round(k["total_ns"] / 1e3 / phase["steps"], 1)}
                                for k in phase["kernels"][:12]]}
         out["decode"].append(rec)
@@ -393,10 +398,13 @@ def report(parts_dir: Path, out: Path, commit: str | None, command: str | None, 
             found[d["name"]] = d
     order = [*LABELS, "torch-gemm"]
     parts = {k: found[k] for k in sorted(found, key=lambda k: order.index(k) if k in order else len(order))}
+    from mqa_byoc.runtime.gpu_limits import record_limits
+
     meta = next((p for p in parts.values() if "gpu" in p), {})
+    limits = record_limits(meta)
     result = {"benchmark": "decoders", "date": meta.get("date"), "commit": commit, "gpu": meta.get("gpu"),
               "torch": meta.get("torch"), "command": command, "notes": list(notes),
-              "limits": {"hbm_tbps": HBM_TBPS, "dense_tflops": DENSE_TFLOPS,
+              "limits": {**limits.as_dict(),
                          "weight_bytes": weight_bytes(CODELLAMA)}, "parts": parts}
     cmp = result["comparisons"] = {}
     torch_rows = {(r["gemm"], r["M"]): r for r in parts.get("torch-gemm", {}).get("rows", [])}
@@ -476,12 +484,14 @@ LABELS = {"paged-gemm": "ours, PagedKVCache, GEMMs on cuBLASLt",
 
 def markdown(result) -> str:
     parts, cmp = result["parts"], result["comparisons"]
+    lim = result["limits"]
+    whose = f" (the {lim['gpu']}'s: {lim['source']})" if "source" in lim else ""
     lines = ["# Whole decoders vs the bytes and FLOP limits, and vs HF transformers (CodeLlama-34B shapes, 4 layers, fp16)",
              "", f"{result['date']}, commit {result['commit']}, {result['gpu']}, torch {result['torch']}; "
              f"`{result['command']}`", "",
              f"Limits: decode: every weight the step multiplies by ({result['limits']['weight_bytes'] / 1e9:.2f} GB) and "
-             f"the K/V once at {HBM_TBPS} TB/s; prefill: the GEMM and causal attention FLOPs at {DENSE_TFLOPS:.0f} "
-             "TFLOP/s. Ours: CUDA events around back-to-back steps (decode) or one step (prefill, median); kernels: "
+             f"the K/V once at {lim['hbm_tbps']} TB/s; prefill: the GEMM and causal attention FLOPs at "
+             f"{lim['dense_tflops']:.0f} TFLOP/s{whose}. Ours: CUDA events around back-to-back steps (decode) or one step (prefill, median); kernels: "
              "CUPTI. HF: `generate`, a CUDA event per token.", "", *[f"- {n}" for n in result.get("notes", [])],
              *([""] if result.get("notes") else []),
              ]

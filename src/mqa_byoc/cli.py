@@ -20,6 +20,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _limits(text: str):
+    """argparse type: ``TBPS,TFLOPS``, a GPU's HBM bandwidth and dense fp16 tensor rate."""
+    from .runtime.gpu_limits import given
+
+    try:
+        tbps, tflops = (float(x) for x in text.split(","))
+        return given(tbps, tflops)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected TBPS,TFLOPS (e.g. 3.35,989), got {text!r}: {e}") from None
+
+
 _KV_INPLACE = ("inplace (TVM's in-place cache objects: append the new K/V, attend over a zero-copy view; "
                "batch 1)")
 _KV_FUNCTIONAL = "functional (K/V tensors in and out, concatenated every step)"
@@ -111,12 +122,18 @@ def _profile_parser(sub):
                    help="time the steps only, no torch.profiler run (use under nsys, which needs CUPTI itself)")
     r.add_argument("--kv-cache", default=None, choices=["inplace", "functional", "paged"],
                    help="run the libraries of this cache only (default: DIR's, which must hold one cache's)")
+    r.add_argument("--limits", type=_limits, default=None, metavar="TBPS,TFLOPS",
+                   help="HBM TB/s and dense fp16 TFLOP/s the GEMM tables measure against (default: this GPU's, "
+                        "from its data sheet or the CUDA driver)")
     r.add_argument("--setup", action="append", default=None, metavar="MODULE",
                    help="import MODULE first, e.g. the set-up of a runtime-only TVM kit (default: "
                         "$MQA_BYOC_RUNTIME_SETUP, comma-separated)")
     g = ps.add_parser("gemms", help="the GEMMs of a `profile run` JSON kernel by kernel: TB/s, TFLOP/s and the "
                                     "fraction of the GPU's limits (no GPU, no TVM)")
     g.add_argument("json")
+    g.add_argument("--limits", type=_limits, default=None, metavar="TBPS,TFLOPS",
+                   help="HBM TB/s and dense fp16 TFLOP/s to measure against (default: those the JSON records, "
+                        "else its GPU's)")
     pl = ps.add_parser("plot", help="draw the PNG from a `profile run` JSON (needs matplotlib only)")
     pl.add_argument("json")
     pl.add_argument("--png", required=True)
@@ -314,7 +331,8 @@ def _profile(args, argv) -> int:
         try:
             run_profile(args.dir, args.prompt_len, args.decode_steps, warmup=args.warmup, nvtx=not args.no_nvtx,
                         cupti=not args.no_cupti, json_path=args.json, png_path=args.png, top=args.top,
-                        command="mqa-byoc " + " ".join(argv), setup=args.setup, kv_cache=args.kv_cache)
+                        command="mqa-byoc " + " ".join(argv), setup=args.setup, kv_cache=args.kv_cache,
+                        limits=args.limits)
         except (ProfileError, FileNotFoundError) as e:
             print(f"mqa-byoc profile run: error: {e}", file=sys.stderr)
             return 1
@@ -325,7 +343,7 @@ def _profile(args, argv) -> int:
         from .runtime.profiling import gemm_report
 
         with open(args.json) as f:
-            print(gemm_report(json.load(f)), end="")
+            print(gemm_report(json.load(f), limits=args.limits), end="")
         return 0
     if args.profile_command == "plot":
         from .runtime.kernel_plot import MatplotlibMissing, plot_file

@@ -17,7 +17,9 @@ gate/up), then ``lm_head``. :func:`gemm_table` maps the recorded GPU kernels ont
 Per GEMM: the bytes it must move (x, W and the output once, 2 bytes an element for fp16/bf16) and its
 FLOPs (2 M N K), its time per call, TB/s and TFLOP/s, and the fraction of the limit it reaches: the
 time at the limit (bytes at :data:`HBM_TBPS` or FLOPs at :data:`DENSE_TFLOPS`, whichever is longer) over
-the time it took. Decode GEMMs are bound by the bytes (the weight), prefill GEMMs by the FLOPs.
+the time it took. Decode GEMMs are bound by the bytes (the weight), prefill GEMMs by the FLOPs. The
+limits are those of the GPU the record was measured on (:mod:`.gpu_limits`: the record's own, else its
+GPU's data sheet); :data:`HBM_TBPS` and :data:`DENSE_TFLOPS` (the H200's) only for a record naming none.
 
 Run time and report only: no TVM, no torch.
 """
@@ -29,10 +31,12 @@ import re
 from dataclasses import dataclass
 
 from ..testing.cupti import is_attention_kernel
+from .gpu_limits import DEFAULT, GpuLimits, record_limits
 
-#: the H200's HBM bandwidth (TB/s) and dense fp16/bf16 tensor-core rate (TFLOP/s)
-HBM_TBPS = 4.8
-DENSE_TFLOPS = 989.0
+#: the H200's HBM bandwidth (TB/s) and dense fp16/bf16 tensor-core rate (TFLOP/s): the limits of a record
+#: that names no GPU
+HBM_TBPS = DEFAULT.hbm_tbps
+DENSE_TFLOPS = DEFAULT.dense_tflops
 
 GEMM_KERNEL = re.compile(r"nvjet|gemm|gemv|xmma|matmul", re.IGNORECASE)
 SPLIT_K_REDUCE = re.compile(r"splitKreduce|splitK_reduce", re.IGNORECASE)
@@ -105,18 +109,19 @@ def model_gemms(rec: dict, phase: str, prompt_len: int, batch: int = 1) -> list[
     return [Gemm(n_, m, n, k, L, eb) for n_, n, k in per_layer] + [Gemm("lm_head", head_m, vocab, hidden, 1, eb)]
 
 
-def _row(g: Gemm, kernels: list[str], calls: float, total_us: float, *, shared_with=(), how: str) -> dict:
+def _row(g: Gemm, kernels: list[str], calls: float, total_us: float, lim_of: GpuLimits, *, shared_with=(),
+         how: str) -> dict:
     per_call = total_us / calls if calls else float("nan")
-    lim = g.limit_us()
+    lim = g.limit_us(lim_of.hbm_tbps, lim_of.dense_tflops)
     return {"gemm": g.name, "M": g.m, "N": g.n, "K": g.k, "calls_per_step": g.count, "kernels": kernels,
             "us_per_call": round(per_call, 2), "us_per_step": round(per_call * g.count, 2),
             "tbps": round(g.bytes / per_call / 1e6, 3), "tflops": round(g.flop / per_call / 1e6, 1),
-            "bound": g.bound(),
+            "bound": g.bound(lim_of.hbm_tbps, lim_of.dense_tflops),
             "limit_us_per_call": round(lim, 2), "fraction_of_limit": round(lim / per_call, 3),
             "shared_with": list(shared_with), "mapped_by": how}
 
 
-def _from_launches(phase: dict, gemms: list[Gemm]) -> list[dict] | None:
+def _from_launches(phase: dict, gemms: list[Gemm], limits: GpuLimits) -> list[dict] | None:
     names = [k["name"] for k in phase["kernels"]]
     seq = []  # [gemm launch: [kernel names], µs]
     for idx, ns in phase["launches"]:
@@ -141,14 +146,16 @@ def _from_launches(phase: dict, gemms: list[Gemm]) -> list[dict] | None:
         a[0].update(kn)
         a[1] += us
         a[2] += 1
-    return [_row(g, sorted(acc[g.name][0]), acc[g.name][2], acc[g.name][1], how="launch order") for g in gemms]
+    return [_row(g, sorted(acc[g.name][0]), acc[g.name][2], acc[g.name][1], limits, how="launch order")
+            for g in gemms]
 
 
-def _assign(groups: list[tuple[str, float, float]], gemms: list[Gemm]):
+def _assign(groups: list[tuple[str, float, float]], gemms: list[Gemm], limits: GpuLimits):
     """Best assignment of GEMMs to kernel groups (name, calls per step, µs per step): counts add up,
     rates as even as possible. Returns {gemm name: group index} or None."""
     best, best_score = None, math.inf
     caps = [c for _, c, _ in groups]
+    lims = (limits.hbm_tbps, limits.dense_tflops)
 
     def rec(i, left, chosen):
         nonlocal best, best_score
@@ -157,7 +164,7 @@ def _assign(groups: list[tuple[str, float, float]], gemms: list[Gemm]):
                 return
             effs = []
             for j, (_, _, us) in enumerate(groups):
-                lim = sum(g.limit_us() * g.count for g, c in zip(gemms, chosen) if c == j)
+                lim = sum(g.limit_us(*lims) * g.count for g, c in zip(gemms, chosen) if c == j)
                 effs.append(math.log(lim / us))
             mean = sum(effs) / len(effs)
             score = sum((e - mean) ** 2 for e in effs)
@@ -177,7 +184,7 @@ def _assign(groups: list[tuple[str, float, float]], gemms: list[Gemm]):
     return None if best is None else {g.name: j for g, j in zip(gemms, best)}
 
 
-def _from_totals(phase: dict, gemms: list[Gemm]) -> list[dict] | None:
+def _from_totals(phase: dict, gemms: list[Gemm], limits: GpuLimits) -> list[dict] | None:
     steps = max(phase.get("steps", 1), 1)
     grouped: dict[str, list] = {}
     for k in phase["kernels"]:
@@ -187,29 +194,32 @@ def _from_totals(phase: dict, gemms: list[Gemm]) -> list[dict] | None:
             g[1] += k["instances"] / steps
             g[2] += k["total_ns"] / 1e3 / steps
     groups = [(key, calls, us) for key, (_, calls, us) in grouped.items()]
-    chosen = _assign(groups, gemms)
+    chosen = _assign(groups, gemms, limits)
     if chosen is None:
         return None
     rows = []
     for g in gemms:
         j = chosen[g.name]
         mates = [o for o in gemms if chosen[o.name] == j]
-        share = g.limit_us() * g.count / sum(o.limit_us() * o.count for o in mates)
+        lims = (limits.hbm_tbps, limits.dense_tflops)
+        share = g.limit_us(*lims) * g.count / sum(o.limit_us(*lims) * o.count for o in mates)
         kernels = sorted(grouped[groups[j][0]][0])
-        rows.append(_row(g, kernels, g.count, groups[j][2] * share, how="kernel totals",
+        rows.append(_row(g, kernels, g.count, groups[j][2] * share, limits, how="kernel totals",
                          shared_with=[o.name for o in mates if o is not g]))
     return rows
 
 
-def gemm_table(rec: dict, phase: str, prompt_len: int, batch: int = 1) -> dict | None:
+def gemm_table(rec: dict, phase: str, prompt_len: int, batch: int = 1, limits: GpuLimits | None = None
+               ) -> dict | None:
     """The GEMM rows of one phase of a ``profile run`` record, with the totals; ``None`` when the
     phase has no kernels or its kernels cannot be mapped onto the model's GEMMs (the counts do not
-    match)."""
+    match). ``limits``: the GPU's (default: :func:`~.gpu_limits.record_limits` of ``rec``)."""
+    limits = limits or record_limits(rec)
     ph = rec["phases"][phase]
     if not ph.get("kernels"):
         return None
     gemms = model_gemms(rec, phase, prompt_len, batch)
-    rows = (_from_launches(ph, gemms) if ph.get("launches") else None) or _from_totals(ph, gemms)
+    rows = (_from_launches(ph, gemms, limits) if ph.get("launches") else None) or _from_totals(ph, gemms, limits)
     if rows is None:
         return None
     steps = max(ph.get("steps", 1), 1)
@@ -218,8 +228,7 @@ def gemm_table(rec: dict, phase: str, prompt_len: int, batch: int = 1) -> dict |
         reduce_us = sum(k["total_ns"] for k in ph["kernels"] if SPLIT_K_REDUCE.search(k["name"])) / 1e3 / steps
     total = sum(r["us_per_step"] for r in rows) + reduce_us
     limit = sum(r["limit_us_per_call"] * r["calls_per_step"] for r in rows)
-    return {"phase": phase, "prompt_len": prompt_len, "batch": batch, "limits": {"hbm_tbps": HBM_TBPS,
-            "dense_tflops": DENSE_TFLOPS}, "rows": rows, "split_k_reduce_us_per_step": round(reduce_us, 2),
+    return {"phase": phase, "prompt_len": prompt_len, "batch": batch, "limits": limits.as_dict(), "rows": rows, "split_k_reduce_us_per_step": round(reduce_us, 2),
             "gemm_us_per_step": round(total, 2), "limit_us_per_step": round(limit, 2),
             "fraction_of_limit": round(limit / total, 3) if total else None,
             "kernel_us_per_step": round(ph["kernel_ms_per_step"] * 1e3, 2)}
@@ -230,8 +239,11 @@ def format_gemm_table(table: dict) -> str:
     if not table:
         return "(GEMMs: the kernels could not be mapped onto the model's GEMMs)"
     decode = table["phase"] == "decode"
-    head = (f"GEMMs, {table['phase']} (M = {table['rows'][0]['M']}; limits {HBM_TBPS} TB/s, {DENSE_TFLOPS:.0f} "
-            f"TFLOP/s dense; mapped by {table['rows'][0]['mapped_by']}):")
+    lim = table.get("limits") or {}
+    lim_text = (GpuLimits(**lim).describe() if {"gpu", "hbm_tbps", "dense_tflops", "source"} <= set(lim)
+                else f"{lim.get('hbm_tbps', HBM_TBPS)} TB/s, {lim.get('dense_tflops', DENSE_TFLOPS):.0f} TFLOP/s dense")
+    head = (f"GEMMs, {table['phase']} (M = {table['rows'][0]['M']}; limits {lim_text}; "
+            f"mapped by {table['rows'][0]['mapped_by']}):")
     lines = [head, f"  {'GEMM':<13}{'M':>7}{'N':>7}{'K':>7}{'calls':>6}{'us/call':>10}{'TB/s':>8}{'TFLOP/s':>9}"
                    f"{'of limit':>9}  kernels"]
     for r in table["rows"]:

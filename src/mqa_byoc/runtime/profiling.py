@@ -41,6 +41,7 @@ from ..testing.cupti import capture_kernels
 from ..testing.header import run_header
 from ..testing.setup import import_setup
 from .gemm_rates import format_gemm_table, gemm_table
+from .gpu_limits import GpuLimits, record_limits, this_gpu_limits
 from .paged_driver import PagedDecoderRunner
 from .providers import NVTX_ENV_VAR, nvtx_requested  # also registers the Python FA2 provider
 from .runner import DecoderRunner, format_summary, is_memory_op, stat_row
@@ -150,9 +151,10 @@ def _profiled_phases(runner: DecoderRunner, prompt_len: int, steps: int, nvtx: b
 
 
 def profile_library(lib_path: str, prompt_len: int, steps: int, *, warmup: int = 2, nvtx: bool = True,
-                    cupti: bool = True) -> dict:
+                    cupti: bool = True, limits: GpuLimits | None = None) -> dict:
     """Warm up, time and profile one library; the JSON record of it. ``cupti=False`` skips the
-    profiled run (for running under nsys, which wants CUPTI to itself)."""
+    profiled run (for running under nsys, which wants CUPTI to itself); ``limits``: the GPU's, which the
+    GEMM tables measure against (default: :func:`~.gpu_limits.this_gpu_limits`)."""
     sidecar = read_sidecar(lib_path)
     functions = sidecar.get("functions", ["prefill", "decode"])
     if not {"prefill", "decode"} <= set(functions):
@@ -170,6 +172,7 @@ def profile_library(lib_path: str, prompt_len: int, steps: int, *, warmup: int =
             "paged_attention", "page_size", "paged_served", "fused_projections", "gemm")
     rec = {"library": os.path.basename(lib_path), "mode": mode_of(meta, lib_path),
            **{k: meta[k] for k in keys if k in meta},
+           "limits": (limits or this_gpu_limits()).as_dict(),
            "phases": {"prefill": phase_record(prefill.stats() if prefill else [], times["prefill"], 1,
                                               prefill.events if prefill else None),
                       "decode": phase_record(decode.stats() if decode else [], times["decode"], steps,
@@ -303,20 +306,23 @@ def format_comparison(cmp: dict, modes: dict) -> str:
     return "\n".join(lines)
 
 
-def gemm_report(data: dict) -> str:
-    """The GEMM tables of every library and phase of a ``profile run`` JSON (``mqa-byoc profile gemms``):
-    those it holds, else computed from its kernels (records written before the tables were)."""
+def gemm_report(data: dict, limits: GpuLimits | None = None) -> str:
+    """The GEMM tables of every library and phase of a ``profile run`` JSON (``mqa-byoc profile gemms``),
+    computed from its kernels against ``limits`` (default: those the record names, else those of the GPU
+    the run names, :func:`~.gpu_limits.record_limits`); a record's stored table where it has no shapes."""
     out = []
     for key, rec in data.get("modes", {}).items():
         out.append(f"== {rec.get('library', key)}: {_describe(rec)} ==")
+        lim = limits or record_limits(rec if "limits" in rec else data)
         for ph in ("prefill", "decode"):
             table = rec["phases"][ph].get("gemms")
-            if table is None and rec["phases"][ph].get("kernels"):
+            if rec["phases"][ph].get("kernels"):
                 try:
-                    table = gemm_table(rec, ph, data["prompt_len"])
+                    table = gemm_table(rec, ph, data["prompt_len"], limits=lim) or table
                 except ValueError as e:
-                    out.append(f"{ph}: {e}")
-                    continue
+                    if table is None:
+                        out.append(f"{ph}: {e}")
+                        continue
             out.append(format_gemm_table(table) if rec["phases"][ph].get("kernels") else f"{ph}: no kernels recorded")
         out.append("")
     return "\n".join(out).rstrip() + "\n"
@@ -341,11 +347,13 @@ def write_png(data: dict, json_path: str, png_path: str, *, top: int = 15, print
 
 def run_profile(directory: str, prompt_len: int, steps: int, *, warmup: int = 2, nvtx: bool = True,
                 cupti: bool = True, json_path: str | None = None, png_path: str | None = None, top: int = 15,
-                command: str | None = None, setup=None, kv_cache: str | None = None, printer=print) -> dict:
+                command: str | None = None, setup=None, kv_cache: str | None = None, limits: GpuLimits | None = None,
+                printer=print) -> dict:
     """Profile every library in ``directory`` (those of ``kv_cache`` only, when given: see
     :func:`find_libraries`); print the tables, write the JSON (and PNG).
 
-    ``setup``: modules to import first (a runtime-only TVM's set-up; default ``$MQA_BYOC_RUNTIME_SETUP``).
+    ``setup``: modules to import first (a runtime-only TVM's set-up; default ``$MQA_BYOC_RUNTIME_SETUP``);
+    ``limits``: what the GEMM tables measure against (default: this GPU's, :func:`~.gpu_limits.this_gpu_limits`).
     """
     import_setup(setup)
     import torch
@@ -354,15 +362,16 @@ def run_profile(directory: str, prompt_len: int, steps: int, *, warmup: int = 2,
         raise NoGpu(f"no CUDA GPU here (torch {torch.__version__}, CUDA build {torch.version.cuda}); "
                     "run `mqa-byoc profile run` on the GPU machine")
     libs = find_libraries(directory, kv_cache)
+    limits = limits or this_gpu_limits(torch)
     if nvtx:
         os.environ.setdefault(NVTX_ENV_VAR, "1")  # before the first offloaded call reads it
     cache = cache_of(read_sidecar(libs[0]))  # one cache per run (find_libraries)
     data = {**run_header(command), "kv_cache": cache, "prompt_len": prompt_len, "decode_steps": steps,
-            "warmup_steps": warmup, "nvtx_steps": bool(nvtx),
+            "warmup_steps": warmup, "nvtx_steps": bool(nvtx), "limits": limits.as_dict(),
             "nvtx_flash_attn": nvtx_requested(), "cupti": bool(cupti), "modes": {}}
     json_path = json_path or os.path.join(directory, "profile.json")
     for lib in libs:
-        rec = profile_library(lib, prompt_len, steps, warmup=warmup, nvtx=nvtx, cupti=cupti)
+        rec = profile_library(lib, prompt_len, steps, warmup=warmup, nvtx=nvtx, cupti=cupti, limits=limits)
         data["modes"][rec["mode"] if rec["mode"] not in data["modes"] else rec["library"]] = rec
         printer(format_record(rec, prompt_len))
         printer("")
