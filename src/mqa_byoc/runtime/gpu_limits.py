@@ -126,7 +126,7 @@ def driver_properties(ordinal: int = 0) -> dict:
     out = {"name": buf.value.decode(errors="replace")}
     for key, attr in _ATTR.items():
         v = ctypes.c_int()
-        if lib.cuDeviceGetAttribute(ctypes.byref(v), attr, dev) == 0 and v.value > 0:
+        if lib.cuDeviceGetAttribute(ctypes.byref(v), attr, dev) == 0 and (v.value > 0 or key == "minor"):
             out[key] = v.value
     return out
 
