@@ -1575,3 +1575,46 @@ def flashinfer_71_claims() -> dict[str, str]:
 @pytest.mark.parametrize("name", sorted(flashinfer_71_claims()))
 def test_paged_doc_flashinfer_71_claim(name):
     _assert_in_paged_doc(flashinfer_71_claims(), name)
+
+
+# ------------------------------------------------------------------ the decoders on an H100, its own limits
+H100_LIMITS = "2026-12-06-decoders-h100-limits.json"
+H100_PROFILE = "2026-12-06-profile-codellama34b-4l-paged-graph-16k-h100.json"
+#: performance.md's H100 table: label -> part (the passes are the part + "-1" and "-2")
+H100_ROWS = {"paged, the default": "paged", "paged, the default, CUDA graphs": "paged-graph",
+             "in-place, the default, CUDA graphs": "inplace-graph"}
+
+
+def h100_limits_claims() -> dict[str, str]:
+    data = _load(H100_LIMITS)
+    assert data["limits"]["hbm_tbps"] == 3.35 and data["limits"]["gpu"] == data["gpu"]
+    parts = data["parts"]
+    rows = {}
+    for label, name in H100_ROWS.items():
+        cells = []
+        for b, c in ((1, 2048), (1, 16384), (8, 2048), (32, 2048)):
+            recs = [_decode_rec(parts, f"{name}-{p}", b, c) for p in (1, 2)]
+            cells.append("–" if recs[0] is None else
+                         ", ".join(f"{r['ms_per_step']:.3f} ({r['vs_limit']:.2f}x)" for r in recs))
+        rows[label] = f"| {label} | " + " | ".join(cells) + " |"
+    in16 = [_decode_rec(parts, f"inplace-graph-{p}", 1, 16384) for p in (1, 2)]
+    limit_2k = _decode_rec(parts, "paged-1", 1, 2048)["limit_ms"]
+    prof = _load(H100_PROFILE)["modes"]["mqa"]
+    table = prof["phases"]["decode"]["gemms"]
+    assert table["limits"]["hbm_tbps"] == 3.35
+    fr = [r["fraction_of_limit"] for r in table["rows"]]
+    kernel = next(k for k in prof["phases"]["decode"]["kernels"] if "gqa_decode_kernel" in k["name"])
+    kv_us = 2 * 16384 * prof["num_kv_heads"] * prof["head_dim"] * 2 / (3.35e12) * 1e6
+    return {**rows, "limit": f"(the limit of a batch-1 step at 2k context: {limit_2k:.3f} ms)",
+            "inplace": f"the in-place decoder at 16k takes {_range([r['vs_limit'] for r in in16])} (its kernels "
+                       f"{_range([r['kernels_vs_limit'] for r in in16])})",
+            "gemms": (f"decode GEMMs at {100 * min(fr):.0f}–{100 * max(fr):.0f}% of 3.35 TB/s "
+                      f"({100 * table['fraction_of_limit']:.0f}% together) and the decode kernel at "
+                      f"{kernel['avg_ns'] / 1e3:.1f} µs a call against {kv_us:.1f} µs")}
+
+
+@pytest.mark.parametrize("name", sorted(h100_limits_claims()))
+def test_performance_h100_limits_claim(name):
+    text = " ".join(PERF.read_text().split())
+    claim = " ".join(h100_limits_claims()[name].split())
+    assert claim in text, claim
