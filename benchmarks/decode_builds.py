@@ -26,6 +26,9 @@ def measure(out_path: str, libs_args: list[str], shapes=SHAPES) -> list:
     from decode_kernel import kernel_us
     from paged_attention import MAX_LEN, PagedInputs, mixed_lengths
     from mqa_byoc.testing import decode_kernel as dk
+    from mqa_byoc.testing.header import row_gpu
+
+    gpu = row_gpu(torch)
 
     libs = {n: dk.load_library(p) for n, p in (a.split("=") for a in libs_args)}
     res = []
@@ -43,8 +46,8 @@ def measure(out_path: str, libs_args: list[str], shapes=SHAPES) -> list:
                     out = torch.empty_like(q)
                     pages = paged["pages"]
                     st = (pages.stride(0), pages.stride(3), pages.stride(2))
-                    rec = {"shape": f"{h}/{hk}/{d}", "page": page, "batch": batch, "kind": kind,
-                           "bytes_us": 2 * sum(lengths) * hk * d * 2 / 4.8e12 * 1e6, "us": {}}
+                    rec = {"shape": f"{h}/{hk}/{d}", "page": page, "batch": batch, "kind": kind, **gpu,
+                           "bytes_us": 2 * sum(lengths) * hk * d * 2 / (gpu["hbm_tbps"] * 1e12) * 1e6, "us": {}}
                     outs = {}
                     for name, lib in libs.items():
                         call = dk.Decode(q, pages[:, 0], pages[:, 1], out, None, k_stride=st, v_stride=st,
@@ -63,13 +66,27 @@ def measure(out_path: str, libs_args: list[str], shapes=SHAPES) -> list:
     return res
 
 
+def gpu_words(rows: list) -> str:
+    """The GPU the rows ran on (:func:`mqa_byoc.testing.header.rows_gpu`)."""
+    from mqa_byoc.testing.header import rows_gpu
+
+    return rows_gpu(rows)[0]
+
+
+def gpu_tbps(rows: list) -> str:
+    """The HBM TB/s the rows' bytes limits are taken at."""
+    from mqa_byoc.testing.header import rows_gpu
+
+    return f"{rows_gpu(rows)[1]:g}"
+
+
 def report(rows: list, meta: dict) -> str:
     """Markdown of a ``measure`` run: per case each build's µs, the later builds against the first, the
-    bytes limit (the K and V bytes read once at 4.8 TB/s)."""
+    bytes limit (the K and V bytes read once at the GPU's own bandwidth (`mqa_byoc.runtime.gpu_limits`; the H200's 4.8 TB/s for rows that record none))."""
     names = list(rows[0]["us"])
     base, others = names[0], names[1:]
     lines = ["# Decode kernel builds on TVM's pages, one run", "",
-             f"- commit {meta.get('commit', '?')}; date {meta.get('date', '?')}; NVIDIA H200",
+             f"- commit {meta.get('commit', '?')}; date {meta.get('date', '?')}; {gpu_words(rows)}",
              f"- command: `{meta.get('command', '?')}`",
              "- GPU kernel time per call (µs, CUPTI, 30 calls), each build with its own plan; `max diff`: the "
              "largest |difference| between the builds' outputs.", "",

@@ -20,9 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_builds import add_report_command, lib_measure_parser, write_report  # noqa: E402
+from decode_builds import add_report_command, gpu_tbps, gpu_words, lib_measure_parser, write_report  # noqa: E402
 
-HBM_BYTES_PER_S = 4.8e12  # H200
 PAGE = 128  # the decoders' pages at head dim 128
 KPS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 COLD_BYTES = 256 << 20  # the copies a call takes turns over: about five times the H200's L2
@@ -55,6 +54,9 @@ def measure(lib_path: str, out_path: str, shape=(64, 8, 128), batches=(1, 4, 8, 
     from decode_kernel import kernel_us
     from paged_attention import cold_decode_case, mixed_lengths
     from mqa_byoc.testing import decode_kernel as dk
+    from mqa_byoc.testing.header import row_gpu
+
+    gpu = row_gpu(torch)
 
     lib = dk.load_library(lib_path)
     h, hk, d = shape
@@ -79,7 +81,7 @@ def measure(lib_path: str, out_path: str, shape=(64, 8, 128), batches=(1, 4, 8, 
         plan = rule[0].plan
         typical = -(-paged["values"].numel() * PAGE // batch)  # the plan's: an even share of the pages
         rec = {"shape": f"{h}/{hk}/{d}", "batch": batch, "keys": length, "typical": typical, "copies": len(copies),
-               "bytes_us": 2 * sum(seq) * hk * d * 2 / HBM_BYTES_PER_S * 1e6,
+               **gpu, "bytes_us": 2 * sum(seq) * hk * d * 2 / (gpu["hbm_tbps"] * 1e12) * 1e6,
                "rule": {"splits": plan.splits, "kps": plan.keys_per_split, "warps": plan.warps, "us": timed(rule)},
                "variants": [], "max_diff": 0.0}
         rule[0]()
@@ -121,10 +123,11 @@ def _plan(v: dict) -> str:
 
 def report(rows: list, meta: dict) -> str:
     lines = ["# The decode kernel's grid for small groups on TVM's pages", "",
-             f"- commit {meta.get('commit', '?')}; date {meta.get('date', '?')}; NVIDIA H200",
+             f"- commit {meta.get('commit', '?')}; date {meta.get('date', '?')}; {gpu_words(rows)}",
              f"- command: `{meta.get('command', '?')}`",
              f"- pages of {PAGE} keys, fp16; GPU kernel time per call (µs, CUPTI, {CALLS} calls taking turns over "
-             "copies of the pages that exceed L2); `bytes`: the K/V bytes at 4.8 TB/s; `mixed`: lengths spread "
+             "copies of the pages that exceed L2); `bytes`: the K/V bytes at "
+             f"{gpu_tbps(rows)} TB/s; `mixed`: lengths spread "
              "over 1k-16k, else every sequence that long. `rule`: the plan's choice (the grid's splits a slot x "
              "keys a split, warps a CTA). Variants: fixed split sizes and warps with each sequence cutting its "
              "keys into at most the grid's splits; `longest`: grids sized for the longest sequence the call's "

@@ -13,11 +13,14 @@ import argparse
 import itertools
 import json
 import math
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from mqa_byoc.testing.header import hbm_bytes_per_s  # noqa: E402
 
 SHAPES = [(64, 8, 128), (32, 8, 128), (71, 1, 64)]  # the attention benchmark's presets (H, H_kv, D)
 LENGTHS = [1024, 4096, 16384, 32768]
-HBM_BYTES_PER_S = 4.8e12  # H200
 
 
 def kernel_us(fn, iters: int) -> float:
@@ -54,7 +57,7 @@ def run_case(h: int, hk: int, d: int, n: int, dtype, iters: int, sweep: bool, fl
     torch.cuda.synchronize()
     rec = {"shape": f"{h}/{hk}/{d}", "dtype": str(dtype).removeprefix("torch."), "keys": n,
            "splits": ours.plan.splits, "keys_per_split": ours.plan.keys_per_split, "warps": ours.plan.warps,
-           "hbm_us": 2 * n * hk * d * q.element_size() / HBM_BYTES_PER_S * 1e6,
+           "hbm_us": 2 * n * hk * d * q.element_size() / hbm_bytes_per_s() * 1e6,
            "max_err_ours": (out.float() - ref).abs().max().item()}
     rec["ours_us"] = kernel_us(ours, iters)
     if floor:
@@ -98,7 +101,7 @@ def run_case(h: int, hk: int, d: int, n: int, dtype, iters: int, sweep: bool, fl
 def markdown(header: dict, rows: list[dict]) -> str:
     lines = [f"# Decode kernels alone, {header['gpu']} ({header['date']})", "",
              f"`{header['command']}`; batch 1, one query row; GPU kernel time per call (CUPTI, µs); "
-             "`x HBM` = time / (K and V bytes at 4.8 TB/s).", "",
+             f"`x HBM` = time / (K and V bytes at {hbm_bytes_per_s(header) / 1e12:g} TB/s).", "",
              "| H/H_kv/D | dtype | keys | ours | ours, workspace merge | cuDNN | FA2 | ours / cuDNN | ours x HBM | "
              "cuDNN x HBM | splits x keys (warps a CTA) | max err ours / cuDNN |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]

@@ -24,12 +24,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-from decode_builds import add_report_command, lib_measure_parser, write_report  # noqa: E402
+from decode_builds import add_report_command, gpu_tbps, gpu_words, lib_measure_parser, write_report  # noqa: E402
 from decode_shared_tiles import set_splits  # noqa: E402
 
 from mqa_byoc.testing import decode_kernel as dk  # noqa: E402
 
-HBM_BYTES_PER_S = 4.8e12  # H200
 PAGES = {128: 128, 64: 256}  # the decoders' pages by head dim
 COLD_BYTES = 256 << 20  # the copies a call takes turns over: about five times the H200's L2
 CALLS = 60
@@ -72,6 +71,9 @@ def measure(lib_path: str, phase_lib_path: str, out_path: str, cases=CASES) -> l
 
     from decode_kernel import kernel_us
     from paged_attention import cold_decode_case, mixed_lengths
+    from mqa_byoc.testing.header import row_gpu
+
+    gpu = row_gpu(torch)
 
     libs = {"plain": dk.load_library(lib_path), "phases": dk.load_library(phase_lib_path)}
     rows = []
@@ -82,7 +84,7 @@ def measure(lib_path: str, phase_lib_path: str, out_path: str, cases=CASES) -> l
                                                             COLD_BYTES)
         kv_bytes = 2 * sum(lengths) * hk * d * 2
         rec = {"shape": f"{h}/{hk}/{d}", "batch": batch, "keys": keys, "page": page, "asked": plan_name,
-               "bytes_us": kv_bytes / HBM_BYTES_PER_S * 1e6}
+               **gpu, "bytes_us": kv_bytes / (gpu["hbm_tbps"] * 1e12) * 1e6}
         row_tiles = {"rule": 0, "classic": 1}.get(plan_name, dk.SHARED_TILES)
         outputs = {}
         for name, lib in libs.items():
@@ -128,12 +130,13 @@ def measure(lib_path: str, phase_lib_path: str, out_path: str, cases=CASES) -> l
 
 def report(rows: list, meta: dict) -> str:
     lines = ["# Where the decode kernel's time goes: phases of its CTAs", "",
-             f"- commit {meta.get('commit', '?')}; date {meta.get('date', '?')}; NVIDIA H200",
+             f"- commit {meta.get('commit', '?')}; date {meta.get('date', '?')}; {gpu_words(rows)}",
              f"- command: `{meta.get('command', '?')}`",
              "- pages of 128 keys at head dim 128, 256 at 64; fp16; every sequence `keys` long, or `mixed`: lengths "
              "spread over 1k-16k; `kernel`: GPU time per call of the build "
              f"without timestamps (CUPTI, {CALLS} calls taking turns over copies of the pages that exceed L2), "
-             "`timed build`: the same with them; `bytes`: the K/V bytes at 4.8 TB/s. Phases: medians over the "
+             "`timed build`: the same with them; `bytes`: the K/V bytes at "
+             f"{gpu_tbps(rows)} TB/s. Phases: medians over the "
              f"CTAs of one call, then over {TRACED_CALLS - 2} calls (µs, each CTA's clock64 over its own clock "
              "rate): `range` the sequence's CSR entries, `prologue` Q and the first page looked up and the "
              "first loads issued, `first tile` until warp 0's first tile landed (SharedTiles: the CTA's), `loop` "

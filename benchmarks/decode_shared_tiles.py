@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_builds import add_report_command, lib_measure_parser, write_report  # noqa: E402
+from decode_builds import add_report_command, gpu_words, lib_measure_parser, write_report  # noqa: E402
 
 GRIDS = (8, 12, 16, 24, 32, 48)
 
@@ -30,7 +30,9 @@ def measure(lib_path: str, out_path: str, batches=(8, 16, 24), grids=GRIDS, shap
     from decode_kernel import kernel_us
     from paged_attention import MAX_LEN, PagedInputs, mixed_lengths
     from mqa_byoc.testing import decode_kernel as dk
+    from mqa_byoc.testing.header import row_gpu
 
+    gpu = row_gpu(torch)
     lib = dk.load_library(lib_path)
     (h, hk, d), page = shape, 256
     rows = []
@@ -50,7 +52,7 @@ def measure(lib_path: str, out_path: str, batches=(8, 16, 24), grids=GRIDS, shap
                                  lib=lib, row_tiles=row_tiles)
             classic, rule = make(1), make(0)
             asked = make(dk.SHARED_TILES)
-            rec = {"shape": f"{h}/{hk}/{d}", "batch": batch, "lengths": kind, "rule_shared_tiles": rule.plan.shared_tiles,
+            rec = {"shape": f"{h}/{hk}/{d}", "batch": batch, "lengths": kind, "gpu": gpu["gpu"], "rule_shared_tiles": rule.plan.shared_tiles,
                    "rule_warps": rule.plan.warps, "classic": kernel_us(classic, 30), "rule": kernel_us(rule, 30),
                    "asked": kernel_us(asked, 30), "asked_shared_tiles": asked.plan.shared_tiles, "max_diff": 0.0}
             classic()
@@ -106,7 +108,7 @@ def report(rows: list, meta: dict) -> str:
     k2 = "asked_k2" in rows[0]
     packed = "packed" in rows[0]  # (results from before the column: none)
     lines = ["# SharedTiles at few sequences: split counts against the classic blocks", "",
-             f"- commit {meta.get('commit', '?')}; date {meta.get('date', '?')}; NVIDIA H200",
+             f"- commit {meta.get('commit', '?')}; date {meta.get('date', '?')}; {gpu_words(rows)}",
              f"- command: `{meta.get('command', '?')}`",
              "- TVM's pages of 256, fp16; GPU kernel time per call (µs, CUPTI, 30 calls); `classic`: the classic "
              "blocks; `rule`: the plan's choice (its `shared_tiles`: 0 the classic blocks, 1 SharedTiles, 2 "

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_kernel import HBM_BYTES_PER_S, kernel_us  # noqa: E402
+from decode_kernel import hbm_bytes_per_s, kernel_us  # noqa: E402
 from paged_attention import MAX_LEN, PagedInputs, mixed_lengths  # noqa: E402
 
 SHAPES = {"mqa71_1_d64": (71, 1, 64), "mqa40_1_d64": (40, 1, 64), "gqa64_8_d128": (64, 8, 128),
@@ -126,7 +126,7 @@ def contiguous_case(shape, n, dtype, iters, baseline_lib):
     make.options = tile_options(h, hk, d)
     rec = time_variants(make, out, ref, baseline_lib, iters)
     rec.update({"layout": "contiguous", "shape": shape, "dtype": str(dtype).removeprefix("torch."), "batch": 1,
-                "lengths_kind": f"{n}", "bytes_us": 2 * n * hk * d * q.element_size() / HBM_BYTES_PER_S * 1e6})
+                "lengths_kind": f"{n}", "bytes_us": 2 * n * hk * d * q.element_size() / hbm_bytes_per_s() * 1e6})
     return rec
 
 
@@ -163,7 +163,7 @@ def paged_case(shape, batch, lengths_kind, dtype, iters, baseline_lib):
     rec = time_variants(make, out, ref, baseline_lib, iters)
     rec.update({"layout": f"pages of {page}", "shape": shape, "dtype": str(dtype).removeprefix("torch."),
                 "batch": batch, "lengths_kind": lengths_kind,
-                "bytes_us": 2 * sum(lengths) * hk * d * q.element_size() / HBM_BYTES_PER_S * 1e6})
+                "bytes_us": 2 * sum(lengths) * hk * d * q.element_size() / hbm_bytes_per_s() * 1e6})
     return rec
 
 
@@ -212,7 +212,7 @@ def markdown(header, rows, sweeps, recorded) -> str:
              "`before`: the baseline build (one 16-row M tile a warp, CTAs of 16 query rows of a K/V head); "
              "`N tiles`: the kernel with N tiles a warp (CTAs of 16 N query rows), each with make_plan's split "
              "rule for its CTAs; `now`: the plan's default, one tile. Bytes limit: the K and V bytes read once "
-             "at 4.8 TB/s. FlashInfer: its fastest decode variant as recorded on 2026-12-01 "
+             f"at {hbm_bytes_per_s(header) / 1e12:g} TB/s. FlashInfer: its fastest decode variant as recorded on 2026-12-01 "
              "(`2026-12-01-paged-attention-flashinfer`: the same shapes, lengths and pages; not run here).", "",
              "| layout | shape | dtype | batch | lengths | before | 1 tile (now) | 2 tiles | 3 tiles | now / before | "
              "fastest of 2, 3 tiles / before | now / bytes | FlashInfer (recorded) | now / FlashInfer | "

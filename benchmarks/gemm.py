@@ -19,7 +19,8 @@ Per shape (nn.Linear: x @ W^T, fp16; qkv fused 10240 x 8192, o_proj 8192 x 8192,
   fused, unfused, unfused, fused, and their means reported.
 
 Each is timed with CUDA events over back-to-back calls (host overhead included where it exceeds the
-kernel), in one run; rates against the H200's 4.8 TB/s and 989 TFLOP/s (dense fp16). Writes
+kernel), in one run; rates against the GPU's own limits (the H200's 4.8 TB/s and 989 TFLOP/s dense fp16,
+``mqa_byoc.runtime.gpu_limits``). Writes
 ``<out>.json`` and ``<out>.md`` (commit, command, date, GPU).
 
 ``--cold``: each call multiplies by the next of copies of W that together exceed twice the L2 (as a
@@ -41,7 +42,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-HBM_TBPS = 4.8
+HBM_TBPS = 4.8  # the H200's: the limits of results that record none
 PEAK_TFLOPS = 989.0
 L2_BYTES = 50 << 20  # the H200's L2 (50 MB)
 
@@ -77,8 +78,11 @@ def main(argv=None):
     import tvm.runtime.vm
     from decode_kernel import kernel_us  # summed CUPTI kernel time per call
 
+    from mqa_byoc.runtime.gpu_limits import this_gpu_limits
     from mqa_byoc.testing.read_floor import cold_copies, read_floor_us
     from mqa_byoc.testing.timing import cuda_time_us
+
+    limits = this_gpu_limits(torch)
 
     bench = args.artifacts / "bench"
     manifest = json.loads((bench / "manifest.json").read_text())
@@ -99,7 +103,7 @@ def main(argv=None):
 
         if args.read_floor:
             floors[name] = read_floor_us(w, lambda fn: kernel_us(fn, 20))
-            floors[name]["hbm_us"] = round(n * k * 2 / HBM_TBPS / 1e6, 2)
+            floors[name]["hbm_us"] = round(n * k * 2 / limits.hbm_tbps / 1e6, 2)
             print(json.dumps({"read_floor": name, **floors[name]}), flush=True)
         for m in manifest["m"]:
             if args.max_m is not None and m > args.max_m:
@@ -151,8 +155,7 @@ def main(argv=None):
     result = {
         "benchmark": "gemm", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": args.commit or _commit(), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "limits": {"hbm_tbps": HBM_TBPS,
-                                                                                     "dense_tflops": PEAK_TFLOPS},
+        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "limits": limits.as_dict(),
         "cold": args.cold, "rows": rows,
     }
     if floors:
@@ -172,10 +175,12 @@ def _cell(v, decode):
 
 def markdown(result) -> str:
     """The results as a markdown table (decode rows in TB/s, prefill rows in TFLOP/s)."""
+    lim = result.get("limits") or {}
     lines = [f"# GEMMs of CodeLlama-34B (fp16, x @ W^T): cuBLASLt through TVM vs TVM vs torch",
              "", f"{result['date']}, commit {result['commit']}, {result['gpu']}, torch {result['torch']}; "
              f"`{result['command']}`", "",
-             f"Limits: {HBM_TBPS} TB/s HBM, {PEAK_TFLOPS:.0f} TFLOP/s dense fp16. Rates: bytes (x, W, out once) per "
+             f"Limits: {lim.get('hbm_tbps', HBM_TBPS)} TB/s HBM, {lim.get('dense_tflops', PEAK_TFLOPS):.0f} TFLOP/s "
+             "dense fp16. Rates: bytes (x, W, out once) per "
              "second for M <= 32, FLOP/s above.", "",
              "| GEMM | M | ours (cuBLASLt) | TVM static M | TVM symbolic M | torch.matmul | ours / torch |",
              "|---|---:|---:|---:|---:|---:|---:|"]

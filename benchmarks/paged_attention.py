@@ -40,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from mqa_byoc.testing.cupti import ATTENTION_KERNEL  # noqa: E402  (our attention kernels' names)
+from mqa_byoc.testing.header import hbm_bytes_per_s  # noqa: E402  (the bytes limit of decode: this GPU's)
 ARTIFACTS = ROOT / ".gpu-artifacts" / "paged"
 # the attention work of a call on either side: ours (FA2, our decode kernel) and our bridging kernels; TVM's
 # TIR attention kernels and its LSE merge. The K/V append and RoPE kernels are the same on both sides.
@@ -234,7 +235,6 @@ def main_decoders(argv=None):
 
 SHAPES = {"gqa64_8_d128": (64, 8, 128), "gqa32_8_d128": (32, 8, 128), "mqa71_1_d64": (71, 1, 64)}
 BATCHES = (1, 8, 32, 64)
-HBM_BYTES_PER_S = 4.8e12  # H200: the bytes limit of decode (every K/V byte read once)
 MIN_LEN, MAX_LEN = 1024, 16384
 KERNEL_KEYS_OF_BENCH = ("split", "causal")  # FA2 families: paged prefill (split, not causal), ragged (causal)
 NATIVE_LIB = "libmqa_paged_bench.so"
@@ -652,7 +652,7 @@ def bench_kernels(args) -> dict:
         raise SystemExit(DECODE_ONLY)
     results = {"native_build": ours.info or None,
                "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-               "flashinfer": getattr(fi, "__version__", None), "hbm_bytes_per_s": HBM_BYTES_PER_S,
+               "flashinfer": getattr(fi, "__version__", None), "hbm_bytes_per_s": hbm_bytes_per_s(),
                "iters": args.iters, "cases": []}
     if args.out.is_file():
         results["cases"] = json.loads(args.out.read_text()).get("cases", [])
@@ -729,7 +729,7 @@ def _case_decode(torch, fi, ours, inputs, h, hkv, d, g, scale, unit, workspace, 
     ref = torch.stack([reference_rows(torch, q[i:i + 1], inputs, i, [inputs.lengths[i] - 1], 0, False, scale, g)[0]
                        for i in range(b)])
     rec = {"us": {}, "kernels": {}, "max_err": {}, "ok": {},
-           "bytes_us": decode_bytes(inputs.lengths, hkv, d, q.element_size()) / HBM_BYTES_PER_S * 1e6}
+           "bytes_us": decode_bytes(inputs.lengths, hkv, d, q.element_size()) / hbm_bytes_per_s() * 1e6}
     calls, outs = {}, {}
     lse = torch.empty(b, h, device=DEVICE, dtype=torch.float32)
     outs["ours"] = torch.empty_like(q)
@@ -943,7 +943,7 @@ def report(results: dict, meta: dict) -> str:
              f"- command: `{meta.get('command', '?')}`",
              "- GPU kernel time per call (µs; CUPTI through torch.profiler, every kernel a call launches, "
              f"{results['iters']} calls for decode, a quarter of that for prefill, after a warm-up); "
-             "bytes limit: the K and V bytes read once at 4.8 TB/s.",
+             f"bytes limit: the K and V bytes read once at {results.get('hbm_bytes_per_s', 4.8e12) / 1e12:g} TB/s.",
              ("- ours: our grouped-query decode kernel alone (`build-native --decode-only`: `native/gqa_decode.cu`, "
               "its own plan, the rule the cache's decode entry plans with), pages of 128 keys for head dim 128, 256 "
               "for 64; `ours p16`: the same decode "

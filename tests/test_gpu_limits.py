@@ -97,3 +97,25 @@ def test_cli_limits_option(capsys):
     with pytest.raises(SystemExit):
         main(["profile", "gemms", "--limits", "fast", str(H200_PROFILE)])
     assert "expected TBPS,TFLOPS" in capsys.readouterr().err
+
+
+def test_benchmark_reports_name_the_gpu_and_bandwidth_their_rows_record():
+    from bench_scripts import load_benchmark
+
+    from mqa_byoc.testing.header import hbm_bytes_per_s, rows_gpu
+
+    builds = load_benchmark("decode_builds.py", "decode_builds_limits")
+    rows = [{"shape": "71/1/64", "page": 256, "batch": 8, "kind": "mixed", "bytes_us": 3.0, "gpu": "NVIDIA H100 80GB HBM3",
+             "hbm_tbps": 3.35, "us": {"before": 30.0, "after": 24.0}, "max_diff": 0.0}]
+    text = builds.report(rows, {"commit": "abc", "date": "d", "command": "x"})
+    assert "NVIDIA H100 80GB HBM3" in text and "NVIDIA H200" not in text
+    assert builds.gpu_tbps(rows) == "3.35"
+    old = [{k: v for k, v in rows[0].items() if k not in ("gpu", "hbm_tbps")}]  # rows written before: an H200's
+    assert rows_gpu(old) == ("NVIDIA H200", 4.8) and "NVIDIA H200" in builds.report(old, {})
+    grid = load_benchmark("decode_grid.py", "decode_grid_limits")
+    assert grid.gpu_tbps(rows) == "3.35"
+    assert hbm_bytes_per_s({"gpu": "NVIDIA H100 80GB HBM3"}) == 3.35e12  # a header without limits: its GPU's
+    assert hbm_bytes_per_s({"gpu": "NVIDIA H100 80GB HBM3", "limits": given(2.0, 500.0).as_dict()}) == 2.0e12
+    kernel = load_benchmark("decode_kernel.py", "decode_kernel_limits")
+    header = {"gpu": "NVIDIA H100 80GB HBM3", "date": "d", "command": "x"}
+    assert "K and V bytes at 3.35 TB/s" in kernel.markdown(header, [])

@@ -4,7 +4,6 @@ FLOP counts, the goals and the report, and the message when FlashInfer is missin
 
 from __future__ import annotations
 
-import math
 import sys
 
 import pytest
@@ -140,7 +139,6 @@ def test_kernels_command_parses_its_options(bench, monkeypatch, tmp_path):
                 "--no-flashinfer"])
     args = seen["args"]
     assert args.batches == [1, 64] and args.no_flashinfer and args.shapes == list(bench.SHAPES)
-    assert math.isclose(bench.HBM_BYTES_PER_S, 4.8e12)
 
 
 def test_error_text_keeps_the_reason_not_the_paths(bench):
