@@ -187,6 +187,43 @@ def test_a_softmax_over_another_axis_is_reported_not_absent():
     assert G.count_ops(partition_for_cutlass(mod), "relax.nn.softmax") == 1
 
 
+class MaskAfterSoftmax(torch.nn.Module):
+    """A causal mask applied to the probabilities (after the softmax), not to the scores."""
+
+    def forward(self, q, k, v):
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+        p = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, -1)
+        keep = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+        return torch.where(keep, p, 0.0) @ v
+
+
+def test_a_mask_applied_after_the_softmax_is_reported_not_absent():
+    mod, _ = _import(MaskAfterSoftmax(), 16, 16)
+    (site,) = offload_report(mod)
+    assert not site.offloaded and "probabilities are masked after the softmax" in site.reason, site.reason
+    assert G.count_ops(partition_for_cutlass(mod), "relax.nn.softmax") == 1
+
+
+def test_a_mask_applied_after_the_softmax_in_tvmscript_is_reported():
+    from tvm.script import ir as I, relax as R
+
+    @I.ir_module
+    class PostMask:
+        @R.function
+        def main(q: R.Tensor((1, 8, 16, 32), "float16"), k: R.Tensor((1, 8, 16, 32), "float16"),
+                 v: R.Tensor((1, 8, 16, 32), "float16")):
+            with R.dataflow():
+                m = R.tril(R.ones(R.shape([16, 16]), "bool"), 0)
+                s = R.multiply(R.matmul(q, R.permute_dims(k, [0, 1, 3, 2])), R.const(0.17677669529, "float16"))
+                p = R.where(m, R.nn.softmax(s, axis=-1), R.const(0.0, "float16"))
+                o = R.matmul(p, v)
+                R.output(o)
+            return o
+
+    (site,) = offload_report(PostMask)
+    assert not site.offloaded and "masked after the softmax" in site.reason, site.reason
+
+
 class ScoreScales(torch.nn.Module):
     """Scores scaled or filled in ways the kernels do not take, each with its own reason."""
 

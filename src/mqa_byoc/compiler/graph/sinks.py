@@ -210,11 +210,16 @@ def unexplained_chains(bindings, known_roots, limit=48):
     for var, value in bindings.value.items():
         if op_name(value) != "relax.matmul" or var in known_roots:
             continue
-        softmax = _softmax_feeding(value.args[0], bindings)
+        softmax, path = _path_to_softmax(value.args[0], bindings, 10)
         if softmax is None:
             continue
         ops = _ops_between(softmax.args[0], bindings, limit)
         if ops is None:
+            continue
+        if _masks_probabilities(path):
+            found.append((var, "softmax(Q K^T) V-shaped chain whose probabilities are masked after the softmax "
+                               "(where(mask, P, ...) between the softmax and P @ V): the kernels mask the scores "
+                               "before it; mask the scores (fill -inf) instead"))
             continue
         nd = len(shape_of(softmax) or [])
         axis = int(softmax.attrs.axis) % nd
@@ -226,20 +231,36 @@ def unexplained_chains(bindings, known_roots, limit=48):
     return found
 
 
-def _softmax_feeding(expr, bindings, depth=10):
-    """The softmax (over any axis of 3-D or larger scores) P comes from through probability plumbing (views,
-    slices, casts), or None."""
-    for _ in range(depth):
-        value = bindings.get(expr)
-        name = op_name(value)
-        if name == "relax.nn.softmax":
-            return value if len(shape_of(value) or []) >= 3 else None
-        if name not in _PROB_PLUMBING:
-            return None
-        expr = value.args[2] if name == "relax.where" else value.args[0]
-        if name == "relax.multiply" and bindings.get(expr) is None:
-            expr = value.args[1]
-    return None
+def _path_to_softmax(expr, bindings, depth):
+    """``(softmax, plumbing)``: the softmax (over any axis of 3-D or larger scores) P comes from through
+    probability plumbing (views, slices, casts, a ``where`` on either branch: torch's safe softmax or a
+    mask applied to the probabilities), None if none; the plumbing from P back to it as ``(op name, value,
+    the argument followed)``."""
+    if depth == 0:
+        return None, []
+    value = bindings.get(expr)
+    name = op_name(value)
+    if name == "relax.nn.softmax":
+        return (value if len(shape_of(value) or []) >= 3 else None), []
+    if name not in _PROB_PLUMBING:
+        return None, []
+    if name == "relax.where":
+        branches = (value.args[2], value.args[1])
+    elif name == "relax.multiply" and bindings.get(value.args[0]) is None:
+        branches = (value.args[1],)
+    else:
+        branches = (value.args[0],)
+    for branch in branches:
+        softmax, path = _path_to_softmax(branch, bindings, depth - 1)
+        if softmax is not None:
+            return softmax, [(name, value, branch)] + path
+    return None, []
+
+
+def _masks_probabilities(path) -> bool:
+    """A ``where`` on the path keeps the probabilities where its condition holds (``where(c, P, x)``): a mask
+    applied after the softmax, which the kernels do not compute (they mask the scores before it)."""
+    return any(name == "relax.where" and branch.same_as(value.args[1]) for name, value, branch in path)
 
 
 def _ops_between(expr, bindings, limit):

@@ -333,9 +333,12 @@ class _SiteEmitter:
 
     def _row_guard(self, site, scores, p):
         """where(cond, 0, p): torch's safe-softmax guard (not(any(not(scores == -inf))), with `any` as
-        TVM's frontend spells it: a max over int8), or "any": rows with any -inf score."""
+        TVM's frontend spells it: a max over int8), or "any": rows with any -inf score; "probs":
+        where(not(scores == -inf), p, 0), the probabilities masked after the softmax."""
         bb = self.bb
         eq = bb.emit(R.equal(scores, _const(float("-inf"), str(scores.ty.dtype))))
+        if site.row_guard == "probs":
+            return bb.emit(R.where(bb.emit(R.logical_not(eq)), p, bb.emit(R.full_like(p, _const(0.0, str(p.ty.dtype))))))
 
         def any_row(x):
             m = bb.emit(R.max(bb.emit(R.astype(x, "int8")), axis=[-1], keepdims=True))
@@ -564,6 +567,8 @@ def reference(built: Built, inputs: dict, values: dict) -> list:
             # undefined, NaN, as a row that sees no key is)
             if site.row_guard == "any":
                 p = np.where((~allowed).any(axis=-1, keepdims=True), 0.0, p)
+            elif site.row_guard == "probs":
+                p = np.where(~allowed, 0.0, p)
         o = np.einsum("bhij,bjhd->bihd", p, v)  # BSNH, NaN rows where nothing is visible
         if site.out_layout == "BNSH":
             o = o.transpose(0, 2, 1, 3)

@@ -81,7 +81,8 @@ class Site:
     softmax_f32: bool = True  # astype float32 around the softmax
     # chains: where(cond, 0, softmax) after the softmax: "safe" (torch's safe softmax: rows whose scores
     # are all -inf, compared on a second astype of the scores as ToMixedPrecision leaves it) | "any" (rows
-    # with any -inf score: not what the kernels do)
+    # with any -inf score: not what the kernels do) | "probs": where(not(scores == -inf), p, 0), a mask applied
+    # to the probabilities after the softmax (zero where a score is -inf; all-masked rows become 0, not NaN)
     row_guard: str = "none"
     # chains: what happens to the logits before softmax besides scale and mask: "sinks" (chain4d: GPT-OSS's
     # per-head sink logit concatenated on the key axis, the row maximum subtracted, the column sliced off
@@ -227,7 +228,7 @@ def _draw_site(c, gi, g: KVGroup, varlen: bool) -> Site:
     if causal == "BottomRight" and window is None and site["mask_op"] in ("where", "add", "minmax") \
             and c.chance(0.2):
         site["chunk"] = c.integer(2, 12)  # Llama 4's chunked layers
-    site["row_guard"] = "none" if c.chance(0.7) else c.choice(("safe", "safe", "any"))
+    site["row_guard"] = "none" if c.chance(0.7) else c.choice(("safe", "safe", "any", "probs"))
     # a chunked site with a score modification is rejected: keep most of them plain, so that the rewrite of
     # the blocks (batched whole blocks, a block entered midway, a short last block) is drawn often
     plain = 0.85 if site.get("chunk") else 0.6

@@ -24,6 +24,7 @@ TOP_LEFT = ("TopLeft", "top-left", "same causal", "no sample", "S_q <= S_kv")
 SQ_LE_SKV = ("S_q <= S_kv", "no sample", "hides every key")
 MASK_BEFORE_SCALE = "mask applied before a scale that brings its fill above -1e4"
 ROW_GUARD = ("every score of the row is -inf",)
+PROB_MASK = ("masked after the softmax",)
 SOFTCAP = ("soft-capping",)
 UNKNOWN_MOD = ("unsupported op", "cannot prove")
 SCALE = ("positive, finite scale",)
@@ -133,6 +134,8 @@ def expect(spec: GraphSpec, i: int) -> Expect:
             e.causes.append(("causal where S_q <= S_kv is not provable", SQ_LE_SKV))
     if site.row_guard == "any":
         e.causes.append(("rows zeroed where any score is -inf", ROW_GUARD))
+    elif site.row_guard == "probs":
+        e.causes.append(("probabilities masked after the softmax", PROB_MASK))
     # soft-capping is offloaded (FA2's soft-capping families) when nothing but constant scales is inside the
     # tanh: the mask after it, as in Gemma 2
     if site.score_mod == "softcap" and site.mask_op != "none" and not (site.softcap_first and not site.mask_first):
