@@ -126,6 +126,53 @@ def test_report_and_partition_agree(make, mqa):
     assert G.report_partition_disagreement(make(), mqa=mqa) == []
 
 
+def _heads_innermost_query(form):
+    """Q a (B, S, heads) projection reshaped heads-innermost, (B, S, D, H), and permuted to the kernels' axes:
+    its view chain passes through axes that are no layout, so Q is the permuted tensor itself."""
+    from tvm.script import ir as I, relax as R
+
+    if form == "fused":
+        @I.ir_module
+        class Fused:
+            @R.function
+            def main(qp: R.Tensor((1, 16, 256), "float16"), k: R.Tensor((1, 16, 2, 32), "float16"),
+                     v: R.Tensor((1, 16, 2, 32), "float16")):
+                with R.dataflow():
+                    q = R.permute_dims(R.reshape(qp, R.shape([1, 16, 32, 8])), [0, 1, 3, 2])
+                    o = R.nn.attention(q, R.repeat(k, 4, axis=2), R.repeat(v, 4, axis=2), causal_mask="BottomRight")
+                    R.output(o)
+                return o
+        return Fused, (1, 16, 2, 32)
+
+    @I.ir_module
+    class Chain:
+        @R.function
+        def main(qp: R.Tensor((1, 16, 256), "float16"), k: R.Tensor((1, 2, 16, 32), "float16"),
+                 v: R.Tensor((1, 2, 16, 32), "float16")):
+            with R.dataflow():
+                q = R.permute_dims(R.reshape(qp, R.shape([1, 16, 32, 8])), [0, 3, 1, 2])
+                s = R.multiply(R.matmul(q, R.permute_dims(R.repeat(k, 4, axis=1), [0, 1, 3, 2])),
+                               R.const(0.17677669529, "float16"))
+                o = R.matmul(R.nn.softmax(s, axis=-1), R.repeat(v, 4, axis=1))
+                R.output(o)
+            return o
+    return Chain, (1, 2, 16, 32)
+
+
+@pytest.mark.parametrize("form", ["fused", "chain"])
+def test_a_query_viewed_heads_innermost_is_offloaded_as_reported(form):
+    import numpy as np
+
+    mod, kv_shape = _heads_innermost_query(form)
+    (site,) = offload_report(mod)
+    assert site.offloaded and (site.num_q_heads, site.num_kv_heads) == (8, 2), site.reason
+    for mqa in (True, False):
+        assert G.report_partition_disagreement(mod, mqa=mqa) == []
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal(shape).astype("float16") for shape in ((1, 16, 256), kv_shape, kv_shape)]
+    G.rewritten_on_cpu(mod, args)
+
+
 @pytest.mark.skipif(G.native_export_skip_reason() is not None, reason=str(G.native_export_skip_reason()))
 @pytest.mark.parametrize("layouts", ["BSNH,BNSH,BNSH", "BNSH,BSNH,BNSH"])
 def test_mixed_layouts_export_native(layouts, tmp_path):

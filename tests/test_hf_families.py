@@ -561,3 +561,24 @@ def test_hybrid_decoders_attention_layers_offloaded(family):
     # the rewrite computes what the fp16 graph does (Qwen3-Next's own fp16 graph is ~1 off eager's logits:
     # its gated delta rule in fp16, not the attention)
     G.rewritten_on_cpu(imp.mod, [inputs[0], *imp.params], rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_xglm_score_clamp_at_the_type_minimum_is_offloaded(mode):
+    """XGLM clamps the scores with ``torch.max(w, torch.full((), finfo.min))``, which TVM's frontend imports
+    as ``maximum(scores, full((), -3.4e38))``: the clamp at a large negative constant changes no score the
+    kernels see, so the site is offloaded (multi-head: 8 heads, no expansion), with the graph's numbers."""
+    cfg = transformers.XGLMConfig(d_model=256, attention_heads=HEADS, num_layers=LAYERS, ffn_dim=256, vocab_size=128,
+                                  max_position_embeddings=256)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = _peaked(transformers.AutoModelForCausalLM.from_config(cfg).eval())
+    imp = _import(model, mode)
+    assert "R.full(R.shape([])" in imp.mod["main"].script(show_meta=False)
+    report = offload_report(imp.mod)
+    assert len(report) == LAYERS and all(s.offloaded for s in report), [s.reason for s in report]
+    assert all((s.num_q_heads, s.num_kv_heads) == (HEADS, HEADS) for s in report)
+    inputs = hf.example_inputs(model, mode=mode, seq_len=12, past_len=6, seed=1)
+    args = [inputs[0], *[x.astype("float32") for x in inputs[1:]], *imp.params]
+    got = G.rewritten_on_cpu(imp.mod, args)
+    np.testing.assert_allclose(got, imp.reference(*inputs), rtol=5e-2, atol=5e-2)

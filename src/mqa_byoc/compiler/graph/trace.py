@@ -178,8 +178,9 @@ class Bindings:
         return self.value.get(expr) if isinstance(expr, relax.Var) else None
 
     def resolve_scalar(self, expr):
-        """A constant scalar (possibly astype'd / reshaped), as a Python float, else None. Casts are
-        applied: ``astype(const(0.1, "float32"), "float16")`` is the float16 value the graph uses."""
+        """A constant scalar (possibly astype'd / reshaped / broadcast, or filling ``full``), as a Python
+        float, else None. Casts are applied: ``astype(const(0.1, "float32"), "float16")`` is the float16
+        value the graph uses."""
         casts = []
         while True:
             if isinstance(expr, Constant):
@@ -196,6 +197,14 @@ class Bindings:
             v = self.get(expr)
             if isinstance(v, Constant):  # a constant bound to a variable (TVM's torch frontend: masked_fill's fill)
                 expr = v
+                continue
+            if op_name(v) in ("relax.full", "relax.full_like"):
+                # full(shape, c) / full_like(x, c): c in the tensor's type (HF XGLM's clamp at the type's
+                # minimum, torch.full((), finfo.min))
+                dtype = getattr(getattr(expr, "ty", None), "dtype", None)
+                if dtype is not None:
+                    casts.append(str(dtype))
+                expr = v.args[1]
                 continue
             if v is None or op_name(v) not in ("relax.astype", "relax.reshape", "relax.broadcast_to"):
                 return None
@@ -229,6 +238,7 @@ def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: b
     if implicit is not None:
         t.expansion, t.factor = implicit
         t.how = "the matmul broadcasting them over the query's outer head factor" if t.expansion == TILE else None
+    last_layout = _snapshot(t) if t.layout() is not None else None  # the last point whose axes are a layout
     while True:
         value = bindings.get(expr)
         name = op_name(value)
@@ -341,6 +351,8 @@ def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: b
         t.labels = new_labels
         expr = arg
         t.source = expr
+        if t.layout() is not None:
+            last_layout = _snapshot(t)
 
     if before_merge is not None and "BH" in t.labels:
         # the merged (B*H, ..) tensor is never split back into batch and heads where the trace stops (a key
@@ -350,7 +362,16 @@ def trace(expr, labels, bindings: Bindings, allow_expansion: bool, fold_scale: b
     if before_split is not None and any(lab in ("H0", "H1") for lab in settled.labels):
         # the query's split heads do not merge back (e.g. permuted apart): it is the tensor before the split
         settled = _settle(before_split, bindings)
+    if settled.layout() is None and not settled.problem and last_layout is not None:
+        # the trace went on through views into axes that are no layout (a projection reshaped heads-innermost
+        # and permuted back): the operand is the tensor at the last point whose axes were one
+        settled = _settle(last_layout, bindings)
     return settled
+
+
+def _snapshot(t: Traced) -> Traced:
+    """A copy of ``t`` that the trace's later steps leave alone."""
+    return replace(t, labels=list(t.labels), ops=list(t.ops), expansion_ops=list(t.expansion_ops))
 
 
 def _settle(t: Traced, bindings: Bindings) -> Traced:
