@@ -209,6 +209,8 @@ CASES = [
          dict(GQA, b=2, s=1, s_kv=256, causal=None, dtype="bfloat16")),
     # batch-1 decode: the hopper provider's FA4 split-KV decode path (its test libraries are built with hopper_fa4="always")
     Case("repeat_gqa_f16_decode_b1", "1 repeat", "attention_repeat_bsnh", dict(GQA, b=1, s=1, s_kv=1000)),
+    Case("repeat_gqa_bf16_causal_q_heads_innermost", "1 repeat, query viewed heads-innermost", "attention_repeat_bsnh",
+         dict(GQA, b=2, s=96, dtype="bfloat16", q_view="heads_innermost")),
     Case("mixed_kv_bnsh_mqa_f16_hdim64_decode_b1", "1+5 mixed layouts", "attention_mixed_layouts",
          dict(h=H, hkv=1, d=64, b=1, s=1, s_kv=640, layouts="BSNH,BNSH,BNSH", causal=None)),
     # form 6: R.nn.attention with fewer K/V heads

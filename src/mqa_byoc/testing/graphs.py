@@ -38,12 +38,14 @@ def _finish(bb):
 
 
 def attention_repeat_bsnh(h=8, hkv=2, d=64, s="n", s_kv=None, b=1, dtype=F16, causal="BottomRight",
-                          scale=None, window=None, expand="repeat", dv=None):
+                          scale=None, window=None, expand="repeat", dv=None, q_view=None):
     """Form 1: ``R.nn.attention(q, R.repeat(k, r, axis=2), R.repeat(v, r, axis=2))`` in BSNH.
     ``expand`` = "repeat" | "tile" | "broadcast" (the last for h_kv == 1) | "none" (form 6) |
     "reshape_broadcast" (form 11: ``reshape`` adding a unit axis -> 5-D ``broadcast_to`` -> ``reshape``,
     as ``relax.frontend.nn`` code writes it). ``dv``: V's head dim when it differs from ``d``
-    ("repeat" and "none" only)."""
+    ("repeat" and "none" only). ``q_view="heads_innermost"``: the query reaches attention through a
+    projection laid out heads-innermost, (B, S, D*H) viewed as (B, S, D, H) and permuted to (B, S, H, D)
+    (the same values as ``q``)."""
     syms = {}
     s_, skv_ = _dim(s, syms), _dim(s_kv if s_kv is not None else s, syms)
     b_ = _dim(b, syms)
@@ -68,7 +70,13 @@ def attention_repeat_bsnh(h=8, hkv=2, d=64, s="n", s_kv=None, b=1, dtype=F16, ca
                 kk, vv = (bb.emit(R.reshape(bb.emit(R.broadcast_to(bb.emit(R.reshape(x, [b_, skv_, hkv, 1, d])),
                                                                    [b_, skv_, hkv, r, d])), [b_, skv_, h, d]))
                           for x in (k, v))
-            o = bb.emit_output(R.nn.attention(q, kk, vv, scale=scale, causal_mask=causal, window_size=window))
+            qq = q
+            if q_view == "heads_innermost":
+                proj = bb.emit(R.reshape(bb.emit(R.permute_dims(q, [0, 1, 3, 2])), [b_, s_, d * h]))
+                qq = bb.emit(R.permute_dims(bb.emit(R.reshape(proj, [b_, s_, d, h])), [0, 1, 3, 2]))
+            elif q_view is not None:
+                raise ValueError(f"q_view: None or 'heads_innermost', got {q_view!r}")
+            o = bb.emit_output(R.nn.attention(qq, kk, vv, scale=scale, causal_mask=causal, window_size=window))
         bb.emit_func_output(o)
     return _finish(bb)
 
