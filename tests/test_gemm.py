@@ -617,3 +617,16 @@ def test_an_add_of_the_gemms_own_result_to_itself_stays_on_tvm_and_builds(rows, 
     arrays = [rng.standard_normal(shape).astype("float16") for shape in ((rows, 64), (128, 64), (128,))]
     np.testing.assert_allclose(run_llvm(gemm.inline_gemm_composites(part), arrays), run_llvm(mod, arrays),
                                rtol=1e-3, atol=1e-3)
+
+
+def test_report_of_a_broadcast_batch_names_the_results_batch_and_plain_shapes():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([5, 64], "float16"))
+    w = relax.Var("w", relax.TensorType([2, 64, 32], "float16"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit_output(relax.op.matmul(x, w))
+        bb.emit_func_output(y)
+    (site,) = gemm.gemm_report(bb.get())
+    assert not site.offloaded and (site.batch, site.m, site.n, site.k) == ("2", "5", 32, 64)
+    assert "(2, 64, 32) has batch axes and x (5, 64)" in site.reason, site.reason

@@ -125,7 +125,10 @@ def _shape(ty):
 
 
 def _fmt(shape):
-    return "(" + ", ".join(str(d) for d in shape) + ")" if shape is not None else "(unknown shape)"
+    """A shape as the report writes it: ``(2, 64, 32)``, symbolic dims by name."""
+    if shape is None:
+        return "(unknown shape)"
+    return "(" + ", ".join(str(d if _static(d) is None else _static(d)) for d in shape) + ")"
 
 
 def rows_of(lhs_shape):
@@ -636,9 +639,13 @@ def _report_sizes(lshape, wshape, transposed: bool):
     a 2-D weight); all None when a shape is unknown or of fewer than two axes."""
     if not (lshape and wshape and len(lshape) >= 2 and len(wshape) >= 2):
         return None, None, None, None
-    b, rows = batch_and_rows(lshape, len(wshape) - 2 if len(wshape) == len(lshape) else 0)
+    if len(wshape) > 2 and len(wshape) != len(lshape):  # batch axes broadcast between x and W: the result's
+        b = rows_of([*wshape[:-2], 1]) if len(lshape) == 2 else "broadcast"
+        rows = lshape[-2]
+    else:
+        b, rows = batch_and_rows(lshape, len(wshape) - 2 if len(wshape) == len(lshape) else 0)
     n, k = (_static(wshape[-2]), _static(wshape[-1])) if transposed else (_static(wshape[-1]), _static(wshape[-2]))
-    return str(rows), n, k, (str(b) if len(wshape) > 2 else None)
+    return str(_static(rows) or rows), n, k, (str(b) if len(wshape) > 2 else None)
 
 
 def _lowered_site(fname, var, call, form, reason):
