@@ -244,7 +244,7 @@ class ScoreScales(torch.nn.Module):
 
 
 @pytest.mark.parametrize("form, words", [
-    ("per-head scale", "by a constant tensor whose values differ (a per-head or per-position scale)"),
+    ("per-head scale", "by a constant tensor whose values differ (a per-head or per-position scale"),
     ("fill before the scale", "fills masked scores with -10000 (-1767.77 after the scale that follows)"),
 ])
 def test_scales_and_fills_the_kernels_do_not_take_are_named(form, words):

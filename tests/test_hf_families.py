@@ -582,3 +582,17 @@ def test_xglm_score_clamp_at_the_type_minimum_is_offloaded(mode):
     args = [inputs[0], *[x.astype("float32") for x in inputs[1:]], *imp.params]
     got = G.rewritten_on_cpu(imp.mod, args)
     np.testing.assert_allclose(got, imp.reference(*inputs), rtol=5e-2, atol=5e-2)
+
+
+def test_gpt1_multiplicative_mask_is_rejected_naming_it():
+    """GPT-1 (``OpenAIGPTLMHeadModel``) masks with ``w * b + -1e4 * (1 - b)``: the scores multiplied by a 0/1
+    tensor, which no single softmax scale is; the reason says what to write instead."""
+    cfg = transformers.OpenAIGPTConfig(n_embd=256, n_head=HEADS, n_layer=LAYERS, vocab_size=128, n_positions=256)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    imp = hf.import_hf(model, mode="prefill", batch=1, seq_len=12, past_len=6, convert="standard", use_cache=False,
+                       mixed_precision=True)
+    report = offload_report(imp.mod)
+    assert len(report) == LAYERS
+    assert all(not s.offloaded and "0/1 mask multiplied in" in s.reason for s in report), [s.reason for s in report]

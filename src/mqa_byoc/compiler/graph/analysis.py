@@ -342,7 +342,8 @@ def _scale_problem(name, call, bindings) -> str:
     op = name.split(".")[-1]
     if any(_from_constants(a, bindings) for a in call.args):
         return (f"scores are scaled ({op}) by a constant tensor whose values differ (a per-head or per-position "
-                "scale): the kernels take one softmax scale")
+                "scale, or a 0/1 mask multiplied in as GPT-1's `w * b + -1e4 * (1 - b)`): the kernels take one "
+                "softmax scale, and a mask as a -inf (or large negative) fill of the masked scores")
     weight_names = {w.name for w in bindings.weights}
     weights = next((names for names in (_params_behind(a, bindings) for a in call.args)
                     if names and set(names) <= weight_names), None)
