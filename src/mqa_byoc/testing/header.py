@@ -19,7 +19,8 @@ def gpu_info(torch) -> dict:
 
 def hbm_bytes_per_s(header: dict | None = None) -> float:
     """The HBM bandwidth (bytes/s) a run's bytes limits are taken at: that of ``header`` (a run's
-    :func:`run_header`; an older record without limits: the H200's), else this GPU's."""
+    :func:`run_header`; an older record without limits: its GPU's, :func:`~mqa_byoc.runtime.gpu_limits.record_limits`),
+    else this GPU's."""
     from ..runtime.gpu_limits import record_limits
 
     return (record_limits(header).hbm_tbps if header is not None else _this_gpu_hbm_tbps()) * 1e12
@@ -59,5 +60,7 @@ def row_gpu(torch) -> dict:
 def rows_gpu(rows: list[dict]) -> tuple[str, float]:
     """The GPU name and HBM TB/s of a run's rows (:func:`row_gpu`); rows that record none were measured
     on an H200."""
+    from ..runtime.gpu_limits import DEFAULT
+
     first = rows[0] if rows else {}
-    return first.get("gpu", "NVIDIA H200"), first.get("hbm_tbps", 4.8)
+    return first.get("gpu", DEFAULT.gpu), first.get("hbm_tbps", DEFAULT.hbm_tbps)
