@@ -76,13 +76,15 @@ class Gemm:
     def bytes(self) -> float:
         return float(self.elem_bytes * (self.m * self.k + self.n * self.k + self.m * self.n))
 
-    def limit_us(self, hbm_tbps: float = HBM_TBPS, tflops: float = DENSE_TFLOPS) -> float:
-        """Time of one call at the limit, µs: the bytes at ``hbm_tbps`` or the FLOPs at ``tflops``."""
-        return max(self.bytes / (hbm_tbps * 1e6), self.flop / (tflops * 1e6))
+    def limit_us(self, limits: GpuLimits = DEFAULT) -> float:
+        """Time of one call at the limit, µs: the bytes at the GPU's HBM bandwidth or the FLOPs at its
+        dense rate, whichever is longer."""
+        return max(self.bytes / (limits.hbm_tbps * 1e6), self.flop / (limits.dense_tflops * 1e6))
 
-    def bound(self, hbm_tbps: float = HBM_TBPS, tflops: float = DENSE_TFLOPS) -> str:
+    def bound(self, limits: GpuLimits = DEFAULT) -> str:
         """``bytes`` or ``FLOPs``: which of the two limits is the longer time."""
-        return "bytes" if self.bytes / (hbm_tbps * 1e6) >= self.flop / (tflops * 1e6) else "FLOPs"
+        bytes_us = self.bytes / (limits.hbm_tbps * 1e6)
+        return "bytes" if bytes_us >= self.flop / (limits.dense_tflops * 1e6) else "FLOPs"
 
 
 def model_gemms(rec: dict, phase: str, prompt_len: int, batch: int = 1) -> list[Gemm]:
@@ -112,11 +114,11 @@ def model_gemms(rec: dict, phase: str, prompt_len: int, batch: int = 1) -> list[
 def _row(g: Gemm, kernels: list[str], calls: float, total_us: float, lim_of: GpuLimits, *, shared_with=(),
          how: str) -> dict:
     per_call = total_us / calls if calls else float("nan")
-    lim = g.limit_us(lim_of.hbm_tbps, lim_of.dense_tflops)
+    lim = g.limit_us(lim_of)
     return {"gemm": g.name, "M": g.m, "N": g.n, "K": g.k, "calls_per_step": g.count, "kernels": kernels,
             "us_per_call": round(per_call, 2), "us_per_step": round(per_call * g.count, 2),
             "tbps": round(g.bytes / per_call / 1e6, 3), "tflops": round(g.flop / per_call / 1e6, 1),
-            "bound": g.bound(lim_of.hbm_tbps, lim_of.dense_tflops),
+            "bound": g.bound(lim_of),
             "limit_us_per_call": round(lim, 2), "fraction_of_limit": round(lim / per_call, 3),
             "shared_with": list(shared_with), "mapped_by": how}
 
@@ -155,7 +157,6 @@ def _assign(groups: list[tuple[str, float, float]], gemms: list[Gemm], limits: G
     rates as even as possible. Returns {gemm name: group index} or None."""
     best, best_score = None, math.inf
     caps = [c for _, c, _ in groups]
-    lims = (limits.hbm_tbps, limits.dense_tflops)
 
     def rec(i, left, chosen):
         nonlocal best, best_score
@@ -164,7 +165,7 @@ def _assign(groups: list[tuple[str, float, float]], gemms: list[Gemm], limits: G
                 return
             effs = []
             for j, (_, _, us) in enumerate(groups):
-                lim = sum(g.limit_us(*lims) * g.count for g, c in zip(gemms, chosen) if c == j)
+                lim = sum(g.limit_us(limits) * g.count for g, c in zip(gemms, chosen) if c == j)
                 effs.append(math.log(lim / us))
             mean = sum(effs) / len(effs)
             score = sum((e - mean) ** 2 for e in effs)
@@ -201,8 +202,7 @@ def _from_totals(phase: dict, gemms: list[Gemm], limits: GpuLimits) -> list[dict
     for g in gemms:
         j = chosen[g.name]
         mates = [o for o in gemms if chosen[o.name] == j]
-        lims = (limits.hbm_tbps, limits.dense_tflops)
-        share = g.limit_us(*lims) * g.count / sum(o.limit_us(*lims) * o.count for o in mates)
+        share = g.limit_us(limits) * g.count / sum(o.limit_us(limits) * o.count for o in mates)
         kernels = sorted(grouped[groups[j][0]][0])
         rows.append(_row(g, kernels, g.count, groups[j][2] * share, limits, how="kernel totals",
                          shared_with=[o.name for o in mates if o is not g]))
@@ -228,7 +228,8 @@ def gemm_table(rec: dict, phase: str, prompt_len: int, batch: int = 1, limits: G
         reduce_us = sum(k["total_ns"] for k in ph["kernels"] if SPLIT_K_REDUCE.search(k["name"])) / 1e3 / steps
     total = sum(r["us_per_step"] for r in rows) + reduce_us
     limit = sum(r["limit_us_per_call"] * r["calls_per_step"] for r in rows)
-    return {"phase": phase, "prompt_len": prompt_len, "batch": batch, "limits": limits.as_dict(), "rows": rows, "split_k_reduce_us_per_step": round(reduce_us, 2),
+    return {"phase": phase, "prompt_len": prompt_len, "batch": batch, "limits": limits.as_dict(), "rows": rows,
+            "split_k_reduce_us_per_step": round(reduce_us, 2),
             "gemm_us_per_step": round(total, 2), "limit_us_per_step": round(limit, 2),
             "fraction_of_limit": round(limit / total, 3) if total else None,
             "kernel_us_per_step": round(ph["kernel_ms_per_step"] * 1e3, 2)}
