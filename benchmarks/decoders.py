@@ -528,7 +528,7 @@ def markdown(result) -> str:
                             f"{', '.join(k[:40] for k in r['kernels'])} |")
     if rows:
         lines += ["", "## Decode GEMMs (TB/s of the bytes each must read)", "",
-                  "| build | batch | context | GEMM | µs/call | TB/s | of 4.8 TB/s | kernels |",
+                  f"| build | batch | context | GEMM | µs/call | TB/s | of {lim['hbm_tbps']} TB/s | kernels |",
                   "|---|---:|---:|---|---:|---:|---:|---|", *rows]
     if cmp:
         lines += ["", "## Ratios (same run)", ""] + [f"- `{k}`: {v}x" for k, v in cmp.items()]
@@ -560,7 +560,7 @@ def plot(result, png: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    parts = result["parts"]
+    parts, lim = result["parts"], result["limits"]
     if not any(p.get("decode") for p in parts.values()):
         raise ValueError("the plot needs decode rows")
     decode = [(f"{name}\nb{d['batch']} {d['context'] // 1024}k", d) for name, p in parts.items() for d in p.get("decode", [])]
@@ -570,16 +570,16 @@ def plot(result, png: Path):
         fig, ax = plt.subplots(figsize=(12, 6))
         steps = [d.get("vs_limit", float("nan")) for _, d in decode]
         _panel(ax, labels, steps, [d.get("kernels_vs_limit", float("nan")) for _, d in decode],
-               "decode step / bytes limit (4.8 TB/s)", "its kernels alone / limit", "tab:blue",
+               f"decode step / bytes limit ({lim['hbm_tbps']} TB/s)", "its kernels alone / limit", "tab:blue",
                "decode: time over the bytes limit", ylim=(1.0, max(v for v in steps if v == v) * 1.05))
     else:
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 6))
         _panel(ax1, labels, [d["ms_per_step"] / d["batch"] for _, d in decode],
                [d.get("limit_ms", float("nan")) / d["batch"] for _, d in decode],
-               "ms per token (step / batch)", "bytes limit (4.8 TB/s)", "tab:blue", "decode: ms per token")
+               "ms per token (step / batch)", f"bytes limit ({lim['hbm_tbps']} TB/s)", "tab:blue", "decode: ms per token")
         _panel(ax2, [lb for lb, _ in prefill], [d["ms"] for _, d in prefill],
                [d.get("limit_ms", float("nan")) for _, d in prefill],
-               "prefill ms", "FLOP limit (989 TFLOP/s)", "tab:orange", "prefill: ms")
+               "prefill ms", f"FLOP limit ({lim['dense_tflops']:.0f} TFLOP/s)", "tab:orange", "prefill: ms")
     fig.suptitle(f"CodeLlama-34B shapes, 4 layers, fp16, {result['gpu']}")
     fig.tight_layout()
     fig.savefig(png, dpi=110)

@@ -23,7 +23,8 @@ def decoders():
 @pytest.mark.parametrize("stem", ["2026-12-01-decoders", "2026-12-01-decoders-prefill-gemms", "2026-12-02-decoders",
                                   "2026-12-02-decoders-paged-hopper", "2026-12-03-decoders-gemm-measure",
                                   "2026-12-03-decoders-gemm-unsplit-warm", "2026-12-05-decoders-gemv",
-                                  "2026-12-05-decoders-gemv-before-after", "2026-12-06-decoders-split-rope"])
+                                  "2026-12-05-decoders-gemv-before-after", "2026-12-06-decoders-split-rope",
+                                  "2026-12-06-decoders-h100-limits"])
 def test_committed_markdown_is_the_reports(decoders, stem):
     result = json.loads((RESULTS / f"{stem}.json").read_text())
     assert decoders.markdown(result) == (RESULTS / f"{stem}.md").read_text()
@@ -95,3 +96,21 @@ def test_prefill_flag(decoders, argv, lengths):
     parser = argparse.ArgumentParser()
     decoders._prefill_args(parser, [2048, 16384])
     assert parser.parse_args(argv).prefill == lengths
+
+
+def test_gemm_table_and_plot_name_the_runs_limits(decoders, tmp_path, monkeypatch):
+    """A run on an H100 rates its GEMMs against 3.35 TB/s: the table's header and the plot's labels say so
+    (they once said 4.8 TB/s whatever the run's GPU)."""
+    result = json.loads((RESULTS / "2026-12-06-decoders-h100-limits.json").read_text())
+    assert result["limits"]["hbm_tbps"] == 3.35
+    text = decoders.markdown(result)
+    assert "| of 3.35 TB/s |" in text and "4.8 TB/s" not in text
+    row = next(r for p in result["parts"].values() for d in p["decode"] for r in d["gemms"]["rows"])
+    assert row["fraction_of_limit"] == pytest.approx(row["tbps"] / 3.35, abs=0.01)
+    mpl = pytest.importorskip("matplotlib")
+    mpl.use("Agg")
+    labels = []
+    real = decoders._panel
+    monkeypatch.setattr(decoders, "_panel", lambda ax, *a, **k: (labels.append(a[3]), real(ax, *a, **k)))
+    decoders.plot(result, tmp_path / "h100.png")
+    assert labels[0] == "decode step / bytes limit (3.35 TB/s)"
