@@ -1587,9 +1587,7 @@ def flashinfer_h100_claims() -> dict[str, str]:
     cases = data["cases"]
     assert all(all(c["ok"].values()) for c in cases)
 
-    def fi(c):
-        return min(v for k, v in c["us"].items() if k.startswith("flashinfer") and c["ok"][k])
-
+    fi = _fi_fastest
     def ratios(pred):
         return [c["us"]["ours"] / fi(c) for c in cases if pred(c)]
 
