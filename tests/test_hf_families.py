@@ -127,6 +127,29 @@ def test_gemma2_offloaded_with_and_without_soft_capping(mode):
 
 
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_granite_swa_sink_as_output_scaling_keeps_the_graphs_numbers(mode):
+    """GraniteSWA applies its per-head sink after attention, ``o * sigmoid(logsumexp(s) - sink)`` (what an
+    extra softmax logit gives), with ``torch.logsumexp`` of the same scores; TVM's frontend imports it only
+    with a converter for ``amax`` (ours: ``convert="native"``). The softmax chain is offloaded (windows as
+    the layers have them) and the scaling stays in the graph reading the scores: the rewritten graph's
+    logits are the graph's on the CPU."""
+    model = _model("GraniteSWAConfig", "eager", sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+    _peaked(model)
+    imp = hf.import_hf(model, mode=mode, batch=1, seq_len=12, past_len=6, convert="native", mixed_precision=True)
+    report = offload_report(imp.mod)
+    assert [(s.offloaded, s.window) for s in report] == [(True, WINDOW if mode == "prefill" else None), (True, None)], \
+        [s.reason for s in report]
+    inputs = hf.example_inputs(model, mode=mode, seq_len=12, past_len=6, seed=1)
+    args = [inputs[0], *[x.astype("float32") for x in inputs[1:]], *imp.params]
+    got = G.rewritten_on_cpu(imp.mod, args, rtol=5e-2, atol=5e-2)
+    np.testing.assert_allclose(got, imp.reference(*inputs), rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 def test_falcon_multi_query_offloaded_with_one_kv_head(impl, mode):
     model = _falcon(impl, multi_query=True, new_decoder_architecture=False)
