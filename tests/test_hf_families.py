@@ -132,7 +132,8 @@ def test_granite_swa_sink_as_output_scaling_keeps_the_graphs_numbers(mode):
     extra softmax logit gives), with ``torch.logsumexp`` of the same scores; TVM's frontend imports it only
     with a converter for ``amax`` (ours: ``convert="native"``). The softmax chain is offloaded (windows as
     the layers have them) and the scaling stays in the graph reading the scores: the rewritten graph's
-    logits are the graph's on the CPU."""
+    logits are the graph's on the CPU. The scores stay computed for the log-sum-exp, with K's expansion:
+    the report's note says so."""
     model = _model("GraniteSWAConfig", "eager", sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -143,6 +144,10 @@ def test_granite_swa_sink_as_output_scaling_keeps_the_graphs_numbers(mode):
     report = offload_report(imp.mod)
     assert [(s.offloaded, s.window) for s in report] == [(True, WINDOW if mode == "prefill" else None), (True, None)], \
         [s.reason for s in report]
+    # the log-sum-exp reads the scores, so K's expansion stays (V's goes), and the report says so
+    assert all(s.note and s.note.startswith("the graph still computes the K/V expansion") for s in report)
+    assert len(hf.kv_expansions_left(imp.mod)) == 2 * LAYERS
+    assert len(hf.kv_expansions_left(partition_for_cutlass(imp.mod))) == LAYERS
     inputs = hf.example_inputs(model, mode=mode, seq_len=12, past_len=6, seed=1)
     args = [inputs[0], *[x.astype("float32") for x in inputs[1:]], *imp.params]
     got = G.rewritten_on_cpu(imp.mod, args, rtol=5e-2, atol=5e-2)

@@ -35,7 +35,7 @@ from mqa_byoc.contract import PROVIDER_ATTR, check_provider, composite_name
 from mqa_byoc.compiler.graph import varlen
 from mqa_byoc.compiler.graph.dataflow import EnterDataflow
 from mqa_byoc.compiler.graph.canonicalize import CanonicalizeAttention, analyze_module, canonicalize_attention
-from mqa_byoc.compiler.graph.exprs import is_flash_attn_function
+from mqa_byoc.compiler.graph.exprs import dead_once_rebound, is_flash_attn_function
 from mqa_byoc.compiler.graph.gqa_legalize import LegalizeGroupedAttention
 from mqa_byoc.compiler.graph.lowered_matmul import RestoreLoweredMatmul, has_lowered_nt_matmul
 from mqa_byoc.compiler.graph.patterns import flash_attn_patterns
@@ -150,10 +150,13 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
     chosen = build_provider(provider, target)
     arch = target_arch(target)
     options = KernelOptions.of(kernel_options)
-    for sites in analyze_module(mod, mqa).values():
+    for gv, sites in analyze_module(mod, mqa).items():
+        # what the rewrite of every offloaded site of the function leaves unread
+        dead = dead_once_rebound(mod[gv], [s.root for s in sites if s.reason is None]) if mqa else set()
         for s in sites:
             ok = s.reason is None
             removes = mqa and ok and s.k is not None and s.k.expansion is not None
+            kept = sorted({op.name for op in s.expansion_ops if op not in dead}) if removes else []
             composite = None
             if ok:
                 composite = composite_name(s.num_q_heads, s.num_kv_heads if mqa else s.num_q_heads,
@@ -164,8 +167,8 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
                 num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                 dtype=s.dtype, causal=_causal_name(s), window=s.mask.window,
                 scale=_resolved_scale(s), expansion=s.k.expansion if s.k is not None else None,
-                expansion_ops_removed=len(set(s.expansion_ops)) if removes else 0,
-                composite=composite, reason=s.reason, note=_note(s, ok),
+                expansion_ops_removed=len({op for op in s.expansion_ops if op in dead}) if removes else 0,
+                composite=composite, reason=s.reason, note=_note(s, ok, kept),
                 provider=chosen if ok else None,
                 kernel=hopper_codegen.describe_kernel(
                     chosen, dtype=s.dtype, head_dim=s.head_dim, num_q_heads=s.num_q_heads,
@@ -184,10 +187,13 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
     return report
 
 
-def _note(site, offloaded: bool) -> str | None:
+def _note(site, offloaded: bool, kept=()) -> str | None:
     """The site's note, and for an offloaded site whose V is padded or whose operands are sequence-first
-    what that costs."""
-    parts = [getattr(site, "note", None), value_padding_note(site) if offloaded else None,
+    what that costs; ``kept``: the K/V expansion ops the rewritten graph still computes."""
+    kept_note = (f"the graph still computes the K/V expansion ({', '.join(kept)}): something outside this "
+                 "attention reads it or what it feeds (the scores, say); the kernel reads the K/V heads "
+                 "natively") if kept else None
+    parts = [getattr(site, "note", None), kept_note, value_padding_note(site) if offloaded else None,
              sequence_first_note(site) if offloaded else None, chunked_note(site) if offloaded else None]
     return "; ".join(p for p in parts if p) or None
 

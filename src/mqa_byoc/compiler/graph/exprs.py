@@ -77,6 +77,19 @@ def binding_readers(func: relax.Function) -> dict:
     return readers
 
 
+def dead_once_rebound(func: relax.Function, roots) -> set:
+    """The vars of ``func`` that nothing reads once each of ``roots`` is bound to a new value (a kernel's
+    call on the operands' sources): the roots and every var all of whose readers are among them. What
+    stays out is still computed by the rewritten graph (a function result, or read by something else)."""
+    readers = binding_readers(func)
+    dead = set(roots)
+    for b in reversed(function_bindings(func)):
+        users = readers.get(b.var)
+        if b.var not in dead and users and all(u is not None and u in dead for u in users):
+            dead.add(b.var)
+    return dead
+
+
 def value_of(expr, values: Mapping):
     """Follow ``expr`` through var-to-var bindings in ``values`` to the value it stands for.
 
