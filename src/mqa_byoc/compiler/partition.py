@@ -156,7 +156,7 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
         for s in sites:
             ok = s.reason is None
             removes = mqa and ok and s.k is not None and s.k.expansion is not None
-            kept = sorted({op.name for op in s.expansion_ops if op not in dead}) if removes else []
+            expansion = set(s.expansion_ops) if removes else set()
             composite = None
             if ok:
                 composite = composite_name(s.num_q_heads, s.num_kv_heads if mqa else s.num_q_heads,
@@ -167,8 +167,8 @@ def offload_report(mod: tvm.IRModule, mqa: bool = True, *, target=None, provider
                 num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                 dtype=s.dtype, causal=_causal_name(s), window=s.mask.window,
                 scale=_resolved_scale(s), expansion=s.k.expansion if s.k is not None else None,
-                expansion_ops_removed=len({op for op in s.expansion_ops if op in dead}) if removes else 0,
-                composite=composite, reason=s.reason, note=_note(s, ok, kept),
+                expansion_ops_removed=len(expansion & dead),
+                composite=composite, reason=s.reason, note=_note(s, ok, sorted(op.name for op in expansion - dead)),
                 provider=chosen if ok else None,
                 kernel=hopper_codegen.describe_kernel(
                     chosen, dtype=s.dtype, head_dim=s.head_dim, num_q_heads=s.num_q_heads,

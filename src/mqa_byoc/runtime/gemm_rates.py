@@ -76,15 +76,19 @@ class Gemm:
     def bytes(self) -> float:
         return float(self.elem_bytes * (self.m * self.k + self.n * self.k + self.m * self.n))
 
+    def _limit_times_us(self, limits: GpuLimits) -> tuple[float, float]:
+        """(the bytes at the GPU's HBM bandwidth, the FLOPs at its dense rate), µs."""
+        return self.bytes / (limits.hbm_tbps * 1e6), self.flop / (limits.dense_tflops * 1e6)
+
     def limit_us(self, limits: GpuLimits = DEFAULT) -> float:
         """Time of one call at the limit, µs: the bytes at the GPU's HBM bandwidth or the FLOPs at its
         dense rate, whichever is longer."""
-        return max(self.bytes / (limits.hbm_tbps * 1e6), self.flop / (limits.dense_tflops * 1e6))
+        return max(self._limit_times_us(limits))
 
     def bound(self, limits: GpuLimits = DEFAULT) -> str:
         """``bytes`` or ``FLOPs``: which of the two limits is the longer time."""
-        bytes_us = self.bytes / (limits.hbm_tbps * 1e6)
-        return "bytes" if bytes_us >= self.flop / (limits.dense_tflops * 1e6) else "FLOPs"
+        bytes_us, flop_us = self._limit_times_us(limits)
+        return "bytes" if bytes_us >= flop_us else "FLOPs"
 
 
 def model_gemms(rec: dict, phase: str, prompt_len: int, batch: int = 1) -> list[Gemm]:
