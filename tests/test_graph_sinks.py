@@ -17,7 +17,7 @@ from mqa_byoc.testing import graphs as G
 from mqa_byoc import offload_report, partition_for_cutlass
 from mqa_byoc.compiler.codegen import dispatch as codegen
 from mqa_byoc.compiler.codegen.native import emit_native_source
-from mqa_byoc.contract import COMPOSITE_MHA_SINK, COMPOSITE_MQA_SINK
+from mqa_byoc.contract import COMPOSITE_MHA_SINK, COMPOSITE_MQA, COMPOSITE_MQA_SINK
 
 RNG = np.random.default_rng(0)
 
@@ -61,6 +61,45 @@ def test_sink_chain_offloaded_and_exact_on_cpu(kw):
     part = partition_for_cutlass(mod)
     assert G.composites(part) == [site.composite]
     assert G.count_ops(part, "relax.concat") == 0 and G.count_ops(part, "relax.nn.softmax") == 0
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),                                           # prefill, causal, torch's log-sum-exp decomposition
+    dict(lse="plain"),                                # log(sum(exp(s)))
+    dict(window=4, shift="max"),                      # a sliding layer; the softmax reads s - max(s)
+    dict(s=1, s_kv=9),                                # decode
+    dict(hkv=1, h=4, sinks_dtype="float16"),          # multi-query; sinks in the model's dtype
+])
+def test_sink_applied_after_attention_offloaded_as_a_sink_site(kw):
+    """GraniteSWA's form, ``O * sigmoid(logsumexp(s) - sink)`` after P @ V, is a sink site rooted at the
+    multiply: the scores, their log-sum-exp and the K/V expansion leave the graph, and the rewrite gives
+    the graph's (and the reference's) numbers."""
+    mod = G.sink_chain(sink_at="output", **kw)
+    (site,) = offload_report(mod)
+    h, hkv = kw.get("h", 8), kw.get("hkv", 2)
+    assert site.offloaded and site.composite == COMPOSITE_MQA_SINK and site.note is None, site.reason
+    assert (site.num_q_heads, site.num_kv_heads, site.window) == (h, hkv, None if kw.get("s") == 1 else kw.get("window"))
+    args = _inputs(h, hkv, s=kw.get("s", 16), s_kv=kw.get("s_kv"), sinks_dtype=kw.get("sinks_dtype", "float32"))
+    got = G.rewritten_on_cpu(mod, list(args))
+    np.testing.assert_allclose(got, G.reference_sink_attention(*args, window=kw.get("window")), rtol=2e-2, atol=2e-2)
+    part = partition_for_cutlass(mod)
+    assert G.composites(part) == [COMPOSITE_MQA_SINK]
+    assert [G.count_ops(part, op) for op in ("relax.nn.softmax", "relax.log", "relax.sigmoid", "relax.repeat",
+                                              "relax.broadcast_to")] == [0] * 5
+
+
+@pytest.mark.parametrize("mismatch", ["sign", "unmasked", "rows"])
+def test_output_scaling_that_is_not_the_sink_stays_in_the_graph(mismatch):
+    """A scaling of the same shape that is not the sink (``sigmoid(sink - lse)``, the log-sum-exp of the
+    scores before their mask, the logits broadcast over the rows instead of the heads) is not taken for
+    one: the softmax chain is offloaded as plain attention, the scaling stays, and the rewrite keeps the
+    graph's numbers."""
+    mod = G.sink_chain(sink_at="output", mismatch=mismatch, s=8)
+    (site,) = offload_report(mod)
+    assert site.offloaded and site.composite == COMPOSITE_MQA, site.reason
+    assert site.note.startswith("the graph still computes the K/V expansion")
+    G.rewritten_on_cpu(mod, list(_inputs(s=8)))
+    assert G.count_ops(partition_for_cutlass(mod), "relax.sigmoid") == 1
 
 
 def test_sink_chain_symbolic_lengths():

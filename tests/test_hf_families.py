@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 from mqa_byoc.testing import graphs as G  # noqa: E402
 from mqa_byoc import offload_report, partition_for_cutlass  # noqa: E402
 from mqa_byoc.models import hf  # noqa: E402
+from mqa_byoc.contract import COMPOSITE_MQA_SINK  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, WINDOW = 2, 8, 2, 32, 8
 _SIZES = dict(hidden_size=256, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, intermediate_size=256,
@@ -127,31 +128,37 @@ def test_gemma2_offloaded_with_and_without_soft_capping(mode):
 
 
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
-def test_granite_swa_sink_as_output_scaling_keeps_the_graphs_numbers(mode):
+def test_granite_swa_sink_as_output_scaling_offloaded_as_a_sink_site(mode):
     """GraniteSWA applies its per-head sink after attention, ``o * sigmoid(logsumexp(s) - sink)`` (what an
     extra softmax logit gives), with ``torch.logsumexp`` of the same scores; TVM's frontend imports it only
-    with a converter for ``amax`` (ours: ``convert="native"``). The softmax chain is offloaded (windows as
-    the layers have them) and the scaling stays in the graph reading the scores: the rewritten graph's
-    logits are the graph's on the CPU. The scores stay computed for the log-sum-exp, with K's expansion:
-    the report's note says so."""
+    with a converter for ``amax`` (ours: ``convert="native"``). Each layer is one sink site (windows as the
+    layers have them) rooted at the scaling: the scores, their log-sum-exp and the K/V expansion are gone
+    from the partitioned graph, and its logits are the graph's on the CPU and near float32 eager; the
+    sinks move those logits, so a site that dropped them would fail."""
     model = _model("GraniteSWAConfig", "eager", sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
+    sinks = [p for name, p in model.named_parameters() if name.endswith("sinks")]
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("sinks"):
-                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+        for p in sinks:
+            p.copy_(3.0 + 2.0 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
     _peaked(model)
     imp = hf.import_hf(model, mode=mode, batch=1, seq_len=12, past_len=6, convert="native", mixed_precision=True)
     report = offload_report(imp.mod)
-    assert [(s.offloaded, s.window) for s in report] == [(True, WINDOW if mode == "prefill" else None), (True, None)], \
+    assert [(s.offloaded, s.composite, s.window) for s in report] == [
+        (True, COMPOSITE_MQA_SINK, WINDOW if mode == "prefill" else None), (True, COMPOSITE_MQA_SINK, None)], \
         [s.reason for s in report]
-    # the log-sum-exp reads the scores, so K's expansion stays (V's goes), and the report says so
-    assert all(s.note and s.note.startswith("the graph still computes the K/V expansion") for s in report)
-    assert len(hf.kv_expansions_left(imp.mod)) == 2 * LAYERS
-    assert len(hf.kv_expansions_left(partition_for_cutlass(imp.mod))) == LAYERS
+    assert all(s.note is None and s.num_kv_heads == KV_HEADS for s in report)
+    part = partition_for_cutlass(imp.mod)
+    assert len(hf.kv_expansions_left(imp.mod)) == 2 * LAYERS and not hf.kv_expansions_left(part)
+    assert [G.count_ops(part, op) for op in ("relax.nn.softmax", "relax.log", "relax.exp")] == [0, 0, 0]
     inputs = hf.example_inputs(model, mode=mode, seq_len=12, past_len=6, seed=1)
     args = [inputs[0], *[x.astype("float32") for x in inputs[1:]], *imp.params]
     got = G.rewritten_on_cpu(imp.mod, args, rtol=5e-2, atol=5e-2)
-    np.testing.assert_allclose(got, imp.reference(*inputs), rtol=5e-2, atol=5e-2)
+    want = imp.reference(*inputs)
+    np.testing.assert_allclose(got, want, rtol=5e-2, atol=5e-2)
+    with torch.no_grad():
+        for p in sinks:
+            p.fill_(-1e4)  # sigmoid(lse + 1e4) = 1: no sink
+    assert np.abs(imp.reference(*inputs) - want).max() > 0.1  # twice the tolerance
 
 
 @pytest.mark.parametrize("mode", ["prefill", "decode"])

@@ -866,7 +866,7 @@ def safe_softmax_chain(h=8, hkv=2, d=64, s=16, s_kv=None, b=1, dtype=F16, cond="
 
 
 def sink_chain(h=8, hkv=2, d=64, s=16, s_kv=None, b=1, dtype=F16, window=None, causal=True, shift="topk",
-               sinks_dtype="float32", score_mod=None):
+               sinks_dtype="float32", score_mod=None, sink_at="logits", lse="torch", mismatch=None):
     """GPT-OSS's eager attention with sinks as TVM's PyTorch frontend emits it after ToMixedPrecision: BNSH,
     HF ``repeat_kv``, Q@K^T in ``dtype`` times the scale, cast to float32, an additive mask from positions
     (bottom-right causal, or a window of ``window`` keys), the per-head ``sinks`` (a parameter (H,)) reshaped
@@ -876,7 +876,14 @@ def sink_chain(h=8, hkv=2, d=64, s=16, s_kv=None, b=1, dtype=F16, window=None, c
 
     ``score_mod`` replaces the sinks with another score modification the kernels do not compute:
     "softcap" (``tanh(x / 50) * 50``, Gemma 2), "alibi" (a per-head linear bias on the key distance),
-    "square" (``x * x``, something no form explains)."""
+    "square" (``x * x``, something no form explains).
+
+    ``sink_at="output"``: the sink applied after P @ V as GraniteSWA does, ``O * sigmoid(lse - sink)`` with
+    ``lse`` the masked scores' log-sum-exp (``lse``: "torch", its decomposition: the row maximum, 0 where
+    infinite, subtracted and added back; "plain": ``log(sum(exp(s)))``), O in float32, then cast. The
+    same attention unless ``mismatch`` makes it another: "sign" (``sigmoid(sink - lse)``), "unmasked"
+    (the log-sum-exp of the scores before the mask), "rows" (the sinks broadcast over the query rows, not
+    the heads: needs S_q == H)."""
     syms = {}
     s_, skv_ = _dim(s, syms), _dim(s_kv if s_kv is not None else s, syms)
     bb = relax.BlockBuilder()
@@ -902,6 +909,7 @@ def sink_chain(h=8, hkv=2, d=64, s=16, s_kv=None, b=1, dtype=F16, window=None, c
                 dist = bb.emit(R.astype(R.subtract(cols, rows), f32))
                 slopes = relax.const((2.0 ** -np.arange(1, h + 1)).astype("float32").reshape(1, h, 1, 1))
                 sc = bb.emit(R.add(sc, R.multiply(slopes, R.reshape(dist, [1, 1, s_, skv_]))))
+            unmasked = sc
             if causal or window:
                 hidden = bb.emit(R.greater(cols, rows))
                 if window:
@@ -909,7 +917,9 @@ def sink_chain(h=8, hkv=2, d=64, s=16, s_kv=None, b=1, dtype=F16, window=None, c
                 fmin = float(np.finfo(np.float32).min)
                 mask = bb.emit(R.where(hidden, relax.const(fmin, f32), relax.const(0.0, f32)))
                 sc = bb.emit(R.add(sc, R.reshape(mask, [1, 1, s_, skv_])))
-            if score_mod is None:
+            if sink_at == "output":
+                scale = _sink_output_scale(bb, sc if mismatch != "unmasked" else unmasked, sinks, h, lse, mismatch)
+            elif score_mod is None:
                 col = bb.emit(R.broadcast_to(R.reshape(sinks, [1, h, 1, 1]), [b, h, s_, 1]))
                 if sinks_dtype != f32:
                     col = bb.emit(R.astype(col, f32))
@@ -920,14 +930,35 @@ def sink_chain(h=8, hkv=2, d=64, s=16, s_kv=None, b=1, dtype=F16, window=None, c
             elif shift == "max":
                 sc = bb.emit(R.subtract(sc, R.max(sc, axis=-1, keepdims=True)))
             p = bb.emit(R.nn.softmax(sc, axis=-1))
-            if score_mod is None:
+            if score_mod is None and sink_at == "logits":
                 p = bb.emit(R.strided_slice(p, axes=[3], begin=[0], end=[-1]))
             p = bb.emit(R.astype(p, dtype))
             o = bb.emit(R.matmul(p, vv))
+            if sink_at == "output":
+                o = bb.emit(R.astype(R.multiply(bb.emit(R.astype(o, f32)), scale), dtype))
             o = bb.emit(R.permute_dims(o, [0, 2, 1, 3]))
             o = bb.emit_output(R.reshape(o, [b, s_, h * d]))
         bb.emit_func_output(o)
     return _finish(bb)
+
+
+def _sink_output_scale(bb, sc, sinks, h, lse, mismatch):
+    """``sigmoid(logsumexp(sc, -1) - sinks_h)[..., None]`` (B, H, S_q, 1) as GraniteSWA's eager code exports
+    (``sink_chain``'s ``sink_at="output"``)."""
+    f32 = "float32"
+    if lse == "torch":
+        m = bb.emit(R.max(sc, axis=-1, keepdims=True))
+        m = bb.emit(R.where(R.equal(R.abs(m), relax.const(float("inf"), f32)), relax.const(0.0, f32), m))
+        total = bb.emit(R.sum(R.exp(bb.emit(R.subtract(sc, m))), axis=-1))
+        out = bb.emit(R.add(R.log(total), R.squeeze(m, axis=[-1])))
+    else:
+        out = bb.emit(R.log(R.sum(R.exp(sc), axis=-1)))
+    if mismatch == "rows":
+        per_head = bb.emit(R.reshape(R.astype(sinks, f32), [1, 1, h]))
+    else:
+        per_head = bb.emit(R.reshape(R.astype(sinks, f32), [1, h, 1]))
+    z = R.subtract(per_head, out) if mismatch == "sign" else R.subtract(out, per_head)
+    return bb.emit(R.expand_dims(R.sigmoid(bb.emit(z)), axis=[-1]))
 
 
 def reference_sink_attention(q, k, v, sinks, window=None, causal=True):

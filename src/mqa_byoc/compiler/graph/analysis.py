@@ -71,10 +71,35 @@ def find_sites(func_name: str, func: relax.Function, evaluator: masks.MaskEvalua
                 site = full
         if site is not None:
             sites.append(site)
+    known = {s.root for s in sites}
+    _sinks_after_attention(sites, bindings)
     # nothing unseen: a matmul-softmax-matmul chain none of the forms above explains is reported too
-    for root, reason in sink_forms.unexplained_chains(bindings, {s.root for s in sites}):
+    for root, reason in sink_forms.unexplained_chains(bindings, known):
         sites.append(AttentionSite(func_name, root, "matmul-softmax chain").reject(reason))
     return sites
+
+
+def _sinks_after_attention(sites, bindings):
+    """A sink applied to the output of an offloaded chain, ``O * sigmoid(lse(T) - sink)`` with T the scores
+    the chain's softmax reads (:class:`.sinks.SinkScaling`), makes the site a sink site rooted at the
+    multiply: the rewrite replaces the scaling too, and the scores and their log-sum-exp are no longer
+    computed. Anything else about it leaves the site as it is (the scaling then stays in the graph)."""
+    by_root = {s.root: s for s in sites}
+    for scaling in sink_forms.sink_scalings(bindings):
+        site = by_root.get(scaling.output)
+        if (site is None or site.reason or site.form != "matmul-softmax chain" or site.sinks is not None
+                or site.softcap is not None or site.mask.chunk or scaling.sinks.num_heads != site.num_q_heads
+                or any(t.layout() not in ("BNSH", "BSNH") for t in (site.q, site.k, site.v))):
+            continue
+        softmax = bindings.get(_strip_probs(bindings.get(site.root).args[0], bindings)[0])
+        scores = softmax.args[0]
+        if not any(sink_forms.same_value(scaling.scores, x, bindings)
+                   for x in (scores, sink_forms.strip_row_shift(scores, bindings))):
+            continue
+        dtype = getattr(scaling.sinks.source.ty, "dtype", None)
+        if str(dtype) not in ("float32", "float16", "bfloat16"):
+            continue
+        site.root, site.sinks, site.out_labels = scaling.root, scaling.sinks, ["B", "H", "S", "D"]
 
 
 def _stops_in_expansion(site) -> bool:

@@ -73,7 +73,7 @@ def strip_sink_slice(expr, bindings):
     return value.args[0], n_in - n_out
 
 
-def _same_value(a, b, bindings) -> bool:
+def same_value(a, b, bindings) -> bool:
     """``a`` and ``b`` are the same tensor, or casts of the same tensor to the same type (ToMixedPrecision
     binds one cast per reader)."""
     if a.same_as(b):
@@ -97,7 +97,7 @@ def _row_max_of(expr, x, bindings) -> bool:
                 return False
             attrs = tup_value.attrs
             nd = len(shape_of(x) or [])
-            return (_same_value(tup_value.args[0], x, bindings) and int(attrs.k) == 1 and bool(attrs.largest)
+            return (same_value(tup_value.args[0], x, bindings) and int(attrs.k) == 1 and bool(attrs.largest)
                     and int(attrs.axis) % max(nd, 1) == nd - 1)
         value = bindings.get(expr)
         if value is None:
@@ -108,7 +108,7 @@ def _row_max_of(expr, x, bindings) -> bool:
         if op_name(value) == "relax.max":
             nd = len(shape_of(x) or [])
             axes = [int(a) % nd for a in (value.attrs.axis or [])]
-            return _same_value(value.args[0], x, bindings) and axes == [nd - 1] and bool(value.attrs.keepdims)
+            return same_value(value.args[0], x, bindings) and axes == [nd - 1] and bool(value.attrs.keepdims)
         return False
     return False
 
@@ -297,3 +297,165 @@ def explain_ops(ops) -> str:
                     f"compute (ops between the matmuls: {', '.join(names)})")
     return ("softmax(Q K^T) V-shaped chain with a score modification the analysis cannot prove equal to "
             f"what the kernels compute (ops between the matmuls: {', '.join(names) or 'none'})")
+
+
+# ----------------------------------------------------------------------------- the sink applied after P @ V
+@dataclass
+class SinkScaling:
+    """A sink applied to attention's output instead of appended to its logits (GraniteSWA)::
+
+        out = O * sigmoid(logsumexp(T, axis=-1) - sink_h)[..., None]
+
+    where ``O`` is ``softmax(T) @ V`` (B, H, S_q, D): ``1 - p_sink`` of the extra logit, so exactly the
+    sink form of the module doc. ``root`` is the multiply, ``output`` the P @ V matmul O comes from
+    (through casts and the reshape of (B*H, S_q, D) to (B, H, S_q, D)), ``scores`` T (B, H, S_q, S_kv)."""
+
+    root: relax.Var
+    output: relax.Var
+    scores: relax.Expr
+    sinks: SinkLogits
+
+
+def _dims_equal(a, b) -> bool:
+    return len(a) == len(b) and all(prove_equal(x, y) for x, y in zip(a, b))
+
+
+def _unit_view(value) -> bool:
+    """A reshape / squeeze / expand_dims that only adds or drops axes of size 1 (the other axes keep
+    their order), or a cast between float dtypes: the values stay where they were."""
+    name = op_name(value)
+    if name == "relax.astype":
+        return str(value.attrs.dtype).startswith(("float", "bfloat"))
+    if name not in ("relax.reshape", "relax.squeeze", "relax.expand_dims"):
+        return False
+    src, out = shape_of(value.args[0]), shape_of(value)
+    if src is None or out is None:
+        return False
+    return _dims_equal([d for d in src if as_int(d) != 1], [d for d in out if as_int(d) != 1])
+
+
+def _strip_unit_views(expr, bindings):
+    for _ in range(8):
+        value = bindings.get(expr)
+        if not _unit_view(value):
+            return expr
+        expr = value.args[0]
+    return expr
+
+
+def _last_axis_sum(value) -> bool:
+    nd = len(shape_of(value.args[0]) or [])
+    axes = [int(a) % nd for a in (value.attrs.axis or [])] if nd else []
+    return op_name(value) == "relax.sum" and axes == [nd - 1]
+
+
+def _log_sum_exp_input(expr, bindings):
+    """T when ``expr`` is T's log-sum-exp over its last axis: ``log(sum(exp(T - c), -1)) + c`` with one
+    per-row ``c`` (torch's decomposition: the row maximum, 0 where it is infinite), or ``log(sum(exp(T),
+    -1))``; else None."""
+    expr = _strip_unit_views(expr, bindings)
+    value = bindings.get(expr)
+    candidates = []
+    if op_name(value) == "relax.add":
+        candidates = [(value.args[0], value.args[1]), (value.args[1], value.args[0])]
+    elif op_name(value) == "relax.log":
+        candidates = [(expr, None)]
+    for log_side, shift in candidates:
+        log = bindings.get(_strip_unit_views(log_side, bindings))
+        if op_name(log) != "relax.log":
+            continue
+        total = bindings.get(_strip_unit_views(log.args[0], bindings))
+        if op_name(total) != "relax.sum" or not _last_axis_sum(total):
+            continue
+        exp = bindings.get(total.args[0])
+        if op_name(exp) != "relax.exp":
+            continue
+        if shift is None:
+            return exp.args[0]
+        diff = bindings.get(exp.args[0])
+        if op_name(diff) != "relax.subtract":
+            continue
+        scores, c = diff.args
+        c_shape, s_shape = shape_of(c), shape_of(scores)
+        if (c_shape is None or s_shape is None or len(c_shape) != len(s_shape) or as_int(c_shape[-1]) != 1
+                or not _dims_equal(c_shape[:-1], s_shape[:-1])):
+            continue  # not one shift per row
+        if _strip_unit_views(shift, bindings).same_as(_strip_unit_views(c, bindings)):
+            return scores
+    return None
+
+
+def _head_logits(expr, heads, rank, bindings):
+    """The tensor of ``heads`` logits ``expr`` holds when, broadcast against a (B, H, S_q[, 1]) tensor of
+    ``rank`` axes, it gives head h the same logit on every row (shape (1, H, 1) or (H, 1) and the like);
+    else None."""
+    shape = shape_of(expr)
+    if shape is None or len(shape) > rank or heads is None:
+        return None
+    dims = [1] * (rank - len(shape)) + [as_int(d) for d in shape]
+    if dims[1] != heads or any(d != 1 for i, d in enumerate(dims) if i != 1):
+        return None
+    return _strip_unit_views(expr, bindings)
+
+
+def sink_scaling(var, value, bindings):
+    """The :class:`SinkScaling` ``var = value`` is (a multiply of O by the sink's sigmoid), else None."""
+    if op_name(value) != "relax.multiply":
+        return None
+    for o_side, s_side in ((value.args[0], value.args[1]), (value.args[1], value.args[0])):
+        sig = bindings.get(_strip_unit_views(s_side, bindings))
+        if op_name(sig) != "relax.sigmoid":
+            continue
+        diff = bindings.get(_strip_unit_views(sig.args[0], bindings))
+        if op_name(diff) != "relax.subtract":
+            continue
+        scores = _log_sum_exp_input(diff.args[0], bindings)
+        t_shape = shape_of(scores) if scores is not None else None
+        if t_shape is None or len(t_shape) != 4:
+            continue
+        rank = len(shape_of(diff) or [])
+        source = _head_logits(diff.args[1], as_int(t_shape[1]), rank, bindings) if rank in (3, 4) else None
+        if source is None:
+            continue
+        out = _attention_output(o_side, t_shape[:3], bindings)
+        scale_shape, out_shape = shape_of(s_side), shape_of(var)
+        if out is None or scale_shape is None or out_shape is None:
+            continue
+        # the scale is one value per (batch, head, row), broadcast over the head dim, nothing else
+        if not (_dims_equal(scale_shape, [*t_shape[:3], 1]) and _dims_equal(out_shape, shape_of(o_side))):
+            continue
+        return SinkScaling(var, out, scores, SinkLogits(source, as_int(t_shape[1])))
+    return None
+
+
+def _attention_output(expr, rows, bindings):
+    """The matmul var ``expr`` (B, H, S_q, D) comes from through casts and the reshape of (B*H, S_q, D) with
+    ``rows`` = (B, H, S_q); else None."""
+    shape = shape_of(expr)
+    if shape is None or len(shape) != 4 or not _dims_equal(shape[:3], rows):
+        return None
+    for _ in range(6):
+        value = bindings.get(expr)
+        name = op_name(value)
+        if name == "relax.matmul":
+            return expr
+        if name == "relax.astype":
+            expr = value.args[0]
+        elif name == "relax.reshape":
+            src = shape_of(value.args[0])
+            if src is None or len(src) != 3 or not _dims_equal(src, [rows[0] * rows[1], rows[2], shape[3]]):
+                return None
+            expr = value.args[0]
+        else:
+            return None
+    return None
+
+
+def sink_scalings(bindings):
+    """Every :class:`SinkScaling` of a function."""
+    found = []
+    for var, value in bindings.value.items():
+        s = sink_scaling(var, value, bindings)
+        if s is not None:
+            found.append(s)
+    return found
