@@ -334,6 +334,18 @@ def test_documents_cite_existing_results():
     assert not missing, missing
 
 
+def test_readme_granite_swa_gpu_claim():
+    """The README's GraniteSWA numbers: the offloaded and TVM's builds' prefill logits against float32 eager
+    (max abs), and TVM's decode build recorded as failed."""
+    run = _load("2026-12-06-gpu-hf-standard-granite-swa-h100.json")
+    prefill = run["hf-standard:granite_swa_sinks-prefill"]["vs_fp32_eager"]
+    claim = (f"prefill logits within {prefill['mqa']['max_abs']:.4f} of float32 eager, TVM's own build "
+             f"{prefill['tvm']['max_abs']:.4f}; TVM cannot build its decode step, ours can")
+    assert claim in " ".join(README.read_text().split())
+    decode = run["hf-standard:granite_swa_sinks-decode"]
+    assert "tvm_not_built" in decode and set(decode["vs_fp32_eager"]) == {"mqa"}
+
+
 def test_results_index_lists_every_file():
     listed = _cited_files((RESULTS / "README.md").read_text())
     files = {p.name for p in RESULTS.iterdir() if p.name != "README.md"}

@@ -32,6 +32,7 @@ CPU_CASES = [
     "sink_gptoss_f16_hdim64_window_chunked",  # attention sinks (float32), a window, S_q < S_kv
     "multihead_seq_first_f16_noncausal_cross",  # (S, B, H*D) in and out, sequence first, S_q < S_kv
     "sink_gqa_bf16_causal_prefill_sinks_bf16",  # attention sinks in the model's dtype
+    "sinkout_granite_f16_hdim64_window_chunked",  # the sinks applied after attention (GraniteSWA)
     "einsum_bshd_gqa_f16_causal_chunked",  # torch.einsum through torch.export, BSNH, float32 result
     "einsum_bhsd_gqa_f16_causal_prefill",  # the same, BNSH
     "einsum_palm_mqa_f16_causal_prefill",  # PaLM-style multi-query einsum: K/V (B, S, D), heads folded into rows

@@ -303,6 +303,13 @@ CASES = [
          dict(h=64, hkv=8, d=64, b=3, s=1, s_kv=300, window=128, sinks_dtype="float16")),
     Case("sink_gqa_bf16_causal_prefill_sinks_bf16", "13 sinks", "sink_chain",
          dict(h=H, hkv=HKV, d=64, b=2, s=96, dtype="bfloat16", sinks_dtype="bfloat16")),
+    # the same sinks applied after attention (GraniteSWA: o * sigmoid(logsumexp(s) - sink), torch's
+    # log-sum-exp decomposition): the same composite, rooted at the multiply
+    Case("sinkout_granite_f16_hdim64_window_chunked", "13 sinks", "sink_chain",
+         dict(h=64, hkv=8, d=64, b=2, s=64, s_kv=320, window=128, sink_at="output")),
+    Case("sinkout_granite_bf16_hdim64_decode", "13 sinks", "sink_chain",
+         dict(h=H, hkv=HKV, d=64, b=3, s=1, s_kv=700, dtype="bfloat16", causal=False, sink_at="output",
+              lse="plain")),
     # logit soft-capping (Gemma 2-2b: 8 query heads, 4 K/V heads, head dim 256, cap 50 with its
     # query_pre_attn_scalar 256 scale, 4096-key sliding layers; smaller caps where the cap must bend the
     # scores of these inputs): FA2's soft-capping families, decode on FA2 split-KV (batch 1: our chunked

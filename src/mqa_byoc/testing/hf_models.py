@@ -19,13 +19,14 @@ SCORE_STD = 2.5  # std of q.k / sqrt(D) for unit-RMS inputs: q/k projection std 
 INIT_STD = 0.02  # build_hf_model's default
 SINK_STD = 4.0  # std of GPT-OSS's sink logits (a fresh model's are zeros): moves the decode logits beyond 2x the tolerance
 #: the HF config class of each ``HFModel.kind`` besides llama / mistral (mqa_byoc.models.hf.make_hf_config)
-FAMILY_CONFIGS = {"gpt_oss": "GptOssConfig", "gemma2": "Gemma2Config", "llama4": "Llama4TextConfig"}
+FAMILY_CONFIGS = {"gpt_oss": "GptOssConfig", "gemma2": "Gemma2Config", "llama4": "Llama4TextConfig",
+                  "granite_swa": "GraniteSWAConfig"}
 
 
 @dataclass(frozen=True)
 class HFModel:
     name: str
-    kind: str  # "llama" | "mistral" | "gpt_oss" | "gemma2" | "llama4"
+    kind: str  # "llama" | "mistral" | "gpt_oss" | "gemma2" | "llama4" | "granite_swa"
     heads: int
     kv_heads: int
     head_dim: int
@@ -40,7 +41,7 @@ class HFModel:
     note: str
     # GPT-OSS / Gemma 2 (defaults: what Llama / Mistral have)
     layer_types: tuple | None = None  # per layer "sliding_attention" | "full_attention"; None: all alike
-    sinks: bool = False  # learned sink logits (GPT-OSS), drawn with SINK_STD
+    sinks: bool = False  # learned sink logits (GPT-OSS, GraniteSWA), drawn with SINK_STD
     softcap: float | None = None  # attn_logit_softcapping (Gemma 2)
     final_softcap: float | None = None  # final_logit_softcapping (Gemma 2)
     query_pre_attn_scalar: int | None = None  # Gemma 2: the scale is query_pre_attn_scalar ** -0.5
@@ -48,9 +49,12 @@ class HFModel:
     experts_per_tok: int = 0
     score_std: float = SCORE_STD  # Gemma 2: scores large enough that its soft-cap bends them
     chunk: int | None = None  # Llama 4: attention_chunk_size (its chunked layers: causal within blocks)
+    attention_multiplier: float | None = None  # GraniteSWA: the softmax scale (None: what the others have)
 
     @property
     def scale(self) -> float:
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def site_windows(self, mode: str) -> list:
@@ -110,6 +114,10 @@ class HFModel:
             kw.update(num_local_experts=max(self.experts, 1), num_experts_per_tok=max(self.experts_per_tok, 1),
                       intermediate_size_mlp=self.intermediate, attention_chunk_size=self.chunk,
                       experts_implementation="batched_mm")
+        elif self.kind == "granite_swa":
+            # head dim = hidden / heads; its own scale; token ids inside the small vocabulary
+            kw.pop("head_dim")
+            kw.update(attention_multiplier=self.scale, bos_token_id=None, eos_token_id=None, pad_token_id=None)
         else:
             kw.update(attn_logit_softcapping=self.softcap, final_logit_softcapping=self.final_softcap,
                       query_pre_attn_scalar=self.query_pre_attn_scalar)
