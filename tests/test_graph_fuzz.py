@@ -88,6 +88,11 @@ KNOWN = (
     # groups dataflow bindings only)
     GraphSpec(sites=(Site(form="chain4d", causal="BottomRight", mask_op="add", scale=0.125),
                      Site(expand="hf", h=8)), dataflow=False),
+    # a sink applied after attention on tile-expanded K/V (offloaded with the expansion kept): the retry on the
+    # expanded K/V found the site at the multiply, the first pass at P @ V, and the site stayed rejected
+    GraphSpec(groups=(KVGroup(hkv=4, s_kv=17),),
+              sites=(Site(form="chain4d", expand="tile", h=16, s_q=1, causal="BottomRight", scale=0.125,
+                          mask_op="where", score_mod="sinks", sink_at="output"),)),
 )
 
 

@@ -86,6 +86,8 @@ def test_sink_applied_after_attention_offloaded_as_a_sink_site(kw):
     assert G.composites(part) == [COMPOSITE_MQA_SINK]
     assert [G.count_ops(part, op) for op in ("relax.nn.softmax", "relax.log", "relax.sigmoid", "relax.repeat",
                                               "relax.broadcast_to")] == [0] * 5
+    # mqa=False: the same site on K/V repeated to the query heads
+    assert G.composites(partition_for_cutlass(mod, mqa=False)) == [COMPOSITE_MHA_SINK]
 
 
 @pytest.mark.parametrize("mismatch", ["sign", "unmasked", "rows"])

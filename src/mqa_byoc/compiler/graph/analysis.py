@@ -99,7 +99,8 @@ def _sinks_after_attention(sites, bindings):
         dtype = getattr(scaling.sinks.source.ty, "dtype", None)
         if str(dtype) not in ("float32", "float16", "bfloat16"):
             continue
-        site.root, site.sinks, site.out_labels = scaling.root, scaling.sinks, ["B", "H", "S", "D"]
+        site.chain_root, site.root = site.root, scaling.root
+        site.sinks, site.out_labels = scaling.sinks, ["B", "H", "S", "D"]
 
 
 def _stops_in_expansion(site) -> bool:

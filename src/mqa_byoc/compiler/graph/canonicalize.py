@@ -42,7 +42,11 @@ def analyze_module(mod: tvm.IRModule, mqa: bool) -> dict:
         bindings = Bindings(func)
         sites = analysis.find_sites(gv.name_hint, func, evaluator, mqa, bindings)
         if mqa and any(s.reason for s in sites):
-            retry = {s.root: s for s in analysis.find_sites(gv.name_hint, func, evaluator, False, bindings)}
+            retry = {}
+            for s in analysis.find_sites(gv.name_hint, func, evaluator, False, bindings):
+                retry[s.root] = s
+                if s.chain_root is not None:  # a sink after attention: found at its P @ V the first time
+                    retry[s.chain_root] = s
             for i, s in enumerate(sites):
                 alt = retry.get(s.root)
                 if s.reason and alt is not None and alt.reason is None:

@@ -51,6 +51,8 @@ class AttentionSite:
     sinks: SinkLogits | None = None
     # logit soft-capping (Gemma 2): the scores become softcap * tanh(scores / softcap); None: none
     softcap: float | None = None
+    # a sink applied after attention (GraniteSWA): the root is the multiply, this the P @ V matmul before it
+    chain_root: relax.Var | None = None
 
     @property
     def pads_value(self) -> bool:

@@ -304,7 +304,7 @@ class _SiteEmitter:
         if not capped_first:
             x = self._score_mod(i, site, x, sq)
         p = bb.emit(R.nn.softmax(x, axis=-1))
-        if site.score_mod == "sinks":  # drop the sink column
+        if site.score_mod == "sinks" and site.sink_at == "logits":  # drop the sink column
             p = bb.emit(R.strided_slice(p, axes=[3], begin=[0], end=[-1]))
         if site.row_guard != "none":
             p = self._row_guard(site, bb.emit(R.astype(sc, "float32")) if f32 else sc, p)
@@ -313,7 +313,23 @@ class _SiteEmitter:
         o = bb.emit(R.matmul(p, v), name_hint=f"root{i}")
         if three:
             o = bb.emit(R.reshape(o, [b, h, sq, d]))
+        if site.score_mod == "sinks" and site.sink_at == "output":
+            o = self._sink_output(i, site, x, o)
         return o
+
+    def _sink_output(self, i, site, logits, o):
+        """``o * sigmoid(logsumexp(logits) - sink)`` as GraniteSWA exports it (torch's log-sum-exp
+        decomposition), in float32, cast back; the multiply is the site's root when it is offloaded."""
+        bb, f32 = self.bb, "float32"
+        dt = str(logits.ty.dtype)
+        m = bb.emit(R.max(logits, axis=-1, keepdims=True))
+        m = bb.emit(R.where(R.equal(R.abs(m), _const(float("inf"), dt)), _const(0.0, dt), m))
+        total = bb.emit(R.sum(R.exp(bb.emit(R.subtract(logits, m))), axis=-1))
+        lse = bb.emit(R.astype(R.add(R.log(total), R.squeeze(m, axis=[-1])), f32))
+        sink = bb.emit(R.reshape(R.astype(self.sinks[i], f32), [1, site.h, 1]))
+        scale = bb.emit(R.expand_dims(R.sigmoid(bb.emit(R.subtract(lse, sink))), axis=[-1]))
+        out = bb.emit(R.multiply(bb.emit(R.astype(o, f32)), scale), name_hint=f"root{i}_sink")
+        return bb.emit(R.astype(out, str(o.ty.dtype)))
 
     def _score_mod(self, i, site, x, sq):
         """The logits with ``site.score_mod`` applied (see ``Site``)."""
@@ -323,7 +339,7 @@ class _SiteEmitter:
             return bb.emit(R.multiply(bb.emit(R.tanh(bb.emit(R.divide(x, _const(30.0, dt))))), _const(30.0, dt)))
         if site.score_mod == "unknown":
             return bb.emit(R.sin(x))
-        if site.score_mod != "sinks":
+        if site.score_mod != "sinks" or site.sink_at == "output":
             return x
         col = bb.emit(R.broadcast_to(bb.emit(R.reshape(self.sinks[i], [1, site.h, 1, 1])), [self.b, site.h, sq, 1]))
         if str(col.ty.dtype) != dt:

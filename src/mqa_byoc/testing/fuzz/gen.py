@@ -89,6 +89,9 @@ class Site:
     # after softmax), "softcap" (tanh(x / 30) * 30, Gemma 2), "unknown" (sin(x): nothing the kernels compute)
     score_mod: str = "none"
     sinks_dtype: str = "float32"
+    # "sinks": "logits" (GPT-OSS's extra column) | "output" (GraniteSWA: the attention output times
+    # sigmoid(logsumexp(scores) - sink), the log-sum-exp of the softmax's input)
+    sink_at: str = "logits"
     # "softcap": applied to the scaled scores before the mask (Gemma 2's order, what the kernels compute),
     # else to the masked scores (tanh turns a masked score into -30: not what the kernels compute)
     softcap_first: bool = True
@@ -240,6 +243,7 @@ def _draw_site(c, gi, g: KVGroup, varlen: bool) -> Site:
         else:
             site["row_guard"] = "none"  # the sink keeps every row defined
             site["sinks_dtype"] = "float32" if c.chance(0.6) else g.dtype
+            site["sink_at"] = "output" if c.chance(0.35) else "logits"
     return Site(**site)
 
 

@@ -192,7 +192,8 @@ def check_graph(spec: GraphSpec, do_build: bool = True, do_numerics: bool = True
     expects = [expect(spec, i) for i in range(len(spec.sites))]
     reported_off = set()
     for i, site in enumerate(spec.sites):
-        r = by_root.get(f"root{i}")
+        # a sink applied after attention: the site's root is the multiply when it is a sink site
+        r = by_root.get(f"root{i}_sink") or by_root.get(f"root{i}")
         if r is None:
             res.add("report", f"{site.form} site not reported", f"site {i} ({site.form}) missing from the report", i)
             continue

@@ -108,6 +108,7 @@ def expect(spec: GraphSpec, i: int) -> Expect:
     g = spec.groups[site.group]
     mqa = spec.mqa
     e = Expect(offload=True, num_q_heads=site.h, head_dim=g.d, dtype=g.dtype)
+    sink_after, plain_attention = site.score_mod == "sinks" and site.sink_at == "output", False
     sq, skv, eq, le = _lengths(site, g)
     if g.dtype not in ("float16", "bfloat16"):
         e.causes.append(("dtype", DTYPE))
@@ -149,10 +150,16 @@ def expect(spec: GraphSpec, i: int) -> Expect:
         if sq is None or skv is None:  # sampled at lengths past the block size: chunked there
             e.causes.append(("a chunked mask with symbolic lengths", CHUNK_SYMBOLIC))
         elif _chain_mask_kind(site, g, sq, skv)[2] is not None and site.score_mod in ("sinks", "softcap"):
-            e.causes.append(("a chunked mask with sinks or soft-capping", CHUNK_WITH_MOD))
+            if sink_after:
+                plain_attention = True
+            else:
+                e.causes.append(("a chunked mask with sinks or soft-capping", CHUNK_WITH_MOD))
     if site.q_layout == "SBNH" and site.score_mod in ("sinks", "softcap"):
-        # the sinks' and soft-capping's kernels take batch-first operands only
-        e.causes.append(("sinks or soft-capping on a sequence-first query", SEQ_FIRST))
+        if sink_after:
+            plain_attention = True
+        else:
+            # the sinks' and soft-capping's kernels take batch-first operands only
+            e.causes.append(("sinks or soft-capping on a sequence-first query", SEQ_FIRST))
     e.offload = not e.causes
     if site.form == "varlen":
         # being added: only the rejections FA2 itself forces are expected
@@ -169,7 +176,9 @@ def expect(spec: GraphSpec, i: int) -> Expect:
         e.num_kv_heads = site.h if expanded_op else g.hkv
     e.composite_kv_heads = e.num_kv_heads if mqa else site.h
     e.note_tile = mqa and tile_kept
-    e.sinks = site.score_mod == "sinks"
+    # a sink applied after attention that no sink kernel can take: the softmax chain is offloaded as plain
+    # attention and the scaling stays in the graph
+    e.sinks = site.score_mod == "sinks" and not plain_attention
     e.softcap = 30.0 if site.score_mod == "softcap" else None
     if fused:
         e.causal = site.causal if site.causal is not None else ("BottomRight" if site.window else None)
