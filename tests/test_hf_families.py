@@ -575,12 +575,17 @@ HYBRIDS = {
                                                           num_experts_per_tok=1)),
     "bamba": ("BambaConfig", dict(attn_layer_indices=[1])),
     "jamba": ("JambaConfig", dict(attn_layer_period=2, attn_layer_offset=1, num_experts=1, use_mamba_kernels=False)),
+    # gated delta-rule layers (Qwen3.5, LaraMini) and short convolutions (LFM3) before the attention layer
+    "qwen3_5": ("Qwen3_5TextConfig", dict(head_dim=HEAD_DIM, layer_types=["linear_attention", "full_attention"])),
+    "lfm3": ("Lfm3Config", dict(layer_types=["conv", "full_attention"], pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "lara_mini": ("LaraMiniConfig", dict(layer_types=["linear_attention", "full_attention"], eos_token_id=2)),
 }
 
 
 @pytest.mark.parametrize("family", list(HYBRIDS))
 def test_hybrid_decoders_attention_layers_offloaded(family):
-    """Qwen3-Next, Granite 4 (MoE hybrid), Bamba, Jamba through the fixes convert map (prefill without a cache):
+    """Qwen3-Next, Granite 4 (MoE hybrid), Bamba, Jamba, Qwen3.5, LFM3, LaraMini through the fixes convert map
+    (prefill without a cache):
     the float32 import computes eager's logits; the one attention layer is reported and offloaded on its 2 K/V
     heads, the recurrent layers stay TVM's, and the rewritten graph computes the fp16 graph's logits."""
     model = _drawn_model(*HYBRIDS[family], std=0.05)
@@ -596,6 +601,16 @@ def test_hybrid_decoders_attention_layers_offloaded(family):
     # the rewrite computes what the fp16 graph does (Qwen3-Next's own fp16 graph is ~1 off eager's logits:
     # its gated delta rule in fp16, not the attention)
     G.rewritten_on_cpu(imp.mod, [inputs[0], *imp.params], rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_hybrid_decoder_with_a_cache_fails_naming_the_fix(mode):
+    """With a cache (the default, and any decode) a hybrid's recurrent cache layers hold no K/V: import_hf
+    says so and names the cache-less prefill, instead of failing inside transformers' cache."""
+    model = _drawn_model("Qwen3_5TextConfig", dict(head_dim=HEAD_DIM, layer_types=["linear_attention", "full_attention"]),
+                         std=0.05)
+    with pytest.raises(ValueError, match=r"hybrid decoder: its cache layers 0 \(LinearAttentionLayer\).*use_cache=False"):
+        hf.import_hf(model, mode=mode, batch=1, seq_len=12, past_len=6, convert="fixes")
 
 
 @pytest.mark.parametrize("mode", ["prefill", "decode"])

@@ -285,6 +285,25 @@ def params_from_hf(model, param_spec) -> list[np.ndarray]:
     return params_by_name(param_spec, get)
 
 
+def _require_kv_cache_layers(model):
+    """A clear error for a hybrid decoder (Qwen3-Next, Qwen3.5, LFM3, Bamba, Jamba, Granite 4): its cache
+    holds recurrent state for its Mamba / linear-attention / convolution layers, not K/V, so the cached
+    export (K/V in and out per layer) cannot be made; its prefill imports without a cache."""
+    from transformers import DynamicCache
+
+    try:
+        layers = DynamicCache(config=model.config).layers
+    except Exception:  # noqa: BLE001 - a config this cache cannot read: the export says what is wrong
+        return
+    recurrent = [f"{i} ({type(layer).__name__})" for i, layer in enumerate(layers) if not hasattr(layer, "keys")]
+    if recurrent:
+        raise ValueError(
+            f"{type(model).__name__} is a hybrid decoder: its cache layers {', '.join(recurrent[:4])}"
+            f"{' ...' if len(recurrent) > 4 else ''} hold recurrent state, not K/V, which import_hf's cached "
+            "export (K/V in and out per layer) cannot carry; import its prefill without a cache: "
+            "import_hf(model, mode='prefill', use_cache=False, convert='fixes')")
+
+
 def _seed_cache(cache):
     """Make the first ``update`` of every layer of a fresh ``DynamicCache`` store the given K/V as
     they are, instead of concatenating them onto HF's lazy 1-D ``torch.tensor([])``: TVM's frontend
@@ -499,6 +518,8 @@ def import_hf(
     n_layers = cfg.num_hidden_layers
     if cache not in ("dynamic", "static"):
         raise ValueError(f"cache must be 'dynamic' or 'static', got {cache!r}")
+    if (use_cache or mode == "decode") and cache == "dynamic":
+        _require_kv_cache_layers(model)
     wrapper = export_wrapper(model, mode, n_layers, use_cache, seed_cache=convert == "standard").eval()
     past_lens = [past_len] * n_layers if isinstance(past_len, int) else [int(n) for n in past_len]
     if len(past_lens) != n_layers:
