@@ -17,8 +17,8 @@ from tvm.ir.expr import Constant
 from mqa_byoc.compiler.graph import masks
 from mqa_byoc.compiler.graph import sinks as sink_forms
 from mqa_byoc.compiler.graph.site import AttentionSite, common_checks, seq_len, trace_fused_operands
-from mqa_byoc.compiler.graph.trace import (REPEAT, SINGLE_HEAD, TILE, Bindings, Traced, as_int, op_name, product,
-                                          prove_equal, shape_of, trace)
+from mqa_byoc.compiler.graph.trace import (REPEAT, SINGLE_HEAD, TILE, Bindings, Traced, as_int, dims_equal, op_name,
+                                          product, prove_equal, shape_of, trace)
 from mqa_byoc.compiler.graph.varlen import var_len_site
 
 _ELEMENTWISE_BETWEEN = (
@@ -199,7 +199,7 @@ def _is_batch_view(value) -> bool:
     if a is None or b is None or len(a) < 2 or len(b) < 2:
         return False
     if name == "relax.broadcast_to":
-        return len(a) == len(b) and all(prove_equal(x, y) for x, y in zip(a, b))
+        return dims_equal(a, b)
     return prove_equal(a[-1], b[-1]) and prove_equal(a[-2], b[-2]) and prove_equal(
         product(a[:-2]), product(b[:-2]))
 

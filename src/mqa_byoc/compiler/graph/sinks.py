@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from tvm import relax
 
 from mqa_byoc.compiler.graph.exprs import op_name
-from mqa_byoc.compiler.graph.trace import as_int, prove_equal, shape_of
+from mqa_byoc.compiler.graph.trace import as_int, dims_equal, prove_equal, shape_of
 
 # ops a softmax's probabilities may pass on their way to P@V without being a new computation
 _PROB_PLUMBING = ("relax.astype", "relax.reshape", "relax.broadcast_to", "relax.permute_dims",
@@ -316,10 +316,6 @@ class SinkScaling:
     sinks: SinkLogits
 
 
-def _dims_equal(a, b) -> bool:
-    return len(a) == len(b) and all(prove_equal(x, y) for x, y in zip(a, b))
-
-
 def _unit_view(value) -> bool:
     """A reshape / squeeze / expand_dims that only adds or drops axes of size 1 (the other axes keep
     their order), or a cast between float dtypes: the values stay where they were."""
@@ -331,7 +327,7 @@ def _unit_view(value) -> bool:
     src, out = shape_of(value.args[0]), shape_of(value)
     if src is None or out is None:
         return False
-    return _dims_equal([d for d in src if as_int(d) != 1], [d for d in out if as_int(d) != 1])
+    return dims_equal([d for d in src if as_int(d) != 1], [d for d in out if as_int(d) != 1])
 
 
 def _strip_unit_views(expr, bindings):
@@ -378,7 +374,7 @@ def _log_sum_exp_input(expr, bindings):
         scores, c = diff.args
         c_shape, s_shape = shape_of(c), shape_of(scores)
         if (c_shape is None or s_shape is None or len(c_shape) != len(s_shape) or as_int(c_shape[-1]) != 1
-                or not _dims_equal(c_shape[:-1], s_shape[:-1])):
+                or not dims_equal(c_shape[:-1], s_shape[:-1])):
             continue  # not one shift per row
         if _strip_unit_views(shift, bindings).same_as(_strip_unit_views(c, bindings)):
             return scores
@@ -422,7 +418,7 @@ def sink_scaling(var, value, bindings):
         if out is None or scale_shape is None or out_shape is None:
             continue
         # the scale is one value per (batch, head, row), broadcast over the head dim, nothing else
-        if not (_dims_equal(scale_shape, [*t_shape[:3], 1]) and _dims_equal(out_shape, shape_of(o_side))):
+        if not (dims_equal(scale_shape, [*t_shape[:3], 1]) and dims_equal(out_shape, shape_of(o_side))):
             continue
         return SinkScaling(var, out, scores, SinkLogits(source, as_int(t_shape[1])))
     return None
@@ -432,7 +428,7 @@ def _attention_output(expr, rows, bindings):
     """The matmul var ``expr`` (B, H, S_q, D) comes from through casts and the reshape of (B*H, S_q, D) with
     ``rows`` = (B, H, S_q); else None."""
     shape = shape_of(expr)
-    if shape is None or len(shape) != 4 or not _dims_equal(shape[:3], rows):
+    if shape is None or len(shape) != 4 or not dims_equal(shape[:3], rows):
         return None
     for _ in range(6):
         value = bindings.get(expr)
@@ -443,7 +439,7 @@ def _attention_output(expr, rows, bindings):
             expr = value.args[0]
         elif name == "relax.reshape":
             src = shape_of(value.args[0])
-            if src is None or len(src) != 3 or not _dims_equal(src, [rows[0] * rows[1], rows[2], shape[3]]):
+            if src is None or len(src) != 3 or not dims_equal(src, [rows[0] * rows[1], rows[2], shape[3]]):
                 return None
             expr = value.args[0]
         else:

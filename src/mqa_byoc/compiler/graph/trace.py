@@ -56,6 +56,11 @@ def prove_equal(a, b) -> bool:
                                      tirx.const(b, "int64") if isinstance(b, int) else b)
 
 
+def dims_equal(a, b) -> bool:
+    """Two shapes (lists of dims) provably equal; False when either is None."""
+    return a is not None and b is not None and len(a) == len(b) and all(prove_equal(x, y) for x, y in zip(a, b))
+
+
 def as_int(x):
     return int(x) if isinstance(x, (int, tirx.IntImm)) else None
 

@@ -26,6 +26,7 @@ from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from mqa_byoc.compiler.graph.exprs import binding_readers, binding_values, op_name
+from mqa_byoc.compiler.graph.trace import dims_equal
 
 __all__ = ["CollapseViewChains", "UnfoldMatmulRows", "collapsed_view"]
 
@@ -189,17 +190,11 @@ class _Collapse(PyExprMutator):
         out = _dims(binding.var)
         if axes is not None:
             x = relax.op.permute_dims(x, axes)
-            if not _same_dims(_dims(self.builder_.normalize(x)), out):
+            if not dims_equal(_dims(self.builder_.normalize(x)), out):
                 x = relax.op.reshape(self.builder_.emit(x), out)
         else:
             x = relax.op.reshape(x, out)
         self.builder_.emit_normalized(relax.VarBinding(binding.var, self.builder_.normalize(x)))
-
-
-def _same_dims(a, b) -> bool:
-    from mqa_byoc.compiler.graph.trace import prove_equal
-
-    return a is not None and b is not None and len(a) == len(b) and all(prove_equal(x, y) for x, y in zip(a, b))
 
 
 def _units(expr) -> int:
@@ -387,13 +382,13 @@ class _Unfold(PyExprMutator):
         x, x_dims, cast, b, k, out_dtype = plan
         shared = self.builder_.emit(self._shared(b, x_dims[:k], len(x_dims) - 1 - k))
         lhs = self.visit_expr(x)
-        if not _same_dims(_dims(x), x_dims):  # an axis N and M share, split
+        if not dims_equal(_dims(x), x_dims):  # an axis N and M share, split
             lhs = self.builder_.emit(relax.op.reshape(lhs, x_dims))
         if cast is not None:
             lhs = self.builder_.emit(relax.op.astype(lhs, cast))
         y = relax.op.matmul(lhs, shared, out_dtype=out_dtype)
         out = _dims(binding.var)  # the reader's reshape: of the unfolded result as of the folded one
-        if not _same_dims(x_dims[:-1] + [_dims(b)[2]], out):
+        if not dims_equal(x_dims[:-1] + [_dims(b)[2]], out):
             y = relax.op.reshape(self.builder_.emit(y), out)
         self.builder_.emit_normalized(relax.VarBinding(binding.var, self.builder_.normalize(y)))
 
