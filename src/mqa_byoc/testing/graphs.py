@@ -918,7 +918,7 @@ def sink_chain(h=8, hkv=2, d=64, s=16, s_kv=None, b=1, dtype=F16, window=None, c
                 mask = bb.emit(R.where(hidden, relax.const(fmin, f32), relax.const(0.0, f32)))
                 sc = bb.emit(R.add(sc, R.reshape(mask, [1, 1, s_, skv_])))
             if sink_at == "output":
-                scale = _sink_output_scale(bb, sc if mismatch != "unmasked" else unmasked, sinks, h, lse, mismatch)
+                scale = sink_output_scale(bb, sc if mismatch != "unmasked" else unmasked, sinks, h, lse, mismatch)
             elif score_mod is None:
                 col = bb.emit(R.broadcast_to(R.reshape(sinks, [1, h, 1, 1]), [b, h, s_, 1]))
                 if sinks_dtype != f32:
@@ -942,17 +942,21 @@ def sink_chain(h=8, hkv=2, d=64, s=16, s_kv=None, b=1, dtype=F16, window=None, c
     return _finish(bb)
 
 
-def _sink_output_scale(bb, sc, sinks, h, lse, mismatch):
-    """``sigmoid(logsumexp(sc, -1) - sinks_h)[..., None]`` (B, H, S_q, 1) as GraniteSWA's eager code exports
-    (``sink_chain``'s ``sink_at="output"``)."""
-    f32 = "float32"
+def sink_output_scale(bb, logits, sinks, h, lse="torch", mismatch=None):
+    """``sigmoid(logsumexp(logits, -1) - sinks_h)[..., None]`` (B, H, S_q, 1), float32, as GraniteSWA's eager
+    code exports it (``sink_chain``'s ``sink_at="output"``, the fuzzer's ``Site.sink_at``): the log-sum-exp
+    in the logits' dtype ("torch": torch's decomposition; "plain": ``log(sum(exp))``), then float32;
+    ``mismatch`` as ``sink_chain`` says."""
+    f32, dt = "float32", str(logits.ty.dtype)
     if lse == "torch":
-        m = bb.emit(R.max(sc, axis=-1, keepdims=True))
-        m = bb.emit(R.where(R.equal(R.abs(m), relax.const(float("inf"), f32)), relax.const(0.0, f32), m))
-        total = bb.emit(R.sum(R.exp(bb.emit(R.subtract(sc, m))), axis=-1))
+        m = bb.emit(R.max(logits, axis=-1, keepdims=True))
+        m = bb.emit(R.where(R.equal(R.abs(m), relax.const(float("inf"), dt)), relax.const(0.0, dt), m))
+        total = bb.emit(R.sum(R.exp(bb.emit(R.subtract(logits, m))), axis=-1))
         out = bb.emit(R.add(R.log(total), R.squeeze(m, axis=[-1])))
     else:
-        out = bb.emit(R.log(R.sum(R.exp(sc), axis=-1)))
+        out = bb.emit(R.log(R.sum(R.exp(logits), axis=-1)))
+    if dt != f32:
+        out = bb.emit(R.astype(out, f32))
     if mismatch == "rows":
         per_head = bb.emit(R.reshape(R.astype(sinks, f32), [1, 1, h]))
     else:

@@ -17,6 +17,7 @@ from tvm import relax, tirx
 from tvm.ir.expr import Constant
 from tvm.relax import op as R
 
+from ..graphs import sink_output_scale
 from .gen import GraphSpec, KVGroup, Site
 
 try:
@@ -318,16 +319,10 @@ class _SiteEmitter:
         return o
 
     def _sink_output(self, i, site, logits, o):
-        """``o * sigmoid(logsumexp(logits) - sink)`` as GraniteSWA exports it (torch's log-sum-exp
-        decomposition), in float32, cast back; the multiply is the site's root when it is offloaded."""
+        """``o * sigmoid(logsumexp(logits) - sink)`` in float32, cast back; the multiply is the site's root
+        when it is offloaded."""
         bb, f32 = self.bb, "float32"
-        dt = str(logits.ty.dtype)
-        m = bb.emit(R.max(logits, axis=-1, keepdims=True))
-        m = bb.emit(R.where(R.equal(R.abs(m), _const(float("inf"), dt)), _const(0.0, dt), m))
-        total = bb.emit(R.sum(R.exp(bb.emit(R.subtract(logits, m))), axis=-1))
-        lse = bb.emit(R.astype(R.add(R.log(total), R.squeeze(m, axis=[-1])), f32))
-        sink = bb.emit(R.reshape(R.astype(self.sinks[i], f32), [1, site.h, 1]))
-        scale = bb.emit(R.expand_dims(R.sigmoid(bb.emit(R.subtract(lse, sink))), axis=[-1]))
+        scale = sink_output_scale(bb, logits, self.sinks[i], site.h)
         out = bb.emit(R.multiply(bb.emit(R.astype(o, f32)), scale), name_hint=f"root{i}_sink")
         return bb.emit(R.astype(out, str(o.ty.dtype)))
 
