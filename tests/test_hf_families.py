@@ -646,3 +646,54 @@ def test_gpt1_multiplicative_mask_is_rejected_naming_it():
     report = offload_report(imp.mod)
     assert len(report) == LAYERS
     assert all(not s.offloaded and "0/1 mask multiplied in" in s.reason for s in report), [s.reason for s in report]
+
+
+def _deepseek_v4(layer_types, head_dim=HEAD_DIM):
+    """A small DeepSeek-V4: one shared K=V head (MQA), a learned sink per head, the given attention layers
+    (a 8-key sliding window; the compressed layers pool every 4 / 8 positions), its clamped SwiGLU."""
+    cls = getattr(transformers, "DeepseekV4Config", None)
+    if cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no DeepseekV4Config")
+    cfg = cls(hidden_size=128, num_attention_heads=HEADS, num_key_value_heads=1, head_dim=head_dim, q_lora_rank=64,
+              o_groups=2, o_lora_rank=32, vocab_size=128, num_hidden_layers=len(layer_types), layer_types=layer_types,
+              compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+              sliding_window=WINDOW, index_n_heads=4, index_head_dim=16, index_topk=3, n_routed_experts=2,
+              num_experts_per_tok=1, moe_intermediate_size=64, intermediate_size=128, qk_rope_head_dim=16,
+              max_position_embeddings=256, num_nextn_predict_layers=0, experts_implementation="batched_mm")
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # sinks that move the softmax (HF initializes them to zero)
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(0.0, 1.0)
+    return model
+
+
+def test_deepseek_v4_sliding_layers_offloaded_with_sinks_compressed_layers_rejected():
+    """DeepSeek-V4 through the standard path (float32 model, fixes map, ``ToMixedPrecision``; the map's
+    ``clamp`` lets mixed precision through its clamped SwiGLU): the sliding-window layer (one K=V head, sinks)
+    is offloaded as the sink composite on its one K/V head with its window; the compressed sparse layer's
+    keys are picked by its indexer's top-k (rejected naming the selection and the indexer's weight); the
+    heavily compressed layer appends pooled entries under a block mask (rejected: not a causal, window or
+    chunked mask). A 24-token prompt, longer than the window and several pooling blocks: the rewritten graph
+    computes the graph's and eager's logits."""
+    model = _deepseek_v4(["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"])
+    imp = hf.import_hf(model, mode="prefill", seq_len=24, use_cache=False, convert="fixes", mixed_precision=True)
+    sliding, sparse, pooled = offload_report(imp.mod)
+    assert (sliding.offloaded, sliding.composite, sliding.num_q_heads, sliding.num_kv_heads, sliding.window) == (
+        True, COMPOSITE_MQA_SINK, HEADS, 1, WINDOW), sliding.reason
+    assert not sparse.offloaded and "R.topk" in sparse.reason and "indexer" in sparse.reason, sparse.reason
+    assert not pooled.offloaded and "not a causal, sliding-window or chunked mask" in pooled.reason, pooled.reason
+    ids = np.random.default_rng(1).integers(0, 128, (1, 24))
+    got = G.rewritten_on_cpu(imp.mod, [ids, *imp.params], rtol=5e-2, atol=5e-2)
+    np.testing.assert_allclose(got, imp.reference(ids), rtol=5e-2, atol=5e-2)
+
+
+def test_deepseek_v4_head_dim_512_rejected_with_the_reason():
+    """DeepSeek-V4's released head dim (512) is beyond every provider's kernels: its sliding layer is reported
+    and stays in the graph with a reason naming the head dim."""
+    model = _deepseek_v4(["sliding_attention"], head_dim=512)
+    imp = hf.import_hf(model, mode="prefill", seq_len=12, use_cache=False, convert="fixes", mixed_precision=True)
+    (site,) = offload_report(imp.mod)
+    assert not site.offloaded and site.head_dim == 512 and "head dim 512" in site.reason, site.reason

@@ -588,6 +588,40 @@ def test_fixes_map_clamps_integers_on_one_side_and_takes_amax(hf):
     np.testing.assert_allclose(G.run_llvm(mod, [x.numpy()]), Extremes()(x).numpy(), rtol=1e-6, atol=1e-6)
 
 
+def test_fixes_map_clamps_floats_so_that_mixed_precision_applies(hf):
+    """A float ``clamp`` of a matmul's output (DeepSeek-V4's SwiGLU limit): the frontend's ``clip`` carries
+    float64 ``PrimValue`` bounds and ``ToMixedPrecision`` fails on them; the map's ``maximum`` / ``minimum`` of
+    constants import, pass it, and compute torch's clamp (both sides, one side, bounds crossed)."""
+    torch = pytest.importorskip("torch")
+    from tvm import relax
+    from tvm.relax.frontend.torch import from_exported_program
+
+    from mqa_byoc.testing import graphs as G
+
+    class SwiGluLimit(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 32)
+
+        def forward(self, x):
+            g = self.proj(x)
+            return g.clamp(max=0.5) * g.clamp(-0.25, 0.25) + g.clamp(min=-0.1) + g.clamp(0.3, -0.3)
+
+    torch.manual_seed(0)
+    model, x = SwiGluLimit().eval(), torch.randn(4, 16)
+    ep = torch.export.export(model, (x,))
+    mixed = relax.transform.ToMixedPrecision(out_dtype="float16")
+    with pytest.raises(Exception, match="Expected TensorType, but got T.float64"):
+        mixed(from_exported_program(ep))
+    mod = from_exported_program(ep, custom_convert_map=hf.fixes_convert_map())
+    assert "R.clip" not in mod.script()
+    params = [p.detach().numpy() for p in model.parameters()]
+    want = model(x).detach().numpy()
+    np.testing.assert_allclose(G.run_llvm(mod, [x.numpy()]), want, rtol=1e-6, atol=1e-6)
+    mod = from_exported_program(ep, custom_convert_map=hf.fixes_convert_map(), keep_params_as_input=True)
+    np.testing.assert_allclose(G.run_llvm(mixed(mod), [x.numpy(), *params]), want, rtol=0, atol=2e-2)
+
+
 def test_fixes_map_computes_complex_rotary_and_refuses_other_complex_ops(hf):
     """A complex rotary embedding (Llama 4's and DeepSeek-V2's form: ``view_as_complex`` of pairs times
     ``polar(1, angles)``, unsqueezed at a negative axis, times a real scale, ``view_as_real``) computes torch's

@@ -45,8 +45,8 @@ def fixes_convert_map() -> dict:
 
     The rest, each in its converter's docstring: ``div.Tensor_mode`` of an integer tensor by a number
     (:func:`_div_mode`), float results of integer tensors (``div``, ``log``, ...: :func:`_float_of_integers`),
-    ``full`` / ``full_like`` of ``-inf`` (:func:`_full_of_inf`), ``topk(sorted=False)`` (:func:`_topk`), a
-    one-sided ``clamp`` of an integer tensor (:func:`_clamp`), ``amax`` / ``amin`` (:func:`_reduce`) and
+    ``full`` / ``full_like`` of ``-inf`` (:func:`_full_of_inf`), ``topk(sorted=False)`` (:func:`_topk`),
+    ``clamp`` with constant bounds (:func:`_clamp`), ``amax`` / ``amin`` (:func:`_reduce`) and
     complex arithmetic (:func:`_complex_converters`).
     """
     from tvm import relax, tirx
@@ -128,21 +128,31 @@ def fixes_convert_map() -> dict:
 
 
 def _clamp(node, importer):
-    """``clamp`` of an integer tensor with one bound (``positions.clamp(min=0)``) as ``maximum`` / ``minimum``:
-    the frontend's ``clip`` fills the missing bound with infinity, which an integer ``clip`` cannot legalize
-    ("Cannot convert infinity to BigInt": the graph builds for no target). Other forms: the frontend's."""
+    """``clamp`` with constant bounds as ``maximum`` / ``minimum`` of constants in the tensor's type. The
+    frontend's ``clip`` carries its bounds as float64 ``PrimValue`` operands: ``ToMixedPrecision`` fails on
+    them ("Expected TensorType, but got T.float64" where a matmul feeds the clamp: DeepSeek-V4's clamped SwiGLU), and a
+    missing bound becomes infinity, which an integer ``clip`` cannot legalize ("Cannot convert infinity to
+    BigInt": ``positions.clamp(min=0)`` builds for no target). ``min(max(x, low), high)`` is torch's
+    ``clamp`` (``high`` wins where ``low > high``). Tensor bounds and other forms: the frontend's."""
     from tvm import relax
 
     args = importer.retrieve_args(node)
     x = args[0]
     low = args[1] if len(args) > 1 else node.kwargs.get("min")
     high = args[2] if len(args) > 2 else node.kwargs.get("max")
-    if not (isinstance(x, relax.Expr) and str(x.ty.dtype).startswith(("int", "uint"))
-            and (low is None) != (high is None) and isinstance(low if high is None else high, int)):
+    bounds = [b for b in (low, high) if b is not None]
+    dtype = str(getattr(getattr(x, "ty", None), "dtype", ""))
+    integer = dtype.startswith(("int", "uint"))
+    if (not isinstance(x, relax.Expr) or not bounds or not dtype
+            or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds)
+            or (integer and not all(isinstance(b, int) for b in bounds))):
         return importer._clamp(node)
-    bound = relax.const(low if high is None else high, str(x.ty.dtype))
-    op = relax.op.maximum if high is None else relax.op.minimum
-    return importer.block_builder.emit(op(x, bound))
+    out = x
+    if low is not None:
+        out = importer.block_builder.emit(relax.op.maximum(out, relax.const(low, dtype)))
+    if high is not None:
+        out = importer.block_builder.emit(relax.op.minimum(out, relax.const(high, dtype)))
+    return out
 
 
 def _reduce(node, importer, *, op: str):
