@@ -697,3 +697,23 @@ def test_deepseek_v4_head_dim_512_rejected_with_the_reason():
     imp = hf.import_hf(model, mode="prefill", seq_len=12, use_cache=False, convert="fixes", mixed_precision=True)
     (site,) = offload_report(imp.mod)
     assert not site.offloaded and site.head_dim == 512 and "head dim 512" in site.reason, site.reason
+
+
+def test_hidden_state_relative_bias_is_rejected_as_a_bias_not_a_selection():
+    """Inkling adds a relative-position bias conditioned on the hidden states: each token mixes a learned bank
+    of bias-by-distance profiles (``rel_logits_proj``) and the scores gather it by query-key distance. That is a
+    data-dependent score bias, which no kernel takes: through the fixes map (its ``amax``, its short convolutions'
+    cache-less prefill) every layer is reported and stays, the reason naming the
+    gather and the weight, and not calling it a key selection (sparse attention's top-k)."""
+    model = _drawn_model("InklingTextConfig", dict(
+        head_dim=HEAD_DIM, swa_num_attention_heads=HEADS, swa_num_key_value_heads=KV_HEADS, swa_head_dim=HEAD_DIM,
+        sliding_window_size=WINDOW, d_rel=4, rel_extent=16, layer_types=["hybrid_sliding", "hybrid"],
+        mlp_layer_types=["sparse"] * LAYERS, n_routed_experts=2, num_experts_per_tok=1, n_shared_experts=1,
+        moe_intermediate_size=64), std=0.02)
+    imp = hf.import_hf(model, mode="prefill", seq_len=12, use_cache=False, convert="fixes", mixed_precision=True)
+    report = offload_report(imp.mod)
+    assert len(report) == LAYERS
+    for layer, site in enumerate(report):
+        assert not site.offloaded and "data-dependent" in site.reason, site.reason
+        assert "read per query and key position (R.gather_elements)" in site.reason, site.reason
+        assert f"layers_{layer}_self_attn_rel_logits_proj" in site.reason and "selects keys" not in site.reason

@@ -379,9 +379,15 @@ _SELECTIONS = frozenset({"relax.topk", "relax.argsort", "relax.sort", "relax.arg
                          "relax.scatter_nd", "relax.gather_elements", "relax.one_hot"})
 
 
+#: of those, the ones that read values at computed positions: alone they gather a bias (a relative-position
+#: table indexed by distance), they select no keys
+_READS = frozenset({"relax.gather_elements"})
+
+
 def _learned_mask_reason(expr, bindings: Bindings, first) -> str:
     """Why a mask computed from model weights stays: the weight nearest to the mask (not the first one a
-    depth-first walk meets, often a norm of the hidden states) and the ops that select keys by value."""
+    depth-first walk meets, often a norm of the hidden states) and the ops that select keys by value (sparse
+    attention), or, where the only such op gathers, that it reads a bias per position."""
     nearest, selections, seen, frontier = None, [], set(), [expr]
     while frontier and nearest is None:
         nxt = []
@@ -404,6 +410,11 @@ def _learned_mask_reason(expr, bindings: Bindings, first) -> str:
             nxt += list(_children(b.value))
         frontier = nxt
     weight = (first if nearest is None else nearest).name
+    if selections and all(n in _READS for n in selections):
+        reads = ", ".join(n.replace("relax.", "R.") for n in selections)
+        return (f"the mask is a learned score bias read per query and key position ({reads}) from values computed "
+                f"with the model weight '{weight}' (e.g. a relative-position bias conditioned on the hidden states, "
+                "data-dependent): the kernels take causal and sliding-window masks they can read off the graph")
     if selections:
         return (f"the mask selects keys by value ({', '.join(n.replace('relax.', 'R.') for n in selections)}) from "
                 f"scores computed with the model weight '{weight}' (sparse attention, data-dependent): the kernels "
