@@ -717,3 +717,54 @@ def test_hidden_state_relative_bias_is_rejected_as_a_bias_not_a_selection():
         assert not site.offloaded and "data-dependent" in site.reason, site.reason
         assert "read per query and key position (R.gather_elements)" in site.reason, site.reason
         assert f"layers_{layer}_self_attn_rel_logits_proj" in site.reason and "selects keys" not in site.reason
+
+
+def _gemma4(num_kv_shared_layers=2, global_head_dim=64):
+    """A small Gemma 4: sliding (8-key window, GQA 8/2, head dim 32) and global layers (K = V, one K/V head,
+    their own head dim), RMS-normed q / k / v and a softmax scale of 1; the last ``num_kv_shared_layers``
+    layers reuse the K/V of the last earlier layer of their type and cache nothing."""
+    cls = getattr(transformers, "Gemma4TextConfig", None)
+    if cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma4TextConfig")
+    cfg = cls(**{**_SIZES, "num_hidden_layers": 4}, head_dim=HEAD_DIM, sliding_window=WINDOW,
+              layer_types=["sliding_attention", "full_attention"] * 2, global_head_dim=global_head_dim,
+              num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=num_kv_shared_layers,
+              hidden_size_per_layer_input=0, pad_token_id=0)
+    cfg._attn_implementation = "eager"
+    return hf.build_hf_model(cfg, std=0.05)
+
+
+def test_gemma4_kv_shared_layers_export_and_are_offloaded():
+    """Gemma 4 with KV sharing: the cached exports take and return the K/V of the two layers that compute
+    them (the sharing layers cache nothing), and a decode step after a prompt longer than the window gives
+    a longer prefill's last logits. Every layer is offloaded on its own heads, window and scale 1, the
+    sharing ones on the K/V of the layer they reuse, prefill and decode."""
+    model = _gemma4()
+    assert hf.cached_layers(model) == [0, 1]
+    seen = 12
+    lens = hf.decode_past_lengths(model.config, seen)
+    ids = torch.randint(0, 128, (1, seen + 1), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        past = hf.export_wrapper(model, "prefill", 4, True)(ids[:, :seen])[1:]
+        assert [tuple(p.shape) for p in past] == [(1, KV_HEADS, WINDOW - 1, HEAD_DIM)] * 2 + [(1, 1, seen, 64)] * 2
+        step = hf.export_wrapper(model, "decode", 4, True)(ids[:, seen:], *past)[0]
+        longer = hf.export_wrapper(model, "prefill", 4, True)(ids)[0][:, -1:]
+    np.testing.assert_allclose(step.numpy(), longer.numpy(), rtol=1e-5, atol=1e-5)
+    for mode in ("prefill", "decode"):  # decode: the sliding layers' 7 past keys and the new one fit the window
+        window = WINDOW if mode == "prefill" else None
+        want = [(True, HEADS, KV_HEADS, HEAD_DIM, window, 1.0), (True, HEADS, 1, 64, None, 1.0)] * 2
+        imp = hf.import_hf(model, mode=mode, seq_len=seen, past_len=lens, convert="fixes", mixed_precision=True)
+        report = offload_report(imp.mod)
+        assert [(s.offloaded, s.num_q_heads, s.num_kv_heads, s.head_dim, s.window, s.scale) for s in report] == want, \
+            [s.reason for s in report]
+        assert len(imp.mod["main"].params) == 1 + (4 if mode == "decode" else 0) + len(imp.params)
+
+
+def test_gemma4_global_head_dim_512_rejected_with_the_reason():
+    """Gemma 4's released global layers have head dim 512, beyond every provider's kernels: they stay in the
+    graph with the reason; its sliding layers (head dim 32 here, 256 released) are offloaded."""
+    imp = hf.import_hf(_gemma4(num_kv_shared_layers=0, global_head_dim=512), mode="prefill", seq_len=12,
+                       convert="fixes", mixed_precision=True)
+    report = offload_report(imp.mod)
+    assert [s.offloaded for s in report] == [True, False] * 2, [s.reason for s in report]
+    assert all("head dim 512" in s.reason for s in report[1::2]), [s.reason for s in report]

@@ -325,25 +325,34 @@ def _seed_cache(cache):
         layer.update = first_update
 
 
-def cache_layer_shapes(model) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+def cache_layer_shapes(model) -> list[tuple[tuple[int, int], tuple[int, int]] | None]:
     """Per layer, ``((heads, head dim) of its keys, (heads, head dim) of its values)`` as the model's
     ``DynamicCache`` holds them, read off a one-token forward: :func:`.hf_config.cache_heads_and_dim`
     twice for most decoders; what multi-head latent attention caches (DeepSeek-V3, MiniCPM3: one head of
-    the compressed latent and one of the rotary key part, of different widths) is the model's own choice."""
+    the compressed latent and one of the rotary key part, of different widths) is the model's own choice.
+    None for a layer whose cache holds nothing: it attends to another layer's K/V (Gemma 4's KV-shared
+    layers, ``num_kv_shared_layers``), which the exports then neither take nor return."""
     torch = _torch()
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=torch.zeros(1, 1, dtype=torch.long), past_key_values=cache, use_cache=True)
-    return [((layer.keys.shape[1], layer.keys.shape[3]), (layer.values.shape[1], layer.values.shape[3]))
+    return [None if getattr(layer, "keys", None) is None else
+            ((layer.keys.shape[1], layer.keys.shape[3]), (layer.values.shape[1], layer.values.shape[3]))
             for layer in cache.layers[:model.config.num_hidden_layers]]
 
 
+def cached_layers(model) -> list[int]:
+    """The layers whose K/V the cached exports take and return (:func:`cache_layer_shapes` not None), in
+    order: every layer but those that reuse another layer's K/V."""
+    return [i for i, shapes in enumerate(cache_layer_shapes(model)) if shapes is not None]
+
+
 def _past_shapes(model, batch: int, past_lens) -> list[tuple[int, int, int, int]]:
-    """The decode inputs' cache shapes, (B, heads, S_past, D), K then V of each layer."""
+    """The decode inputs' cache shapes, (B, heads, S_past, D), K then V of each cached layer."""
     return [(batch, heads, past_lens[i], dim) for i, layer in enumerate(cache_layer_shapes(model))
-            for heads, dim in layer]
+            if layer is not None for heads, dim in layer]
 
 
 def sliding_layers(config) -> list[int | None]:
@@ -382,6 +391,13 @@ def export_wrapper(model, mode: str, num_layers: int, use_cache: bool, seed_cach
     from transformers import DynamicCache
 
     full = hybrid_full_layer(model.config)
+    # decode takes the cached layers' K/V only (a KV-shared layer reads another's); a prefill returns those
+    stored = cached_layers(model) if mode == "decode" else None
+    if stored is not None:
+        stored = [i for i in stored if i < num_layers]
+        if full is not None:  # a cached full-attention layer gives the tokens seen
+            windows = sliding_layers(model.config)
+            full = next((j for j, i in enumerate(stored) if windows[i] is None), None)
 
     class Prefill(torch.nn.Module):
         def __init__(self):
@@ -397,7 +413,8 @@ def export_wrapper(model, mode: str, num_layers: int, use_cache: bool, seed_cach
             out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
             res = [out.logits]
             for i in range(num_layers):
-                res += [cache.layers[i].keys, cache.layers[i].values]
+                if cache.layers[i].keys is not None:  # None: a KV-shared layer, which caches nothing
+                    res += [cache.layers[i].keys, cache.layers[i].values]
             return tuple(res)
 
     class Decode(torch.nn.Module):
@@ -409,8 +426,8 @@ def export_wrapper(model, mode: str, num_layers: int, use_cache: bool, seed_cach
             cache = DynamicCache(config=self.model.config)
             if seed_cache:
                 _seed_cache(cache)
-            for i in range(num_layers):
-                cache.update(past[2 * i], past[2 * i + 1], i)
+            for j, i in enumerate(stored):
+                cache.update(past[2 * j], past[2 * j + 1], i)
             past_len = past[0].shape[2]
             if full is not None:  # hybrid: the tokens seen are a full-attention layer's cache length
                 past_len = past[2 * full].shape[2]
@@ -422,7 +439,7 @@ def export_wrapper(model, mode: str, num_layers: int, use_cache: bool, seed_cach
                 input_ids=input_ids, past_key_values=cache, position_ids=pos, use_cache=True
             )
             res = [out.logits]
-            for i in range(num_layers):
+            for i in stored:
                 res += [cache.layers[i].keys, cache.layers[i].values]
             return tuple(res)
 
@@ -465,7 +482,9 @@ def import_hf(
     - ``mode="decode"``: ``main(input_ids: (B, 1) int64, k_0, v_0, ..., *weights) ->
       (logits (B, 1, V), k_0', v_0', ...)``, caches ``(B, H_kv, S_past, D)``. ``past_len``: one length
       for every layer, or a sequence of per-layer lengths (a hybrid model's sliding layers hold fewer
-      positions than its full ones: :func:`decode_past_lengths`).
+      positions than its full ones: :func:`decode_past_lengths`). A layer that reuses another layer's K/V
+      (Gemma 4's ``num_kv_shared_layers``) caches nothing and has no cache input or output
+      (:func:`cached_layers`); ``past_len`` still has one entry per layer.
     - ``dynamic``: export with symbolic B and S (prefill) / S_past (decode) via
       ``torch.export.Dim``; otherwise the example sizes are baked in. The frontend records the
       Dims' ranges as ``tir_var_upper_bound`` and TVM's memory planning then allocates for the
