@@ -144,8 +144,10 @@ def test_attention_bias_op():
 
 
 def test_noop_on_mha_and_idempotent():
-    mha = gqa_module(1, 4, 4, 4, 4, 8, causal="TopLeft")
+    mha = gqa_module(1, 4, 4, 4, 4, 8)
     assert LegalizeGroupedAttention()(mha).same_as(mha)
+    causal = LegalizeGroupedAttention()(gqa_module(1, 4, 4, 4, 4, 8, causal="TopLeft"))
+    assert LegalizeGroupedAttention()(causal).same_as(causal)
     once = LegalizeGroupedAttention()(GQAScript)
     twice = LegalizeGroupedAttention()(once)
     assert twice.same_as(once)
@@ -207,3 +209,34 @@ def test_window_is_lowered_through_a_bias(sq, skv, causal, window):
     arrays = [rand(1, sq, 4, 8, seed=1), rand(1, skv, 2, 8, seed=2), rand(1, skv, 2, 8, seed=3)]
     want = G.reference_attention(*arrays, causal=causal, window=window)
     np.testing.assert_allclose(run(out, *arrays), want, atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("h, hkv", [(8, 8), (8, 1)])
+@pytest.mark.parametrize("causal", ["TopLeft", "BottomRight"])
+def test_causal_rows_far_below_zero_stay_finite(h, hkv, causal):
+    """TVM 0.27's causal lowering zeroes the masked scores and takes each row's max over them: a row whose
+    visible scores all lie far below 0 (the first query row sees one key) then exponentiates to 0 in half
+    precision and divides 0 by 0. The pass spells causal masks as a bias, so the softmax subtracts the row's
+    own max: finite, and what NumPy computes, for multi-head and grouped attention alike."""
+    s, d = 6, 16
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", relax.TensorType([1, s, h, d], "float16"))
+    k = relax.Var("k", relax.TensorType([1, s, hkv, d], "float16"))
+    v = relax.Var("v", relax.TensorType([1, s, hkv, d], "float16"))
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            o = bb.emit_output(relax.op.nn.attention(q, k, v, scale=1.0, causal_mask=causal))
+        bb.emit_func_output(o)
+    rng = np.random.default_rng(0)
+    qa = np.abs(rng.standard_normal((1, s, h, d))).astype("float16")
+    ka = -np.abs(rng.standard_normal((1, s, hkv, d))).astype("float16") * 2  # every score below -10 or so
+    va = rng.standard_normal((1, s, hkv, d)).astype("float16")
+    got = run(LegalizeGroupedAttention()(bb.get()), qa, ka, va)
+    kr, vr = (np.repeat(x.astype("float32"), h // hkv, axis=2) for x in (ka, va))
+    sc = np.einsum("bqhd,bkhd->bhqk", qa.astype("float32"), kr)
+    assert sc[..., 0, 0].max() < -8  # the first row's one visible score: exp underflows in half precision
+    sc += np.triu(np.full((s, s), -np.inf), 1)
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    want = np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), vr)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)

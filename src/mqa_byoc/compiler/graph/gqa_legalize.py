@@ -107,7 +107,8 @@ class _FindGrouped(PyExprVisitor):
 
     def visit_call_(self, op: relax.Call) -> None:
         if _attention_op_name(op) is not None and (_group_size(op) > 1 or _half_with_scale(op)
-                                                     or op.attrs.window_size is not None):
+                                                     or op.attrs.window_size is not None
+                                                     or op.attrs.causal_mask is not None):
             self.found = True
         super().visit_call_(op)
 
@@ -133,7 +134,7 @@ class _RepeatKV(PyExprMutator):
             return call
         r = _group_size(call)
         window = None if call.attrs.window_size is None else int(call.attrs.window_size)
-        if r == 1 and not _half_with_scale(call) and window is None:
+        if r == 1 and not _half_with_scale(call) and window is None and call.attrs.causal_mask is None:
             return call
         q, k, v = call.args[:3]
         if r > 1:
@@ -149,26 +150,30 @@ class _RepeatKV(PyExprMutator):
             scale = None
         bias = call.args[3] if name == "relax.nn.attention_bias" else None
         causal = attrs.causal_mask
-        if window is not None:
-            # TVM 0.27 cannot lower a window: spell it (and the causal mask it implies) as a bias
+        if window is not None or causal is not None:
+            # TVM 0.27 cannot lower a window; its causal lowering zeroes the masked scores and takes the
+            # row max over those zeros, so a row whose visible scores all lie far below 0 underflows
+            # (exp in half precision) to 0 / 0 = NaN: spell both as a bias and lower a plain softmax
             window_bias = self._window_bias(q, k, window, causal)
             bias = window_bias if bias is None else self.builder_.emit(relax.op.add(bias, window_bias))
             causal = None
         return relax.op.nn.attention(q, k, v, bias=bias, scale=scale, causal_mask=causal)
 
-    def _window_bias(self, q, k, window: int, causal) -> relax.Expr:
+    def _window_bias(self, q, k, window: int | None, causal) -> relax.Expr:
         """(1, 1, S_q, S_kv) bias: 0 where query i sees key j, a large negative value elsewhere.
 
         Bottom-right aligned like FA2 (``TopLeft`` aligns at 0): with ``i' = i + S_kv - S_q`` the
-        key j is visible when ``0 <= i' - j < window``."""
+        key j is visible when ``0 <= i' - j < window`` (``window`` None: ``0 <= i' - j``, causal)."""
         emit = self.builder_.emit
         s_q, s_kv = q.ty.shape.values[1], k.ty.shape.values[1]
         first = 0 if causal == "TopLeft" else s_kv - s_q
         rows = emit(relax.op.reshape(relax.op.arange(first, first + s_q, 1, "int64"), [s_q, 1]))
         cols = emit(relax.op.reshape(relax.op.arange(0, s_kv, 1, "int64"), [1, s_kv]))
         dist = emit(relax.op.subtract(rows, cols))
-        visible = emit(relax.op.logical_and(
-            relax.op.greater_equal(dist, relax.const(0, "int64")), relax.op.less(dist, relax.const(window, "int64"))))
+        visible = relax.op.greater_equal(dist, relax.const(0, "int64"))
+        if window is not None:
+            visible = relax.op.logical_and(visible, relax.op.less(dist, relax.const(window, "int64")))
+        visible = emit(visible)
         fill = relax.op.where(visible, relax.const(0.0, "float32"), relax.const(_MASKED_FILL, "float32"))
         bias = emit(relax.op.astype(fill, str(q.ty.dtype)))
         return emit(relax.op.reshape(bias, [1, 1, s_q, s_kv]))
@@ -190,7 +195,9 @@ class LegalizeGroupedAttention:
     """Module pass: give grouped ``R.nn.attention`` calls explicitly repeated K/V heads.
 
     Half-precision calls with an explicit scale get the scale folded into the query (TVM 0.27's
-    lowering of those produces float32 where the graph says half; see ``_half_with_scale``).
+    lowering of those produces float32 where the graph says half; see ``_half_with_scale``). Causal
+    masks and windows become a bias (TVM 0.27 lowers no window, and its causal lowering divides 0 by 0
+    on a row whose visible scores all lie far below 0; see ``_window_bias``).
 
     Every ``R.nn.attention`` / ``attention_bias`` call whose K/V have fewer heads than Q, and that is
     not inside a ``Codegen`` or ``Composite`` function, becomes
