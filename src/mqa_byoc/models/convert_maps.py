@@ -130,8 +130,8 @@ def fixes_convert_map() -> dict:
 def _clamp(node, importer):
     """``clamp`` with constant bounds as ``maximum`` / ``minimum`` of constants in the tensor's type. The
     frontend's ``clip`` carries its bounds as float64 ``PrimValue`` operands: ``ToMixedPrecision`` fails on
-    them ("Expected TensorType, but got T.float64" where a matmul feeds the clamp: DeepSeek-V4's clamped SwiGLU), and a
-    missing bound becomes infinity, which an integer ``clip`` cannot legalize ("Cannot convert infinity to
+    them where a matmul feeds the clamp ("Expected TensorType, but got T.float64": DeepSeek-V4's clamped
+    SwiGLU), and a missing bound becomes infinity, which an integer ``clip`` cannot legalize ("Cannot convert infinity to
     BigInt": ``positions.clamp(min=0)`` builds for no target). ``min(max(x, low), high)`` is torch's
     ``clamp`` (``high`` wins where ``low > high``). Tensor bounds and other forms: the frontend's."""
     from tvm import relax
