@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 from mqa_byoc import testing
@@ -210,3 +211,13 @@ def test_replaced_global_func_restores_or_removes():
         assert tvm_ffi.get_global_func(name)() == 2
     finally:
         tvm_ffi.remove_global_func(name)
+
+
+def test_as_accurate_as_holds_the_rewrite_to_the_graphs_own_rounding():
+    from mqa_byoc.testing.graphs import assert_as_accurate_as
+
+    exact = np.linspace(-1, 1, 64, dtype="float32")
+    graph = exact.astype("float16")  # the unrewritten graph's rounding
+    assert_as_accurate_as((exact + 2e-5).astype("float16"), graph, exact)  # another rounding: as accurate
+    with pytest.raises(AssertionError, match="from float32"):
+        assert_as_accurate_as(exact[::-1].astype("float16"), graph, exact)  # a wrong result is not

@@ -349,9 +349,12 @@ def cached_layers(model) -> list[int]:
     return [i for i, shapes in enumerate(cache_layer_shapes(model)) if shapes is not None]
 
 
-def _past_shapes(model, batch: int, past_lens) -> list[tuple[int, int, int, int]]:
-    """The decode inputs' cache shapes, (B, heads, S_past, D), K then V of each cached layer."""
-    return [(batch, heads, past_lens[i], dim) for i, layer in enumerate(cache_layer_shapes(model))
+def _past_shapes(model, batch: int, past_lens, layer_shapes=None) -> list[tuple[int, int, int, int]]:
+    """The decode inputs' cache shapes, (B, heads, S_past, D), K then V of each cached layer
+    (``layer_shapes``: :func:`cache_layer_shapes`, read off the model when None)."""
+    if layer_shapes is None:
+        layer_shapes = cache_layer_shapes(model)
+    return [(batch, heads, past_lens[i], dim) for i, layer in enumerate(layer_shapes)
             if layer is not None for heads, dim in layer]
 
 
@@ -380,8 +383,11 @@ def decode_past_lengths(config, seen: int) -> list[int]:
     return [seen if w is None else min(seen, w - 1) for w in sliding_layers(config)]
 
 
-def export_wrapper(model, mode: str, num_layers: int, use_cache: bool, seed_cache: bool = False):
-    """The exported function (see :func:`import_hf`); ``seed_cache``: :func:`_seed_cache` first.
+def export_wrapper(model, mode: str, num_layers: int, use_cache: bool, seed_cache: bool = False,
+                   cached: list[int] | None = None):
+    """The exported function (see :func:`import_hf`); ``seed_cache``: :func:`_seed_cache` first;
+    ``cached``: the layers whose K/V a decode takes and returns (:func:`cached_layers`, read off the model
+    with a one-token forward when None).
 
     Decode: the new token's position is the past's length. A hybrid model's cache (sliding-window and
     full-attention layers) holds the last ``w - 1`` positions in its sliding layers and every position in
@@ -392,7 +398,7 @@ def export_wrapper(model, mode: str, num_layers: int, use_cache: bool, seed_cach
 
     full = hybrid_full_layer(model.config)
     # decode takes the cached layers' K/V only (a KV-shared layer reads another's); a prefill returns those
-    stored = cached_layers(model) if mode == "decode" else None
+    stored = None if mode != "decode" else cached_layers(model) if cached is None else list(cached)
     if stored is not None:
         stored = [i for i in stored if i < num_layers]
         if full is not None:  # a cached full-attention layer gives the tokens seen
@@ -539,7 +545,11 @@ def import_hf(
         raise ValueError(f"cache must be 'dynamic' or 'static', got {cache!r}")
     if (use_cache or mode == "decode") and cache == "dynamic":
         _require_kv_cache_layers(model)
-    wrapper = export_wrapper(model, mode, n_layers, use_cache, seed_cache=convert == "standard").eval()
+    # one forward reads the cache layout: which layers cache K/V, in which shapes (decode's inputs)
+    layer_shapes = cache_layer_shapes(model) if mode == "decode" and cache == "dynamic" else None
+    cached = None if layer_shapes is None else [i for i, s in enumerate(layer_shapes) if s is not None]
+    wrapper = export_wrapper(model, mode, n_layers, use_cache, seed_cache=convert == "standard",
+                             cached=cached).eval()
     past_lens = [past_len] * n_layers if isinstance(past_len, int) else [int(n) for n in past_len]
     if len(past_lens) != n_layers:
         raise ValueError(f"past_len: {len(past_lens)} lengths for a model of {n_layers} layers")
@@ -556,7 +566,8 @@ def import_hf(
     dyn = None
     if mode == "decode" and cache == "dynamic":
         dtype = next(model.parameters()).dtype
-        args += [torch.randn(*shape, generator=gen).to(dtype) for shape in _past_shapes(model, batch, past_lens)]
+        args += [torch.randn(*shape, generator=gen).to(dtype)
+                 for shape in _past_shapes(model, batch, past_lens, layer_shapes)]
     if cache == "static":
         from .hf_static import static_example_inputs, static_wrapper
 
@@ -570,7 +581,7 @@ def import_hf(
             dyn = ({0: bdim, 1: torch.export.Dim("seq_len", min=2, max=max_seq_len)},)
         else:
             pdim = torch.export.Dim.AUTO
-            dyn = ({0: bdim}, tuple({0: bdim, 2: pdim} for _ in range(2 * n_layers)))
+            dyn = ({0: bdim}, tuple({0: bdim, 2: pdim} for _ in range(len(args) - 1)))
     with torch.no_grad():
         ep = torch.export.export(wrapper, tuple(args), dynamic_shapes=dyn)
     convert_map = {"native": native_dtype_convert_map, "fixes": fixes_convert_map,

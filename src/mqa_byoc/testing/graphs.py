@@ -475,6 +475,19 @@ def run_llvm(mod, args, function="main"):
     return (out[0] if not hasattr(out, "numpy") else out).numpy().astype("float32")
 
 
+def assert_as_accurate_as(got, graph, exact, margin=1.25):
+    """``got`` (the rewritten graph's output in half precision) lies no further from ``exact`` (the
+    float32 graph's) than ``graph`` (the unrewritten graph's, in the same half precision) does, give or
+    take ``margin``: two half-precision lowerings of one function differ by their rounding, which a fixed
+    tolerance between them cannot tell from a wrong rewrite."""
+    exact = np.asarray(exact, "float32")
+    err = float(np.abs(np.asarray(got, "float32") - exact).max())
+    base = float(np.abs(np.asarray(graph, "float32") - exact).max())
+    floor = 1e-6 * float(np.abs(exact).max())
+    assert err <= margin * base + floor, (
+        f"the rewrite is {err:.3g} from float32, the unrewritten graph {base:.3g} (margin {margin})")
+
+
 def rewritten_on_cpu(mod, args, rtol=2e-2, atol=2e-2, function="main", reference=None):
     """``mod`` rewritten as the partition does (attention on the un-expanded K/V, TVM's lowering with the
     h // r grouping) returns on the CPU what ``mod`` returns (or ``reference``, the model's own output,

@@ -107,8 +107,7 @@ class _FindGrouped(PyExprVisitor):
 
     def visit_call_(self, op: relax.Call) -> None:
         if _attention_op_name(op) is not None and (_group_size(op) > 1 or _half_with_scale(op)
-                                                     or op.attrs.window_size is not None
-                                                     or op.attrs.causal_mask is not None):
+                                                     or op.attrs.window_size is not None):
             self.found = True
         super().visit_call_(op)
 
@@ -134,8 +133,8 @@ class _RepeatKV(PyExprMutator):
             return call
         r = _group_size(call)
         window = None if call.attrs.window_size is None else int(call.attrs.window_size)
-        if r == 1 and not _half_with_scale(call) and window is None and call.attrs.causal_mask is None:
-            return call
+        if r == 1 and not _half_with_scale(call) and window is None:
+            return call  # multi-head, causal or not: TVM's to lower, as the user wrote it
         q, k, v = call.args[:3]
         if r > 1:
             k = self.builder_.emit(relax.op.repeat(k, r, axis=2), name_hint="k_grouped")
@@ -153,7 +152,8 @@ class _RepeatKV(PyExprMutator):
         if window is not None or causal is not None:
             # TVM 0.27 cannot lower a window; its causal lowering zeroes the masked scores and takes the
             # row max over those zeros, so a row whose visible scores all lie far below 0 underflows
-            # (exp in half precision) to 0 / 0 = NaN: spell both as a bias and lower a plain softmax
+            # (exp in half precision) to 0 / 0 = NaN: a call rewritten here spells both as a bias
+            # and lowers a plain softmax
             window_bias = self._window_bias(q, k, window, causal)
             bias = window_bias if bias is None else self.builder_.emit(relax.op.add(bias, window_bias))
             causal = None
@@ -195,9 +195,11 @@ class LegalizeGroupedAttention:
     """Module pass: give grouped ``R.nn.attention`` calls explicitly repeated K/V heads.
 
     Half-precision calls with an explicit scale get the scale folded into the query (TVM 0.27's
-    lowering of those produces float32 where the graph says half; see ``_half_with_scale``). Causal
-    masks and windows become a bias (TVM 0.27 lowers no window, and its causal lowering divides 0 by 0
-    on a row whose visible scores all lie far below 0; see ``_window_bias``).
+    lowering of those produces float32 where the graph says half; see ``_half_with_scale``). The causal
+    masks and windows of the calls it rewrites become a bias (TVM 0.27 lowers no window, and its causal
+    lowering divides 0 by 0 on a row whose visible scores all lie far below 0; see ``_window_bias``).
+    Multi-head calls without a window or a half-precision scale are left as written, causal or not:
+    a site the partition does not offload keeps the user's graph.
 
     Every ``R.nn.attention`` / ``attention_bias`` call whose K/V have fewer heads than Q, and that is
     not inside a ``Codegen`` or ``Composite`` function, becomes
