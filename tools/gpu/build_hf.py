@@ -168,15 +168,16 @@ def check_reports(spec: HFModel, fname: str, mode: str, mod) -> dict:
         causal = "BottomRight" if mode == "prefill" else None  # one decode query sees every cached key
         windows = spec.site_windows(mode)  # decode: the sliding cache holds <= w keys
         chunks = spec.site_chunks(mode)  # Llama 4's chunked layers in prefill
-        kv_heads = spec.kv_heads if mqa else spec.heads  # mqa=False: FA2 sees the expanded K/V
-        bad = [s for s, window, chunk in zip(report, windows, chunks) if not (
+        heads = spec.site_heads(mqa)  # per layer; mqa=False: FA2 sees the expanded K/V
+        bad = [s for s, window, chunk, shape in zip(report, windows, chunks, heads) if not (
             s["offloaded"] and s["composite"] == want and s["causal"] == causal and s["window"] == window
             and s["chunk"] == chunk
-            and (s["num_q_heads"], s["num_kv_heads"], s["head_dim"]) == (spec.heads, kv_heads, spec.head_dim)
+            and (s["num_q_heads"], s["num_kv_heads"], s["head_dim"]) == shape
             and math.isclose(s["scale"], spec.scale, rel_tol=2e-3) and s["softcap"] == spec.softcap)]
         if len(report) != spec.layers or bad:
             raise SystemExit(f"{fname} mqa={mqa}: expected {spec.layers} sites offloaded as {want} "
-                             f"(causal={causal}, windows={windows}, chunks={chunks}, scale={spec.scale:.4g}, softcap={spec.softcap}), "
+                             f"(causal={causal}, windows={windows}, chunks={chunks}, heads={heads}, "
+                             f"scale={spec.scale:.4g}, softcap={spec.softcap}), "
                              f"report: {report}")
         out[variant] = report
     return out

@@ -146,6 +146,23 @@ MODELS = [
                        "sigmoid(logsumexp(s) - sink)), attention multiplier 0.25 (not 64 ** -0.5), a 16-key "
                        "sliding layer and a full one, eager attention; imported with the fixes convert map "
                        "(the plain frontend has no converter for logsumexp's amax)"),
+    StandardModel("gemma4_kv_shared", "gemma4", heads=8, kv_heads=2, head_dim=64, hidden=256, intermediate=256,
+                  vocab=512, layers=4, window=16, rope_theta=10000.0, batch=2, seq_len=48, impl="eager",
+                  layer_types=HYBRID * 2, global_head_dim=128, global_kv_heads=1, kv_shared=2,
+                  attention_multiplier=1.0, convert="fixes",
+                  note="Gemma 4 (text), GQA 8/2 head dim 64 in its 16-key sliding layers, K = V on one K/V head of "
+                       "head dim 128 in its full ones, RMS-normed q / k / v and a softmax scale of 1; its last two "
+                       "layers reuse the K/V of the first two (KV sharing: they cache nothing, the decode step "
+                       "takes two layers' K/V), eager attention; imported with the fixes convert map"),
+    StandardModel("deepseek_v4_sinks", "deepseek_v4", heads=8, kv_heads=1, head_dim=64, hidden=256, intermediate=128,
+                  vocab=512, layers=2, window=16, rope_theta=10000.0, batch=2, seq_len=48, impl="eager",
+                  layer_types=("sliding_attention",) * 2, sinks=True, experts=2, experts_per_tok=2, convert="fixes",
+                  modes=("prefill",),
+                  note="DeepSeek-V4's sliding-window layers: 8 query heads on ONE shared K = V head of head dim 64 "
+                       "(RMS-normed, a rotary part of 16), a learned sink per head, a 16-key window, a low-rank "
+                       "query and grouped low-rank output, 2 routed experts (both taken) and the shared one, its "
+                       "clamped SwiGLU, eager attention; imported with the fixes convert map (its clamp); prefill "
+                       "only (its compressed layers are rejected, tests/test_hf_families.py)"),
 ]
 
 
@@ -228,6 +245,8 @@ def feature_effects(spec, m32, ids, next_ids, past, refs, tol) -> dict:
 
 def prepare_model(spec, out_dir: Path, seed: int):
     """Weights, inputs, eager references and standard imports of one model."""
+    from mqa_byoc.models import hf
+
     t0 = time.time()
     model_dir = out_dir / spec.name
     model_dir.mkdir(parents=True)
@@ -239,7 +258,11 @@ def prepare_model(spec, out_dir: Path, seed: int):
     next_ids = p32[0][:, -1].argmax(-1)[:, None].astype(np.int64)
     past = [c.astype(np.float32) for c in p32[1:]]
     refs, e16 = {"prefill": p32[0]}, {"prefill": {"logits": bh.error_stats(p16[0], p32[0], logits=True)}}
-    past_len = [past[2 * i].shape[2] for i in range(spec.layers)]  # a hybrid cache: w - 1 in sliding layers
+    # a hybrid cache: w - 1 in sliding layers; a KV-shared layer (Gemma 4) caches nothing, its length unused
+    past_len = hf.decode_past_lengths(m32.config, spec.seq_len)
+    if [past_len[i] for i in hf.cached_layers(m32)] != [p.shape[2] for p in past[::2]]:
+        raise SystemExit(f"{spec.name}: the eager prefill's caches are {[p.shape for p in past]}, not the past "
+                         f"lengths {past_len} of the decode export")
     if "decode" in spec.modes:
         d32 = bh.eager_deterministic(m32, "decode", [next_ids, *past])
         d16 = bh.eager_deterministic(m16, "decode", [next_ids, *past])
@@ -250,7 +273,7 @@ def prepare_model(spec, out_dir: Path, seed: int):
     for mode in spec.modes:
         imp = standard_import(m32, mode, spec, past_len)
         main = imp.mod["main"]
-        n_in = 1 if mode == "prefill" else 1 + 2 * spec.layers
+        n_in = 1 if mode == "prefill" else 1 + len(past)  # K and V of each layer that caches them
         wspec = [[p.name, bh._shape(p.ty), str(p.ty.dtype)] for p in main.params[n_in:]]
         if params is None:
             params = (wspec, imp.params)
@@ -327,17 +350,21 @@ def variant_function(spec, mode: str, main, variant: str, provider: str):
 
     def visit(e):
         if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.GlobalVar) and e.op.name_hint in attention:
-            calls.append(dict(zip(("function", "q", "k", "v"),
-                                  [e.op.name_hint] + [bh._shape(a.ty) for a in e.args[:3]])))
+            # the composite's parameters come in the order its body first uses them (a K/V permuted
+            # inside it may come before the query): tell them apart by their heads
+            shapes = [bh._shape(a.ty) for a in e.args if getattr(a.ty, "ndim", None) == 4]
+            calls.append({"function": e.op.name_hint, "q": [x for x in shapes if spec.heads in x[1:3]],
+                          "kv": [x for x in shapes if spec.heads not in x[1:3]]})
 
     relax.analysis.post_order_visit(mod[fname].body, visit)
+    kv_heads = {kv for _, kv, _ in spec.site_heads(True)}
     for c in calls:
-        if any(spec.kv_heads not in s[1:3] or spec.heads in s[1:3] for s in (c["k"], c["v"])):
-            raise SystemExit(f"{fname}: FA2 call {c['function']} gets K {c['k']}, V {c['v']}; "
-                             f"want {spec.kv_heads} heads")
+        if len(c["q"]) != 1 or len(c["kv"]) not in (1, 2) or any(not kv_heads & set(x[1:3]) for x in c["kv"]):
+            raise SystemExit(f"{fname}: FA2 call {c['function']} gets a query {c['q']} and K/V {c['kv']}; "
+                             f"want one query of {spec.heads} heads and K/V of {sorted(kv_heads)} heads")
     ops = collections.Counter(ba.main_ops(mod, fname))
     n_fa2 = sum(c for name, c in ops.items() if name.startswith("call:") and name[len("call:"):] in attention)
-    left = hf.kv_expansions_left(mod, fname)
+    left = hf.kv_expansions_left(mod, fname, head_dims={d for _, _, d in spec.site_heads(True)})
     if n_fa2 != expected or len(calls) != expected or left:
         raise SystemExit(f"{fname}: {n_fa2} FA2 calls (want {expected}), at {len(calls)} call sites; "
                          f"K/V expansions left: {left}")

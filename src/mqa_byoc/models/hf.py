@@ -623,13 +623,15 @@ def example_inputs(
     return out
 
 
-def kv_expansions_left(mod, func: str = "main") -> list[str]:
+def kv_expansions_left(mod, func: str = "main", head_dims=None) -> list[str]:
     """The K/V head expansions left in ``func``: ``broadcast_to`` / ``repeat`` / ``tile`` ops that
     grow a tensor of rank >= 4 (HF's ``repeat_kv`` broadcasts (B, H_kv, r, S, D)). The others an HF
     import keeps are not K/V's: the frontend's no-op ``broadcast_to`` before a batched matmul,
     in sdpa graphs the o_proj weight broadcast to (B, K, N), and interleaved RoPE's cos / sin grown on
     the last axis (GLM, Cohere: (..., D/2, 1) -> (..., D/2, 2); a K/V expansion never grows the head dim),
-    and a tensor whose last axis is 1 before and after (Llama 4's query temperature per position)."""
+    and a tensor whose last axis is 1 before and after (Llama 4's query temperature per position).
+    ``head_dims``: the model's head dims, when known: an expansion whose last axis is none of them is not
+    K/V's (DeepSeek-V4's hyper-connections copy the hidden state (B, S, 1, hidden) into 4 streams)."""
     from tvm import relax
 
     left = []
@@ -646,7 +648,10 @@ def kv_expansions_left(mod, func: str = "main") -> list[str]:
             # K/V's last axis is the head dim, never 1 (Llama 4 broadcasts its per-position query
             # temperature (1, S, 1, 1) over the batch)
             per_position = bool(src) and bool(dst) and src[-1] == 1 and dst[-1] == 1
-            if e.ty.ndim >= 4 and (src is None or src != dst) and not grows_last_only and not per_position:
+            not_head_dim = head_dims is not None and bool(dst) and isinstance(dst[-1], int) and \
+                dst[-1] not in set(head_dims)
+            if e.ty.ndim >= 4 and (src is None or src != dst) and not grows_last_only and not per_position \
+                    and not not_head_dim:
                 left.append(f"{e.op.name} {src} -> {dst}")
 
     relax.analysis.post_order_visit(mod[func].body, visit)

@@ -20,13 +20,13 @@ INIT_STD = 0.02  # build_hf_model's default
 SINK_STD = 4.0  # std of GPT-OSS's sink logits (a fresh model's are zeros): moves the decode logits beyond 2x the tolerance
 #: the HF config class of each ``HFModel.kind`` besides llama / mistral (mqa_byoc.models.hf.make_hf_config)
 FAMILY_CONFIGS = {"gpt_oss": "GptOssConfig", "gemma2": "Gemma2Config", "llama4": "Llama4TextConfig",
-                  "granite_swa": "GraniteSWAConfig"}
+                  "granite_swa": "GraniteSWAConfig", "gemma4": "Gemma4TextConfig", "deepseek_v4": "DeepseekV4Config"}
 
 
 @dataclass(frozen=True)
 class HFModel:
     name: str
-    kind: str  # "llama" | "mistral" | "gpt_oss" | "gemma2" | "llama4" | "granite_swa"
+    kind: str  # "llama" | "mistral" | "gpt_oss" | "gemma2" | "llama4" | "granite_swa" | "gemma4" | "deepseek_v4"
     heads: int
     kv_heads: int
     head_dim: int
@@ -50,6 +50,22 @@ class HFModel:
     score_std: float = SCORE_STD  # Gemma 2: scores large enough that its soft-cap bends them
     chunk: int | None = None  # Llama 4: attention_chunk_size (its chunked layers: causal within blocks)
     attention_multiplier: float | None = None  # GraniteSWA: the softmax scale (None: what the others have)
+    # Gemma 4: full-attention layers with K = V on global_kv_heads heads of global_head_dim; the last
+    # kv_shared layers reuse the K/V of the last earlier layer of their type (and cache nothing)
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
+    kv_shared: int = 0
+
+    def site_heads(self, mqa: bool) -> list[tuple[int, int, int]]:
+        """Per layer, (query heads, K/V heads, head dim) of its offloaded site (mqa=False: FA2 sees the
+        expanded K/V, as many heads as the query)."""
+        types = self.layer_types or (None,) * self.layers
+        out = []
+        for t in types:
+            kv, d = ((self.global_kv_heads, self.global_head_dim) if t == "full_attention" and self.global_head_dim
+                     else (self.kv_heads, self.head_dim))
+            out.append((self.heads, kv if mqa else self.heads, d))
+        return out
 
     @property
     def scale(self) -> float:
@@ -114,6 +130,19 @@ class HFModel:
             kw.update(num_local_experts=max(self.experts, 1), num_experts_per_tok=max(self.experts_per_tok, 1),
                       intermediate_size_mlp=self.intermediate, attention_chunk_size=self.chunk,
                       experts_implementation="batched_mm")
+        elif self.kind == "gemma4":
+            # scale 1 (RMS-normed q and k: attention_multiplier records it); no per-layer inputs (their
+            # embedding table is the size of the vocabulary times every layer)
+            kw.update(global_head_dim=self.global_head_dim, num_global_key_value_heads=self.global_kv_heads,
+                      attention_k_eq_v=True, num_kv_shared_layers=self.kv_shared, hidden_size_per_layer_input=0,
+                      final_logit_softcapping=self.final_softcap, pad_token_id=0)
+        elif self.kind == "deepseek_v4":
+            # sliding-window layers only (the compressed ones are rejected); every routed expert taken (top-k
+            # of random weights flips between fp16 and fp32 at near-ties); batched_mm as for GPT-OSS
+            kw.update(q_lora_rank=self.hidden // 2, o_groups=2, o_lora_rank=self.hidden // 4, qk_rope_head_dim=16,
+                      n_routed_experts=max(self.experts, 1), num_experts_per_tok=max(self.experts_per_tok, 1),
+                      moe_intermediate_size=self.intermediate, index_n_heads=4, index_head_dim=16, index_topk=3,
+                      num_nextn_predict_layers=0, experts_implementation="batched_mm")
         elif self.kind == "granite_swa":
             # head dim = hidden / heads; its own scale; token ids inside the small vocabulary
             kw.pop("head_dim")
