@@ -4,7 +4,9 @@ Artifacts from ``tools/gpu/build_hf_standard.py`` (build machine): float32 HF Ll
 Mistral (MQA, window 16, sdpa), GPT-OSS (GQA, learned sinks, a sliding layer and a full one; offloaded as
 ``flash_attn.attention_mqa_sink``), GraniteSWA (the same sinks applied after attention, with the fixes
 convert map; the same composite) and Gemma 2 (GQA, head dim 256, attention soft-cap 50, final soft-cap
-30, ``query_pre_attn_scalar``, a sliding layer and a full one; ``flash_attn.attention_mqa_softcap``)
+30, ``query_pre_attn_scalar``, a sliding layer and a full one; ``flash_attn.attention_mqa_softcap``),
+Gemma 4 (sliding GQA layers and K = V full layers of their own head dim, scale 1, KV-shared layers) and
+DeepSeek-V4's sliding layers (one K = V head, sinks; prefill only)
 decoders exported with ``torch.export``, imported with plain
 ``from_exported_program`` (no custom convert map; Llama 4, whose chunked layers' prefill runs as
 attention on blocks, with ``fixes_convert_map()``, prefill only), ``ToMixedPrecision(out_dtype="float16")``,

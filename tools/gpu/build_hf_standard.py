@@ -32,6 +32,13 @@ Models (``MODELS``), 2 layers (Llama 4: 4, its fourth the global one), hidden 25
   full one, imported with ``convert="fixes"`` (the plain frontend has no converter for ``amax``);
   ``flash_attn.attention_mqa_sink``.
 
+- ``gemma4_kv_shared``: Gemma 4 (text), 4 layers: 16-key sliding layers (8 / 2 heads, head dim 64) and full ones
+  (K = V on one K/V head of head dim 128), RMS-normed q / k / v, scale 1; the last two layers reuse the first
+  two's K/V (they cache nothing: the decode step takes two layers' K/V), imported with ``convert="fixes"``;
+- ``deepseek_v4_sinks``: DeepSeek-V4's sliding-window layers (8 query heads on one K = V head, head dim 64, a
+  learned sink per head, a 16-key window, hyper-connection streams, 2 routed experts both taken), imported with
+  ``convert="fixes"`` (its clamped SwiGLU), prefill only.
+
 Each: prefill (B=2, S=48, returns logits and K/V caches) and one decode step whose past is the
 float32 eager prefill's caches (float32: the exported function takes the fp32 model's dtypes; per
 layer: a sliding layer keeps the last w - 1 positions) and whose token is the greedy next token. The
