@@ -343,10 +343,13 @@ def cache_layer_shapes(model) -> list[tuple[tuple[int, int], tuple[int, int]] | 
             for layer in cache.layers[:model.config.num_hidden_layers]]
 
 
-def cached_layers(model) -> list[int]:
+def cached_layers(model, layer_shapes=None) -> list[int]:
     """The layers whose K/V the cached exports take and return (:func:`cache_layer_shapes` not None), in
-    order: every layer but those that reuse another layer's K/V."""
-    return [i for i, shapes in enumerate(cache_layer_shapes(model)) if shapes is not None]
+    order: every layer but those that reuse another layer's K/V (``layer_shapes``: what
+    :func:`cache_layer_shapes` returned, read off the model when None)."""
+    if layer_shapes is None:
+        layer_shapes = cache_layer_shapes(model)
+    return [i for i, shapes in enumerate(layer_shapes) if shapes is not None]
 
 
 def _past_shapes(model, batch: int, past_lens, layer_shapes=None) -> list[tuple[int, int, int, int]]:
@@ -547,7 +550,7 @@ def import_hf(
         _require_kv_cache_layers(model)
     # one forward reads the cache layout: which layers cache K/V, in which shapes (decode's inputs)
     layer_shapes = cache_layer_shapes(model) if mode == "decode" and cache == "dynamic" else None
-    cached = None if layer_shapes is None else [i for i, s in enumerate(layer_shapes) if s is not None]
+    cached = None if layer_shapes is None else cached_layers(model, layer_shapes)
     wrapper = export_wrapper(model, mode, n_layers, use_cache, seed_cache=convert == "standard",
                              cached=cached).eval()
     past_lens = [past_len] * n_layers if isinstance(past_len, int) else [int(n) for n in past_len]
@@ -635,6 +638,7 @@ def kv_expansions_left(mod, func: str = "main", head_dims=None) -> list[str]:
     from tvm import relax
 
     left = []
+    head_dims = None if head_dims is None else set(head_dims)
 
     def dims(ty):  # None: unknown, so not provably a no-op
         return None if ty.shape is None else [int(x) if hasattr(x, "value") else str(x) for x in ty.shape]
@@ -649,7 +653,7 @@ def kv_expansions_left(mod, func: str = "main", head_dims=None) -> list[str]:
             # temperature (1, S, 1, 1) over the batch)
             per_position = bool(src) and bool(dst) and src[-1] == 1 and dst[-1] == 1
             not_head_dim = head_dims is not None and bool(dst) and isinstance(dst[-1], int) and \
-                dst[-1] not in set(head_dims)
+                dst[-1] not in head_dims
             if e.ty.ndim >= 4 and (src is None or src != dst) and not grows_last_only and not per_position \
                     and not not_head_dim:
                 left.append(f"{e.op.name} {src} -> {dst}")
