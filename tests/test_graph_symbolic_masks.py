@@ -34,6 +34,18 @@ def test_samples_straddle_every_threshold():
     assert (99, 1) in pairs and (1, 102) in pairs and (102, 102) in pairs
 
 
+def test_samples_start_at_the_functions_lower_bounds():
+    """Values below a variable's lower bound (torch.export's range, in ``tir_var_lower_bound``) are not
+    sampled: the graph is exported for lengths from there on; the bound itself is."""
+    n, m = tirx.Var("n", "int64"), tirx.Var("m", "int64")
+    samples = masks.sample_bindings([n, m], {8}, {"n": 8})
+    assert min(s[n] for s in samples) == 8 and {8, 10, 37} <= {s[n] for s in samples}
+    assert min(s[m] for s in samples) == 1  # no bound
+    assert min(s[n] for s in masks.sample_bindings([n], {8})) == 1
+    joined = masks.combine_samples([{n: 1}, {n: 2}, {n: 3}], [{m: 9}])
+    assert joined == [{n: 1, m: 9}, {n: 2, m: 9}, {n: 3, m: 9}]
+
+
 def test_classify_samples_prefers_the_kind_every_sample_fits():
     causal = masks.MaskKind(True, None)
     # a 1x1 causal mask hides nothing; with S_q = 1 causal hides nothing either

@@ -88,6 +88,43 @@ def test_standard_dynamic_offloaded(impl, kind, mode, window):
     _check_offloaded(imp.mod, kind, mode, window)
 
 
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_dynamic_sliding_window_decode_offloaded(impl):
+    """A sliding-window decode exported with a past of at least the window keeps its past length symbolic,
+    bounded below by torch.export (HF's sliding cache keeps the last window - 1 keys, from
+    ``max(past - window + 1, 0)``: a ``torch.sym_max``, which TVM's frontend does not convert). Imported with
+    the fixes map: every layer offloaded (one query over the cache's keys, no mask, after proving the mask at
+    past lengths inside the function's range), and one graph's rewrite at three past lengths gives the
+    unrewritten graph's and HF's logits."""
+    model = _model("mistral", impl)
+    kw = dict(mode="decode", batch=2, seq_len=1, past_len=12, dynamic=True, mixed_precision=True)
+    with pytest.raises(AssertionError, match="sym_max"):  # the frontend alone
+        hf.import_hf(model, convert="standard", **kw)
+    imp = hf.import_hf(model, convert="fixes", **kw)
+    lower = imp.mod["main"].attrs["tir_var_lower_bound"]
+    assert max(int(v) for v in lower.values()) >= 7, lower  # the past's range starts at the window
+    _check_offloaded(imp.mod, "mistral", "decode", 8)
+    for past in (8, 12, 21):
+        inputs = hf.example_inputs(model, mode="decode", batch=3, past_len=past, seed=past)
+        args = [inputs[0], *[x.astype("float32") for x in inputs[1:]], *imp.params]
+        got = G.rewritten_on_cpu(imp.mod, args)
+        np.testing.assert_allclose(got, imp.reference(*inputs), rtol=5e-2, atol=5e-2)
+    if impl == "sdpa":  # what is reported offloaded builds for the GPU, its past length symbolic
+        import mqa_byoc
+        from mqa_byoc.compiler.pipeline import cuda_decoder_pipeline
+
+        target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+        ex = mqa_byoc.build(imp.mod, target, provider="python", gemm=False, link_kernels=False,
+                            pipeline=cuda_decoder_pipeline(target))
+        assert ex is not None
+    # without the range the mask is sampled at pasts this graph was not exported for (fewer keys than the
+    # mask's 8): no site is offloaded, the mask named as the reason
+    unbounded = tvm.IRModule(dict(imp.mod.functions.items()))
+    unbounded["main"] = unbounded["main"].without_attr("tir_var_lower_bound")
+    for site in offload_report(unbounded):
+        assert not site.offloaded and "mask" in site.reason, site.reason
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("impl, kind, mode", [("eager", "llama", "prefill"), ("sdpa", "llama", "prefill"),
                                               ("sdpa", "mistral", "decode")])

@@ -46,8 +46,8 @@ def fixes_convert_map() -> dict:
     The rest, each in its converter's docstring: ``div.Tensor_mode`` of an integer tensor by a number
     (:func:`_div_mode`), float results of integer tensors (``div``, ``log``, ...: :func:`_float_of_integers`),
     ``full`` / ``full_like`` of ``-inf`` (:func:`_full_of_inf`), ``topk(sorted=False)`` (:func:`_topk`),
-    ``clamp`` with constant bounds (:func:`_clamp`), ``amax`` / ``amin`` (:func:`_reduce`) and
-    complex arithmetic (:func:`_complex_converters`).
+    ``clamp`` with constant bounds (:func:`_clamp`), ``amax`` / ``amin`` (:func:`_reduce`), ``sym_max`` /
+    ``sym_min`` of sizes (:func:`_sym_extreme`) and complex arithmetic (:func:`_complex_converters`).
     """
     from tvm import relax, tirx
 
@@ -124,7 +124,21 @@ def fixes_convert_map() -> dict:
             "full.default": partial(_full_of_inf, like=False), "full_like.default": partial(_full_of_inf, like=True),
             **{name: partial(_float_of_integers, name=name) for name in _FLOAT_OF_INTEGERS},
             "topk.default": _topk, "clamp.default": _clamp, "amax.default": partial(_reduce, op="max"),
-            "amin.default": partial(_reduce, op="min"), **_complex_converters()}
+            "amin.default": partial(_reduce, op="min"), "sym_max": partial(_sym_extreme, op="max"),
+            "sym_min": partial(_sym_extreme, op="min"), **_complex_converters()}
+
+
+def _sym_extreme(node, importer, *, op: str):
+    """``torch.sym_max`` / ``sym_min`` of symbolic sizes, which the frontend does not convert ("Unsupported
+    function types ['sym_max']"): a sliding-window decode exported with a dynamic past length (HF's
+    sliding-window cache keeps the last ``window - 1`` keys: ``max(past - window + 1, 0)``). Both operands
+    are sizes (``PrimExpr``) or ints; the result is the same kind, as the frontend's other size arithmetic."""
+    from tvm import tirx
+
+    a, b = importer.retrieve_args(node)[:2]
+    if isinstance(a, int) and isinstance(b, int):
+        return max(a, b) if op == "max" else min(a, b)
+    return tirx.max(a, b) if op == "max" else tirx.min(a, b)
 
 
 def _clamp(node, importer):

@@ -467,6 +467,41 @@ def _bind_specialized_dims(func):
     return func.bind_symbolic_vars(named) if named else func
 
 
+def _one_past_length(func, n_past: int):
+    """A dynamic decode's caches all hold the same past length, but torch.export gives each cache tensor a
+    ``Dim.AUTO`` of its own where no guard ties them (a sliding-window layer slices K and V apart): one
+    variable for all of them instead, bounded below by the largest of their lower bounds (the graph holds
+    from there on for each). Without it K and V of one attention have unrelated lengths, which TVM's own
+    attention lowering rejects ("shapes of x and y are inconsistent")."""
+    from tvm import relax, tirx
+
+    pasts = []
+    for p in func.params[1:1 + n_past]:
+        shape = getattr(p.ty, "shape", None)
+        dims = getattr(shape, "values", None)
+        if dims is not None and len(dims) == 4 and isinstance(dims[2], tirx.Var) and dims[2] not in pasts:
+            pasts.append(dims[2])
+    if len(pasts) < 2:
+        return func
+    keep = pasts[0]
+    func = func.bind_symbolic_vars({v: keep for v in pasts[1:]})
+    attrs = func.attrs
+    lower = dict(attrs.get("tir_var_lower_bound") or {}) if attrs is not None else {}
+    names = {v.name for v in pasts}
+    lows = [int(lower[n]) for n in names if n in lower]
+    if lows:
+        lower = {k: v for k, v in lower.items() if str(k) not in names}
+        lower[keep.name] = max(lows)
+        func = func.with_attr("tir_var_lower_bound", lower)
+    upper = dict(attrs.get("tir_var_upper_bound") or {}) if attrs is not None else {}
+    highs = [int(upper[n]) for n in names if n in upper]
+    if highs:
+        upper = {k: v for k, v in upper.items() if str(k) not in names}
+        upper[keep.name] = min(highs)
+        func = func.with_attr("tir_var_upper_bound", upper)
+    return func
+
+
 def import_hf(
     model,
     *,
@@ -495,7 +530,11 @@ def import_hf(
       (Gemma 4's ``num_kv_shared_layers``) caches nothing and has no cache input or output
       (:func:`cached_layers`); ``past_len`` still has one entry per layer.
     - ``dynamic``: export with symbolic B and S (prefill) / S_past (decode) via
-      ``torch.export.Dim``; otherwise the example sizes are baked in. The frontend records the
+      ``torch.export.Dim``; otherwise the example sizes are baked in. A sliding-window decode with
+      ``past_len`` below the window has its past length pinned by torch.export (bound to its value here);
+      with ``past_len`` of at least the window it stays symbolic, bounded below by the window (HF's
+      sliding cache keeps the last window - 1 keys through a ``torch.sym_max``, which imports with the
+      fixes map only: not with ``convert="standard"``), and the mask is proven over that range. The frontend records the
       Dims' ranges as ``tir_var_upper_bound`` and TVM's memory planning then allocates for the
       upper bounds (B * S * S_kv masks and scores!), hence the small ``max_batch`` /
       ``max_seq_len`` defaults.
@@ -594,6 +633,8 @@ def import_hf(
     )
     mod, params = detach_params(mod)
     mod["main"] = _bind_specialized_dims(mod["main"])
+    if mode == "decode" and cache == "dynamic" and dynamic:
+        mod["main"] = _one_past_length(mod["main"], len(args) - 1)
     if mixed_precision:
         mod = relax.transform.ToMixedPrecision(out_dtype="float16")(mod)
     np_params = [p.numpy() for p in params["main"]]

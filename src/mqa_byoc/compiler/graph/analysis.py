@@ -586,10 +586,15 @@ def _prove_masks(site, bindings, evaluator, post_scale=None, scales=None):
     samples = []
     try:
         thresholds = set()
+        others = set()
         for kind, mask_expr in site.mask_ops:
             evaluator.subgraph(mask_expr, bindings)  # a runtime input (bias, padding) is the reason
             thresholds |= evaluator.thresholds(mask_expr, bindings)
-        for values in masks.sample_bindings(sym, thresholds):
+            others.update(evaluator.other_vars(mask_expr, bindings, sym))
+        # the other variables (a batch, a past the positions come from) at the small lengths and their lower
+        # bound, not around the thresholds: a batch of 4098 would make the mask a batch too large to evaluate
+        for values in masks.combine_samples(masks.sample_bindings(sym, thresholds, bindings.lower_bounds),
+                                            masks.sample_bindings(others, (), bindings.lower_bounds)):
             sq, skv = (_substitute(e, values) for e in (s_q, s_kv))
             if sq is None or skv is None:
                 continue

@@ -19,7 +19,7 @@ from mqa_byoc.compiler.graph import analysis, masks, sink_attention, varlen
 from mqa_byoc.compiler.graph.exprs import (binding_values, function_bindings, function_results, is_offloaded,
                                            op_name)
 from mqa_byoc.compiler.graph.site import chunk_calls, output_steps, seq_len
-from mqa_byoc.compiler.graph.trace import Bindings, as_int
+from mqa_byoc.compiler.graph.trace import Bindings, as_int, constant_dim
 from mqa_byoc.compiler.graph.log_softmax import ExpOfLogSoftmax
 from mqa_byoc.compiler.graph.views import CollapseViewChains, UnfoldMatmulRows
 
@@ -98,10 +98,23 @@ class _Canonicalize(PyExprMutator):
         elif traced.layout() == "BSH":  # one head: a (B, S, 1, D) view
             b, s, d = traced.shape()
             x = self.builder_.emit(relax.op.reshape(x, [b, s, 1, d]))
+        x = self._constant_dims(x)
         if heads_target is not None:
             # the mqa=False baseline keeps an expansion: K/V repeated to the query heads
             x = self.builder_.emit(relax.op.repeat(x, heads_target, axis=2))
         return x
+
+    def _constant_dims(self, x):
+        """``x`` match-cast to constant sizes where a size is an expression the function's lower bounds make
+        constant (HF's sliding-window cache: ``min(2^63 - 1, past) - min(max(past - 7, 0), past) + 1`` is 8
+        for a past of at least 7). K and V each carry their own copy of such an expression, and TVM's
+        attention lowering compares K's length with V's by identity ("shapes of x and y are inconsistent");
+        the VM checks the cast at run time."""
+        dims = list(x.ty.shape.values)
+        new = [d if constant_dim(d) is None else constant_dim(d) for d in dims]
+        if all(a.same_as(b) for a, b in zip(dims, new)):
+            return x
+        return self.builder_.match_cast(x, relax.TensorType(new, x.ty.dtype))
 
     def pad_head_dim(self, x, head_dim):
         """``x`` padded with zeros on its last (head dim) axis to ``head_dim``; ``x`` when it has that already.

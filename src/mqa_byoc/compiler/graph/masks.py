@@ -228,7 +228,11 @@ class MaskEvaluator:
         visit(expr)
         return order
 
-    def _run(self, expr, bindings: Bindings, sym_values):
+    def _function(self, expr, bindings: Bindings):
+        """(the mask's sub-graph as a function of one shape parameter, its symbolic variables in order)."""
+        key = (expr, "function")
+        if key in self._cache:
+            return self._cache[key]
         order = self.subgraph(expr, bindings)
         if len(order) > 200:
             raise MaskError("the mask sub-graph is too large to evaluate at compile time")
@@ -246,6 +250,21 @@ class MaskEvaluator:
         # the symbolic variables enter through one shape parameter, so one build serves every sample
         shape_param = relax.Var("lengths", relax.ShapeType(free))
         func = relax.Function([shape_param], body, ret_ty=out.ty).with_attr("global_symbol", "mask_main")
+        self._cache[key] = (func, free)
+        return func, free
+
+    def other_vars(self, expr, bindings: Bindings, lengths) -> list:
+        """The symbolic variables of ``expr``'s sub-graph besides the sequence lengths' (``lengths``): a
+        batch size, or a length the mask's positions are computed from (HF's sliding-window cache: key
+        positions from ``max(past - window + 1, 0)`` over a static count of keys). The mask must be the same
+        for every value of them, so the analysis samples them too."""
+        if isinstance(expr, Constant):
+            return []
+        _, free = self._function(expr, bindings)
+        return [v for v in free if v not in lengths]
+
+    def _run(self, expr, bindings: Bindings, sym_values):
+        func, free = self._function(expr, bindings)
         values = [int(sym_values.get(v, 2)) for v in free]  # unrelated vars (e.g. batch): any value
         key = (expr, "vm")
         if key not in self._cache:
@@ -435,10 +454,13 @@ def _children(value):
     return []
 
 
-def sample_bindings(sym_vars, thresholds=()) -> list[dict]:
+def sample_bindings(sym_vars, thresholds=(), lower=None) -> list[dict]:
     """Concrete values for the symbolic variables: a handful of small combinations, and around each
     threshold ``c`` (see :meth:`MaskEvaluator.thresholds`) the values c - 1 and c + 2 given to each
-    variable alone (the others 1), and c + 2 to all of them at once."""
+    variable alone (the others 1), and c + 2 to all of them at once. ``lower``: {name: lower bound} (the
+    function's ``tir_var_lower_bound``, torch.export's range): values below it are raised to it, and the
+    bound itself is sampled; the graph holds from there on only (a sliding-window decode whose past length
+    torch.export bounds below by the window)."""
     sym_vars = sorted(set(sym_vars), key=lambda v: v.name)
     if not sym_vars:
         return [{}]
@@ -451,8 +473,22 @@ def sample_bindings(sym_vars, thresholds=()) -> list[dict]:
                 picked.append(tuple(value if v is var else 1 for v in sym_vars))
         if len(sym_vars) > 1:
             picked.append((c + 2,) * len(sym_vars))
+    lows = [(lower or {}).get(v.name) for v in sym_vars]
+    if any(lo is not None for lo in lows):
+        for i, lo in enumerate(lows):
+            if lo is not None:
+                picked.append(tuple(lo if j == i else 1 for j in range(len(lows))))
+        picked = [tuple(x if lo is None else max(x, lo) for x, lo in zip(p, lows)) for p in picked]
     unique = list(dict.fromkeys(picked))
     return [dict(zip(sym_vars, c)) for c in unique]
+
+
+def combine_samples(lengths: list[dict], others: list[dict]) -> list[dict]:
+    """The samples of the sequence lengths' variables each joined with one of the other variables' (taken in
+    turn, every one of either list used at least once): the lengths keep their own combinations, and the mask
+    is still checked at every sampled value of the others."""
+    n = max(len(lengths), len(others))
+    return [{**lengths[i % len(lengths)], **others[i % len(others)]} for i in range(n)]
 
 
 def allowed_from_mask(kind: str, value: np.ndarray, s_q: int, s_kv: int, post_scale: float) -> np.ndarray:

@@ -56,6 +56,17 @@ def prove_equal(a, b) -> bool:
                                      tirx.const(b, "int64") if isinstance(b, int) else b)
 
 
+def constant_dim(expr):
+    """``expr`` (a size) as an ``IntImm`` where the shared analyzer proves it constant (with the lower bounds
+    :class:`Bindings` told it), else None."""
+    if isinstance(expr, tirx.IntImm):
+        return expr
+    if isinstance(expr, tirx.Var):
+        return None
+    simplified = _ANALYZER.simplify(expr)
+    return simplified if isinstance(simplified, tirx.IntImm) else None
+
+
 def dims_equal(a, b) -> bool:
     """Two shapes (lists of dims) provably equal; False when either is None."""
     return a is not None and b is not None and len(a) == len(b) and all(prove_equal(x, y) for x, y in zip(a, b))
@@ -163,6 +174,30 @@ def _match_cast_lengths(func) -> dict:
     return facts
 
 
+def _lower_bounds(func) -> dict:
+    """{symbolic variable name: lower bound} from the function's ``tir_var_lower_bound`` attribute (what TVM's
+    PyTorch frontend records of torch.export's ranges: a graph exported for lengths from there on). The upper
+    bounds (``tir_var_upper_bound``) are memory-planning limits and are not used."""
+    attrs = func.attrs if func.attrs is not None else {}
+    lower = attrs.get("tir_var_lower_bound") or {}
+    return {str(name): int(value) for name, value in lower.items()}
+
+
+def _bound_vars(func, lower: dict) -> None:
+    """Tells the shared analyzer the lower bound of each of ``func``'s symbolic variables that has one
+    (:func:`_lower_bounds`): a length torch.export bounds below (a sliding-window decode's past of at least the
+    window) makes sizes such as ``min(2^63 - 1, past) - min(max(past - 7, 0), past) + 1`` provably 8. The
+    variables are the function's own objects, so no other function's analysis sees these bounds."""
+    from tvm.sym import ConstIntBound
+
+    if not lower:
+        return
+    for var in [*relax.analysis.free_symbolic_vars(func), *relax.analysis.defined_symbolic_vars(func)]:
+        if var.name in lower:
+            # below int64's largest value above (the analyzer's +inf would keep min(2^63 - 1, past))
+            _ANALYZER.update(var, ConstIntBound(lower[var.name], ConstIntBound.POS_INF - 1), override=True)
+
+
 class Bindings:
     """Var -> bound value for a whole function, plus use counts."""
 
@@ -178,6 +213,8 @@ class Bindings:
         num_input = func.attrs.get("num_input") if func.attrs is not None else None
         self.weights = set(func.params[int(num_input):]) if num_input is not None else set()
         self.length_facts = _match_cast_lengths(func)
+        self.lower_bounds = _lower_bounds(func)
+        _bound_vars(func, self.lower_bounds)
 
     def get(self, expr):
         return self.value.get(expr) if isinstance(expr, relax.Var) else None
