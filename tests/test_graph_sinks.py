@@ -300,3 +300,28 @@ def test_gpt_oss_decode_after_a_prompt_longer_than_the_window():
     np.testing.assert_allclose(got, imp.reference(*inputs), rtol=5e-2, atol=5e-2)
     with pytest.raises(ValueError, match="2 layers"):
         hf.import_hf(model, mode="decode", past_len=[7], convert="standard")
+
+
+def test_gpt_oss_dynamic_decode_with_per_layer_pasts():
+    """One decode graph of symbolic past lengths (exported at a past of 12, beyond the window; the fixes map
+    converts the sliding cache's ``sym_max``): each layer's K and V share one length, the layers keep their own.
+    Both layers offloaded with their sinks and native K/V heads; the rewrite at the pasts a serving loop hands
+    it (the sliding layer's w - 1 = 7 positions, the full layer's 12, then 20) gives the unrewritten graph's
+    and HF's logits."""
+    from mqa_byoc.models import hf
+
+    model = _gpt_oss()
+    imp = hf.import_hf(model, mode="decode", batch=2, seq_len=1, past_len=12, dynamic=True, convert="fixes",
+                       mixed_precision=True)
+    report = offload_report(imp.mod)
+    assert [(s.offloaded, s.composite, s.num_kv_heads, s.window, s.causal) for s in report] == \
+           [(True, COMPOSITE_MQA_SINK, KV_HEADS, None, None)] * LAYERS, [s.reason for s in report]
+    pasts = [p.ty.shape.values[2] for p in imp.mod["main"].params[1:1 + 2 * LAYERS]]
+    assert pasts[0].same_as(pasts[1]) and pasts[2].same_as(pasts[3]) and not pasts[0].same_as(pasts[2])
+    rng = np.random.default_rng(5)
+    for full in (12, 20):
+        ids = rng.integers(0, 128, (3, 1)).astype("int64")
+        past = [rng.standard_normal((3, KV_HEADS, n, HEAD_DIM)).astype("float32")
+                for n in (WINDOW - 1, full) for _ in ("k", "v")]
+        got = G.rewritten_on_cpu(imp.mod, [ids, *past, *imp.params])
+        np.testing.assert_allclose(got, imp.reference(ids, *past), rtol=5e-2, atol=5e-2)

@@ -467,38 +467,34 @@ def _bind_specialized_dims(func):
     return func.bind_symbolic_vars(named) if named else func
 
 
-def _one_past_length(func, n_past: int):
-    """A dynamic decode's caches all hold the same past length, but torch.export gives each cache tensor a
+def _one_past_length_per_layer(func, n_past: int):
+    """A layer's K and V caches hold the same past length, but torch.export gives each cache tensor a
     ``Dim.AUTO`` of its own where no guard ties them (a sliding-window layer slices K and V apart): one
-    variable for all of them instead, bounded below by the largest of their lower bounds (the graph holds
-    from there on for each). Without it K and V of one attention have unrelated lengths, which TVM's own
-    attention lowering rejects ("shapes of x and y are inconsistent")."""
-    from tvm import relax, tirx
+    variable for each layer's pair instead (``k_i``, ``v_i``: the decode function's cache inputs in order),
+    bounded below by the larger of their lower bounds (the graph holds from there on for each). Without it K
+    and V of one attention have unrelated lengths, which TVM's own attention lowering rejects ("shapes of x
+    and y are inconsistent"). Layers stay apart: a hybrid model's sliding layers return fewer positions than
+    its full ones, which the next step's inputs then hold."""
+    from tvm import tirx
 
-    pasts = []
-    for p in func.params[1:1 + n_past]:
-        shape = getattr(p.ty, "shape", None)
-        dims = getattr(shape, "values", None)
-        if dims is not None and len(dims) == 4 and isinstance(dims[2], tirx.Var) and dims[2] not in pasts:
-            pasts.append(dims[2])
-    if len(pasts) < 2:
-        return func
-    keep = pasts[0]
-    func = func.bind_symbolic_vars({v: keep for v in pasts[1:]})
-    attrs = func.attrs
-    lower = dict(attrs.get("tir_var_lower_bound") or {}) if attrs is not None else {}
-    names = {v.name for v in pasts}
-    lows = [int(lower[n]) for n in names if n in lower]
-    if lows:
-        lower = {k: v for k, v in lower.items() if str(k) not in names}
-        lower[keep.name] = max(lows)
-        func = func.with_attr("tir_var_lower_bound", lower)
-    upper = dict(attrs.get("tir_var_upper_bound") or {}) if attrs is not None else {}
-    highs = [int(upper[n]) for n in names if n in upper]
-    if highs:
-        upper = {k: v for k, v in upper.items() if str(k) not in names}
-        upper[keep.name] = min(highs)
-        func = func.with_attr("tir_var_upper_bound", upper)
+    def past_var(p):
+        dims = getattr(getattr(p.ty, "shape", None), "values", None)
+        return dims[2] if dims is not None and len(dims) == 4 and isinstance(dims[2], tirx.Var) else None
+
+    caches = func.params[1:1 + n_past]
+    for k, v in zip(caches[0::2], caches[1::2]):
+        a, b = past_var(k), past_var(v)
+        if a is None or b is None or a.same_as(b):
+            continue
+        attrs = func.attrs
+        func = func.bind_symbolic_vars({b: a})
+        for key, pick in (("tir_var_lower_bound", max), ("tir_var_upper_bound", min)):
+            bounds = dict(attrs.get(key) or {}) if attrs is not None else {}
+            values = [int(bounds[n]) for n in (a.name, b.name) if n in bounds]
+            if values:
+                bounds = {n: x for n, x in bounds.items() if str(n) not in (a.name, b.name)}
+                bounds[a.name] = pick(values)
+                func = func.with_attr(key, bounds)
     return func
 
 
@@ -634,7 +630,7 @@ def import_hf(
     mod, params = detach_params(mod)
     mod["main"] = _bind_specialized_dims(mod["main"])
     if mode == "decode" and cache == "dynamic" and dynamic:
-        mod["main"] = _one_past_length(mod["main"], len(args) - 1)
+        mod["main"] = _one_past_length_per_layer(mod["main"], len(args) - 1)
     if mixed_precision:
         mod = relax.transform.ToMixedPrecision(out_dtype="float16")(mod)
     np_params = [p.numpy() for p in params["main"]]
