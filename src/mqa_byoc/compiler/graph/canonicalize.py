@@ -111,7 +111,7 @@ class _Canonicalize(PyExprMutator):
         attention lowering compares K's length with V's by identity ("shapes of x and y are inconsistent");
         the VM checks the cast at run time."""
         dims = list(x.ty.shape.values)
-        new = [d if constant_dim(d) is None else constant_dim(d) for d in dims]
+        new = [c if (c := constant_dim(d)) is not None else d for d in dims]
         if all(a.same_as(b) for a, b in zip(dims, new)):
             return x
         return self.builder_.match_cast(x, relax.TensorType(new, x.ty.dtype))

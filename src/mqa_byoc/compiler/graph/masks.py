@@ -265,7 +265,7 @@ class MaskEvaluator:
 
     def _run(self, expr, bindings: Bindings, sym_values):
         func, free = self._function(expr, bindings)
-        values = [int(sym_values.get(v, 2)) for v in free]  # unrelated vars (e.g. batch): any value
+        values = [int(sym_values.get(v, 2)) for v in free]  # every var is sampled (lengths and others); 2: a fallback
         key = (expr, "vm")
         if key not in self._cache:
             try:
