@@ -5,7 +5,7 @@ sequence at 16k. GPU kernel time per call from CUPTI, each build with its own pl
 the builds compared with each other (the decode kernel's GPU tests check one build against fp32).
 Build each library as ``testing/decode_kernel.library`` does (nvcc ... -shared gqa_decode.cu).
 
-    python benchmarks/decode_builds.py measure --out OUT.json before=OLD.so after=NEW.so [--shapes 71/1/64]
+    python benchmarks/decode_builds.py measure --out OUT.json before=OLD.so after=NEW.so [--shapes 71/1/64] [--batches 1 4 8] [--dtypes float16 bfloat16]
     python benchmarks/decode_builds.py report OUT.json --out OUT.md --commit C --date D --command CMD
 """
 from __future__ import annotations
@@ -18,9 +18,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SHAPES = ((71, 1, 64), (64, 8, 128), (32, 8, 128))
+BATCHES = (1, 8, 32, 64)
 
 
-def measure(out_path: str, libs_args: list[str], shapes=SHAPES) -> list:
+def measure(out_path: str, libs_args: list[str], shapes=SHAPES, batches=BATCHES, dtypes=("float16",)) -> list:
     import torch
 
     from decode_kernel import kernel_us
@@ -34,34 +35,33 @@ def measure(out_path: str, libs_args: list[str], shapes=SHAPES) -> list:
     res = []
     for (h, hk, d) in shapes:
         for page in ((256, 16) if d == 64 else (128, 16)):
-            for batch in (1, 8, 32, 64):
-                for kind in ("mixed", "uniform16k"):
-                    if kind == "uniform16k" and batch == 1:
-                        continue
-                    dtype = torch.float16
-                    lengths = mixed_lengths(batch) if kind == "mixed" else [MAX_LEN] * batch
-                    inputs = PagedInputs(torch, lengths, hk, d, dtype, (page,), seed=batch + 7 * h)
-                    paged = inputs.paged[page]
-                    q = torch.randn(batch, h, d, device="cuda").to(dtype)
-                    out = torch.empty_like(q)
-                    pages = paged["pages"]
-                    st = (pages.stride(0), pages.stride(3), pages.stride(2))
-                    rec = {"shape": f"{h}/{hk}/{d}", "page": page, "batch": batch, "kind": kind, **gpu,
-                           "bytes_us": 2 * sum(lengths) * hk * d * 2 / (gpu["hbm_tbps"] * 1e12) * 1e6, "us": {}}
-                    outs = {}
-                    for name, lib in libs.items():
-                        call = dk.Decode(q, pages[:, 0], pages[:, 1], out, None, k_stride=st, v_stride=st,
-                                         seqlen_k=0, num_heads_k=hk,
-                                         pages=(paged["indptr"], paged["values"], paged["last"], page), lib=lib)
-                        call()
-                        torch.cuda.synchronize()
-                        outs[name] = out.clone()
-                        rec["us"][name] = kernel_us(call, 30)
-                    ref = next(iter(outs.values()))
-                    rec["max_diff"] = max((o.float() - ref.float()).abs().max().item() for o in outs.values())
-                    print(json.dumps(rec), flush=True)
-                    res.append(rec)
-                    del inputs, paged, pages
+            for batch, kind, dtype_name in ((b, k, t) for b in batches for k in ("mixed", "uniform16k") for t in dtypes):
+                if kind == "uniform16k" and batch == 1:
+                    continue
+                dtype = getattr(torch, dtype_name)
+                lengths = mixed_lengths(batch) if kind == "mixed" else [MAX_LEN] * batch
+                inputs = PagedInputs(torch, lengths, hk, d, dtype, (page,), seed=batch + 7 * h)
+                paged = inputs.paged[page]
+                q = torch.randn(batch, h, d, device="cuda").to(dtype)
+                out = torch.empty_like(q)
+                pages = paged["pages"]
+                st = (pages.stride(0), pages.stride(3), pages.stride(2))
+                rec = {"shape": f"{h}/{hk}/{d}", "page": page, "batch": batch, "kind": kind, "dtype": dtype_name, **gpu,
+                       "bytes_us": 2 * sum(lengths) * hk * d * 2 / (gpu["hbm_tbps"] * 1e12) * 1e6, "us": {}}
+                outs = {}
+                for name, lib in libs.items():
+                    call = dk.Decode(q, pages[:, 0], pages[:, 1], out, None, k_stride=st, v_stride=st,
+                                     seqlen_k=0, num_heads_k=hk,
+                                     pages=(paged["indptr"], paged["values"], paged["last"], page), lib=lib)
+                    call()
+                    torch.cuda.synchronize()
+                    outs[name] = out.clone()
+                    rec["us"][name] = kernel_us(call, 30)
+                ref = next(iter(outs.values()))
+                rec["max_diff"] = max((o.float() - ref.float()).abs().max().item() for o in outs.values())
+                print(json.dumps(rec), flush=True)
+                res.append(rec)
+                del inputs, paged, pages
     Path(out_path).write_text(json.dumps(res, indent=1))
     return res
 
@@ -90,13 +90,13 @@ def report(rows: list, meta: dict) -> str:
              f"- command: `{meta.get('command', '?')}`",
              "- GPU kernel time per call (µs, CUPTI, 30 calls), each build with its own plan; `max diff`: the "
              "largest |difference| between the builds' outputs.", "",
-             "| shape (H/H_kv/D) | page | batch | lengths | " + " | ".join(f"{n} µs" for n in names) + " | "
+             "| shape (H/H_kv/D) | page | batch | lengths | dtype | " + " | ".join(f"{n} µs" for n in names) + " | "
              + " | ".join(f"{n} / {base}" for n in others) + " | bytes limit µs | "
              + " | ".join(f"{n} / bytes" for n in names) + " | max diff |",
-             "|---|---:|---:|---|" + "---:|" * (2 * len(names) + len(others) + 1) + "---:|"]
+             "|---|---:|---:|---|---|" + "---:|" * (2 * len(names) + len(others) + 1) + "---:|"]
     for r in rows:
         u = r["us"]
-        lines.append(f"| {r['shape']} | {r['page']} | {r['batch']} | {r['kind']} | "
+        lines.append(f"| {r['shape']} | {r['page']} | {r['batch']} | {r['kind']} | {r.get('dtype', 'float16')} | "
                      + " | ".join(f"{u[n]:.1f}" for n in names) + " | "
                      + " | ".join(f"{u[n] / u[base]:.3f}" for n in others) + f" | {r['bytes_us']:.1f} | "
                      + " | ".join(f"{u[n] / r['bytes_us']:.2f}" for n in names) + f" | {r['max_diff']:.2g} |")
@@ -116,10 +116,13 @@ def main(argv=None) -> int:
     m.add_argument("libs", nargs="+", metavar="NAME=LIB", help="the builds; the first is the baseline")
     m.add_argument("--shapes", nargs="+", metavar="H/H_KV/D", default=[f"{h}/{hk}/{d}" for h, hk, d in SHAPES],
                    help="the shapes to time (default: all three)")
+    m.add_argument("--batches", nargs="+", type=int, default=list(BATCHES), help="sequences a call (default 1 8 32 64)")
+    m.add_argument("--dtypes", nargs="+", choices=("float16", "bfloat16"), default=["float16"])
     add_report_command(sub)
     args = ap.parse_args(argv)
     if args.command == "measure":
-        measure(args.out, args.libs, [tuple(int(x) for x in s.split("/")) for s in args.shapes])
+        measure(args.out, args.libs, [tuple(int(x) for x in s.split("/")) for s in args.shapes], args.batches,
+                args.dtypes)
     else:
         write_report(args, report)
     return 0

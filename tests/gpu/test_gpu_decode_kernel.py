@@ -151,6 +151,16 @@ def test_paged_shared_tiles_key_groups(page_size, packed):
                 key_groups=2, packed=packed)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("lengths", [[16384, 5000, 1, 1024], [0, 777, 12000, 31, 16384, 2 * 256 + 3]])
+def test_packed_splits_by_the_rule_from_four_sequences(dtype, lengths):
+    """Falcon's 71/1/64 on pages of 256: the rule takes packed SharedTiles splits from 4 sequences on (two
+    CTAs an SM, splits of at least 128 keys); empty, one-key and ragged sequences right."""
+    call = _paged_case(dtype, 256, 71, 1, 64, "auto", lengths)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert (call.plan.shared_tiles, call.plan.splits, call.plan.keys_per_split) == (2, 2 * sms, 128)
+
+
 def test_key_groups_past_five_row_tiles_are_refused():
     """Two key groups of 8 row tiles would not fit the kernel's main buffer: the launch refuses the plan."""
     call, *_ = _contiguous_case(1, 128, 1, 64, 1000, torch.float16, row_tiles=dk.SHARED_TILES)

@@ -1661,8 +1661,18 @@ constexpr int kShMinKeys = 256;  // keys a split at least (the plan's)
 // sequences 0.73-0.94x the classic blocks' time, at 12-64 0.59-0.98x; at 6, 12 slots, 1.04x with mixed
 // lengths); on pages of 16 the 8 sequences of mixed lengths took 1.22x the classic blocks' time, so other
 // K/V (and contiguous K/V of several heads, whose rows are loaded one by one too) keep 48.
+// CTAs of 5 row tiles (Falcon's 71 query rows) on pages: packed splits from 4 slots, two CTAs an SM (not the
+// three it holds) and splits of at least 128 keys; swept on the H100 (71/1/64, pages of 256, 4 to 32 sequences,
+// mixed lengths and 16k, grids of 1-4 CTAs an SM x 64-512 keys a split): 0.74-1.00x the time of the plan
+// before (three CTAs an SM, 256 keys, the classic blocks below 8 sequences), at 4 and 6 sequences 0.74-0.92x
+// (benchmarks/results/2026-12-07-decode-packed-grid-71.md). Three CTAs of 5 warps (15 of the SM's 16)
+// leave a CTA's merge and the next CTA's loads less room than two.
 constexpr int kShMinSlots = 12;
 constexpr int kShMinSlotsPacked = 8;  // CTAs of 4 warps or more on pages (packed splits)
+constexpr int kShPackedWideWarps = 5;  // CTAs of at least this many row tiles: the packed plan below
+constexpr int kShMinSlotsPackedWide = 4;
+constexpr int kShPackedWideCtasPerSm = 2;
+constexpr int kShPackedWideMinKeys = 128;
 constexpr int kShMinSlotsFewWarps = 48;
 constexpr int kShMinSlotsKeyGroups = 16;
 // Key groups of a SharedTiles plan: two for CTAs of at most 2 row tiles (each warp's chain of steps
@@ -1686,7 +1696,8 @@ bool shared_rule(const mqa_byoc_decode_args& a, int asked) {
   const int warps = shared_warps(a);
   const int64_t rows = 16 * warps;
   const bool tile_pages = a.page_values != nullptr && a.page_size % kShTileKeys == 0;
-  const int min_slots = warps >= 4 && a.page_values != nullptr               ? kShMinSlotsPacked
+  const int min_slots = warps >= kShPackedWideWarps && a.page_values != nullptr ? kShMinSlotsPackedWide
+                        : warps >= 4 && a.page_values != nullptr               ? kShMinSlotsPacked
                         : warps >= 4                                          ? kShMinSlots
                         : shared_key_groups(warps) == 2 && tile_pages ? kShMinSlotsKeyGroups
                                                                       : kShMinSlotsFewWarps;
@@ -1994,7 +2005,7 @@ int shared_packed_plan(const mqa_byoc_decode_args& a, int64_t ctas, mqa_byoc_dec
   const int64_t grid = std::max<int64_t>(ctas, a.batch);
   p->row_tiles = 1;
   p->row_groups = int(row_groups);
-  p->keys_per_split = kShMinKeys;
+  p->keys_per_split = warps >= kShPackedWideWarps ? kShPackedWideMinKeys : kShMinKeys;
   p->splits = int(grid);
   p->warps = warps * shared_key_groups(warps);
   p->shared_tiles = 2;
@@ -2124,7 +2135,9 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_b
     const bool clustered = rows / 16 < 4 && capacity != nullptr && target > 1 && target <= kMaxCluster &&
                            capacity[target - 1] >= slots;
     if (a->page_values != nullptr && !clustered && a->batch <= kPackMaxBatch) {
-      return shared_packed_plan(*a, per_sm * sms / (a->num_heads_k * row_groups), p);
+      const int64_t packed_per_sm =
+          rows / 16 >= kShPackedWideWarps ? std::min<int64_t>(per_sm, kShPackedWideCtasPerSm) : per_sm;
+      return shared_packed_plan(*a, packed_per_sm * sms / (a->num_heads_k * row_groups), p);
     }
     // splits of at least kShMinKeys: the grid's x is about `target` for a typical sequence
     const int64_t kps = std::max<int64_t>(kShMinKeys, (typical + target * kShTileKeys - 1) / (target * kShTileKeys) * kShTileKeys);
