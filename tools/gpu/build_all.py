@@ -30,6 +30,7 @@ BUILDERS = {
     "paged": ("build_paged.py", [], "test_gpu_paged.py"),
     "hf": ("build_hf.py", [], "test_gpu_hf_decoder.py"),
     "hf-standard": ("build_hf_standard.py", [], "test_gpu_hf_standard.py"),
+    "hf-dynamic-decode": ("build_hf_dynamic_decode.py", [], "test_gpu_hf_dynamic_decode.py"),
     "profile-paged": ("-m mqa_byoc.cli", ["profile", "build", "--kv-cache", "paged", "--preset", "codellama-34b",
                                          "--layers", "2", "--vocab", "4096", "--hidden-size", "2048",
                                          "--intermediate-size", "4096", "--out", ".gpu-artifacts/profile-paged"],

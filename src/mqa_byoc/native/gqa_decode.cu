@@ -1665,7 +1665,7 @@ constexpr int kShMinKeys = 256;  // keys a split at least (the plan's)
 // three it holds) and splits of at least 128 keys; swept on the H100 (71/1/64, pages of 256, 4 to 32 sequences,
 // mixed lengths and 16k, grids of 1-4 CTAs an SM x 64-512 keys a split): 0.74-1.00x the time of the plan
 // before (three CTAs an SM, 256 keys, the classic blocks below 8 sequences), at 4 and 6 sequences 0.74-0.92x
-// (benchmarks/results/2026-12-07-decode-packed-grid-71.md). Three CTAs of 5 warps (15 of the SM's 16)
+// (benchmarks/results/2026-12-07-decode-packed-grid-71-h100.md). Three CTAs of 5 warps (15 of the SM's 16)
 // leave a CTA's merge and the next CTA's loads less room than two.
 constexpr int kShMinSlots = 12;
 constexpr int kShMinSlotsPacked = 8;  // CTAs of 4 warps or more on pages (packed splits)
