@@ -270,11 +270,13 @@ def test_shared_tiles_plan(lib, heads, heads_k, batch, paged):
 
 def _assert_packed(p, heads_k, batch, warps, row_groups, ctas_per_sm):
     """A packed SharedTiles plan: the grid's x the CTAs the SMs hold per (K/V head, row group) (CTAs of 5 row
-    tiles or more: at most two an SM), at least one a sequence; splits of at least 256 keys (128 for CTAs of 5
+    tiles or more: at most two an SM up to 32 sequences), at least one a sequence; splits of at least 256 keys (128 for CTAs of 5
     row tiles or more; the kernel sizes them); one partial a CTA in the scratch
     and a (first partial, splits) pair a slot, merged by the merge kernel (no arrival counters)."""
-    wide = warps >= 5  # Falcon's 71 rows: two CTAs an SM (not the three it holds), splits of 128 keys at least
-    grid = max((min(ctas_per_sm, 2) if wide else ctas_per_sm) * SMS // (heads_k * row_groups), batch)
+    # Falcon's 71 rows: splits of 128 keys at least, two CTAs an SM (not the three it holds) up to 32 sequences
+    # (the tests' pages are of whole 64-key tiles)
+    wide = warps >= 5
+    grid = max((min(ctas_per_sm, 2) if wide and batch <= 32 else ctas_per_sm) * SMS // (heads_k * row_groups), batch)
     rows = 16 * warps
     assert p.shared_tiles == 2 and p.splits == grid and p.keys_per_split == (128 if wide else 256) and p.merge == 1
     assert p.warps == warps * (2 if warps <= 2 else 1)  # two key groups up to 2 row tiles
@@ -352,3 +354,16 @@ def test_key_group_threshold_keeps_48_slots_on_small_pages(lib, batch, shared):
     assert rc == 0 and p.shared_tiles == shared
     if shared:
         assert p.warps == 4
+
+
+@pytest.mark.parametrize("batch,page,ctas_per_sm", [(4, 256, 2), (32, 256, 2), (33, 256, 3), (64, 256, 3),
+                                                    (4, 16, 2), (8, 16, 2), (9, 16, 3), (32, 16, 3)])
+def test_packed_grid_of_five_row_tiles(lib, batch, page, ctas_per_sm):
+    """Falcon's 71/1/64 on pages: packed splits from 4 sequences, splits of at least 128 keys, over two CTAs
+    an SM up to 32 sequences on pages of whole 64-key tiles and up to 8 on others, else the three an SM holds."""
+    rc, p = _plan(lib, heads=71, heads_k=1, dim=64, batch=batch, seqlen=0, pages=(batch * 16384 // page, page))
+    assert rc == 0
+    assert (p.shared_tiles, p.splits, p.keys_per_split) == (2, max(ctas_per_sm * SMS, batch), 128)
+    for few in (1, 2, 3):  # the classic blocks below 4 sequences
+        rc, p = _plan(lib, heads=71, heads_k=1, dim=64, batch=few, seqlen=0, pages=(few * 16384 // page, page))
+        assert rc == 0 and p.shared_tiles == 0

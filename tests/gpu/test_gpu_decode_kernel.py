@@ -154,11 +154,12 @@ def test_paged_shared_tiles_key_groups(page_size, packed):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("lengths", [[16384, 5000, 1, 1024], [0, 777, 12000, 31, 16384, 2 * 256 + 3]])
 def test_packed_splits_by_the_rule_from_four_sequences(dtype, lengths):
-    """Falcon's 71/1/64 on pages of 256: the rule takes packed SharedTiles splits from 4 sequences on (two
-    CTAs an SM, splits of at least 128 keys); empty, one-key and ragged sequences right."""
-    call = _paged_case(dtype, 256, 71, 1, 64, "auto", lengths)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert (call.plan.shared_tiles, call.plan.splits, call.plan.keys_per_split) == (2, 2 * sms, 128)
+    """Falcon's 71/1/64 on pages of 256 and 16: the rule takes packed SharedTiles splits from 4 sequences on
+    (two CTAs an SM, splits of at least 128 keys); empty, one-key and ragged sequences right."""
+    for page in (256, 16):  # two CTAs an SM up to 32 sequences on pages of 64-key tiles, up to 8 on others
+        call = _paged_case(dtype, page, 71, 1, 64, "auto", lengths)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert (call.plan.shared_tiles, call.plan.splits, call.plan.keys_per_split) == (2, 2 * sms, 128)
 
 
 def test_key_groups_past_five_row_tiles_are_refused():
@@ -284,9 +285,9 @@ def test_paged_packed_splits(dtype, page_size, heads, heads_k, batch):
     assert call.plan.splits >= batch
 
 
-@pytest.mark.parametrize("batch,shared", [(4, 0), (7, 0), (8, 2), (12, 2), (16, 2)])
+@pytest.mark.parametrize("batch,shared", [(3, 0), (4, 2), (7, 2), (8, 2), (12, 2), (16, 2)])
 def test_paged_packed_splits_by_the_rule(batch, shared):
-    """On pages, Falcon's 71 query heads (CTAs of 5 row tiles) take SharedTiles' packed splits from 8
+    """On pages, Falcon's 71 query heads (CTAs of 5 row tiles) take SharedTiles' packed splits from 4
     sequences on, also where the slots' splits would fit co-resident clusters (12 and 16), and the
     classic blocks below; mixed lengths with an empty sequence, the splits merged by the merge kernel."""
     lengths = _mixed_lengths(batch, seed=batch)

@@ -1661,17 +1661,22 @@ constexpr int kShMinKeys = 256;  // keys a split at least (the plan's)
 // sequences 0.73-0.94x the classic blocks' time, at 12-64 0.59-0.98x; at 6, 12 slots, 1.04x with mixed
 // lengths); on pages of 16 the 8 sequences of mixed lengths took 1.22x the classic blocks' time, so other
 // K/V (and contiguous K/V of several heads, whose rows are loaded one by one too) keep 48.
-// CTAs of 5 row tiles (Falcon's 71 query rows) on pages: packed splits from 4 slots, two CTAs an SM (not the
-// three it holds) and splits of at least 128 keys; swept on the H100 (71/1/64, pages of 256, 4 to 32 sequences,
-// mixed lengths and 16k, grids of 1-4 CTAs an SM x 64-512 keys a split): 0.74-1.00x the time of the plan
-// before (three CTAs an SM, 256 keys, the classic blocks below 8 sequences), at 4 and 6 sequences 0.74-0.92x
-// (benchmarks/results/2026-12-07-decode-packed-grid-71-h100.md). Three CTAs of 5 warps (15 of the SM's 16)
-// leave a CTA's merge and the next CTA's loads less room than two.
+// CTAs of 5 row tiles (Falcon's 71 query rows) on pages: packed splits from 4 slots and splits of at least 128
+// keys; over two CTAs an SM (not the three it holds) up to 32 sequences on pages of whole 64-key tiles, up to 8 on
+// others. Swept on the H100 (71/1/64, pages of 256, 4 to 32 sequences, mixed lengths and 16k, grids of 1-4 CTAs an
+// SM x 64-512 keys a split): 0.74-1.00x the time of the plan before (three CTAs an SM, 256 keys, the classic
+// blocks below 8 sequences; benchmarks/results/2026-12-07-decode-packed-grid-71-h100.md). Two CTAs an SM at every
+// batch (2026-12-07-decode-builds-packed-71-first-h100.md) took 1.05-1.10x the time of three at 64 sequences on
+// pages of 256, and on pages of 16 (a row's page looked up per row) 1.05-1.23x from 12 sequences at 16k and from
+// 32 of mixed lengths on; this rule against the plan before, 1 to 64 sequences on pages of 256 and 16, fp16 and
+// bf16 (2026-12-07-decode-builds-packed-71-h100.md): 0.71-1.01x.
 constexpr int kShMinSlots = 12;
 constexpr int kShMinSlotsPacked = 8;  // CTAs of 4 warps or more on pages (packed splits)
 constexpr int kShPackedWideWarps = 5;  // CTAs of at least this many row tiles: the packed plan below
 constexpr int kShMinSlotsPackedWide = 4;
 constexpr int kShPackedWideCtasPerSm = 2;
+constexpr int kShPackedWideMaxBatchTilePages = 32;  // two CTAs an SM up to this many sequences
+constexpr int kShPackedWideMaxBatch = 8;            // the same on pages of other sizes
 constexpr int kShPackedWideMinKeys = 128;
 constexpr int kShMinSlotsFewWarps = 48;
 constexpr int kShMinSlotsKeyGroups = 16;
@@ -2135,8 +2140,10 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_b
     const bool clustered = rows / 16 < 4 && capacity != nullptr && target > 1 && target <= kMaxCluster &&
                            capacity[target - 1] >= slots;
     if (a->page_values != nullptr && !clustered && a->batch <= kPackMaxBatch) {
-      const int64_t packed_per_sm =
-          rows / 16 >= kShPackedWideWarps ? std::min<int64_t>(per_sm, kShPackedWideCtasPerSm) : per_sm;
+      const int64_t wide_batch = a->page_size % kShTileKeys == 0 ? kShPackedWideMaxBatchTilePages : kShPackedWideMaxBatch;
+      const int64_t packed_per_sm = rows / 16 >= kShPackedWideWarps && a->batch <= wide_batch
+                                        ? std::min<int64_t>(per_sm, kShPackedWideCtasPerSm)
+                                        : per_sm;
       return shared_packed_plan(*a, packed_per_sm * sms / (a->num_heads_k * row_groups), p);
     }
     // splits of at least kShMinKeys: the grid's x is about `target` for a typical sequence
