@@ -1711,3 +1711,26 @@ def test_packed_grid_71_claim(name):
         assert claims[name] in text, claims[name]
     else:
         _assert_in_paged_doc(claims, name)
+
+
+BUILDS_PACKED_71 = ("2026-12-07-decode-builds-packed-71-first-h100.json", "2026-12-07-decode-builds-packed-71-h100.json")
+
+
+def builds_packed_71_claims() -> dict[str, str]:
+    first, final = (_load(n) for n in BUILDS_PACKED_71)
+    worst = {page: max(r["us"]["after"] / r["us"]["before"] for r in first if r["page"] == page) for page in (256, 16)}
+    # where two CTAs an SM at every batch lost: 64 sequences on pages of 256, from 12 on pages of 16
+    assert all(r["batch"] == 64 for r in first if r["page"] == 256 and r["us"]["after"] / r["us"]["before"] > 1.03)
+    assert all(r["batch"] >= 12 for r in first if r["page"] == 16 and r["us"]["after"] / r["us"]["before"] > 1.03)
+    q = [r["us"]["after"] / r["us"]["before"] for r in final]
+    m8 = next(r for r in final if (r["page"], r["batch"], r["kind"], r["dtype"]) == (256, 8, "mixed", "float16"))
+    return {
+        "first": f"they took up to {worst[256]:.2f}x and {worst[16]:.2f}x the time of three",
+        "final": f"{len(final)} cases, fp16 and bf16): {min(q):.2f}-{max(q):.2f}x, 8 sequences of mixed lengths on "
+                 f"pages of 256 {m8['us']['after']:.1f} µs against {m8['us']['before']:.1f}",
+    }
+
+
+@pytest.mark.parametrize("name", sorted(builds_packed_71_claims()))
+def test_builds_packed_71_claim(name):
+    _assert_in_paged_doc(builds_packed_71_claims(), name)
