@@ -165,6 +165,39 @@ def _top1_failures(torch, logits, ref, tol: dict) -> list[str]:
     return out
 
 
+def logits_check(torch, variants: dict, want, tol: dict, e16: dict, base: str | None) -> tuple[list[str], dict]:
+    """Each variant's logits (``variants``: name -> tensor) against the float32 reference ``want``: finite, of
+    its shape, within ``tol["vs_fp32"]["logits"]``, top-1 as ``tol["top1"]`` asks; ``mqa`` no less accurate
+    than ``base`` (x1.5 + fp16 eager's error ``e16``). Returns the failures and each variant's errors."""
+    failures, errs = [], {}
+    for variant, got in variants.items():
+        if list(got.shape) != list(want.shape) or not torch.isfinite(got.float()).all():
+            failures.append(f"{variant}: logits of shape {list(got.shape)} (want {list(want.shape)}) or non-finite")
+            continue
+        errs[variant] = st = _stats(got, want, logits=True)
+        if not _within(st, tol["vs_fp32"]["logits"]):
+            failures.append(f"{variant}: logits vs float32 eager {st}, tolerance {tol['vs_fp32']['logits']}")
+        failures += [f"{variant}: {msg}" for msg in _top1_failures(torch, got, want, tol["top1"])]
+    if "mqa" in errs and base in errs:
+        for k in ("rel_l2", "max_abs"):
+            if errs["mqa"][k] > 1.5 * errs[base][k] + e16[k]:
+                failures.append(f"mqa logits less accurate than the {base} build: {k} {errs['mqa'][k]:.3g} vs "
+                                f"{errs[base][k]:.3g} (allowed 1.5x + fp16 eager's {e16[k]:.3g})")
+    return failures, errs
+
+
+def cuda_kernel_names(torch, call) -> list[str]:
+    """The CUDA kernels one ``call()`` launches (torch.profiler), after a warm-up call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def _expected_outputs(d, mode) -> dict:
     """float32 references per output name. Prefill: the logits and the K/V caches (the decode step's past:
     float32 eager caches rounded to fp16). Decode: the logits and the new (last) position of each cache."""

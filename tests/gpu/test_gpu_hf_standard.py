@@ -42,7 +42,7 @@ import numpy as np
 import pytest
 
 import gpu_common as gc
-from test_gpu_hf_decoder import ATTENTION_FORWARD, _stats, _top1_failures, _within
+from test_gpu_hf_decoder import ATTENTION_FORWARD, cuda_kernel_names, logits_check
 from mqa_byoc.testing.cupti import is_attention_kernel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -89,15 +89,7 @@ class StandardRuntime:
         return self.torch.from_dlpack(out[0]).clone() if clone else out
 
     def kernels(self, name, mode, variant):
-        torch = self.torch
-        from torch.profiler import ProfilerActivity, profile
-
-        self.logits(name, mode, variant)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            self.logits(name, mode, variant, clone=False)
-            torch.cuda.synchronize()
-        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return cuda_kernel_names(self.torch, lambda: self.logits(name, mode, variant, clone=False))
 
 
 @pytest.fixture(scope="module")
@@ -116,24 +108,11 @@ def test_standard_path_logits_match_pytorch_eager(std, name, mode):
     want = d["ref"][f"{mode}_logits"]
     record = std.rt.results.setdefault(f"hf-standard:{name}-{mode}", {"fp16_eager_vs_fp32_eager": e16})
     record["tolerance_vs_fp32_eager"] = tol["vs_fp32"]["logits"]
-    failures, errs = [], {}
     if "tvm_not_built" in f:  # TVM's own build of this graph fails (the builder recorded why)
         record["tvm_not_built"] = f["tvm_not_built"]
-    for variant in [v for v in ("mqa", "tvm") if v in f["vm"]]:
-        got = std.logits(name, mode, variant)
-        if list(got.shape) != list(want.shape) or not torch.isfinite(got.float()).all():
-            failures.append(f"{variant}: logits of shape {list(got.shape)} (want {list(want.shape)}) or non-finite")
-            continue
-        errs[variant] = st = _stats(got, want, logits=True)
-        if not _within(st, tol["vs_fp32"]["logits"]):
-            failures.append(f"{variant}: logits vs float32 eager {st}, tolerance {tol['vs_fp32']['logits']}")
-        failures += [f"{variant}: {msg}" for msg in _top1_failures(torch, got, want, tol["top1"])]
+    got = {v: std.logits(name, mode, v) for v in ("mqa", "tvm") if v in f["vm"]}
+    failures, errs = logits_check(torch, got, want, tol, e16, base="tvm")
     record["vs_fp32_eager"] = errs
-    if "mqa" in errs and "tvm" in errs:
-        for k in ("rel_l2", "max_abs"):
-            if errs["mqa"][k] > 1.5 * errs["tvm"][k] + e16[k]:
-                failures.append(f"mqa logits less accurate than TVM's own build: {k} {errs['mqa'][k]:.3g} vs "
-                                f"{errs['tvm'][k]:.3g} (allowed 1.5x + fp16 eager's {e16[k]:.3g})")
     assert not failures, f"{name}/{mode}:\n" + "\n".join(failures)
 
 

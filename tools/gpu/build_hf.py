@@ -96,6 +96,22 @@ TVM_FP16_FACTOR = 16.0
 SAME_FA2_FACTOR = 4.0
 
 
+def selected_models(ap, names, models) -> list:
+    """The models ``--models`` names (every one of ``models`` where it names none); an unknown name is the
+    parser's error."""
+    unknown = set(names or ()) - {m.name for m in models}
+    if unknown:
+        ap.error(f"unknown models {sorted(unknown)}")
+    return [m for m in models if not names or m.name in names]
+
+
+def fresh_dir(path: Path) -> None:
+    """``path`` emptied (removed and made again): a builder's artifacts are all of one run."""
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+
+
 def error_stats(got: np.ndarray, want: np.ndarray, logits: bool = False) -> dict:
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     d = np.abs(got - want)
@@ -483,18 +499,13 @@ def main(argv=None) -> int:
         for m in MODELS:
             print(f"{m.name}: {m.note}; {asdict(m)}")
         return 0
-    unknown = set(args.models or ()) - {m.name for m in MODELS}
-    if unknown:
-        ap.error(f"unknown models {sorted(unknown)}")
-    specs = [m for m in MODELS if not args.models or m.name in args.models]
+    specs = selected_models(ap, args.models, MODELS)
 
     import torch
     import tvm
 
     t0 = time.time()
-    if args.out.exists():
-        shutil.rmtree(args.out)
-    args.out.mkdir(parents=True)
+    fresh_dir(args.out)
     manifest = {
         "format": FORMAT,
         "what": "HF transformers decoders (random weights from a config) exported with torch.export, imported with "

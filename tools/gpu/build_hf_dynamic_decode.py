@@ -48,7 +48,6 @@ import datetime
 import json
 import os
 import re
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -243,10 +242,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--models", nargs="*", help="build only these models (default: all of MODELS)")
     args = ap.parse_args(argv)
-    unknown = set(args.models or ()) - {m.name for m in MODELS}
-    if unknown:
-        ap.error(f"unknown models {sorted(unknown)}")
-    specs = [m for m in MODELS if not args.models or m.name in args.models]
+    specs = bh.selected_models(ap, args.models, MODELS)
 
     import torch
     import transformers
@@ -256,9 +252,7 @@ def main(argv=None) -> int:
     from mqa_byoc.compiler.pipeline import cuda_decoder_pipeline
 
     t0 = time.time()
-    if args.out.exists():
-        shutil.rmtree(args.out)
-    args.out.mkdir(parents=True)
+    bh.fresh_dir(args.out)
     manifest = {
         "format": FORMAT,
         "what": "a serving loop's decode step: batch and past length symbolic (sliding-window models: the past at "

@@ -69,7 +69,6 @@ import datetime
 import json
 import os
 import re
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -423,10 +422,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--models", nargs="*", help="build only these models (default: all of MODELS)")
     args = ap.parse_args(argv)
-    unknown = set(args.models or ()) - {m.name for m in MODELS}
-    if unknown:
-        ap.error(f"unknown models {sorted(unknown)}")
-    specs = [m for m in MODELS if not args.models or m.name in args.models]
+    specs = bh.selected_models(ap, args.models, MODELS)
     if not os.environ.get("MQA_BYOC_KERNEL_DIR"):
         print("note: MQA_BYOC_KERNEL_DIR is not set; FA2 kernel objects must be in the default cache")
 
@@ -435,9 +431,7 @@ def main(argv=None) -> int:
     import tvm
 
     t0 = time.time()
-    if args.out.exists():
-        shutil.rmtree(args.out)
-    args.out.mkdir(parents=True)
+    bh.fresh_dir(args.out)
     manifest = {
         "format": FORMAT,
         "what": "the standard HF path: float32 HF decoders, torch.export, plain from_exported_program, "
