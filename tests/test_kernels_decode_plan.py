@@ -218,10 +218,10 @@ def _shared_layout(heads, heads_k):
 def _rule_takes_shared(heads, heads_k, batch, tile_pages):
     """The rule's SharedTiles threshold: groups of more than 16 at head dim 64, from 12 slots (sequences x
     K/V heads x row groups) for CTAs of 4 row tiles or more (8 on pages: packed splits, 4 for CTAs of 5 row
-    tiles or more); for fewer from
+    tiles); for fewer from
     48, or from 16 where they run two key groups (at most 2 row tiles) on pages of a multiple of 64 keys."""
     warps, row_groups = _shared_layout(heads, heads_k)
-    least = ((4 if warps >= 5 else 8) if tile_pages else 12) if warps >= 4 else 16 if warps <= 2 and tile_pages else 48
+    least = ((4 if warps == 5 else 8) if tile_pages else 12) if warps >= 4 else 16 if warps <= 2 and tile_pages else 48
     return heads // heads_k > 16 and batch * heads_k * row_groups >= least
 
 
@@ -270,12 +270,12 @@ def test_shared_tiles_plan(lib, heads, heads_k, batch, paged):
 
 def _assert_packed(p, heads_k, batch, warps, row_groups, ctas_per_sm):
     """A packed SharedTiles plan: the grid's x the CTAs the SMs hold per (K/V head, row group) (CTAs of 5 row
-    tiles or more: at most two an SM up to 32 sequences), at least one a sequence; splits of at least 256 keys (128 for CTAs of 5
-    row tiles or more; the kernel sizes them); one partial a CTA in the scratch
+    tiles: at most two an SM up to 32 sequences), at least one a sequence; splits of at least 256 keys (128 for CTAs of 5
+    row tiles; the kernel sizes them); one partial a CTA in the scratch
     and a (first partial, splits) pair a slot, merged by the merge kernel (no arrival counters)."""
     # Falcon's 71 rows: splits of 128 keys at least, two CTAs an SM (not the three it holds) up to 32 sequences
     # (the tests' pages are of whole 64-key tiles)
-    wide = warps >= 5
+    wide = warps == 5
     grid = max((min(ctas_per_sm, 2) if wide and batch <= 32 else ctas_per_sm) * SMS // (heads_k * row_groups), batch)
     rows = 16 * warps
     assert p.shared_tiles == 2 and p.splits == grid and p.keys_per_split == (128 if wide else 256) and p.merge == 1

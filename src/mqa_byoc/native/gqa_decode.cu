@@ -1672,7 +1672,7 @@ constexpr int kShMinKeys = 256;  // keys a split at least (the plan's)
 // bf16 (2026-12-07-decode-builds-packed-71-h100.md): 0.71-1.01x.
 constexpr int kShMinSlots = 12;
 constexpr int kShMinSlotsPacked = 8;  // CTAs of 4 warps or more on pages (packed splits)
-constexpr int kShPackedWideWarps = 5;  // CTAs of at least this many row tiles: the packed plan below
+constexpr int kShPackedWideWarps = 5;  // CTAs of this many row tiles (the measured ones): the packed plan below
 constexpr int kShMinSlotsPackedWide = 4;
 constexpr int kShPackedWideCtasPerSm = 2;
 constexpr int kShPackedWideMaxBatchTilePages = 32;  // two CTAs an SM up to this many sequences
@@ -1701,7 +1701,7 @@ bool shared_rule(const mqa_byoc_decode_args& a, int asked) {
   const int warps = shared_warps(a);
   const int64_t rows = 16 * warps;
   const bool tile_pages = a.page_values != nullptr && a.page_size % kShTileKeys == 0;
-  const int min_slots = warps >= kShPackedWideWarps && a.page_values != nullptr ? kShMinSlotsPackedWide
+  const int min_slots = warps == kShPackedWideWarps && a.page_values != nullptr ? kShMinSlotsPackedWide
                         : warps >= 4 && a.page_values != nullptr               ? kShMinSlotsPacked
                         : warps >= 4                                          ? kShMinSlots
                         : shared_key_groups(warps) == 2 && tile_pages ? kShMinSlotsKeyGroups
@@ -2010,7 +2010,7 @@ int shared_packed_plan(const mqa_byoc_decode_args& a, int64_t ctas, mqa_byoc_dec
   const int64_t grid = std::max<int64_t>(ctas, a.batch);
   p->row_tiles = 1;
   p->row_groups = int(row_groups);
-  p->keys_per_split = warps >= kShPackedWideWarps ? kShPackedWideMinKeys : kShMinKeys;
+  p->keys_per_split = warps == kShPackedWideWarps ? kShPackedWideMinKeys : kShMinKeys;
   p->splits = int(grid);
   p->warps = warps * shared_key_groups(warps);
   p->shared_tiles = 2;
@@ -2141,7 +2141,7 @@ __attribute__((visibility("default"))) int mqa_byoc_decode_make_plan(const mqa_b
                            capacity[target - 1] >= slots;
     if (a->page_values != nullptr && !clustered && a->batch <= kPackMaxBatch) {
       const int64_t wide_batch = a->page_size % kShTileKeys == 0 ? kShPackedWideMaxBatchTilePages : kShPackedWideMaxBatch;
-      const int64_t packed_per_sm = rows / 16 >= kShPackedWideWarps && a->batch <= wide_batch
+      const int64_t packed_per_sm = rows / 16 == kShPackedWideWarps && a->batch <= wide_batch
                                         ? std::min<int64_t>(per_sm, kShPackedWideCtasPerSm)
                                         : per_sm;
       return shared_packed_plan(*a, packed_per_sm * sms / (a->num_heads_k * row_groups), p);
