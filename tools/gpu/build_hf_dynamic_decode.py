@@ -216,9 +216,7 @@ def prepare_model(spec: DynamicModel, out_dir: Path, seed: int):
              "fp16_eager_vs_fp32_eager": e16, "tolerances": bh.tolerances(e16, ["logits"]),
              "vm": {v: f"{spec.name}__decode__{v}" for v in VARIANTS}}
     print(f"{spec.name}: import, references and CPU rewrite in {time.time() - t0:.0f}s", flush=True)
-    # each variant from an import of its own: one library a function (below), and no symbolic variable
-    # shared between the functions of a module
-    return entry, {"mqa": main, **{v: import_decode(spec, model).mod["main"] for v in VARIANTS[1:]}}
+    return entry, main
 
 
 def variant_function(spec: DynamicModel, main, variant: str):
@@ -273,9 +271,9 @@ def main(argv=None) -> int:
     # the manifest records the error, and the test compares with the nomqa build there)
     groups, symbols, attention = {LIBRARY: {}}, [], []
     for spec in specs:
-        manifest["models"][spec.name], mains = prepare_model(spec, args.out, args.seed)
+        manifest["models"][spec.name], main_fn = prepare_model(spec, args.out, args.seed)
         for variant in VARIANTS:
-            fname, mod = variant_function(spec, mains[variant], variant)
+            fname, mod = variant_function(spec, main_fn, variant)
             symbols += ba.codegen_symbols(mod)
             attention += ba.codegen_symbols(mod, CODEGEN)
             ba.add_functions(groups.setdefault(LIBRARY if variant != "tvm" else f"{fname}.so", {}), mod, fname)
