@@ -1734,3 +1734,49 @@ def builds_packed_71_claims() -> dict[str, str]:
 @pytest.mark.parametrize("name", sorted(builds_packed_71_claims()))
 def test_builds_packed_71_claim(name):
     _assert_in_paged_doc(builds_packed_71_claims(), name)
+
+
+# docs/paged_kv_cache.md: every decode shape beside FlashInfer at the packed rule, and the grid between 32 and 48
+
+FLASHINFER_H100_PACKED = "2026-12-07-paged-decode-flashinfer-h100-packed.json"
+PACKED_GRID_71_40_47 = "2026-12-07-decode-packed-grid-71-40-47-h100.json"
+
+
+def flashinfer_h100_packed_claims() -> dict[str, str]:
+    data = _load(FLASHINFER_H100_PACKED)
+    assert data["hbm_bytes_per_s"] == 3.35e12 and data["device"].startswith("NVIDIA H100")
+    cases = data["cases"]
+    assert all(all(c["ok"].values()) for c in cases)
+    fi = _fi_fastest
+    gqa = lambda c: c["shape"].startswith("gqa")  # noqa: E731
+    ratios = lambda pred: [c["us"]["ours"] / fi(c) for c in cases if pred(c)]  # noqa: E731
+    slower = [c for c in cases if c["us"]["ours"] > fi(c)]
+    m8 = {t: _fi_case(cases, "decode", "mqa71_1_d64", 8, t) for t in ("float16", "bfloat16")}
+    bytes_ = {s: _range([c["us"]["ours"] / c["bytes_us"] for c in cases if c["shape"] == s and c["batch"] == 1])
+              for s in ("gqa64_8_d128", "gqa32_8_d128")}
+    return {
+        "count": f"ours no slower than FlashInfer's fastest variant in {len(cases) - len(slower)} of {len(cases)} cases",
+        "ratios": f"GQA {_range(ratios(gqa))} its time, Falcon's 71/1/64 {_range(ratios(lambda c: not gqa(c)))}",
+        "falcon 8": (f"{m8['float16']['us']['ours']:.1f} µs against {fi(m8['float16']):.1f} in fp16 and "
+                     f"{m8['bfloat16']['us']['ours']:.1f} µs against {fi(m8['bfloat16']):.1f} in bf16"),
+        "bytes": f"{bytes_['gqa64_8_d128']} the H100's bytes limit for 64/8/128 and {bytes_['gqa32_8_d128']} for 32/8/128",
+    }
+
+
+@pytest.mark.parametrize("name", sorted(flashinfer_h100_packed_claims()))
+def test_paged_doc_flashinfer_h100_packed_claim(name):
+    _assert_in_paged_doc(flashinfer_h100_packed_claims(), name)
+
+
+def packed_grid_71_40_47_claims() -> dict[str, str]:
+    rows = _load(PACKED_GRID_71_40_47)
+    sms = rows[0]["sms"]
+    assert all(r["gpu"].startswith("NVIDIA H100") and r["rule_splits"] == 3 * sms for r in rows)  # the rule: three
+    two = {k: [r[f"g{2 * sms}k128"] / min(r["rule"], r["rule2"]) for r in rows if r["lengths"] == k]
+           for k in ("mixed", "uniform16k")}
+    return {"grid": f"took {_range(two['mixed'])} the rule's time with mixed lengths and {_range(two['uniform16k'])} "
+                    "with every sequence at 16k"}
+
+
+def test_paged_doc_packed_grid_71_40_47_claim():
+    _assert_in_paged_doc(packed_grid_71_40_47_claims(), "grid")
