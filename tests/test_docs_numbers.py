@@ -1592,13 +1592,23 @@ def test_paged_doc_flashinfer_71_claim(name):
 FLASHINFER_H100 = "2026-12-06-paged-decode-flashinfer-h100.json"
 
 
+def _h100_fi_cases(name: str) -> list:
+    """The decode cases of an H100 run beside FlashInfer (its own 3.35 TB/s), every output matching fp32."""
+    data = _load(name)
+    assert data["hbm_bytes_per_s"] == 3.35e12 and data["device"].startswith("NVIDIA H100")
+    assert all(all(c["ok"].values()) for c in data["cases"])
+    return data["cases"]
+
+
+def _batch1_bytes(cases) -> dict:
+    """Per GQA shape, the range of ours over the K/V bytes limit at batch 1 (one sequence of 16k)."""
+    return {s: _range([c["us"]["ours"] / c["bytes_us"] for c in cases if c["shape"] == s and c["batch"] == 1])
+            for s in ("gqa64_8_d128", "gqa32_8_d128")}
+
+
 def flashinfer_h100_claims() -> dict[str, str]:
     """paged_kv_cache.md's paragraph on every decode shape beside FlashInfer on an H100 (its own 3.35 TB/s)."""
-    data = _load(FLASHINFER_H100)
-    assert data["hbm_bytes_per_s"] == 3.35e12 and data["device"].startswith("NVIDIA H100")
-    cases = data["cases"]
-    assert all(all(c["ok"].values()) for c in cases)
-
+    cases = _h100_fi_cases(FLASHINFER_H100)
     fi = _fi_fastest
     def ratios(pred):
         return [c["us"]["ours"] / fi(c) for c in cases if pred(c)]
@@ -1607,8 +1617,7 @@ def flashinfer_h100_claims() -> dict[str, str]:
     assert all((c["shape"], c["batch"], c["lengths_kind"]) == ("mqa71_1_d64", 8, "mixed") for c in slower)
     gqa = lambda c: c["shape"].startswith("gqa")  # noqa: E731
     at_16k = lambda c: c["batch"] > 1 and c["lengths_kind"] == "uniform16k"  # noqa: E731
-    bytes_ = {s: _range([c["us"]["ours"] / c["bytes_us"] for c in cases if c["shape"] == s and c["batch"] == 1])
-              for s in ("gqa64_8_d128", "gqa32_8_d128")}
+    bytes_ = _batch1_bytes(cases)
     return {
         "count": f"no slower than FlashInfer's fastest variant in {len(cases) - len(slower)} of {len(cases)} cases",
         "gqa": f"GQA {_range(ratios(gqa))} its time",
@@ -1743,17 +1752,13 @@ PACKED_GRID_71_40_47 = "2026-12-07-decode-packed-grid-71-40-47-h100.json"
 
 
 def flashinfer_h100_packed_claims() -> dict[str, str]:
-    data = _load(FLASHINFER_H100_PACKED)
-    assert data["hbm_bytes_per_s"] == 3.35e12 and data["device"].startswith("NVIDIA H100")
-    cases = data["cases"]
-    assert all(all(c["ok"].values()) for c in cases)
+    cases = _h100_fi_cases(FLASHINFER_H100_PACKED)
     fi = _fi_fastest
     gqa = lambda c: c["shape"].startswith("gqa")  # noqa: E731
     ratios = lambda pred: [c["us"]["ours"] / fi(c) for c in cases if pred(c)]  # noqa: E731
     slower = [c for c in cases if c["us"]["ours"] > fi(c)]
     m8 = {t: _fi_case(cases, "decode", "mqa71_1_d64", 8, t) for t in ("float16", "bfloat16")}
-    bytes_ = {s: _range([c["us"]["ours"] / c["bytes_us"] for c in cases if c["shape"] == s and c["batch"] == 1])
-              for s in ("gqa64_8_d128", "gqa32_8_d128")}
+    bytes_ = _batch1_bytes(cases)
     return {
         "count": f"ours no slower than FlashInfer's fastest variant in {len(cases) - len(slower)} of {len(cases)} cases",
         "ratios": f"GQA {_range(ratios(gqa))} its time, Falcon's 71/1/64 {_range(ratios(lambda c: not gqa(c)))}",
