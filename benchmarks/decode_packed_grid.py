@@ -1,12 +1,12 @@
-"""Packed SharedTiles splits (``native/gqa_decode.cu``, the plan's ``shared_tiles`` 2) on TVM's pages of 256, one
-build, one run: the grid's CTAs an SM (1 to 4 times the SMs) x the least keys a split (64 to 512), against the
+"""Packed SharedTiles splits (``native/gqa_decode.cu``, the plan's ``shared_tiles`` 2) on TVM's pages (of 256 keys,
+``--page`` for another size), one build, one run: the grid's CTAs an SM (1 to 4 times the SMs) x the least keys a split (64 to 512), against the
 classic blocks (``row_tiles=1``) and the plan's rule (``row_tiles=0``, timed twice: before and after the
 sweep). MQA 71/1/64 by default (``--shape``), batches 4-32 (``--batches``), lengths mixed over 1k-16k and
 every sequence at 16k, fp16 (and bf16 at 8 sequences). GPU kernel time per call from CUPTI; every output
 compared with the classic blocks'. What the packed plan's grid, least split and threshold for CTAs of 5 row
 tiles were set from.
 
-    python benchmarks/decode_packed_grid.py measure --lib LIB.so --out OUT.json [--shape 71/1/64] [--batches 4 8 16]
+    python benchmarks/decode_packed_grid.py measure --lib LIB.so --out OUT.json [--shape 71/1/64] [--batches 4 8 16] [--page 16]
     python benchmarks/decode_packed_grid.py report OUT.json --out OUT.md --commit C --date D --command CMD
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from decode_builds import add_report_command, gpu_words, lib_measure_parser, wri
 
 CTAS_PER_SM = (1, 2, 3, 4)
 MIN_KEYS = (64, 128, 192, 256, 320, 384, 512)
-PAGE = 256
+PAGE = 256  #: keys a page unless --page says otherwise
 
 
 def packed(call, grid: int, min_keys: int, batch: int, hk: int, d: int):
@@ -41,7 +41,7 @@ def packed(call, grid: int, min_keys: int, batch: int, hk: int, d: int):
     return call
 
 
-def measure(lib_path: str, out_path: str, batches=(4, 6, 8, 10, 12, 16, 32), shape=(71, 1, 64)) -> list:
+def measure(lib_path: str, out_path: str, batches=(4, 6, 8, 10, 12, 16, 32), shape=(71, 1, 64), page=PAGE) -> list:
     import torch
 
     from decode_kernel import kernel_us
@@ -58,8 +58,8 @@ def measure(lib_path: str, out_path: str, batches=(4, 6, 8, 10, 12, 16, 32), sha
         for kind in ("mixed", "uniform16k"):
             lengths = mixed_lengths(batch) if kind == "mixed" else [MAX_LEN] * batch
             for dtype in ((torch.float16, torch.bfloat16) if batch == 8 else (torch.float16,)):
-                inputs = PagedInputs(torch, lengths, hk, d, dtype, (PAGE,), seed=batch + 7 * h)
-                paged = inputs.paged[PAGE]
+                inputs = PagedInputs(torch, lengths, hk, d, dtype, (page,), seed=batch + 7 * h)
+                paged = inputs.paged[page]
                 pages = paged["pages"]
                 q = torch.randn(batch, h, d, device="cuda").to(dtype)
                 out = torch.empty_like(q)
@@ -67,7 +67,7 @@ def measure(lib_path: str, out_path: str, batches=(4, 6, 8, 10, 12, 16, 32), sha
 
                 def make(row_tiles):
                     return dk.Decode(q, pages[:, 0], pages[:, 1], out, None, k_stride=st, v_stride=st, seqlen_k=0,
-                                     num_heads_k=hk, pages=(paged["indptr"], paged["values"], paged["last"], PAGE),
+                                     num_heads_k=hk, pages=(paged["indptr"], paged["values"], paged["last"], page),
                                      lib=lib, row_tiles=row_tiles)
 
                 classic, rule = make(1), make(0)
@@ -75,7 +75,7 @@ def measure(lib_path: str, out_path: str, batches=(4, 6, 8, 10, 12, 16, 32), sha
                 torch.cuda.synchronize()
                 ref = out.clone()
                 rec = {"shape": f"{h}/{hk}/{d}", "batch": batch, "lengths": kind, "dtype": str(dtype)[6:],
-                       "gpu": gpu["gpu"], "sms": sms, "rule_shared": rule.plan.shared_tiles,
+                       "gpu": gpu["gpu"], "sms": sms, "page": page, "rule_shared": rule.plan.shared_tiles,
                        "rule_splits": rule.plan.splits, "rule_kps": rule.plan.keys_per_split,
                        "rule_warps": rule.plan.warps, "classic": kernel_us(classic, 40), "rule": kernel_us(rule, 40),
                        "diff": 0.0}
@@ -105,6 +105,11 @@ def _grid_keys(rows):
     return sorted(set(cols))
 
 
+def _pages(rows) -> str:
+    """The page sizes of the rows (runs before ``--page`` recorded none: 256)."""
+    return " and ".join(str(p) for p in sorted({r.get("page", PAGE) for r in rows}))
+
+
 def report(rows: list, meta: dict) -> str:
     cols = _grid_keys(rows)
     grids = sorted({g for g, _ in cols})
@@ -112,7 +117,7 @@ def report(rows: list, meta: dict) -> str:
     lines = ["# Packed SharedTiles splits: grid x least keys a split, against the rule", "",
              f"- commit {meta.get('commit', '?')}; date {meta.get('date', '?')}; {gpu_words(rows)}",
              f"- command: `{meta.get('command', '?')}`",
-             f"- TVM's pages of {PAGE}; GPU kernel time per call (µs, CUPTI, 40 calls); `classic`: the classic blocks; "
+             f"- TVM's pages of {_pages(rows)}; GPU kernel time per call (µs, CUPTI, 40 calls); `classic`: the classic blocks; "
              "`rule`: the plan's choice (the better of two timings, before and after the sweep; its plan: "
              "`shared_tiles` 0 the classic blocks, 2 packed splits, the grid's x and the least keys a split); "
              "`N/SM`: packed splits over N CTAs an SM, the best of the least keys a split and, in brackets, at "
@@ -143,10 +148,12 @@ def main(argv=None) -> int:
     m.add_argument("--shape", default="71/1/64", metavar="H/H_KV/D", help="a head dim 64 grouping (default 71/1/64)")
     m.add_argument("--batches", nargs="+", type=int, default=[4, 6, 8, 10, 12, 16, 32],
                    help="sequences a call (default 4 6 8 10 12 16 32)")
+    m.add_argument("--page", type=int, default=PAGE, help=f"keys a page of TVM's cache, a multiple of 16 (default {PAGE})")
     add_report_command(sub)
     args = ap.parse_args(argv)
     if args.command == "measure":
-        measure(args.lib, args.out, batches=tuple(args.batches), shape=tuple(int(x) for x in args.shape.split("/")))
+        measure(args.lib, args.out, batches=tuple(args.batches), shape=tuple(int(x) for x in args.shape.split("/")),
+                page=args.page)
     else:
         write_report(args, report)
     return 0

@@ -33,6 +33,12 @@ def test_report(bench):
     assert "| 71/1/64 | 4 | mixed | float16 | 24.0 | 16.0 (2: 396 x 256) |" in text
     assert "2 CTAs an SM, splits of at least 128 keys, against the rule: 1.16-1.38x over 2 cases." in text
     assert "commit abc" in text and "NVIDIA H100" in text
+    assert "TVM's pages of 256;" in text  # rows from before the page was recorded: 256
+
+
+def test_report_names_the_page(bench):
+    text = bench.report([{**_row(), "page": 16}], {"commit": "abc", "date": "d", "command": "x"})
+    assert "TVM's pages of 16;" in text
 
 
 def test_packed_plan_override(bench, monkeypatch):
@@ -54,9 +60,11 @@ def test_command_line(bench, tmp_path, monkeypatch):
     seen = {}
     monkeypatch.setattr(bench, "measure", lambda lib, out, **kw: seen.update(lib=lib, out=out, **kw))
     bench.main(["measure", "--lib", "x.so", "--out", "r.json"])
-    assert seen == {"lib": "x.so", "out": "r.json", "batches": (4, 6, 8, 10, 12, 16, 32), "shape": (71, 1, 64)}
-    bench.main(["measure", "--lib", "x.so", "--out", "r.json", "--shape", "40/2/64", "--batches", "4", "6"])
-    assert seen["batches"] == (4, 6) and seen["shape"] == (40, 2, 64)
+    assert seen == {"lib": "x.so", "out": "r.json", "batches": (4, 6, 8, 10, 12, 16, 32), "shape": (71, 1, 64),
+                    "page": 256}
+    bench.main(["measure", "--lib", "x.so", "--out", "r.json", "--shape", "40/2/64", "--batches", "4", "6",
+                "--page", "16"])
+    assert seen["batches"] == (4, 6) and seen["shape"] == (40, 2, 64) and seen["page"] == 16
     (tmp_path / "r.json").write_text(json.dumps([_row()]))
     bench.main(["report", str(tmp_path / "r.json"), "--out", str(tmp_path / "r.md"), "--commit", "c", "--date", "d",
                 "--command", "x"])
