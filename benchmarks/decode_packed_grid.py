@@ -1,10 +1,10 @@
 """Packed SharedTiles splits (``native/gqa_decode.cu``, the plan's ``shared_tiles`` 2) on TVM's pages (of 256 keys,
-``--page`` for another size), one build, one run: the grid's CTAs an SM (1 to 4 times the SMs) x the least keys
-a split (64 to 512), against the classic blocks (``row_tiles=1``) and the plan's rule (``row_tiles=0``, timed
-twice: before and after the sweep). MQA 71/1/64 by default (``--shape``), batches 4-32 (``--batches``), lengths mixed over 1k-16k and
-every sequence at 16k, fp16 (and bf16 at 8 sequences). GPU kernel time per call from CUPTI; every output
-compared with the classic blocks'. What the packed plan's grid, least split and threshold for CTAs of 5 row
-tiles were set from.
+``--page`` for another size), one build, one run: the grid's CTAs an SM (1 to 4 times the SMs) x the least keys a
+split (64 to 512), against the classic blocks (``row_tiles=1``) and the plan's rule (``row_tiles=0``, timed twice:
+before and after the sweep). MQA 71/1/64 by default (``--shape``), batches 4-32 (``--batches``), lengths mixed over
+1k-16k and every sequence at 16k, fp16 (and bf16 at 8 sequences). GPU kernel time per call from CUPTI; every output
+compared with the classic blocks'. What the packed plan's grid, least split and threshold for CTAs of 5 row tiles
+were set from.
 
     python benchmarks/decode_packed_grid.py measure --lib LIB.so --out OUT.json [--shape 71/1/64] [--batches 4 8 16]
         [--page 16]
