@@ -1,6 +1,7 @@
-"""Long fuzz run of the attention partition.
+"""Long fuzz run of the attention partition (or, with --gemm, of the GEMM offload).
 
     python tools/fuzz.py --graphs 1000 --seed 1 --json fuzz.json
+    python tools/fuzz.py --gemm --graphs 1000 --seed 1 --json gemm-fuzz.json
 
 draws random attention graphs (``src/mqa_byoc/testing/fuzz/gen.py``), checks every invariant of
 ``src/mqa_byoc/testing/fuzz/invariants.py`` on each (building every graph with offloaded sites for sm_90 with both
@@ -8,6 +9,9 @@ providers unless ``--build-every N``), shrinks the first graph of each distinct 
 a summary: graphs, sites, offloaded, rejections by reason, violations by invariant with a repro
 (``GraphSpec``; ``src/mqa_byoc/testing/fuzz/build.py::build_module(spec).mod`` is the module). Exit status 1 when
 there is a violation. Graph ``i`` of seed ``s`` is the same on every machine: ``--only i`` reruns it.
+``--gemm`` draws matmul graphs instead (``src/mqa_byoc/testing/fuzz/gemm.py``: every matmul reported, offloaded
+exactly where cuBLASLt can take it, and the partitioned graph, each offloaded call replaced by a model of
+the cuBLASLt call, computing on llvm what the graph does).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ sys.path[:0] = [str(ROOT / "src")]  # mqa_byoc from this checkout when it is not
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gemm", action="store_true", help="fuzz the GEMM offload instead of attention")
     ap.add_argument("--graphs", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write the summary here")
@@ -49,6 +54,9 @@ def main(argv=None) -> int:
         else:
             print(text)
         return 0
+
+    if args.gemm:
+        return _gemm(args)
 
     if args.only is not None:
         spec = runner.draw(args.seed, args.only, args.varlen)
@@ -80,6 +88,30 @@ def main(argv=None) -> int:
         data.update(seed=args.seed, build_every=args.build_every, varlen=args.varlen)
         args.json.write_text(json.dumps(data, indent=1))
     return 1 if summary.total_violations() else 0
+
+
+def _gemm(args) -> int:
+    from mqa_byoc.testing.fuzz import gemm
+
+    if args.only is not None:
+        spec = gemm.draw(args.seed, args.only)
+        print(spec)
+        print(gemm.build_gemm_module(spec, args.only).mod)
+        res = gemm.check_gemm_graph(spec, seed=args.only, numerics=not args.no_numerics)
+        for v in res.violations:
+            print(f"[{v.invariant}] {v.message}")
+        return 1 if res.violations else 0
+
+    def progress(index, res):
+        if not args.quiet:
+            mark = " ".join(sorted({v.invariant for v in res.violations}))
+            print(f"graph {index}: {res.sites} sites, {res.offloaded} offloaded {mark}", flush=True)
+
+    summary = gemm.run(args.graphs, args.seed, numerics=not args.no_numerics, progress=progress)
+    print(gemm.summary_text(summary))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1))
+    return 1 if summary["violations"] else 0
 
 
 if __name__ == "__main__":
