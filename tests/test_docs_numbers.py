@@ -1749,6 +1749,7 @@ def test_builds_packed_71_claim(name):
 
 FLASHINFER_H100_PACKED = "2026-12-07-paged-decode-flashinfer-h100-packed.json"
 PACKED_GRID_71_40_47 = "2026-12-07-decode-packed-grid-71-40-47-h100.json"
+PACKED_GRID_71_PAGE16 = "2026-12-07-decode-packed-grid-71-page16-h100.json"
 
 
 def flashinfer_h100_packed_claims() -> dict[str, str]:
@@ -1783,5 +1784,21 @@ def packed_grid_71_40_47_claims() -> dict[str, str]:
                     "with every sequence at 16k"}
 
 
+def packed_grid_71_page16_claims() -> dict[str, str]:
+    rows = _load(PACKED_GRID_71_PAGE16)
+    sms = rows[0]["sms"]
+    assert all(r["gpu"].startswith("NVIDIA H100") and r["page"] == 16 and r["rule_splits"] == 3 * sms for r in rows)
+    assert sorted({r["batch"] for r in rows}) == [9, 10, 11]
+    rule = lambda r: min(r["rule"], r["rule2"])  # noqa: E731
+    two = {k: [r[f"g{2 * sms}k128"] / rule(r) for r in rows if r["lengths"] == k] for k in ("mixed", "uniform16k")}
+    classic = [r["classic"] / rule(r) for r in rows]
+    return {"grid": f"took {_range(two['mixed'])} the rule's time with mixed lengths and {_range(two['uniform16k'])} "
+                    f"with every sequence at 16k; the classic blocks {_range(classic)}"}
+
+
 def test_paged_doc_packed_grid_71_40_47_claim():
     _assert_in_paged_doc(packed_grid_71_40_47_claims(), "grid")
+
+
+def test_paged_doc_packed_grid_71_page16_claim():
+    _assert_in_paged_doc(packed_grid_71_page16_claims(), "grid")
