@@ -2,15 +2,16 @@
 
 A graph is a chain of 1 to 3 matmul sites (:class:`GemmSpec`), each drawn over what users' graphs hold:
 fp16, bf16, float32 and int8 operands; a float32 ``out_dtype`` and ``ToMixedPrecision``'s cast back; 1-D
-to 4-D activations with static and symbolic rows; weights as parameters, constants or cast from a float32
+to 4-D activations with static and symbolic rows; weights as parameters, constants, computed, or cast from a float32
 parameter, stored (K, N) or (N, K) behind ``permute_dims`` (with or without explicit axes); batched
 weights whose batch axes equal the activation's or broadcast; biases of every broadcastable shape, added
 on either side; relu, gelu, gelu_tanh, silu; residuals of the output's shape or broadcast; K and N
-aligned or not; a matmul result the graph also returns.
+aligned or not; a matmul result the graph also returns; the graph as written, or after TVM's
+``FuseTransposeMatmul`` or ``LegalizeOps`` (a user's pipeline run before the partition).
 
 :func:`check_gemm_graph` checks one graph:
 
-- ``unseen``: every matmul appears in ``gemm_report`` once;
+- ``unseen``: every matmul appears in ``gemm_report`` once (after lowering, as many sites as matmuls);
 - ``report``: an offloaded site runs on cuBLASLt with no reason, one left on TVM has a reason, and the
   report's N, K and type are the graph's;
 - ``eligibility``: a site is offloaded exactly when the library can take it (fp16/bf16 operands,
@@ -25,8 +26,8 @@ aligned or not; a matmul result the graph also returns.
 
 from __future__ import annotations
 
-import dataclasses
 import random
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -60,6 +61,21 @@ class GemmSiteSpec:
 class GemmSpec:
     rows: tuple  # x's axes before K (ints or symbol names)
     sites: tuple  # GemmSiteSpec
+    pipeline: str = "none"  # what runs before the partition: "none", "fuse_transpose_matmul", "legalize"
+
+
+PIPELINES = ("none", "fuse_transpose_matmul", "legalize")
+
+
+def lower(mod, pipeline: str):
+    """``mod`` after the TVM passes a user's pipeline may run before partitioning."""
+    from tvm import relax
+
+    if pipeline == "fuse_transpose_matmul":
+        return relax.transform.FuseTransposeMatmul()(mod)
+    if pipeline == "legalize":
+        return relax.transform.LegalizeOps()(mod)
+    return mod
 
 
 # ----------------------------------------------------------------------------- drawing
@@ -115,7 +131,7 @@ def draw_gemm_graph(rng: random.Random) -> GemmSpec:
     for _ in range(_pick(rng, [(1, 4), (2, 3), (3, 2)])):
         prev = _draw_site(rng, rows, prev)
         sites.append(prev)
-    return GemmSpec(rows, tuple(sites))
+    return GemmSpec(rows, tuple(sites), _pick(rng, list(zip(PIPELINES, (7, 2, 1)))))
 
 
 def draw(seed: int, index: int) -> GemmSpec:
@@ -124,7 +140,7 @@ def draw(seed: int, index: int) -> GemmSpec:
 
 # ----------------------------------------------------------------------------- building
 @dataclass
-class Built:
+class GemmGraph:
     mod: object
     specs: list  # (name, shape, dtype) of main's parameters
     matmuls: list  # the matmul variables' names, in site order
@@ -160,7 +176,7 @@ def _site_shape(shape, n, current):
     return tuple(n if d == "N" else d for d in shape)
 
 
-def build_gemm_module(spec: GemmSpec, seed: int = 0) -> Built:
+def build_gemm_module(spec: GemmSpec, seed: int = 0) -> GemmGraph:
     """``main`` of the spec's sites: every operand a parameter but constant weights (drawn with ``seed``)."""
     from tvm import relax, tirx
 
@@ -235,7 +251,7 @@ def build_gemm_module(spec: GemmSpec, seed: int = 0) -> Built:
             outs = [*outputs, y]
             out = bb.emit_output(relax.Tuple(outs) if len(outs) > 1 else outs[0])
         bb.emit_func_output(out)
-    return Built(bb.get(), specs, matmuls, x_rows)
+    return GemmGraph(bb.get(), specs, matmuls, x_rows)
 
 
 # ----------------------------------------------------------------------------- checking
@@ -250,7 +266,14 @@ class GemmResult:
     sites: int = 0
     offloaded: int = 0
     reasons: Counter = field(default_factory=Counter)
+    composites: Counter = field(default_factory=Counter)  # offloaded sites by composite and pipeline
     violations: list = field(default_factory=list)
+
+
+def reason_kind(reason: str | None) -> str:
+    """A reason with its shapes and sizes left out: what kind of rejection it is."""
+    text = re.sub(r"\([^()]*\)", "(..)", (reason or "").split(":")[0])
+    return re.sub(r"\b\d+\b", "#", text)
 
 
 def expected_offload(s: GemmSiteSpec, rows: tuple) -> bool | None:
@@ -344,35 +367,40 @@ def check_gemm_graph(spec: GemmSpec, seed: int = 0, numerics: bool = True) -> Ge
     res = GemmResult()
     bad = res.violations.append
     built = build_gemm_module(spec, seed)
-    report = gemm_report(built.mod)
+    lowered = lower(built.mod, spec.pipeline)
+    report = gemm_report(lowered)
     res.sites = len(report)
-    by_name = Counter(r.output for r in report)
-    for name in built.matmuls:
-        if by_name[name] != 1:
-            bad(GemmViolation("unseen", f"{name} appears {by_name[name]} times in gemm_report"))
     if len(report) != len(built.matmuls):
         bad(GemmViolation("unseen", f"{len(report)} report entries for {len(built.matmuls)} matmuls"))
-    for r in report:
-        if r.output not in built.matmuls:
+    if spec.pipeline == "none":  # the sites by name; after lowering, by their order
+        by_name = Counter(r.output for r in report)
+        for name in built.matmuls:
+            if by_name[name] != 1:
+                bad(GemmViolation("unseen", f"{name} appears {by_name[name]} times in gemm_report"))
+        order = [built.matmuls.index(r.output) if r.output in built.matmuls else None for r in report]
+    else:
+        order = list(range(len(report)))
+    for r, i in zip(report, order):
+        if i is None or i >= len(spec.sites):
             continue
-        i = built.matmuls.index(r.output)
         s = spec.sites[i]
         if r.offloaded:
             res.offloaded += 1
+            res.composites[f"{r.composite}{' batched' if r.batch else ''} ({spec.pipeline})"] += 1
             if r.runs_on != "cuBLASLt" or r.reason:
                 bad(GemmViolation("report", f"{r.output}: offloaded but runs on {r.runs_on}, reason {r.reason!r}"))
             if (r.n, r.k, r.dtype) != (s.n, s.k, s.dtype):
                 bad(GemmViolation("report", f"{r.output}: reported N, K, type {(r.n, r.k, r.dtype)}, "
                                             f"the graph's {(s.n, s.k, s.dtype)}"))
         else:
-            res.reasons[(r.reason or "").split(":")[0][:60]] += 1
+            res.reasons[reason_kind(r.reason)] += 1
             if r.runs_on != "TVM" or not r.reason:
                 bad(GemmViolation("report", f"{r.output}: on TVM without a reason ({r.runs_on}, {r.reason!r})"))
         want = expected_offload(s, built.x_rows[i])
         if want is not None and want != r.offloaded:
             bad(GemmViolation("eligibility", f"{r.output}: offloaded={r.offloaded}, expected {want} "
                                              f"(reason: {r.reason})"))
-    part = mqa_byoc.partition_for_cutlass(built.mod)
+    part = mqa_byoc.partition_for_cutlass(lowered)
     model = part
     for gv, func in part.functions.items():
         if not (isinstance(func, relax.Function) and func.attrs is not None
@@ -420,12 +448,14 @@ def run(graphs: int, seed: int, numerics: bool = True, progress=None) -> dict:
         total.sites += res.sites
         total.offloaded += res.offloaded
         total.reasons.update(res.reasons)
+        total.composites.update(res.composites)
         for v in res.violations:
             found.append({"graph": i, "invariant": v.invariant, "message": v.message, "spec": repr(spec)})
         if progress:
             progress(i, res)
     return {"graphs": graphs, "seed": seed, "sites": total.sites, "offloaded": total.offloaded,
-            "reasons": dict(total.reasons.most_common()), "violations": found,
+            "reasons": dict(total.reasons.most_common()), "composites": dict(sorted(total.composites.items())),
+            "violations": found,
             "seconds": round(time.time() - t0, 1)}
 
 
@@ -434,6 +464,8 @@ def summary_text(summary: dict) -> str:
              f"{summary['offloaded']} offloaded, {len(summary['violations'])} violations, {summary['seconds']} s",
              "left on TVM:"]
     lines += [f"  {n:5d}  {reason}" for reason, n in summary["reasons"].items()]
+    lines.append("offloaded (composite, pipeline):")
+    lines += [f"  {n:5d}  {name}" for name, n in summary["composites"].items()]
     for v in summary["violations"]:
         lines.append(f"graph {v['graph']} [{v['invariant']}] {v['message']}\n    {v['spec']}")
     return "\n".join(lines)
