@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from mqa_byoc.contract import GEMM_COMPOSITES
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
@@ -72,6 +74,7 @@ PAGED_PROFILE = "2026-11-30-profile-codellama34b-4l-paged-2k.json"
 KERNEL_RUN = "2026-12-01-decode-kernel-loadpath.json"
 FLOOR_RUN = "2026-12-01-decode-kernel-read-floor.json"
 FUZZ_RUN = "2026-12-01-fuzz-1000-seed8.json"
+GEMM_FUZZ_RUN = "2026-12-07-gemm-fuzz-1000-seed17.json"
 TILES_RUN = "2026-12-02-mqa-decode-tiles.json"
 PARTITION_RUN = "2026-11-29-partition-speed.json"
 
@@ -251,6 +254,15 @@ def fuzz_claim() -> str:
             f"for sm_90 with both providers, no violation ({f['seconds']:.0f} s")
 
 
+def gemm_fuzz_claim() -> str:
+    f = _load(GEMM_FUZZ_RUN)
+    assert f["violations"] == []
+    composites = {name.split(" ")[0] for name in f["composites"]}
+    assert composites == set(GEMM_COMPOSITES), set(GEMM_COMPOSITES) - composites  # every composite offloaded
+    return (f"{f['graphs']:,} graphs, {f['sites']:,} GEMM sites, {f['offloaded']} offloaded (every composite of the "
+            f"pattern table, batched ones too), no violation ({f['seconds']:.0f} s")
+
+
 def partition_claim() -> str:
     p = _load(PARTITION_RUN)
     return (f"{p['layers']} layers, {p['sites']} attention sites, all offloaded: "
@@ -304,6 +316,11 @@ def test_performance_page_claim(name):
 def test_testing_page_fuzz_claim():
     text = " ".join((ROOT / "docs" / "testing.md").read_text().split())
     assert fuzz_claim() in text
+
+
+def test_testing_page_gemm_fuzz_claim():
+    text = " ".join((ROOT / "docs" / "testing.md").read_text().split())
+    assert gemm_fuzz_claim() in text
 
 
 def test_the_whole_decoder_claim_is_the_current_build():
