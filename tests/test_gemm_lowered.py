@@ -55,12 +55,51 @@ def test_after_legalize_ops_the_matmul_is_offloaded_and_its_epilogue_stays_on_tv
     part = mqa_byoc.partition_for_cutlass(lowered)
     [func] = _codegen_funcs(part)
     [site] = gemm.gemm_report(lowered)
-    # LegalizeOps lowered the bias and residual adds (and the transpose) too: only the matmul is read back
-    assert site.offloaded and site.composite == "cublaslt.matmul" and site.epilogue is None
+    # LegalizeOps lowered the bias and residual adds too: they stay TVM's kernels. Its transpose of the
+    # weight is read back with the matmul (cuBLASLt reads the (N, K) weight): no transpose kernel is left
+    want = "cublaslt.matmul_transposed" if transposed else "cublaslt.matmul"
+    assert site.offloaded and site.composite == want and site.transposed == transposed and site.epilogue is None
     assert "matmul" not in _prim_names(part) and "add" in _prim_names(part)
+    assert not any(name.startswith("transpose") for name in _prim_names(part))
     arrays = draw_inputs(specs, {"n": 4})
     np.testing.assert_allclose(run_llvm(gemm.inline_gemm_composites(part), arrays), run_llvm(mod, arrays),
                                rtol=1e-3, atol=1e-3)
+
+
+def test_a_legalized_transpose_used_elsewhere_stays_and_one_of_other_axes_is_not_read_back():
+    # the transposed weight also returned: the matmul reads the weight, the transpose kernel stays for
+    # the other use
+    w = relax.Var("w", relax.TensorType([32, 16], "float16"))
+    x = relax.Var("x", relax.TensorType([4, 16], "float16"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            wt = bb.emit(relax.op.permute_dims(w))
+            y = bb.emit(relax.op.matmul(x, wt))
+            out = bb.emit_output(relax.Tuple([y, wt]))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    lowered = relax.transform.LegalizeOps()(mod)
+    [site] = gemm.gemm_report(lowered)
+    assert site.offloaded and site.composite == "cublaslt.matmul_transposed"
+    part = mqa_byoc.partition_for_cutlass(lowered)
+    assert any(name.startswith("transpose") for name in _prim_names(part))
+    arrays = draw_inputs([("x", (4, 16), "float16"), ("w", (32, 16), "float16")])
+    vm_out = [relax.VirtualMachine(relax.build(m, target="llvm"), tvm.cpu())["main"](
+        *[tvm.runtime.tensor(a) for a in arrays]) for m in (gemm.inline_gemm_composites(part), mod)]
+    for got, want in zip(*vm_out):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-3, atol=1e-3)
+    # a 3-D weight whose transpose moves its first axis is no swap of the last two: the matmul reads the
+    # transposed tensor
+    w3 = relax.Var("w", relax.TensorType([16, 2, 32], "float16"))
+    x3 = relax.Var("x", relax.TensorType([2, 4, 16], "float16"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x3, w3]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit(relax.op.matmul(x3, bb.emit(relax.op.permute_dims(w3, [1, 0, 2])))))
+        bb.emit_func_output(out)
+    [site] = gemm.gemm_report(relax.transform.LegalizeOps()(bb.get()))
+    assert site.offloaded and site.composite == "cublaslt.matmul" and not site.transposed
 
 
 def test_a_site_neither_offload_takes_becomes_nt_matmul_again():

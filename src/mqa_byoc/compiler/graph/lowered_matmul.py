@@ -7,7 +7,9 @@ GEMM and attention patterns. :class:`RestoreLoweredMatmul` makes each such call 
 but only when its PrimFunc is, up to attributes, the very function TVM's pass makes for these operands
 (the reference is built by the same pass on the same struct info and compared with
 ``tvm_ffi.structural_equal``): a PrimFunc of the same name that was fused with an epilogue, scheduled or
-edited is left alone, and :func:`lowered_matmul_reason` says why.
+edited is left alone, and :func:`lowered_matmul_reason` says why. ``LegalizeOps`` lowers nn.Linear's
+``permute_dims`` of the weight to a ``transpose`` PrimFunc too: a ``matmul`` whose weight is such a call
+(:func:`legalized_transpose_of`, compared the same way) is read back as the transposed matmul.
 
 The partition then offloads the matmuls it can and leaves the others in the graph, where
 ``FuseTransposeMatmul`` makes the transposed ones ``NT_matmul`` calls again
@@ -21,8 +23,8 @@ import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-__all__ = ["RestoreLoweredMatmul", "has_lowered_nt_matmul", "lowered_matmul_reason", "restored_matmul",
-           "transpose_axes"]
+__all__ = ["RestoreLoweredMatmul", "has_lowered_nt_matmul", "legalized_transpose_of", "lowered_matmul_reason",
+           "restored_matmul", "transpose_axes"]
 
 #: the two forms: TVM's pass that makes the PrimFunc, and whether the weight is transposed
 FORMS = {"NT_matmul": ("FuseTransposeMatmul", True), "matmul": ("LegalizeOps", False)}
@@ -82,6 +84,46 @@ def _reference(form: str, x_ty, w_ty, out_dtype: str):
     if len(funcs) != 1 or len(calls) != 1:
         return None, ()
     return funcs[0], tuple(calls[0].args[1].fields[2:])
+
+
+def _transpose_reference(w_ty):
+    """The PrimFunc ``LegalizeOps`` makes for ``permute_dims`` swapping the last two axes of a ``w_ty``
+    tensor (None when it makes something else)."""
+    w = relax.Var("w", w_ty)
+    bb = relax.BlockBuilder()
+    with bb.function("main", [w]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit(relax.op.permute_dims(w, transpose_axes(len(w_ty.shape.values)))))
+        bb.emit_func_output(out)
+    funcs = [f for f in relax.transform.LegalizeOps()(bb.get()).functions.values() if isinstance(f, tirx.PrimFunc)]
+    return funcs[0] if len(funcs) == 1 else None
+
+
+def legalized_transpose_of(mod: tvm.IRModule, call, cache: dict):
+    """The tensor ``call`` transposes when it is a ``call_tir`` of exactly the ``transpose`` PrimFunc
+    ``LegalizeOps`` makes for swapping its operand's last two axes (a weight stored (N, K) that a
+    legalized nn.Linear transposes on every call), else None."""
+    gv = _callee(call)
+    if gv is None or not (gv.name_hint == "transpose" or (gv.name_hint.startswith("transpose")
+                                                          and gv.name_hint[len("transpose"):].isdigit())):
+        return None
+    fields = list(call.args[1].fields)
+    if len(fields) != 1 or len(call.args) > 2 or gv not in mod.functions:
+        return None
+    w_ty = fields[0].ty
+    if not (isinstance(w_ty, relax.TensorType) and isinstance(w_ty.shape, relax.ShapeExpr)
+            and len(w_ty.shape.values) >= 2):
+        return None
+    key = ("transpose", gv, str(w_ty))
+    if key not in cache:
+        try:
+            ref = _transpose_reference(w_ty)
+        except tvm.TVMError:
+            ref = None
+        func = mod[gv]
+        cache[key] = ref is not None and isinstance(func, tirx.PrimFunc) and tvm_ffi.structural_equal(
+            _without_attrs(ref), _without_attrs(func))
+    return fields[0] if cache[key] else None
 
 
 def _calls(func):
@@ -163,6 +205,12 @@ class _Restorer(PyExprMutator):  # pylint: disable=abstract-method
         if form is None or reason is not None:
             return call
         self.restored += 1
+        if form == "matmul":  # LegalizeOps' nn.Linear: the weight's transpose is a kernel of its own
+            x, w = call.args[1].fields[:2]
+            bound = self.lookup_binding(w) if isinstance(w, relax.Var) else None
+            source = legalized_transpose_of(self.mod, bound, self.cache) if bound is not None else None
+            if source is not None:
+                return _matmul(self.builder_, x, source, "NT_matmul", str(call.ty.dtype))
         return restored_matmul(call, form, self.builder_)
 
 
@@ -170,15 +218,17 @@ class _Restorer(PyExprMutator):  # pylint: disable=abstract-method
 class RestoreLoweredMatmul:
     """Module pass: every ``call_tir`` of TVM's own ``NT_matmul`` / ``matmul`` PrimFunc (exactly what
     ``FuseTransposeMatmul`` / ``LegalizeOps`` make for its operands) becomes ``R.matmul`` again, with
-    ``R.permute_dims`` of the weight for ``NT_matmul``; PrimFuncs no call uses any more are dropped."""
+    ``R.permute_dims`` of the weight for ``NT_matmul``, and for a ``matmul`` whose weight is the output of
+    ``LegalizeOps``' own ``transpose`` of the last two axes (a legalized nn.Linear); bindings and PrimFuncs
+    no call uses any more are dropped."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         restorer = _Restorer(mod)
         for gv, func in mod.functions.items():
             if isinstance(func, relax.Function):
                 new = restorer.visit_expr(func)
-                if not new.same_as(func):
-                    restorer.builder_.update_func(gv, new)
+                if not new.same_as(func):  # a transpose only the matmul read is gone with it
+                    restorer.builder_.update_func(gv, relax.analysis.remove_all_unused(new))
         if not restorer.restored:
             return mod
         out = restorer.builder_.get()
@@ -188,7 +238,8 @@ class RestoreLoweredMatmul:
                 relax.analysis.post_order_visit(
                     func, lambda e: used.add(e) if isinstance(e, tvm.ir.GlobalVar) else None)
         for gv in list(out.functions.keys()):
-            if isinstance(out[gv], tirx.PrimFunc) and _candidate_form(gv.name_hint) and gv not in used:
+            if isinstance(out[gv], tirx.PrimFunc) and gv not in used and (
+                    _candidate_form(gv.name_hint) or gv.name_hint.startswith("transpose")):
                 del out[gv]
         return out
 
