@@ -26,7 +26,8 @@ def test_random_gemm_graphs_hold_every_invariant(profile):
 def test_the_profile_draws_both_offloaded_sites_and_each_kind_of_rejection(profile):
     assert 0 < profile["offloaded"] < profile["sites"]
     reasons = " | ".join(profile["reasons"])
-    for kind in ("int8 GEMM", "float32 GEMM", "K = # is not a multiple of # elements", "N = # is not a multiple", "x is #-D"):
+    for kind in ("int8 GEMM", "float32 GEMM", "K = # is not a multiple of # elements", "N = # is not a multiple",
+                 "x is #-D"):
         assert kind in reasons, reasons
 
 

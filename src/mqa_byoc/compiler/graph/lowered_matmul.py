@@ -68,35 +68,36 @@ def _without_attrs(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return func
 
 
+def _lowered_alone(params: list, emit, lower_pass):
+    """(the one PrimFunc ``lower_pass`` makes of a function of ``params`` whose body is ``emit(bb, *params)``,
+    the ``call_tir`` of it); (None, None) when the pass makes something else."""
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit(emit(bb, *params)))
+        bb.emit_func_output(out)
+    lowered = lower_pass(bb.get())
+    funcs = [f for f in lowered.functions.values() if isinstance(f, tirx.PrimFunc)]
+    calls = [c for c in _calls(lowered["main"]) if _callee(c) is not None]
+    return (funcs[0], calls[0]) if len(funcs) == 1 and len(calls) == 1 else (None, None)
+
+
 def _reference(form: str, x_ty, w_ty, out_dtype: str):
     """(the PrimFunc TVM's pass makes for ``form`` on operands of these struct infos, the symbolic values its
     call passes after the operands: the sizes of ``x`` its buffers cannot bind, e.g. ``b`` and ``s`` of a
     flattened (b * s, K)); (None, ()) when the pass makes something else."""
-    x, w = relax.Var("x", x_ty), relax.Var("w", w_ty)
-    bb = relax.BlockBuilder()
-    with bb.function("main", [x, w]):
-        with bb.dataflow():
-            out = bb.emit_output(bb.emit(_matmul(bb, x, w, form, out_dtype)))
-        bb.emit_func_output(out)
-    lowered = (relax.transform.FuseTransposeMatmul() if form == "NT_matmul" else relax.transform.LegalizeOps())(bb.get())
-    funcs = [f for f in lowered.functions.values() if isinstance(f, tirx.PrimFunc)]
-    calls = [c for c in _calls(lowered["main"]) if _callee(c) is not None]
-    if len(funcs) != 1 or len(calls) != 1:
-        return None, ()
-    return funcs[0], tuple(calls[0].args[1].fields[2:])
+    lower_pass = relax.transform.FuseTransposeMatmul() if form == "NT_matmul" else relax.transform.LegalizeOps()
+    func, call = _lowered_alone([relax.Var("x", x_ty), relax.Var("w", w_ty)],
+                                lambda bb, x, w: _matmul(bb, x, w, form, out_dtype), lower_pass)
+    return (func, tuple(call.args[1].fields[2:])) if func is not None else (None, ())
 
 
 def _transpose_reference(w_ty):
     """The PrimFunc ``LegalizeOps`` makes for ``permute_dims`` swapping the last two axes of a ``w_ty``
     tensor (None when it makes something else)."""
-    w = relax.Var("w", w_ty)
-    bb = relax.BlockBuilder()
-    with bb.function("main", [w]):
-        with bb.dataflow():
-            out = bb.emit_output(bb.emit(relax.op.permute_dims(w, transpose_axes(len(w_ty.shape.values)))))
-        bb.emit_func_output(out)
-    funcs = [f for f in relax.transform.LegalizeOps()(bb.get()).functions.values() if isinstance(f, tirx.PrimFunc)]
-    return funcs[0] if len(funcs) == 1 else None
+    return _lowered_alone([relax.Var("w", w_ty)],
+                          lambda bb, w: relax.op.permute_dims(w, transpose_axes(len(w_ty.shape.values))),
+                          relax.transform.LegalizeOps())[0]
 
 
 def legalized_transpose_of(mod: tvm.IRModule, call, cache: dict):

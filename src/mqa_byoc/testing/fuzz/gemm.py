@@ -97,8 +97,8 @@ def _draw_site(rng: random.Random, rows: tuple, prev: GemmSiteSpec | None) -> Ge
     if dtype in _FLOATS and rng.random() < 0.3:
         out_dtype = "float32"
         cast = _pick(rng, [(None, 2), (dtype, 5), ("float16" if dtype == "bfloat16" else "bfloat16", 1)])
-    weight = _pick(rng, [("param", 6), ("const", 2 if dtype != "bfloat16" else 0), ("cast", 1 if dtype in _FLOATS else 0),
-                          ("computed", 1)])
+    weight = _pick(rng, [("param", 6), ("const", 2 if dtype != "bfloat16" else 0),
+                         ("cast", 1 if dtype in _FLOATS else 0), ("computed", 1)])
     transposed = _pick(rng, [(None, 4), ("default", 5), ("axes", 1)])
     batch = ()
     if len(rows) >= 2 and rng.random() < 0.2:
@@ -315,8 +315,7 @@ def run_on_llvm(mod, arrays) -> list:
 
     vm = relax.VirtualMachine(relax.build(mod, target="llvm"), tvm.cpu())
     res = vm["main"](*[tvm.runtime.tensor(a) for a in arrays])
-    flat = list(res) if isinstance(res, (list, tuple)) or hasattr(res, "__len__") and not hasattr(res, "numpy") else [res]
-    return [r.numpy().astype("float32") for r in flat]
+    return [r.numpy().astype("float32") for r in ([res] if hasattr(res, "numpy") else res)]
 
 
 def library_model(func, site):
