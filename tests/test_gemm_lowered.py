@@ -14,7 +14,7 @@ import mqa_byoc
 from mqa_byoc.compiler.graph import gemm
 from mqa_byoc.compiler.graph.lowered_matmul import RestoreLoweredMatmul, lowered_matmul_reason
 from mqa_byoc.contract import GEMM_CODEGEN, gemm_composite_name
-from mqa_byoc.testing.gemm_graphs import FORMS, draw_inputs, gemm_graph, run_llvm
+from mqa_byoc.testing.gemm_graphs import FORMS, draw_inputs, gemm_graph, run_llvm, run_llvm_outputs
 
 LOWERINGS = {"FuseTransposeMatmul": relax.transform.FuseTransposeMatmul, "LegalizeOps": relax.transform.LegalizeOps}
 
@@ -85,10 +85,9 @@ def test_a_legalized_transpose_used_elsewhere_stays_and_one_of_other_axes_is_not
     part = mqa_byoc.partition_for_cutlass(lowered)
     assert any(name.startswith("transpose") for name in _prim_names(part))
     arrays = draw_inputs([("x", (4, 16), "float16"), ("w", (32, 16), "float16")])
-    vm_out = [relax.VirtualMachine(relax.build(m, target="llvm"), tvm.cpu())["main"](
-        *[tvm.runtime.tensor(a) for a in arrays]) for m in (gemm.inline_gemm_composites(part), mod)]
-    for got, want in zip(*vm_out):
-        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-3, atol=1e-3)
+    got_all = run_llvm_outputs(gemm.inline_gemm_composites(part), arrays)
+    for got, want in zip(got_all, run_llvm_outputs(mod, arrays)):
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
     # a 3-D weight whose transpose moves its first axis is no swap of the last two: the matmul reads the
     # transposed tensor
     w3 = relax.Var("w", relax.TensorType([16, 2, 32], "float16"))

@@ -128,7 +128,14 @@ def draw_inputs(specs, sizes=None, seed=0):
     return out
 
 
+def run_llvm_outputs(mod, arrays, function="main") -> list:
+    """``function`` of ``mod`` on llvm; each of its outputs (one, or a tuple's fields) as float32."""
+    vm = relax.VirtualMachine(relax.build(mod, target="llvm"), tvm.cpu())
+    res = vm[function](*[tvm.runtime.tensor(a) for a in arrays])
+    return [r.numpy().astype("float32") for r in ([res] if hasattr(res, "numpy") else res)]
+
+
 def run_llvm(mod, arrays, function="main"):
     """``function`` of ``mod`` on llvm; the output as float32."""
-    vm = relax.VirtualMachine(relax.build(mod, target="llvm"), tvm.cpu())
-    return vm[function](*[tvm.runtime.tensor(a) for a in arrays]).numpy().astype("float32")
+    [out] = run_llvm_outputs(mod, arrays, function)
+    return out

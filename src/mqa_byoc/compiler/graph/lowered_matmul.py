@@ -38,10 +38,15 @@ def _callee(call):
     return gv if isinstance(gv, tvm.ir.GlobalVar) and isinstance(call.args[1], relax.Tuple) else None
 
 
+def _named(name: str, base: str) -> bool:
+    """Whether a PrimFunc's name is ``base`` as TVM's passes name it (``base``, ``base1``, ...)."""
+    return name == base or (name.startswith(base) and name[len(base):].isdigit())
+
+
 def _candidate_form(name: str) -> str | None:
     """The form a PrimFunc's name says it is (``fused_`` ones too: FuseOps + FuseTIR keep the name)."""
     for form in FORMS:  # NT_matmul first: "matmul" is a suffix of it
-        if name == form or (name.startswith(form) and name[len(form):].isdigit()):
+        if _named(name, form):
             return form
     if name.startswith("fused_"):
         return next((form for form in FORMS if form in name), None)
@@ -105,8 +110,7 @@ def legalized_transpose_of(mod: tvm.IRModule, call, cache: dict):
     ``LegalizeOps`` makes for swapping its operand's last two axes (a weight stored (N, K) that a
     legalized nn.Linear transposes on every call), else None."""
     gv = _callee(call)
-    if gv is None or not (gv.name_hint == "transpose" or (gv.name_hint.startswith("transpose")
-                                                          and gv.name_hint[len("transpose"):].isdigit())):
+    if gv is None or not _named(gv.name_hint, "transpose"):
         return None
     fields = list(call.args[1].fields)
     if len(fields) != 1 or len(call.args) > 2 or gv not in mod.functions:
@@ -240,7 +244,7 @@ class RestoreLoweredMatmul:
                     func, lambda e: used.add(e) if isinstance(e, tvm.ir.GlobalVar) else None)
         for gv in list(out.functions.keys()):
             if isinstance(out[gv], tirx.PrimFunc) and gv not in used and (
-                    _candidate_form(gv.name_hint) or gv.name_hint.startswith("transpose")):
+                    _candidate_form(gv.name_hint) or _named(gv.name_hint, "transpose")):
                 del out[gv]
         return out
 

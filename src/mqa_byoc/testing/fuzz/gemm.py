@@ -180,6 +180,7 @@ def build_gemm_module(spec: GemmSpec, seed: int = 0) -> GemmGraph:
     """``main`` of the spec's sites: every operand a parameter but constant weights (drawn with ``seed``)."""
     from tvm import relax, tirx
 
+    from ...compiler.graph.lowered_matmul import transpose_axes
     from ..gemm_graphs import ACTIVATION_OPS
 
     rng = np.random.default_rng(seed)
@@ -231,11 +232,9 @@ def build_gemm_module(spec: GemmSpec, seed: int = 0) -> GemmGraph:
                 elif s.weight == "computed":
                     w = bb.emit(relax.op.multiply(w, relax.const(0.5 if s.dtype != "int8" else 1, s.dtype)),
                                 name_hint=f"wm{i}")
-                if s.transposed == "default":
-                    w = bb.emit(relax.op.permute_dims(w) if not nb else
-                                relax.op.permute_dims(w, list(range(nb)) + [nb + 1, nb]), name_hint=f"wt{i}")
-                elif s.transposed:
-                    w = bb.emit(relax.op.permute_dims(w, list(range(nb)) + [nb + 1, nb]), name_hint=f"wt{i}")
+                if s.transposed:  # "axes": spelled out even where the default reversal is the same
+                    axes = transpose_axes(nb + 2) if s.transposed == "default" else list(range(nb)) + [nb + 1, nb]
+                    w = bb.emit(relax.op.permute_dims(w, axes), name_hint=f"wt{i}")
                 y = mm = bb.emit(relax.op.matmul(xi, w, out_dtype=s.out_dtype), name_hint=f"mm{i}")
                 matmuls.append(f"mm{i}")
                 if b is not None:
@@ -309,18 +308,11 @@ def draw_arrays(specs, seed: int = 0) -> list:
     return out
 
 
-def run_on_llvm(mod, arrays) -> list:
-    import tvm
-    from tvm import relax
-
-    vm = relax.VirtualMachine(relax.build(mod, target="llvm"), tvm.cpu())
-    res = vm["main"](*[tvm.runtime.tensor(a) for a in arrays])
-    return [r.numpy().astype("float32") for r in ([res] if hasattr(res, "numpy") else res)]
-
-
 def library_model(func, site):
     """A Relax function of ``func``'s signature computing what the codegen's cuBLASLt call does."""
     from tvm import relax
+
+    from ...compiler.graph.lowered_matmul import transpose_axes
 
     params = [relax.Var(p.name, p.ty) for p in func.params]
     bb = relax.BlockBuilder()
@@ -330,8 +322,7 @@ def library_model(func, site):
             x = bb.emit(relax.op.astype(params[site.x], f32))
             w = bb.emit(relax.op.astype(params[site.weight], f32))
             if site.transposed:
-                nd = len(w.ty.shape.values)
-                w = bb.emit(relax.op.permute_dims(w, list(range(nd - 2)) + [nd - 1, nd - 2]))
+                w = bb.emit(relax.op.permute_dims(w, transpose_axes(len(w.ty.shape.values))))
             y = bb.emit(relax.op.matmul(x, w))
             if site.bias is not None:  # cuBLASLt's bias epilogue: a vector of N added to every row
                 y = bb.emit(relax.op.add(y, relax.op.reshape(relax.op.astype(params[site.bias], f32), [site.n])))
@@ -362,6 +353,7 @@ def check_gemm_graph(spec: GemmSpec, seed: int = 0, numerics: bool = True) -> Ge
     from ...compiler.codegen.cublaslt import emit_gemm_source, find_gemm_site
     from ...compiler.graph.gemm import gemm_report
     from ...contract import GEMM_CODEGEN
+    from ..gemm_graphs import run_llvm_outputs
 
     res = GemmResult()
     bad = res.violations.append
@@ -399,8 +391,7 @@ def check_gemm_graph(spec: GemmSpec, seed: int = 0, numerics: bool = True) -> Ge
         if want is not None and want != r.offloaded:
             bad(GemmViolation("eligibility", f"{r.output}: offloaded={r.offloaded}, expected {want} "
                                              f"(reason: {r.reason})"))
-    part = mqa_byoc.partition_for_cutlass(lowered)
-    model = part
+    part = mqa_byoc.partition_for_cutlass(lowered)  # each offloaded function replaced by its model below
     for gv, func in part.functions.items():
         if not (isinstance(func, relax.Function) and func.attrs is not None
                 and str(func.attrs.get("Codegen", "")) == GEMM_CODEGEN):
@@ -412,15 +403,15 @@ def check_gemm_graph(spec: GemmSpec, seed: int = 0, numerics: bool = True) -> Ge
             bad(GemmViolation("codegen", f"{gv.name_hint}: {type(err).__name__}: {err}"))
             continue
         try:
-            model[gv] = library_model(func, site)
+            part[gv] = library_model(func, site)
         except Exception as err:  # noqa: BLE001
             bad(GemmViolation("library", f"{gv.name_hint}: the library's reading of its operands fails: "
                                          f"{type(err).__name__}: {str(err).splitlines()[0]}"))
     if numerics and res.offloaded and not any(v.invariant in ("codegen", "library") for v in res.violations):
         arrays = draw_arrays(built.specs, seed)
-        want = run_on_llvm(built.mod, arrays)
+        want = run_llvm_outputs(built.mod, arrays)
         try:
-            got = run_on_llvm(model, arrays)
+            got = run_llvm_outputs(part, arrays)
         except Exception as err:  # noqa: BLE001
             bad(GemmViolation("library", f"the library model fails: {type(err).__name__}: {str(err).splitlines()[0]}"))
             return res
