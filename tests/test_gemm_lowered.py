@@ -48,22 +48,77 @@ def test_after_fuse_transpose_matmul_every_pattern_is_offloaded_as_before(form):
                                rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("transposed", [True, False])
-def test_after_legalize_ops_the_matmul_is_offloaded_and_its_epilogue_stays_on_tvm(transposed):
-    mod, specs = gemm_graph(transposed, True, None, True, rows=(3, "n"))
+@pytest.mark.parametrize("form", FORMS, ids=[gemm_composite_name(*f) for f in FORMS])
+def test_after_legalize_ops_every_pattern_is_offloaded_as_before(form):
+    # LegalizeOps lowers the matmul, nn.Linear's weight transpose, the bias and residual adds and the
+    # activation to PrimFuncs of their own: each is read back (exactly LegalizeOps' PrimFunc for these
+    # operands), so the composite is the one of the graph as written and no TVM kernel of the site is left
+    mod, specs = gemm_graph(*form, rows=(3, "n"))
     lowered = relax.transform.LegalizeOps()(mod)
+    assert "matmul" in _prim_names(lowered)
     part = mqa_byoc.partition_for_cutlass(lowered)
     [func] = _codegen_funcs(part)
     [site] = gemm.gemm_report(lowered)
-    # LegalizeOps lowered the bias and residual adds too: they stay TVM's kernels. Its transpose of the
-    # weight is read back with the matmul (cuBLASLt reads the (N, K) weight): no transpose kernel is left
-    want = "cublaslt.matmul_transposed" if transposed else "cublaslt.matmul"
-    assert site.offloaded and site.composite == want and site.transposed == transposed and site.epilogue is None
-    assert "matmul" not in _prim_names(part) and "add" in _prim_names(part)
-    assert not any(name.startswith("transpose") for name in _prim_names(part))
+    [before] = gemm.gemm_report(mod)
+    assert site.offloaded and site.composite == gemm_composite_name(*form), gemm.format_gemm_report([site])
+    assert (site.transposed, site.epilogue) == (before.transposed, before.epilogue)
+    assert _prim_names(part) == [], _prim_names(part)
     arrays = draw_inputs(specs, {"n": 4})
     np.testing.assert_allclose(run_llvm(gemm.inline_gemm_composites(part), arrays), run_llvm(mod, arrays),
                                rtol=1e-3, atol=1e-3)
+
+
+def test_a_legalized_epilogue_of_no_matmul_or_of_other_operands_stays_on_tvm():
+    # an add of two parameters follows no matmul: it is left as TVM lowered it; an add PrimFunc swapped for
+    # one that computes something else (a subtraction under the name) is not read back after the matmul
+    x = relax.Var("x", relax.TensorType([4, 64], "float16"))
+    w = relax.Var("w", relax.TensorType([64, 128], "float16"))
+    b = relax.Var("b", relax.TensorType([128], "float16"))
+    c = relax.Var("c", relax.TensorType([4, 64], "float16"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w, b, c]):
+        with bb.dataflow():
+            x2 = bb.emit(relax.op.add(x, c))
+            y = bb.emit(relax.op.add(bb.emit(relax.op.matmul(x2, w)), b))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    mod = bb.get()
+    lowered = relax.transform.LegalizeOps()(mod)
+    restored = RestoreLoweredMatmul()(lowered)
+    ops = [str(e.op.name) for e in _calls_in(restored["main"]) if isinstance(e.op, tvm.ir.Op)]
+    assert ops.count("relax.call_tir") == 1 and "relax.matmul" in ops and "relax.add" in ops  # x + c stays
+    [site] = gemm.gemm_report(lowered)
+    assert site.offloaded and site.epilogue is not None
+    arrays = draw_inputs([("x", (4, 64), "float16"), ("w", (64, 128), "float16"), ("b", (128,), "float16"),
+                          ("c", (4, 64), "float16")])
+    part = mqa_byoc.partition_for_cutlass(lowered)
+    np.testing.assert_allclose(run_llvm(gemm.inline_gemm_composites(part), arrays), run_llvm(mod, arrays),
+                               rtol=1e-3, atol=1e-3)
+    bias_add = next(e.args[0] for e in _calls_in(lowered["main"]) if getattr(e.op, "name", None) == "relax.call_tir"
+                    and any(getattr(f, "name", None) == "b" for f in e.args[1].fields))
+    lowered = _swap_in(lowered, bias_add.name_hint, _subtract_bias)
+    restored = RestoreLoweredMatmul()(lowered)
+    assert bias_add.name_hint in _prim_names(restored)  # the edited "add" stays TVM's kernel
+    [site] = gemm.gemm_report(lowered)
+    assert site.offloaded and site.epilogue is None
+    np.testing.assert_allclose(run_llvm(gemm.inline_gemm_composites(mqa_byoc.partition_for_cutlass(lowered)), arrays),
+                               run_llvm(lowered, arrays), rtol=1e-3, atol=1e-3)
+
+
+@T.prim_func(private=True, s_tir=True)
+def _subtract_bias(a: T.Buffer((T.int64(4), T.int64(128)), "float16"), b: T.Buffer((T.int64(128),), "float16"),
+                   out: T.Buffer((T.int64(4), T.int64(128)), "float16")):
+    T.func_attr({"tirx.noalias": True})
+    for i, j in T.grid(T.int64(4), T.int64(128)):
+        with T.sblock("T_add"):
+            v_i, v_j = T.axis.remap("SS", [i, j])
+            out[v_i, v_j] = a[v_i, v_j] - b[v_j]
+
+
+def _calls_in(func):
+    found = []
+    relax.analysis.post_order_visit(func, lambda e: found.append(e) if isinstance(e, relax.Call) else None)
+    return found
 
 
 def test_a_legalized_transpose_used_elsewhere_stays_and_one_of_other_axes_is_not_read_back():

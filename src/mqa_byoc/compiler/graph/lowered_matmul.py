@@ -9,7 +9,11 @@ but only when its PrimFunc is, up to attributes, the very function TVM's pass ma
 ``tvm_ffi.structural_equal``): a PrimFunc of the same name that was fused with an epilogue, scheduled or
 edited is left alone, and :func:`lowered_matmul_reason` says why. ``LegalizeOps`` lowers nn.Linear's
 ``permute_dims`` of the weight to a ``transpose`` PrimFunc too: a ``matmul`` whose weight is such a call
-(:func:`legalized_transpose_of`, compared the same way) is read back as the transposed matmul.
+(:func:`legalized_transpose_of`, compared the same way) is read back as the transposed matmul. The
+epilogues ``LegalizeOps`` lowered after such a matmul (``add`` of a bias or a residual, ``relu``, ``silu``,
+``gelu``, ``gelu_tanh``: a call with an operand that is a matmul or an epilogue read back) are read back
+the same way (:func:`legalized_epilogue_of`), so that the GEMM patterns fuse them as they do before
+``LegalizeOps``.
 
 The partition then offloads the matmuls it can and leaves the others in the graph, where
 ``FuseTransposeMatmul`` makes the transposed ones ``NT_matmul`` calls again
@@ -23,11 +27,15 @@ import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-__all__ = ["RestoreLoweredMatmul", "has_lowered_nt_matmul", "legalized_transpose_of", "lowered_matmul_reason",
-           "restored_matmul", "transpose_axes"]
+__all__ = ["EPILOGUES", "RestoreLoweredMatmul", "has_lowered_nt_matmul", "legalized_epilogue_of",
+           "legalized_transpose_of", "lowered_matmul_reason", "restored_matmul", "transpose_axes"]
 
 #: the two forms: TVM's pass that makes the PrimFunc, and whether the weight is transposed
 FORMS = {"NT_matmul": ("FuseTransposeMatmul", True), "matmul": ("LegalizeOps", False)}
+#: the GEMM epilogues read back after a restored matmul: ``LegalizeOps``' PrimFunc name -> (operands, the op)
+EPILOGUES = {"add": (2, relax.op.add), "relu": (1, relax.op.nn.relu), "silu": (1, relax.op.nn.silu),
+             "gelu": (1, relax.op.nn.gelu), "gelu_tanh": (1, relax.op.nn.gelu_tanh)}
+_RELAX_OPS = {"relax.matmul", "relax.add", "relax.nn.relu", "relax.nn.silu", "relax.nn.gelu", "relax.nn.gelu_tanh"}
 
 
 def _callee(call):
@@ -131,6 +139,36 @@ def legalized_transpose_of(mod: tvm.IRModule, call, cache: dict):
     return fields[0] if cache[key] else None
 
 
+def _tensor_with_shape(ty) -> bool:
+    return isinstance(ty, relax.TensorType) and isinstance(ty.shape, relax.ShapeExpr)
+
+
+def legalized_epilogue_of(mod: tvm.IRModule, call, cache: dict):
+    """(the op, its operands) when ``call`` is a ``call_tir`` of exactly the PrimFunc ``LegalizeOps`` makes
+    for one of :data:`EPILOGUES` on these operands, else None. Whether an operand comes from a restored
+    matmul is the caller's test."""
+    gv = _callee(call)
+    name = next((n for n in EPILOGUES if gv is not None and _named(gv.name_hint, n)), None)
+    if name is None or len(call.args) > 2 or gv not in mod.functions:
+        return None
+    arity, op = EPILOGUES[name]
+    fields = list(call.args[1].fields)
+    if len(fields) != arity or not all(_tensor_with_shape(f.ty) for f in fields) or not _tensor_with_shape(call.ty):
+        return None
+    key = (name, gv, tuple(str(f.ty) for f in fields), str(call.ty))
+    if key not in cache:
+        try:
+            ref, ref_call = _lowered_alone([relax.Var(f"a{i}", f.ty) for i, f in enumerate(fields)],
+                                           lambda bb, *args: op(*args), relax.transform.LegalizeOps())
+        except tvm.TVMError:
+            ref = ref_call = None
+        func = mod[gv]
+        cache[key] = (ref is not None and len(ref_call.args) == 2 and isinstance(func, tirx.PrimFunc)
+                      and tvm_ffi.structural_equal(ref_call.ty, call.ty)
+                      and tvm_ffi.structural_equal(_without_attrs(ref), _without_attrs(func)))
+    return (op, fields) if cache[key] else None
+
+
 def _calls(func):
     found = []
     relax.analysis.post_order_visit(func, lambda e: found.append(e) if isinstance(e, relax.Call) else None)
@@ -204,8 +242,17 @@ class _Restorer(PyExprMutator):  # pylint: disable=abstract-method
         super().__init__(mod)
         self.mod, self.cache, self.restored = mod, {}, 0
 
+    def _restored(self, e) -> bool:
+        """Whether ``e`` is bound to a Relax matmul or epilogue op (in a legalized function: one read back)."""
+        bound = self.lookup_binding(e) if isinstance(e, relax.Var) else None
+        return isinstance(bound, relax.Call) and getattr(bound.op, "name", None) in _RELAX_OPS
+
     def visit_call_(self, call):  # pylint: disable=arguments-renamed
         call = super().visit_call_(call)
+        epilogue = legalized_epilogue_of(self.mod, call, self.cache)
+        if epilogue is not None and any(self._restored(f) for f in epilogue[1]):
+            self.restored += 1
+            return epilogue[0](*epilogue[1])
         form, reason = lowered_matmul_reason(self.mod, call, self.cache)
         if form is None or reason is not None:
             return call
@@ -224,8 +271,9 @@ class RestoreLoweredMatmul:
     """Module pass: every ``call_tir`` of TVM's own ``NT_matmul`` / ``matmul`` PrimFunc (exactly what
     ``FuseTransposeMatmul`` / ``LegalizeOps`` make for its operands) becomes ``R.matmul`` again, with
     ``R.permute_dims`` of the weight for ``NT_matmul``, and for a ``matmul`` whose weight is the output of
-    ``LegalizeOps``' own ``transpose`` of the last two axes (a legalized nn.Linear); bindings and PrimFuncs
-    no call uses any more are dropped."""
+    ``LegalizeOps``' own ``transpose`` of the last two axes (a legalized nn.Linear); the legalized epilogues
+    after them (:data:`EPILOGUES`) become Relax ops again; bindings and PrimFuncs no call uses any more are
+    dropped."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         restorer = _Restorer(mod)
@@ -244,7 +292,7 @@ class RestoreLoweredMatmul:
                     func, lambda e: used.add(e) if isinstance(e, tvm.ir.GlobalVar) else None)
         for gv in list(out.functions.keys()):
             if isinstance(out[gv], tirx.PrimFunc) and gv not in used and (
-                    _candidate_form(gv.name_hint) or _named(gv.name_hint, "transpose")):
+                    _candidate_form(gv.name_hint) or any(_named(gv.name_hint, n) for n in ("transpose", *EPILOGUES))):
                 del out[gv]
         return out
 
