@@ -1699,6 +1699,47 @@ def test_performance_h100_limits_claim(name):
     assert claim in text, claim
 
 
+H100_AGAIN = "2026-12-07-decoders-h100-paged-inplace.json"
+
+
+def h100_again_claims() -> dict[str, str]:
+    """performance.md: the default builds of a later commit on another H100, against the first machine's."""
+    data, first = _load(H100_AGAIN), _load(H100_LIMITS)
+    assert data["limits"]["hbm_tbps"] == 3.35 and data["gpu"].startswith("NVIDIA H100")
+    parts = data["parts"]
+    paged = [f"paged-cache{g}{p}" for g in ("", "-graph") for p in ("", ".2")]
+
+    def recs(names, b, c):
+        return [_decode_rec(parts, n, b, c) for n in names]
+
+    b1 = recs(paged, 1, 16384)
+    in16 = recs(["inplace-cache-graph", "inplace-cache-graph.2"], 1, 16384)
+
+    def gate_up(rec):
+        return next(r for r in rec["gemms"]["rows"] if r["gemm"] == "gate_up_proj")
+
+    now = gate_up(in16[0])
+    before = gate_up(_decode_rec(first["parts"], "inplace-graph-1", 1, 16384))
+    assert now["kernels"] == before["kernels"]  # the same GEMV kernel on both machines
+    return {
+        "b1": (f"the paged decoder at batch 1 and 16k took {_range([r['vs_limit'] for r in b1])} the limit (its "
+               f"kernels {_range([r['kernels_vs_limit'] for r in b1])})"),
+        "b8": (f"batch 8 {_range([r['vs_limit'] for r in recs(paged, 8, 2048)])}, batch 32 "
+               f"{_range([r['vs_limit'] for r in recs(paged, 32, 2048)])}"),
+        "inplace": (f"the in-place decoder at 16k {in16[0]['vs_limit']:.3f}x and {in16[1]['vs_limit']:.3f}x (its "
+                    f"kernels {_range([r['kernels_vs_limit'] for r in in16])})"),
+        "gemv": (f"the same kernel read gate_up_proj at {now['tbps']:.2f} TB/s where the first machine read "
+                 f"{before['tbps']:.2f}"),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(h100_again_claims()))
+def test_performance_h100_again_claim(name):
+    text = " ".join(PERF.read_text().split())
+    claim = " ".join(h100_again_claims()[name].split())
+    assert claim in text, claim
+
+
 # docs/paged_kv_cache.md and performance.md: Falcon's packed splits over two CTAs an SM (the plan's sweep)
 
 PACKED_GRID_71 = "2026-12-07-decode-packed-grid-71-h100.json"
