@@ -260,9 +260,10 @@ def gemm_fuzz_claim() -> str:
     composites = {name.split(" ")[0] for name in f["composites"]}
     assert composites == set(GEMM_COMPOSITES), set(GEMM_COMPOSITES) - composites  # every composite offloaded
     legalized = sum(n for name, n in f["composites"].items() if name.endswith("(legalize)")
-                    and any(e in name.split(" ")[0] for e in ("_bias", "_residual")))
+                    and any(e in name.split(" ")[0] for e in ("_bias", "_residual", "_cast")))
     return (f"{f['graphs']:,} graphs, {f['sites']:,} GEMM sites, {f['offloaded']} offloaded (every composite of the "
-            f"pattern table, batched ones too; {legalized} of them after `LegalizeOps` with their epilogue), no "
+            f"pattern table, batched ones too; {legalized} of them after `LegalizeOps` with their epilogue or cast "
+            f"back), no "
             f"violation ({f['seconds']:.0f} s")
 
 

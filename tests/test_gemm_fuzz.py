@@ -75,3 +75,16 @@ def test_broadcast_and_library_shapes():
     assert gemm.expected_offload(gemm.GemmSiteSpec("float16", 64, 32, batch=(2,)), (1, "n")) is False
     assert gemm.expected_offload(gemm.GemmSiteSpec("float16", 64, 32, batch=(2,)), (2, "n")) is True
     assert gemm.expected_offload(site, ()) is None
+
+
+@pytest.mark.parametrize("graph", [2, 7, 16])
+def test_an_epilogue_left_lowered_is_caught_by_the_lowering_invariant(graph, monkeypatch):
+    # the graph after LegalizeOps holds every invariant; with LegalizeOps' epilogues not read back, its sites
+    # are offloaded without the epilogue the graph as written fuses, and the fuzzer says so
+    from mqa_byoc.compiler.graph import lowered_matmul
+
+    spec = dataclasses.replace(gemm.draw(SEED, graph), pipeline="legalize")
+    assert not gemm.check_gemm_graph(spec, seed=graph, numerics=False).violations
+    monkeypatch.setattr(lowered_matmul, "legalized_epilogue_of", lambda *args, **kwargs: None)
+    res = gemm.check_gemm_graph(spec, seed=graph, numerics=False)
+    assert "lowering" in {v.invariant for v in res.violations}, res.violations

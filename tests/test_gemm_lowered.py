@@ -68,6 +68,21 @@ def test_after_legalize_ops_every_pattern_is_offloaded_as_before(form):
                                rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("transposed", [True, False])
+def test_after_legalize_ops_the_cast_back_of_mixed_precision_is_offloaded_with_the_matmul(transposed):
+    # ToMixedPrecision's form: a float32 matmul output cast back to float16; LegalizeOps makes the cast a
+    # PrimFunc of its own, read back as R.astype, so the site is the cast composite as on the graph as written
+    mod, specs = gemm_graph(transposed, False, None, False, rows=(3, "n"), out_dtype="float32", cast="float16")
+    lowered = relax.transform.LegalizeOps()(mod)
+    [site] = gemm.gemm_report(lowered)
+    assert site.offloaded and site.composite == gemm.gemm_report(mod)[0].composite and site.composite.endswith("_cast")
+    part = mqa_byoc.partition_for_cutlass(lowered)
+    assert _prim_names(part) == [], _prim_names(part)
+    arrays = draw_inputs(specs, {"n": 4})
+    np.testing.assert_allclose(run_llvm(gemm.inline_gemm_composites(part), arrays), run_llvm(mod, arrays),
+                               rtol=1e-3, atol=1e-3)
+
+
 def test_a_legalized_epilogue_of_no_matmul_or_of_other_operands_stays_on_tvm():
     # an add of two parameters follows no matmul: it is left as TVM lowered it; an add PrimFunc swapped for
     # one that computes something else (a subtraction under the name) is not read back after the matmul

@@ -11,7 +11,8 @@ edited is left alone, and :func:`lowered_matmul_reason` says why. ``LegalizeOps`
 ``permute_dims`` of the weight to a ``transpose`` PrimFunc too: a ``matmul`` whose weight is such a call
 (:func:`legalized_transpose_of`, compared the same way) is read back as the transposed matmul. The
 epilogues ``LegalizeOps`` lowered after such a matmul (``add`` of a bias or a residual, ``relu``, ``silu``,
-``gelu``, ``gelu_tanh``: a call with an operand that is a matmul or an epilogue read back) are read back
+``gelu``, ``gelu_tanh``, the ``cast`` of ``R.astype``: a call with an operand that is a matmul or an
+epilogue read back) are read back
 the same way (:func:`legalized_epilogue_of`), so that the GEMM patterns fuse them as they do before
 ``LegalizeOps``.
 
@@ -32,10 +33,16 @@ __all__ = ["EPILOGUES", "RestoreLoweredMatmul", "has_lowered_nt_matmul", "legali
 
 #: the two forms: TVM's pass that makes the PrimFunc, and whether the weight is transposed
 FORMS = {"NT_matmul": ("FuseTransposeMatmul", True), "matmul": ("LegalizeOps", False)}
-#: the GEMM epilogues read back after a restored matmul: ``LegalizeOps``' PrimFunc name -> (operands, the op)
-EPILOGUES = {"add": (2, relax.op.add), "relu": (1, relax.op.nn.relu), "silu": (1, relax.op.nn.silu),
-             "gelu": (1, relax.op.nn.gelu), "gelu_tanh": (1, relax.op.nn.gelu_tanh)}
-_RELAX_OPS = {"relax.matmul", "relax.add", "relax.nn.relu", "relax.nn.silu", "relax.nn.gelu", "relax.nn.gelu_tanh"}
+#: the GEMM epilogues read back after a restored matmul: ``LegalizeOps``' PrimFunc name -> (operands, the op
+#: of the operands and the output's dtype); ``cast`` is ``R.astype`` (``ToMixedPrecision``'s cast back)
+EPILOGUES = {"add": (2, lambda a, b, _dtype: relax.op.add(a, b)),
+             "relu": (1, lambda x, _dtype: relax.op.nn.relu(x)),
+             "silu": (1, lambda x, _dtype: relax.op.nn.silu(x)),
+             "gelu": (1, lambda x, _dtype: relax.op.nn.gelu(x)),
+             "gelu_tanh": (1, lambda x, _dtype: relax.op.nn.gelu_tanh(x)),
+             "cast": (1, relax.op.astype)}
+_RELAX_OPS = {"relax.matmul", "relax.add", "relax.nn.relu", "relax.nn.silu", "relax.nn.gelu", "relax.nn.gelu_tanh",
+              "relax.astype"}
 
 
 def _callee(call):
@@ -144,29 +151,29 @@ def _tensor_with_shape(ty) -> bool:
 
 
 def legalized_epilogue_of(mod: tvm.IRModule, call, cache: dict):
-    """(the op, its operands) when ``call`` is a ``call_tir`` of exactly the PrimFunc ``LegalizeOps`` makes
-    for one of :data:`EPILOGUES` on these operands, else None. Whether an operand comes from a restored
-    matmul is the caller's test."""
+    """(the op as a function of its operands, the operands) when ``call`` is a ``call_tir`` of exactly the
+    PrimFunc ``LegalizeOps`` makes for one of :data:`EPILOGUES` on these operands, else None. Whether an
+    operand comes from a restored matmul is the caller's test."""
     gv = _callee(call)
     name = next((n for n in EPILOGUES if gv is not None and _named(gv.name_hint, n)), None)
     if name is None or len(call.args) > 2 or gv not in mod.functions:
         return None
     arity, op = EPILOGUES[name]
-    fields = list(call.args[1].fields)
+    fields, dtype = list(call.args[1].fields), str(call.ty.dtype) if isinstance(call.ty, relax.TensorType) else None
     if len(fields) != arity or not all(_tensor_with_shape(f.ty) for f in fields) or not _tensor_with_shape(call.ty):
         return None
     key = (name, gv, tuple(str(f.ty) for f in fields), str(call.ty))
     if key not in cache:
         try:
             ref, ref_call = _lowered_alone([relax.Var(f"a{i}", f.ty) for i, f in enumerate(fields)],
-                                           lambda bb, *args: op(*args), relax.transform.LegalizeOps())
+                                           lambda bb, *args: op(*args, dtype), relax.transform.LegalizeOps())
         except tvm.TVMError:
             ref = ref_call = None
         func = mod[gv]
         cache[key] = (ref is not None and len(ref_call.args) == 2 and isinstance(func, tirx.PrimFunc)
                       and tvm_ffi.structural_equal(ref_call.ty, call.ty)
                       and tvm_ffi.structural_equal(_without_attrs(ref), _without_attrs(func)))
-    return (op, fields) if cache[key] else None
+    return (lambda *args: op(*args, dtype), fields) if cache[key] else None
 
 
 def _calls(func):

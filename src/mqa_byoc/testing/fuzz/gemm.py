@@ -391,6 +391,13 @@ def check_gemm_graph(spec: GemmSpec, seed: int = 0, numerics: bool = True) -> Ge
         if want is not None and want != r.offloaded:
             bad(GemmViolation("eligibility", f"{r.output}: offloaded={r.offloaded}, expected {want} "
                                              f"(reason: {r.reason})"))
+    if spec.pipeline != "none":  # read back, each site is offloaded as in the graph as written
+        written = {built.matmuls.index(r.output): r for r in gemm_report(built.mod) if r.output in built.matmuls}
+        for i, r in enumerate(report):
+            w = written.get(i)
+            if w is not None and (r.offloaded, r.composite, bool(r.batch)) != (w.offloaded, w.composite, bool(w.batch)):
+                bad(GemmViolation("lowering", f"site {i}: after {spec.pipeline} {r.composite or r.reason!r}, as "
+                                              f"written {w.composite or w.reason!r}"))
     part = mqa_byoc.partition_for_cutlass(lowered)  # each offloaded function replaced by its model below
     for gv, func in part.functions.items():
         if not (isinstance(func, relax.Function) and func.attrs is not None
