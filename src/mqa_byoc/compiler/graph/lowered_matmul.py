@@ -12,9 +12,8 @@ edited is left alone, and :func:`lowered_matmul_reason` says why. ``LegalizeOps`
 (:func:`legalized_transpose_of`, compared the same way) is read back as the transposed matmul. The
 epilogues ``LegalizeOps`` lowered after such a matmul (``add`` of a bias or a residual, ``relu``, ``silu``,
 ``gelu``, ``gelu_tanh``, the ``cast`` of ``R.astype``: a call with an operand that is a matmul or an
-epilogue read back) are read back
-the same way (:func:`legalized_epilogue_of`), so that the GEMM patterns fuse them as they do before
-``LegalizeOps``.
+epilogue read back) are read back the same way (:func:`legalized_epilogue_of`), so that the GEMM patterns
+fuse them as they do before ``LegalizeOps``.
 
 The partition then offloads the matmuls it can and leaves the others in the graph, where
 ``FuseTransposeMatmul`` makes the transposed ones ``NT_matmul`` calls again
@@ -159,9 +158,10 @@ def legalized_epilogue_of(mod: tvm.IRModule, call, cache: dict):
     if name is None or len(call.args) > 2 or gv not in mod.functions:
         return None
     arity, op = EPILOGUES[name]
-    fields, dtype = list(call.args[1].fields), str(call.ty.dtype) if isinstance(call.ty, relax.TensorType) else None
+    fields = list(call.args[1].fields)
     if len(fields) != arity or not all(_tensor_with_shape(f.ty) for f in fields) or not _tensor_with_shape(call.ty):
         return None
+    dtype = str(call.ty.dtype)
     key = (name, gv, tuple(str(f.ty) for f in fields), str(call.ty))
     if key not in cache:
         try:
