@@ -48,35 +48,28 @@ def test_after_fuse_transpose_matmul_every_pattern_is_offloaded_as_before(form):
                                rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("form", FORMS, ids=[gemm_composite_name(*f) for f in FORMS])
-def test_after_legalize_ops_every_pattern_is_offloaded_as_before(form):
-    # LegalizeOps lowers the matmul, nn.Linear's weight transpose, the bias and residual adds and the
-    # activation to PrimFuncs of their own: each is read back (exactly LegalizeOps' PrimFunc for these
-    # operands), so the composite is the one of the graph as written and no TVM kernel of the site is left
-    mod, specs = gemm_graph(*form, rows=(3, "n"))
+#: every pattern form, and ToMixedPrecision's cast back of a float32 matmul output (the cast composites)
+LEGALIZED_SITES = [(form, {}) for form in FORMS] + [
+    ((t, False, None, False), {"out_dtype": "float32", "cast": "float16"}) for t in (True, False)]
+
+
+@pytest.mark.parametrize("form,kwargs", LEGALIZED_SITES,
+                         ids=[gemm_composite_name(*f) + ("_cast" if k else "") for f, k in LEGALIZED_SITES])
+def test_after_legalize_ops_every_pattern_is_offloaded_as_before(form, kwargs):
+    # LegalizeOps lowers the matmul, nn.Linear's weight transpose, the bias and residual adds, the
+    # activation and the cast back to PrimFuncs of their own: each is read back (exactly LegalizeOps'
+    # PrimFunc for these operands), so the composite is the one of the graph as written and no TVM kernel of
+    # the site is left
+    mod, specs = gemm_graph(*form, rows=(3, "n"), **kwargs)
     lowered = relax.transform.LegalizeOps()(mod)
     assert "matmul" in _prim_names(lowered)
     part = mqa_byoc.partition_for_cutlass(lowered)
     [func] = _codegen_funcs(part)
     [site] = gemm.gemm_report(lowered)
     [before] = gemm.gemm_report(mod)
-    assert site.offloaded and site.composite == gemm_composite_name(*form), gemm.format_gemm_report([site])
+    want = gemm_composite_name(*form) + ("_cast" if kwargs else "")
+    assert site.offloaded and site.composite == before.composite == want, gemm.format_gemm_report([site])
     assert (site.transposed, site.epilogue) == (before.transposed, before.epilogue)
-    assert _prim_names(part) == [], _prim_names(part)
-    arrays = draw_inputs(specs, {"n": 4})
-    np.testing.assert_allclose(run_llvm(gemm.inline_gemm_composites(part), arrays), run_llvm(mod, arrays),
-                               rtol=1e-3, atol=1e-3)
-
-
-@pytest.mark.parametrize("transposed", [True, False])
-def test_after_legalize_ops_the_cast_back_of_mixed_precision_is_offloaded_with_the_matmul(transposed):
-    # ToMixedPrecision's form: a float32 matmul output cast back to float16; LegalizeOps makes the cast a
-    # PrimFunc of its own, read back as R.astype, so the site is the cast composite as on the graph as written
-    mod, specs = gemm_graph(transposed, False, None, False, rows=(3, "n"), out_dtype="float32", cast="float16")
-    lowered = relax.transform.LegalizeOps()(mod)
-    [site] = gemm.gemm_report(lowered)
-    assert site.offloaded and site.composite == gemm.gemm_report(mod)[0].composite and site.composite.endswith("_cast")
-    part = mqa_byoc.partition_for_cutlass(lowered)
     assert _prim_names(part) == [], _prim_names(part)
     arrays = draw_inputs(specs, {"n": 4})
     np.testing.assert_allclose(run_llvm(gemm.inline_gemm_composites(part), arrays), run_llvm(mod, arrays),
