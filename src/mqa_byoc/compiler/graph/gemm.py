@@ -44,6 +44,7 @@ from tvm.sym import Analyzer
 
 from mqa_byoc.compiler.graph.dataflow import EnterDataflow
 from mqa_byoc.compiler.graph.exprs import function_bindings
+from mqa_byoc.compiler.graph.gemm_rows import UnflattenGemmRows
 from mqa_byoc.compiler.graph.lowered_matmul import RestoreLoweredMatmul, lowered_matmul_reason, transpose_axes
 from mqa_byoc.contract import (GEMM_ACTIVATIONS, GEMM_CODEGEN, GEMM_COMPOSITES, gemm_composite_name,
                                parse_gemm_composite)
@@ -410,8 +411,9 @@ def gemm_patterns() -> list:
 @tvm.transform.module_pass(opt_level=0, name="PartitionGemm")
 class PartitionGemm:
     """Module pass: group every GEMM site cuBLASLt computes into a ``cublaslt.*`` composite with
-    ``Codegen="cublaslt"`` (``FuseOpsByPattern`` with :func:`gemm_patterns`; sites written outside
-    ``R.dataflow()`` are moved into dataflow blocks first, :class:`~.dataflow.EnterDataflow`)."""
+    ``Codegen="cublaslt"`` (``FuseOpsByPattern`` with :func:`gemm_patterns`; GEMMs on flattened rows are
+    written on their tensor's axes first, :class:`~.gemm_rows.UnflattenGemmRows`, and sites written outside
+    ``R.dataflow()`` are moved into dataflow blocks, :class:`~.dataflow.EnterDataflow`)."""
 
     def __init__(self, bind_constants: bool = False, annotate_codegen: bool = True):
         self.bind_constants = bind_constants
@@ -419,7 +421,8 @@ class PartitionGemm:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         return relax.transform.FuseOpsByPattern(gemm_patterns(), bind_constants=self.bind_constants,
-                                                annotate_codegen=self.annotate_codegen)(EnterDataflow()(mod))
+                                                annotate_codegen=self.annotate_codegen)(
+            EnterDataflow()(UnflattenGemmRows()(mod)))
 
 
 # ----------------------------------------------------------------------------- the report
@@ -591,7 +594,7 @@ def gemm_report(mod: tvm.IRModule) -> list[GemmSite]:
     sites name their composite and epilogue; every matmul left in the graph says why
     (:func:`gemm_reason`, the dispatch rule, or an intermediate used elsewhere).
     """
-    mod = RestoreLoweredMatmul()(mod)
+    mod = UnflattenGemmRows()(RestoreLoweredMatmul()(mod))  # the matmuls' names as the partition sees them
     part = PartitionGemm(annotate_codegen=True)(mod)
     codegen_funcs = {gv: f for gv, f in part.functions.items()
                      if isinstance(f, relax.Function) and f.attrs is not None
