@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import tvm
 from tvm import relax, tirx
-from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.relax.expr_functor import mutator
 
 from mqa_byoc.compiler.graph.exprs import binding_readers, binding_values, op_name
+from mqa_byoc.compiler.graph.planned import PlannedMutator, rewrite_planned
 from mqa_byoc.compiler.graph.trace import dims_equal, prove_equal
 
 __all__ = ["UnflattenGemmRows", "flattened_gemm_plans"]
@@ -114,21 +115,8 @@ def flattened_gemm_plans(func: relax.Function) -> dict:
 
 
 @mutator
-class _Unflatten(PyExprMutator):
-    def __init__(self, mod, plans):
-        super().__init__(mod)
-        self.mod_ = mod
-        self.plans = plans
-
-    def transform(self, functions):
-        for gv in functions:
-            self.builder_.update_func(gv, self.visit_expr(self.mod_[gv]))
-        return self.builder_.get()
-
-    def visit_var_binding_(self, binding):
-        plan = self.plans.get(binding.var)
-        if plan is None:
-            return super().visit_var_binding_(binding)
+class _Unflatten(PlannedMutator):
+    def rebind(self, binding, plan):
         x, casts, mm_var, call, steps = plan
         y = self.visit_expr(x)
         for dtype in casts:
@@ -157,18 +145,9 @@ class UnflattenGemmRows:
     the GEMM on ``x`` (module doc); the module unchanged when there is none."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        functions, plans = [], {}
-        for gv, func in mod.functions.items():
-            if not isinstance(func, relax.Function) or (func.attrs is not None and (
-                    "Codegen" in func.attrs or "Composite" in func.attrs)):
-                continue
-            found = flattened_gemm_plans(func)
-            if found:
-                plans.update(found)
-                functions.append(gv)
-        if not plans:
-            return mod
-        mod = _Unflatten(mod, plans).transform(functions)
-        for gv in functions:
-            mod[gv] = relax.analysis.remove_all_unused(mod[gv])
-        return mod
+        def plans_of(func):
+            if func.attrs is not None and ("Codegen" in func.attrs or "Composite" in func.attrs):
+                return {}
+            return flattened_gemm_plans(func)
+
+        return rewrite_planned(mod, plans_of, _Unflatten)

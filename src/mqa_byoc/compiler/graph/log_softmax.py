@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import tvm
 from tvm import relax
-from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.relax.expr_functor import mutator
 
 from mqa_byoc.compiler.graph.exprs import binding_readers, binding_values, op_name
+from mqa_byoc.compiler.graph.planned import PlannedMutator, rewrite_planned
 
 __all__ = ["ExpOfLogSoftmax"]
 
@@ -43,16 +44,8 @@ def _plans(func) -> dict:
 
 
 @mutator
-class _Rewrite(PyExprMutator):
-    def __init__(self, mod, plans):
-        super().__init__(mod)
-        self.mod_ = mod
-        self.plans = plans
-
-    def visit_var_binding_(self, binding):
-        call = self.plans.get(binding.var)
-        if call is None:
-            return super().visit_var_binding_(binding)
+class _Rewrite(PlannedMutator):
+    def rebind(self, binding, call):
         softmax = relax.op.nn.softmax(self.visit_expr(call.args[0]), axis=int(call.attrs.axis))
         self.builder_.emit_normalized(relax.VarBinding(binding.var, self.builder_.normalize(softmax)))
 
@@ -63,11 +56,4 @@ class ExpOfLogSoftmax:
     (module doc); the module unchanged when there is none."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        for gv, func in list(mod.functions.items()):
-            if not isinstance(func, relax.Function):
-                continue
-            plans = _plans(func)
-            if plans:
-                rewriter = _Rewrite(mod, plans)
-                mod[gv] = relax.analysis.remove_all_unused(rewriter.visit_expr(func))
-        return mod
+        return rewrite_planned(mod, _plans, _Rewrite)

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import tvm
 from tvm import relax, tirx
-from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.relax.expr_functor import mutator
 
 from mqa_byoc.compiler.graph.exprs import binding_readers, binding_values, op_name
+from mqa_byoc.compiler.graph.planned import PlannedMutator, rewrite_planned
 from mqa_byoc.compiler.graph.trace import dims_equal
 
 __all__ = ["CollapseViewChains", "UnfoldMatmulRows", "collapsed_view"]
@@ -170,21 +171,8 @@ def _chains(func):
 
 
 @mutator
-class _Collapse(PyExprMutator):
-    def __init__(self, mod, plans):
-        super().__init__(mod)
-        self.mod_ = mod
-        self.plans = plans
-
-    def transform(self, functions):
-        for gv in functions:
-            self.builder_.update_func(gv, self.visit_expr(self.mod_[gv]))
-        return self.builder_.get()
-
-    def visit_var_binding_(self, binding):
-        plan = self.plans.get(binding.var)
-        if plan is None:
-            return super().visit_var_binding_(binding)
+class _Collapse(PlannedMutator):
+    def rebind(self, binding, plan):
         source, axes = plan
         x = self.visit_expr(source)
         out = _dims(binding.var)
@@ -234,21 +222,7 @@ class CollapseViewChains:
     that is shorter (module doc); the module unchanged when there is none."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        plans = {}
-        functions = []
-        for gv, func in mod.functions.items():
-            if not isinstance(func, relax.Function):
-                continue
-            found = _plans(func)
-            if found:
-                plans.update(found)
-                functions.append(gv)
-        if not plans:
-            return mod
-        mod = _Collapse(mod, plans).transform(functions)
-        for gv in functions:
-            mod[gv] = relax.analysis.remove_all_unused(mod[gv])
-        return mod
+        return rewrite_planned(mod, _plans, _Collapse)
 
 
 def _row_split(x_dims, a_dims):
@@ -343,17 +317,10 @@ def _softmax_near(var, values, users, back, steps=8):
 
 
 @mutator
-class _Unfold(PyExprMutator):
+class _Unfold(PlannedMutator):
     def __init__(self, mod, plans, values):
-        super().__init__(mod)
-        self.mod_ = mod
-        self.plans = plans
+        super().__init__(mod, plans)
         self.values = values
-
-    def transform(self, functions):
-        for gv in functions:
-            self.builder_.update_func(gv, self.visit_expr(self.mod_[gv]))
-        return self.builder_.get()
 
     def _shared(self, b, lead, rows):
         """B (N, D, C) as lead + [1] * (rows - 1) + [D, C]: the unit axes broadcast over the folded rows
@@ -375,10 +342,7 @@ class _Unfold(PyExprMutator):
             return relax.op.permute_dims(self.builder_.emit(kv), list(range(m - 2)) + [m - 1, m - 2])
         return relax.op.reshape(self.visit_expr(b), lead + [1] * (rows - 1) + [d, c])
 
-    def visit_var_binding_(self, binding):
-        plan = self.plans.get(binding.var)
-        if plan is None:
-            return super().visit_var_binding_(binding)
+    def rebind(self, binding, plan):
         x, x_dims, cast, b, k, out_dtype = plan
         shared = self.builder_.emit(self._shared(b, x_dims[:k], len(x_dims) - 1 - k))
         lhs = self.visit_expr(x)
@@ -401,18 +365,12 @@ class UnfoldMatmulRows:
     unit axes over the folded ones (module doc); the module unchanged when there is none."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        functions, plans, values = [], {}, {}
-        for gv, func in mod.functions.items():
-            if not isinstance(func, relax.Function):
-                continue
+        values = {}  # the bindings of the functions with a plan: B's reshapes and transpose are read through
+
+        def plans_of(func):
             found = _unfold_plans(func)
             if found:
-                plans.update(found)
                 values.update(binding_values(func))
-                functions.append(gv)
-        if not plans:
-            return mod
-        mod = _Unfold(mod, plans, values).transform(functions)
-        for gv in functions:
-            mod[gv] = relax.analysis.remove_all_unused(mod[gv])
-        return mod
+            return found
+
+        return rewrite_planned(mod, plans_of, lambda m, plans: _Unfold(m, plans, values))
