@@ -17,7 +17,8 @@ from tvm.relax.frontend.torch import from_exported_program  # noqa: E402
 import mqa_byoc  # noqa: E402
 from mqa_byoc.compiler.graph import gemm  # noqa: E402
 from mqa_byoc.compiler.graph.gemm_rows import UnflattenGemmRows, flattened_gemm_plans  # noqa: E402
-from mqa_byoc.testing.gemm_graphs import run_llvm, run_llvm_outputs  # noqa: E402
+from mqa_byoc.contract import gemm_composite_name  # noqa: E402
+from mqa_byoc.testing.gemm_graphs import FORMS, draw_inputs, gemm_graph, run_llvm, run_llvm_outputs  # noqa: E402
 
 K, N = 64, 128
 
@@ -184,3 +185,15 @@ def test_hf_models_exported_get_their_activation_and_residual_fused():
         assert len(sites) == 7 and all(s.offloaded for s in sites), gemm.format_gemm_report(sites)
         assert [s.composite for s in sites].count(composite) == 1, (name, gemm.format_gemm_report(sites))
         assert all(s.output in _matmul_names(mod) for s in sites)
+
+
+@pytest.mark.parametrize("form", FORMS, ids=[gemm_composite_name(*f) for f in FORMS])
+def test_every_pattern_flattened_is_the_pattern_as_written(form):
+    """Each composite's graph in torch.export's flattened form (symbolic rows): the same composite as the
+    graph written on x's axes, and the numerics of the graph."""
+    mod, specs = gemm_graph(*form, flattened=True)
+    [site] = gemm.gemm_report(mod)
+    assert site.offloaded and site.composite == gemm_composite_name(*form)
+    arrays = draw_inputs(specs, {"n": 5})
+    got = run_llvm(gemm.inline_gemm_composites(mqa_byoc.partition_for_cutlass(mod)), arrays)
+    np.testing.assert_allclose(got, run_llvm(mod, arrays), rtol=1e-3, atol=1e-3)

@@ -73,6 +73,10 @@ def pattern_cases():
         cases.append((f"f{i}_fp16_nt_matmul", form, dict(dtype="float16", rows=(2, "n"), k=128, n=256,
                                                          lowered="FuseTransposeMatmul")))
     cases.append(("legalized_bf16", FORMS[0], dict(dtype="bfloat16", rows=("n",), k=256, n=256, lowered="LegalizeOps")))
+    # torch.export's linear layers: rows flattened for the matmul and the bias, the epilogue after the reshape back
+    for i in (0, 1, 2, 10):
+        cases.append((f"f{i}_fp16_flattened", FORMS[i], dict(dtype="float16", rows=(2, "n"), k=128, n=256,
+                                                            flattened=True)))
     return cases
 
 

@@ -16,13 +16,15 @@ ACTIVATION_OPS = {"gelu_tanh": relax.op.nn.gelu_tanh, "relu": relax.op.nn.relu, 
 
 def gemm_graph(transposed=True, bias=False, activation=None, residual=False, *, dtype="float16",
                rows=(2, "n"), k=64, n=128, weight_const=False, seed=0, bias_shape=None, residual_first=True,
-               function="main", out_dtype=None, batch=(), cast=None, cast_used_elsewhere=False):
+               function="main", out_dtype=None, batch=(), cast=None, cast_used_elsewhere=False, flattened=False):
     """``main(x, [w], [b], [r])`` computing one GEMM site: x (*rows, K) @ w (K, N) or permute_dims(w (N, K)),
     ``+ b``, activation, ``+ r``. ``rows``: ints or names of symbolic axes. ``weight_const``: w is a constant
     (drawn with ``seed``). ``out_dtype``: the matmul's (and the bias' and residual's) type, default ``dtype``.
     ``batch``: axes (ints or names) leading both x and w, a batched GEMM (w (*batch, K, N), its permute
     swapping the last two axes). ``cast``: ``R.astype`` of the result to this type last (``ToMixedPrecision``'s
     form, with ``out_dtype="float32"``); ``cast_used_elsewhere``: the result before the cast is returned too.
+    ``flattened``: torch.export's form of a linear layer: x reshaped to (prod(rows), K) for the matmul and
+    the bias add, reshaped back to (*rows, N) before the activation and the residual add.
     Returns (module, parameter specs [(name, shape, dtype)])."""
     out_dtype = out_dtype or dtype
     syms = {}
@@ -54,9 +56,17 @@ def gemm_graph(transposed=True, bias=False, activation=None, residual=False, *, 
         with bb.dataflow():
             nb = len(batch)
             rhs = bb.emit(relax.op.permute_dims(w, list(range(nb)) + [nb + 1, nb] if nb else None)) if transposed else w
-            y = bb.emit(relax.op.matmul(x, rhs, out_dtype=None if out_dtype == dtype else out_dtype))
+            lhs = x
+            if flattened:
+                flat = row_dims[0]
+                for d in row_dims[1:]:
+                    flat = flat * d
+                lhs = bb.emit(relax.op.reshape(x, [flat, k]))
+            y = bb.emit(relax.op.matmul(lhs, rhs, out_dtype=None if out_dtype == dtype else out_dtype))
             if b is not None:
                 y = bb.emit(relax.op.add(y, b))
+            if flattened:
+                y = bb.emit(relax.op.reshape(y, [*row_dims, n]))
             if activation is not None:
                 y = bb.emit(ACTIVATION_OPS[activation](y))
             if r is not None:
