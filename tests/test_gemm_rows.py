@@ -108,12 +108,12 @@ def test_symbolic_rows_run_at_other_sizes():
         np.testing.assert_allclose(run_llvm(part, [x]), run_llvm(mod, [x]), rtol=1e-3, atol=1e-3)
 
 
-def _flat_graph(out_shape, *, also_return_flat=False, full_bias=False):
-    """x (2, 8, K) flattened to (16, K), matmul, + b, reshaped to ``out_shape``, relu."""
+def _flat_graph(out_shape, *, also_return_flat=False, full_bias=False, bias_shape=(N,)):
+    """x (2, 8, K) flattened to (16, K), matmul, + b (``bias_shape``), reshaped to ``out_shape``, relu."""
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType([2, 8, K], "float16"))
     w = relax.Var("w", relax.TensorType([K, N], "float16"))
-    b = relax.Var("b", relax.TensorType([16, N] if full_bias else [N], "float16"))
+    b = relax.Var("b", relax.TensorType([16, N] if full_bias else list(bias_shape), "float16"))
     with bb.function("main", [x, w, b]):
         with bb.dataflow():
             flat = bb.emit(relax.op.reshape(x, [16, K]))
@@ -126,14 +126,16 @@ def _flat_graph(out_shape, *, also_return_flat=False, full_bias=False):
     return bb.get()
 
 
-@pytest.mark.parametrize("case", ["same_rows", "other_split", "flat_read_elsewhere", "full_bias"])
+@pytest.mark.parametrize("case", ["same_rows", "other_split", "flat_read_elsewhere", "full_bias", "wide_bias"])
 def test_only_the_same_rows_are_unflattened(case):
     """Reshaped back to x's own leading axes, the site is the GEMM on x (the relu its epilogue). Reshaped
     to other leading axes, the 2-D result read elsewhere too, or an add of a full (M, N) operand: the
-    graph is left as written (the matmul still offloaded, with what it fuses there)."""
+    graph is left as written (the matmul still offloaded, with what it fuses there), and so it is for a bias
+    row of more axes than the flattened result (which broadcasts that result to more axes)."""
     mod = {"other_split": lambda: _flat_graph([4, 4, N]),
            "flat_read_elsewhere": lambda: _flat_graph([2, 8, N], also_return_flat=True),
            "full_bias": lambda: _flat_graph([2, 8, N], full_bias=True),
+           "wide_bias": lambda: _flat_graph([2, 8, N], bias_shape=(1, 1, 1, N)),
            "same_rows": lambda: _flat_graph([2, 8, N])}[case]()
     out = UnflattenGemmRows()(mod)
     if case == "same_rows":
@@ -145,11 +147,13 @@ def test_only_the_same_rows_are_unflattened(case):
     # the site as the partition takes it: the relu fused on x's rows; else the flattened site's bias add
     # (a full operand is a residual add), nothing where the 2-D result is read by another op
     expected = {"same_rows": "cublaslt.matmul_bias_relu", "other_split": "cublaslt.matmul_bias",
+                "wide_bias": "cublaslt.matmul_bias",
                 "flat_read_elsewhere": "cublaslt.matmul", "full_bias": "cublaslt.matmul_residual"}[case]
     assert [s.composite for s in gemm.gemm_report(mod)] == [expected]
     rng = np.random.default_rng(0)
     args = [rng.standard_normal([2, 8, K]).astype("float16"), (rng.standard_normal([K, N]) * 0.1).astype("float16"),
-            rng.standard_normal([16, N] if case == "full_bias" else [N]).astype("float16")]
+            rng.standard_normal([16, N] if case == "full_bias" else [1, 1, 1, N] if case == "wide_bias"
+                                else [N]).astype("float16")]
     got = run_llvm_outputs(gemm.inline_gemm_composites(mqa_byoc.partition_for_cutlass(mod)), args)
     for g, r in zip(got, run_llvm_outputs(mod, args), strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-2, atol=1e-2)

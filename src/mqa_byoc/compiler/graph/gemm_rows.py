@@ -54,14 +54,16 @@ def _product(dims):
 
 def _epilogue_step(var, value, n, values):
     """(the operand that continues the walk back to the matmul, how to write the step again) for an
-    ``astype`` or a bias add after the flattened GEMM, else None."""
+    ``astype`` or a bias add after the flattened GEMM (``var`` bound to ``value``), else None."""
     name = op_name(value)
     if name == "relax.astype":
         return value.args[0], ("astype", value.attrs.dtype)
     if name == "relax.add":
         a, b = value.args
         for i, (inner, other) in enumerate(((a, b), (b, a))):
+            # the add keeps the (M, N) shape: a row of more axes than that broadcasts the result to more
             if isinstance(inner, relax.Var) and inner in values and _one_row(other, n) and \
+                    dims_equal(_dims(var), _dims(inner)) and \
                     op_name(values[inner]) in ("relax.matmul", "relax.astype", "relax.add"):
                 return inner, ("add", other, i)
     return None
