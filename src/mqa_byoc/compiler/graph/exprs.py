@@ -56,6 +56,14 @@ def function_results(func: relax.Function) -> list:
     return out
 
 
+def tensor_dims(expr):
+    """``expr``'s shape as a list of dims when its type is a tensor of known rank, else None."""
+    ty = getattr(expr, "ty", None)
+    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+        return None
+    return list(ty.shape.values)
+
+
 def binding_values(func: relax.Function) -> dict:
     """``{var: bound value}`` of every ``VarBinding`` in ``func``'s body (:func:`function_bindings`)."""
     return {b.var: b.value for b in function_bindings(func) if isinstance(b, relax.VarBinding)}

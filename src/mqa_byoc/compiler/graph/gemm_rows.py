@@ -23,24 +23,17 @@ import tvm
 from tvm import relax, tirx
 from tvm.relax.expr_functor import mutator
 
-from mqa_byoc.compiler.graph.exprs import binding_readers, binding_values, op_name
+from mqa_byoc.compiler.graph.exprs import binding_readers, binding_values, op_name, tensor_dims
 from mqa_byoc.compiler.graph.planned import PlannedMutator, rewrite_planned
 from mqa_byoc.compiler.graph.trace import dims_equal, prove_equal
 
 __all__ = ["UnflattenGemmRows", "flattened_gemm_plans"]
 
 
-def _dims(expr):
-    ty = getattr(expr, "ty", None)
-    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
-        return None
-    return list(ty.shape.values)
-
-
 def _one_row(expr, n) -> bool:
     """``expr`` is a row of ``n`` (rank 1, or every axis but the last of size 1): a bias broadcast alike over
     (M, N) and (d..., N)."""
-    dims = _dims(expr)
+    dims = tensor_dims(expr)
     return bool(dims) and prove_equal(dims[-1], n) and all(isinstance(d, tirx.IntImm) and int(d) == 1
                                                             for d in dims[:-1])
 
@@ -63,7 +56,7 @@ def _epilogue_step(var, value, n, values):
         for i, (inner, other) in enumerate(((a, b), (b, a))):
             # the add keeps the (M, N) shape: a row of more axes than that broadcasts the result to more
             if isinstance(inner, relax.Var) and inner in values and _one_row(other, n) and \
-                    dims_equal(_dims(var), _dims(inner)) and \
+                    dims_equal(tensor_dims(var), tensor_dims(inner)) and \
                     op_name(values[inner]) in ("relax.matmul", "relax.astype", "relax.add"):
                 return inner, ("add", other, i)
     return None
@@ -77,7 +70,7 @@ def flattened_gemm_plans(func: relax.Function) -> dict:
     for var, value in values.items():
         if op_name(value) != "relax.reshape":
             continue
-        out = _dims(var)
+        out = tensor_dims(var)
         if not out or len(out) < 3:
             continue
         steps, reader, cur = [], var, value.args[0]
@@ -96,7 +89,7 @@ def flattened_gemm_plans(func: relax.Function) -> dict:
             continue
         call = values[cur]
         lhs, rhs = call.args
-        lhs_dims, rhs_dims, mm_dims = _dims(lhs), _dims(rhs), _dims(cur)
+        lhs_dims, rhs_dims, mm_dims = tensor_dims(lhs), tensor_dims(rhs), tensor_dims(cur)
         if not (lhs_dims and rhs_dims and mm_dims) or len(lhs_dims) != 2 or len(rhs_dims) != 2:
             continue
         casts, src = [], lhs
@@ -106,7 +99,7 @@ def flattened_gemm_plans(func: relax.Function) -> dict:
         if not (isinstance(src, relax.Var) and op_name(values.get(src)) == "relax.reshape"):
             continue
         x = values[src].args[0]
-        x_dims = _dims(x)
+        x_dims = tensor_dims(x)
         if not x_dims or len(x_dims) != len(out) or not prove_equal(x_dims[-1], lhs_dims[1]):
             continue
         if not (dims_equal(x_dims[:-1], out[:-1]) and prove_equal(_product(x_dims[:-1]), lhs_dims[0])

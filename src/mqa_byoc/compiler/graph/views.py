@@ -25,7 +25,7 @@ import tvm
 from tvm import relax, tirx
 from tvm.relax.expr_functor import mutator
 
-from mqa_byoc.compiler.graph.exprs import binding_readers, binding_values, op_name
+from mqa_byoc.compiler.graph.exprs import binding_readers, binding_values, op_name, tensor_dims
 from mqa_byoc.compiler.graph.planned import PlannedMutator, rewrite_planned
 from mqa_byoc.compiler.graph.trace import dims_equal
 
@@ -36,13 +36,6 @@ VIEW_OPS = frozenset({"relax.reshape", "relax.permute_dims", "relax.expand_dims"
 _ANCHORS = frozenset({"relax.matmul", "relax.nn.softmax"})
 # K/V expansions: a chain feeding one is the head split the expansion analysis reads, left alone
 _EXPANSIONS = frozenset({"relax.broadcast_to", "relax.repeat", "relax.tile"})
-
-
-def _dims(expr):
-    ty = expr.ty
-    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
-        return None
-    return list(ty.shape.values)
 
 
 def _is_unit(dim) -> bool:
@@ -93,7 +86,7 @@ def collapsed_view(source, steps):
     in row-major order; size-1 axes hold none. The elements end in the order of the atoms: when the
     parts of each source axis stay together and in order, that is a permutation of the source's axes
     (its size-1 axes kept where they were)."""
-    src = _dims(source)
+    src = tensor_dims(source)
     if src is None:
         return False
     axes = [[] if _is_unit(d) else [(i, d, ())] for i, d in enumerate(src)]
@@ -112,8 +105,8 @@ def collapsed_view(source, steps):
             if any(axes[i] for i in drop):
                 return False
             axes = [axis for i, axis in enumerate(axes) if i not in drop]
-        elif name == "relax.reshape" and _dims(call) is not None:
-            axes = _regroup(axes, _dims(call))
+        elif name == "relax.reshape" and tensor_dims(call) is not None:
+            axes = _regroup(axes, tensor_dims(call))
             if axes is None:
                 return False
         else:
@@ -175,10 +168,10 @@ class _Collapse(PlannedMutator):
     def rebind(self, binding, plan):
         source, axes = plan
         x = self.visit_expr(source)
-        out = _dims(binding.var)
+        out = tensor_dims(binding.var)
         if axes is not None:
             x = relax.op.permute_dims(x, axes)
-            if not dims_equal(_dims(self.builder_.normalize(x)), out):
+            if not dims_equal(tensor_dims(self.builder_.normalize(x)), out):
                 x = relax.op.reshape(self.builder_.emit(x), out)
         else:
             x = relax.op.reshape(x, out)
@@ -186,7 +179,7 @@ class _Collapse(PlannedMutator):
 
 
 def _units(expr) -> int:
-    return sum(_is_unit(d) for d in (_dims(expr) or []))
+    return sum(_is_unit(d) for d in (tensor_dims(expr) or []))
 
 
 def _plan(source, steps):
@@ -264,17 +257,17 @@ def _unfold_plans(func) -> dict:
             continue
         a, b = value.args
         a_cast, a = _through_cast(a, values)
-        if op_name(values.get(a)) != "relax.reshape" or len(_dims(b) or []) != 3:
+        if op_name(values.get(a)) != "relax.reshape" or len(tensor_dims(b) or []) != 3:
             continue
         x = values[a].args[0]
-        x_dims, a_dims, b_dims = _dims(x), _dims(a), _dims(b)
+        x_dims, a_dims, b_dims = tensor_dims(x), tensor_dims(a), tensor_dims(b)
         split = _row_split(x_dims, a_dims)
         if split is None or not prove_equal(b_dims[0], a_dims[0]) or not prove_equal(b_dims[1], a_dims[2]):
             continue
         x_dims, k = split
         readers = users.get(var, [])
         if not readers or any(u is None or op_name(values.get(u)) != "relax.reshape"
-                              or len(_dims(u) or []) < 4 for u in readers):
+                              or len(tensor_dims(u) or []) < 4 for u in readers):
             continue  # the folded result is read as it is somewhere: left alone
         if not (_softmax_near(x, values, users, back=True)
                 or any(_softmax_near(u, values, users, back=False) for u in readers)):
@@ -329,11 +322,11 @@ class _Unfold(PlannedMutator):
         cast, inner = _through_cast(b, self.values)
         if cast is not None:
             return relax.op.astype(self.builder_.emit(self._shared(inner, lead, rows)), cast)
-        d, c = _dims(b)[1:]
+        d, c = tensor_dims(b)[1:]
         while op_name(self.values.get(b)) == "relax.reshape":
             b = self.values[b].args[0]
         src = self.values.get(b)
-        n = len(_dims(b) or [])
+        n = len(tensor_dims(b) or [])
         if op_name(src) == "relax.permute_dims" and n >= 3 and \
                 [int(a) for a in src.attrs.axes] == list(range(n - 2)) + [n - 1, n - 2]:
             # K^T: the unit axes go onto K, then the transpose (K read as (lead..., 1, S, D))
@@ -346,13 +339,13 @@ class _Unfold(PlannedMutator):
         x, x_dims, cast, b, k, out_dtype = plan
         shared = self.builder_.emit(self._shared(b, x_dims[:k], len(x_dims) - 1 - k))
         lhs = self.visit_expr(x)
-        if not dims_equal(_dims(x), x_dims):  # an axis N and M share, split
+        if not dims_equal(tensor_dims(x), x_dims):  # an axis N and M share, split
             lhs = self.builder_.emit(relax.op.reshape(lhs, x_dims))
         if cast is not None:
             lhs = self.builder_.emit(relax.op.astype(lhs, cast))
         y = relax.op.matmul(lhs, shared, out_dtype=out_dtype)
-        out = _dims(binding.var)  # the reader's reshape: of the unfolded result as of the folded one
-        if not dims_equal(x_dims[:-1] + [_dims(b)[2]], out):
+        out = tensor_dims(binding.var)  # the reader's reshape: of the unfolded result as of the folded one
+        if not dims_equal(x_dims[:-1] + [tensor_dims(b)[2]], out):
             y = relax.op.reshape(self.builder_.emit(y), out)
         self.builder_.emit_normalized(relax.VarBinding(binding.var, self.builder_.normalize(y)))
 
